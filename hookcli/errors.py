@@ -1,0 +1,115 @@
+"""Errors raised by the hookcli library.
+
+The library raises these; the CLI maps them to an exit code and a one-line message (plus hint) at the
+edge, in one place (``hookcli.cli``). ``exit_code`` follows the CLI contract: 2 for usage or input
+errors, 1 when the model itself failed or a check failed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hookcli.records import Report
+
+
+class HookcliError(Exception):
+    """Base class of every error hookcli raises on purpose."""
+
+    exit_code: int = 2
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(HookcliError):
+    """A bad option value or combination (exit 2)."""
+
+
+class ModelNotFoundError(UsageError):
+    """The model spec names no known torchvision model or importable attribute."""
+
+
+class ModelImportError(UsageError):
+    """A user model's module or file failed to import or build."""
+
+
+class WeightsError(UsageError):
+    """Weights could not be loaded (missing file, mismatched keys, download impossible)."""
+
+
+class LayerNotFoundError(UsageError):
+    """A --layers pattern or --types name matches no module of the model."""
+
+
+class InputError(UsageError):
+    """An input file or input option could not be turned into tensors."""
+
+
+class ConfigError(UsageError):
+    """A config file is unreadable or has unknown keys / wrong types."""
+
+
+class OutputError(UsageError):
+    """An output file cannot be written (bad extension, unwritable path)."""
+
+
+class ModelRaisedError(HookcliError):
+    """The model raised during forward or backward (exit 1).
+
+    Carries the partial report (every row gathered before the failure), the dotted name of the
+    innermost module that was running and that module's input shapes, so nothing is lost.
+    """
+
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        report: Report | None = None,
+        module: str | None = None,
+        input_shapes: list[Any] | None = None,
+        phase: str = "forward",
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.report = report
+        self.module = module
+        self.input_shapes = input_shapes
+        self.phase = phase
+
+
+class CheckFailedError(HookcliError):
+    """One or more sanity-check rules failed (exit 1)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, result: Any = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.result = result
+
+
+def close_matches(word: str, candidates: Iterable[str], n: int = 5) -> list[str]:
+    """Return up to ``n`` candidates that look like ``word`` (for 'did you mean' hints)."""
+    pool = list(dict.fromkeys(candidates))
+    matches = difflib.get_close_matches(word, pool, n=n, cutoff=0.6)
+    if not matches:
+        lowered = word.lower()
+        matches = [c for c in pool if lowered in c.lower()][:n]
+    return matches
+
+
+def did_you_mean(word: str, candidates: Iterable[str], n: int = 5) -> str | None:
+    """A 'did you mean ...?' hint, or None when nothing is close."""
+    matches = close_matches(word, candidates, n=n)
+    if not matches:
+        return None
+    return "did you mean: " + ", ".join(matches) + "?"

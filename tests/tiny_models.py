@@ -1,0 +1,158 @@
+"""Tiny real models used across the test suite (importable as ``tiny_models:Name``)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+from torch import nn
+
+Pair = namedtuple("Pair", ["logits", "features"])
+
+
+class Reused(nn.Module):
+    """Calls the same ``act`` module three times (like torchvision ResNet's ``relu``)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, width)
+        self.fc2 = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.fc1(x))
+        x = self.act(self.fc2(x))
+        x = self.act(x * 2.0)
+        return self.head(x)
+
+
+class TupleOut(nn.Module):
+    """Returns a tuple from a submodule (``split``) and a dict at the top."""
+
+    class Split(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return x[:, :2], x[:, 2:] * 3.0, (x > 0).long()
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"out": self.a(x), "aux": self.b(y)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.split = TupleOut.Split()
+        self.heads = TupleOut.Heads()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.stem(x)
+        a, b, _mask = self.split(h)
+        return self.heads(a, b)
+
+
+class NamedTupleOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        f = torch.tanh(self.body(x))
+        return Pair(self.head(f), f)
+
+
+class TinyLSTM(nn.Module):
+    def __init__(self, input_size: int = 5, hidden: int = 7) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(input_size, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+class Raises(nn.Module):
+    """Forward raises inside ``bad`` (a shape mismatch), after ``good`` has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.good = nn.Linear(4, 6)
+        self.act = nn.ReLU()
+        self.bad = nn.Linear(5, 2)  # expects 5 features, gets 6
+        self.never = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.never(self.bad(self.act(self.good(x))))
+
+
+class MakesNaN(nn.Module):
+    """Produces NaN and Inf in ``log`` (log of negative numbers and of zero)."""
+
+    class Log(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.log = MakesNaN.Log()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.log(self.fc(x)))
+
+
+class InPlace(nn.Module):
+    """In-place ReLU after a residual add, as in torchvision's ResNet blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.fc(x))
+        out += x
+        out = self.relu(out)
+        return self.head(out)
+
+
+class Tied(nn.Module):
+    """Two names for one weight: each parameter tensor must be counted once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids))
+
+
+class Scaled(nn.Module):
+    """A model with constructor arguments (for --model-arg)."""
+
+    def __init__(self, width: int = 4, scale: float = 1.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self.fc = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def build_scaled(width: int = 4, scale: float = 1.0) -> Scaled:
+    """A factory function (``tiny_models:build_scaled``)."""
+    return Scaled(width=width, scale=scale)
+
+
+instance = Reused()
