@@ -1,0 +1,241 @@
+"""The Python API: every command is one call here, and the CLI is a thin layer over it.
+
+>>> import hookcli
+>>> report = hookcli.stats("resnet18", input_shapes=["1x3x64x64"])
+>>> report.to_dict()["layers"][0]["stats"]["mean"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli._version import __version__
+from hookcli.errors import ModelRaisedError
+from hookcli.hooks import HookOptions, attach
+from hookcli.inputs import ModelInputs, make_inputs
+from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
+from hookcli.options import RunOptions, model_is_instance
+from hookcli.recorders import iter_tensors, shape_of
+from hookcli.records import FailureInfo, ModelInfo, ModelList, ModuleRow, ModuleTree, Report
+from hookcli.selection import module_depth, select_modules
+from hookcli.state import model_device, preserved
+
+
+@dataclass
+class Prepared:
+    """A loaded model, its inputs and the modules to hook: everything a run needs."""
+
+    options: RunOptions
+    loaded: LoadedModel
+    inputs: ModelInputs
+    selection: list[tuple[str, nn.Module]]
+    info: ModelInfo
+
+
+def prepare(options: RunOptions, *, default_batch: int | None = None) -> Prepared:
+    """Validate options, load the model, select modules, build inputs (no forward pass yet)."""
+    opts = options.validate()
+    loaded = load(opts)
+    selection = select_modules(
+        loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
+    )
+    batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    inputs = make_inputs(
+        loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
+    )
+    return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
+
+
+def load(opts: RunOptions) -> LoadedModel:
+    """Load the model an (already validated) RunOptions names."""
+    if model_is_instance(opts.model):
+        return from_instance(opts.model)
+    return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
+
+
+def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
+    """Size of the model: each parameter tensor counted once, also when shared or tied."""
+    model = loaded.model
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    return ModelInfo(
+        spec=loaded.spec,
+        source="python" if loaded.kind == "instance" else source,
+        class_name=type(model).__name__,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+        weights=loaded.weights,
+    )
+
+
+def params_by_module(selection: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """Parameters in each selected module's subtree, each tensor counted once."""
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in selection}
+
+
+def to_device(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Move every tensor in a nested input to ``device``; cast floating ones to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=dtype)
+        return obj.to(device=device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device, dtype) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
+    """Name the innermost module of ``model`` that was running when ``exc`` was raised.
+
+    Read from the traceback (``Module._call_impl`` frames), so it costs nothing when nothing fails
+    and finds the failing module even when it was not selected for hooks.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    module_name: str | None = None
+    module_type: str | None = None
+    input_shapes: list[list[int] | None] = []
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "_call_impl":
+            candidate = frame.f_locals.get("self")
+            if candidate is not None and id(candidate) in names:
+                module_name = names[id(candidate)]
+                module_type = type(candidate).__name__
+                args = frame.f_locals.get("args", ())
+                kwargs = frame.f_locals.get("kwargs", {})
+                input_shapes = [shape_of(t) for _, t in iter_tensors((args, kwargs))]
+        tb = tb.tb_next
+    return FailureInfo(
+        phase=phase,
+        module=module_name,
+        module_type=module_type,
+        input_shapes=input_shapes,
+        exception=type(exc).__name__,
+        message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+    )
+
+
+def failure_message(failure: FailureInfo) -> str:
+    """One line: where the model raised and why."""
+    where = f"at {failure.module or '(model)'} ({failure.module_type})" if failure.module_type else ""
+    shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in failure.input_shapes)
+    with_inputs = f" with input shape(s) {shapes}" if failure.input_shapes else ""
+    return f"the model raised in {failure.phase} {where}{with_inputs}: {failure.exception}: {failure.message}"
+
+
+@contextmanager
+def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards."""
+    opts = prep.options
+    model = prep.loaded.model
+    device = torch.device(opts.device) if opts.device else model_device(model)
+    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train):
+        args = to_device(prep.inputs.args, device, opts.torch_dtype())
+        kwargs = to_device(prep.inputs.kwargs, device, opts.torch_dtype())
+        yield model, args, kwargs
+
+
+def new_report(prep: Prepared, command: str) -> Report:
+    opts = prep.options
+    model = prep.loaded.model
+    device = opts.device or str(model_device(model))
+    return Report(
+        command=command,
+        model=prep.info,
+        inputs=list(prep.inputs.infos),
+        device=device,
+        mode="train" if opts.train else "eval",
+        version=__version__,
+    )
+
+
+def forward_report(prep: Prepared, command: str, *, stats: bool) -> Report:
+    """Run one forward pass with hooks on the selected modules and return the report.
+
+    Raises ModelRaisedError (carrying the partial report) when the model raises.
+    """
+    report = new_report(prep, command)
+    failure: FailureInfo | None = None
+    with running(prep) as (model, args, kwargs):
+        with attach(model, prep.selection, HookOptions(stats=stats)) as session:
+            try:
+                with torch.no_grad():
+                    model(*args, **kwargs)
+            except Exception as exc:  # the user's model raised: keep what we have
+                failure = locate_failure(exc, model, "forward")
+                cause: BaseException | None = exc
+            else:
+                cause = None
+        report.layers = session.records(params_by_module(prep.selection))
+    if failure is not None:
+        report.failure = failure
+        raise ModelRaisedError(
+            failure_message(failure), report=report, module=failure.module, input_shapes=failure.input_shapes,
+        ) from cause
+    return report
+
+
+def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
+    source = kwargs.pop("model_source", None) or ("python" if model_is_instance(model) else "argument")
+    return RunOptions(model=model, model_source=source, **kwargs)
+
+
+def shapes(model: Any = None, **options: Any) -> Report:
+    """Input and output shapes, dtypes and parameter counts of the selected modules.
+
+    ``model`` is a spec (``"resnet50"``, ``"pkg.mod:Net"``, ``"file.py:build"``) or an ``nn.Module``;
+    ``options`` are the fields of ``RunOptions`` (``input_shapes``, ``layers``, ``device``, ...).
+    """
+    return forward_report(prepare(_options(model, options)), "shapes", stats=False)
+
+
+def stats(model: Any = None, **options: Any) -> Report:
+    """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
+    return forward_report(prepare(_options(model, options)), "stats", stats=True)
+
+
+def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Report:
+    """The general entry point: ``stats`` (default) or, with ``with_stats=False``, ``shapes``."""
+    return stats(model, **options) if with_stats else shapes(model, **options)
+
+
+def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
+            model_source: str | None = None) -> ModuleTree:
+    """The model's module tree (names, types, parameter counts), to choose ``--layers`` from."""
+    opts = _options(model, {"model_args": model_args or {}, "weights": weights, "model_source": model_source})
+    opts = opts.validate()
+    loaded = load(opts)
+    rows: list[ModuleRow] = []
+    for name, module in loaded.model.named_modules():
+        rows.append(ModuleRow(
+            name=name,
+            type=type(module).__name__,
+            depth=module_depth(name),
+            params=sum(p.numel() for p in module.parameters()),
+            own_params=sum(p.numel() for p in module.parameters(recurse=False)),
+            children=len(module._modules),
+        ))
+    return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
+
+
+def models(pattern: str | None = None) -> ModelList:
+    """torchvision's model names (with their family), filtered by a glob like ``resnet*``."""
+    listed = list_torchvision_models(pattern)
+    return ModelList(pattern=pattern, models=[{"name": n, "family": f} for n, f in listed], version=__version__)
+
+
+__all__ = ["shapes", "stats", "inspect", "modules", "models", "prepare", "forward_report"]

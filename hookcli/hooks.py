@@ -1,0 +1,232 @@
+"""The hook engine: attach forward pre-hooks and forward hooks to selected modules, record every call.
+
+Rules (DESIGN.md): a pre-hook sees the inputs before an in-place module changes them; an
+``always_call`` forward hook sees the outputs and still fires when forward raises; one record per
+call, in execution order; every tensor of any output structure; statistics reduced on the device;
+gradients through tensor hooks registered on output (and input) tensors, never module backward hooks
+(they break on in-place ops). ``attach`` removes every handle in ``finally``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hookcli.records import LayerRecord
+from hookcli.recorders import (
+    activation_stats,
+    dtype_name,
+    gradient_stats,
+    is_float,
+    iter_tensors,
+    reduce_tensor,
+    shape_of,
+    to_host,
+)
+from hookcli.selection import module_depth
+
+#: Called with (record name, call index, output path, tensor) for every output tensor to keep.
+KeepFn = Callable[[str, int, str, torch.Tensor], None]
+
+
+@dataclass
+class HookOptions:
+    """What the hooks compute."""
+
+    stats: bool = False
+    grads: bool = False
+    input_grads: bool = False
+    keep: KeepFn | None = None
+
+
+@dataclass
+class _Tensor:
+    path: str
+    shape: list[int]
+    dtype: str
+    stats: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    wants_grad: bool = False
+
+
+@dataclass
+class _Call:
+    name: str
+    call: int
+    type: str
+    input_shapes: list[list[int] | None]
+    outputs: list[_Tensor] = field(default_factory=list)
+    input_grads: list[torch.Tensor | None] | None = None
+    raised: bool = False
+    finished: bool = False
+
+
+class HookSession:
+    """Collects the calls of the selected modules during one run."""
+
+    def __init__(self, selection: Sequence[tuple[str, nn.Module]], options: HookOptions) -> None:
+        self.selection = list(selection)
+        self.options = options
+        self.calls: list[_Call] = []
+        self._open: dict[str, list[_Call]] = {}
+        self._counts: dict[str, int] = {}
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def pre_hook(self, name: str) -> Callable[..., None]:
+        type_name_cache: dict[str, str] = {}
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            index = self._counts.get(name, 0)
+            self._counts[name] = index + 1
+            inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
+            call = _Call(
+                name=name,
+                call=index,
+                type=type_name_cache.setdefault(name, type(module).__name__),
+                input_shapes=[shape_of(t) for _, t in inputs],
+            )
+            if self.options.input_grads:
+                call.input_grads = [None] * len(inputs)
+                for position, (_, tensor) in enumerate(inputs):
+                    if tensor.requires_grad and is_float(tensor):
+                        tensor.register_hook(self._input_grad_hook(call, position))
+            self.calls.append(call)
+            self._open.setdefault(name, []).append(call)
+
+        return hook
+
+    def forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            stack = self._open.get(name)
+            if not stack:  # hooks attached mid-call; nothing to pair with
+                return
+            call = stack.pop()
+            call.finished = True
+            if output is None and sys.exc_info()[1] is not None:
+                call.raised = True  # always_call path: forward raised
+                return
+            self._record_outputs(call, output)
+
+        return hook
+
+    def _record_outputs(self, call: _Call, output: Any) -> None:
+        options = self.options
+        for path, tensor in iter_tensors(output):
+            entry = _Tensor(path=path, shape=shape_of(tensor), dtype=dtype_name(tensor.dtype))
+            floating = is_float(tensor)
+            if options.stats and floating and tensor.device.type != "meta":
+                entry.stats = reduce_tensor(tensor)
+            if options.grads and floating and tensor.requires_grad:
+                entry.wants_grad = True
+                tensor.register_hook(self._output_grad_hook(entry))
+            if options.keep is not None:
+                options.keep(call.name, call.call, path, tensor)
+            call.outputs.append(entry)
+
+    @staticmethod
+    def _output_grad_hook(entry: _Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            entry.grad = reduce_tensor(grad)
+
+        return hook
+
+    @staticmethod
+    def _input_grad_hook(call: _Call, position: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            assert call.input_grads is not None
+            call.input_grads[position] = reduce_tensor(grad)
+
+        return hook
+
+    # -- results ---------------------------------------------------------------------------------
+    def records(self, params_by_name: dict[str, int] | None = None) -> list[LayerRecord]:
+        """Turn the recorded calls into plain records, with one host transfer for all statistics."""
+        pending: list[torch.Tensor] = []
+
+        def slot(vec: torch.Tensor | None) -> int | None:
+            if vec is None:
+                return None
+            pending.append(vec)
+            return len(pending) - 1
+
+        layout: list[tuple[_Call, list[tuple[_Tensor, int | None, int | None]], list[int | None]]] = []
+        for call in self.calls:
+            outs = [(t, slot(t.stats), slot(t.grad)) for t in call.outputs]
+            ins = [slot(g) for g in (call.input_grads or [])]
+            layout.append((call, outs, ins))
+        values = to_host(pending)
+
+        params_by_name = params_by_name or {}
+        records: list[LayerRecord] = []
+        for call, outs, ins in layout:
+            base = dict(
+                name=call.name,
+                call=call.call,
+                type=call.type,
+                depth=module_depth(call.name),
+                calls=self._counts.get(call.name, 1),
+                input_shapes=call.input_shapes,
+                params=params_by_name.get(call.name, 0),
+            )
+            grad_input = None
+            if call.input_grads is not None:
+                grad_input = [gradient_stats(values[i]) if i is not None else None for i in ins]
+            if call.raised or not call.finished or not outs:
+                records.append(LayerRecord(**base, raised=call.raised or not call.finished, grad_input=grad_input))
+                continue
+            for entry, stats_i, grad_i in outs:
+                grad = gradient_stats(values[grad_i]) if grad_i is not None else None
+                records.append(LayerRecord(
+                    **base,
+                    output=entry.path,
+                    shape=entry.shape,
+                    dtype=entry.dtype,
+                    stats=activation_stats(values[stats_i]) if stats_i is not None else None,
+                    grad=grad,
+                    grad_input=grad_input,
+                ))
+        called = set(self._counts)
+        for name, module in self.selection:
+            if name not in called:
+                records.append(LayerRecord(
+                    name=name, call=0, type=type(module).__name__, called=False,
+                    depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
+                ))
+        return records
+
+
+@contextmanager
+def attach(
+    model: nn.Module,
+    selection: Sequence[tuple[str, nn.Module]],
+    options: HookOptions | None = None,
+) -> Iterator[HookSession]:
+    """Hook the selected modules for the duration of the ``with`` block; always remove the hooks.
+
+    >>> with attach(model, select_modules(model), HookOptions(stats=True)) as session:
+    ...     model(x)
+    >>> records = session.records()
+    """
+    session = HookSession(selection, options or HookOptions())
+    handles: list[RemovableHandle] = []
+    try:
+        seen: set[int] = set()
+        for name, module in selection:
+            if id(module) in seen:  # the same module object under two names: hook it once
+                continue
+            seen.add(id(module))
+            handles.append(module.register_forward_pre_hook(session.pre_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(
+                session.forward_hook(name), with_kwargs=True, always_call=True,
+            ))
+        yield session
+    finally:
+        for handle in handles:
+            handle.remove()

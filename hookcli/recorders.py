@@ -1,0 +1,135 @@
+"""What a hook computes, on the device, without holding activations.
+
+Each function reduces one tensor to a small result tensor on the tensor's own device (no host
+synchronisation); ``to_host`` turns all of them into Python values with one transfer per device at the
+end of a run. Float16/bfloat16 are reduced in float32; the standard deviation is the population one
+(correction=0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hookcli.records import GRAD_KEYS, STAT_KEYS
+
+#: Order of the values in the vector ``reduce_tensor`` returns.
+_VECTOR = ("mean", "std", "min", "max", "norm", "zero_count", "nan_count", "inf_count", "numel")
+_MAX_NESTING = 8
+
+
+def is_float(t: torch.Tensor) -> bool:
+    """Statistics make sense for real floating tensors only (ints/bools get shape and dtype)."""
+    return t.is_floating_point()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Reduce a floating tensor to a float64 vector of 9 statistics, on its device, without syncing.
+
+    Layout: mean, std, min, max, L2 norm, zero count, NaN count, Inf count, numel. The tensor is
+    detached; nothing of it is kept.
+    """
+    x = t.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    n = x.numel()
+    if n == 0:
+        return torch.tensor([math.nan] * 5 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
+    std, mean = torch.std_mean(x, correction=0)
+    lo, hi = torch.aminmax(x)
+    norm = torch.linalg.vector_norm(x)
+    floats = torch.stack((mean, std, lo, hi, norm)).to(torch.float64)
+    counts = torch.stack((
+        n - torch.count_nonzero(x),
+        torch.isnan(x).sum(),
+        torch.isinf(x).sum(),
+    )).to(torch.float64)
+    numel = torch.full((1,), float(n), dtype=torch.float64, device=x.device)
+    return torch.cat((floats, counts, numel))
+
+
+def _clean(value: float) -> float:
+    return value if math.isfinite(value) else float(value)
+
+
+def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Turn a host copy of ``reduce_tensor``'s vector into the activation stats dict (``STAT_KEYS``)."""
+    v = dict(zip(_VECTOR, values))
+    numel = int(v["numel"])
+    stats: dict[str, float | int | None] = {
+        "mean": _clean(v["mean"]),
+        "std": _clean(v["std"]),
+        "min": _clean(v["min"]),
+        "max": _clean(v["max"]),
+        "norm": _clean(v["norm"]),
+        "zero_fraction": (v["zero_count"] / numel) if numel else None,
+        "nan_count": int(v["nan_count"]),
+        "inf_count": int(v["inf_count"]),
+    }
+    assert tuple(stats) == STAT_KEYS
+    return stats
+
+
+def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:
+    """Turn a host copy of ``reduce_tensor``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
+    v = dict(zip(_VECTOR, values))
+    stats: dict[str, float | int | None] = {key: _clean(v[key]) for key in ("mean", "std", "min", "max", "norm")}
+    stats["nan_count"] = int(v["nan_count"])
+    stats["inf_count"] = int(v["inf_count"])
+    assert tuple(stats) == GRAD_KEYS
+    if abs_max:
+        stats["abs_max"] = max(abs(v["min"]), abs(v["max"])) if int(v["numel"]) else None
+    return stats
+
+
+def to_host(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Move many small result vectors to the host with one transfer per device (usually one)."""
+    if not vectors:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for index, vec in enumerate(vectors):
+        by_device.setdefault(vec.device, []).append(index)
+    out: list[list[float]] = [[] for _ in vectors]
+    for indices in by_device.values():
+        rows = torch.stack([vectors[i] for i in indices]).cpu().tolist()
+        for i, row in zip(indices, rows):
+            out[i] = row
+    return out
+
+
+def iter_tensors(obj: Any, path: str = "", _level: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor inside a module output or input.
+
+    Paths: ``""`` for a plain tensor, ``[0]`` for tuple/list items, ``['out']`` for dict keys,
+    ``.logits`` for namedtuple and dataclass fields. None and other values are skipped.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if _level >= _MAX_NESTING or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for field in obj._fields:
+            yield from iter_tensors(getattr(obj, field), f"{path}.{field}", _level + 1)
+    elif isinstance(obj, (list, tuple)):
+        for index, item in enumerate(obj):
+            yield from iter_tensors(item, f"{path}[{index}]", _level + 1)
+    elif isinstance(obj, Mapping):
+        for key, item in obj.items():
+            yield from iter_tensors(item, f"{path}[{key!r}]", _level + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", _level + 1)
+
+
+def shape_of(t: torch.Tensor) -> list[int]:
+    return [int(d) for d in t.shape]
