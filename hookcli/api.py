@@ -180,7 +180,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool) -> Report:
                 cause: BaseException | None = exc
             else:
                 cause = None
-        report.layers = session.records(params_by_module(prep.selection))
+        report.layers, _ = session.records(params_by_module(prep.selection))
     if failure is not None:
         report.failure = failure
         raise ModelRaisedError(
@@ -238,4 +238,17 @@ def models(pattern: str | None = None) -> ModelList:
     return ModelList(pattern=pattern, models=[{"name": n, "family": f} for n, f in listed], version=__version__)
 
 
-__all__ = ["shapes", "stats", "inspect", "modules", "models", "prepare", "forward_report"]
+__all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "prepare", "forward_report"]
+
+
+def grads(model: Any = None, **options: Any) -> Report:
+    """Gradients of the loss w.r.t. each selected output tensor, and per-parameter gradients.
+
+    Options beyond ``shapes``: ``loss`` (auto|ce|nll|sum|mean), ``target``, ``output_key``,
+    ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
+    defaults to 2 (BatchNorm needs more than one value per channel).
+    """
+    from hookcli.gradients import backward_report
+
+    opts = _options(model, options)
+    return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")

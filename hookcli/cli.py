@@ -88,6 +88,20 @@ output_options = _compose(
 )
 """How the result is written."""
 
+grad_options = _compose(
+    click.option("--loss", type=click.Choice(["auto", "ce", "nll", "sum", "mean"]), default="auto", show_default=True,
+                 help="Loss to backpropagate; auto: cross-entropy for (batch, classes) output, else sum."),
+    click.option("--target", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Class index for ce/nll."),
+    click.option("--output-key", metavar="KEY", help="Which tensor of a tuple/dict output the loss uses."),
+    click.option("--params", "params", type=click.Choice(["selected", "all", "none"]), default="selected",
+                 show_default=True, help="Parameters to report: of the selected modules, all, or none."),
+    click.option("--clip", type=click.FloatRange(min=0, min_open=True), metavar="VALUE",
+                 help="Clamp every parameter gradient to [-VALUE, VALUE] with tensor hooks."),
+    click.option("--input-grads", is_flag=True, help="Also report gradients w.r.t. each module's inputs."),
+)
+"""How the loss and the backward pass are made."""
+
 # Config keys that do not share their CLI parameter's name.
 _CONFIG_TO_PARAM = {"input": "input_files", "all": "all_modules", "format": "fmt"}
 _CONFIG_LATE = {"model", "model_args", "mode"}
@@ -273,6 +287,24 @@ def stats(**values: Any) -> None:
 
     _emit(api.forward_report(api.prepare(_run_options(ctx, values)), "stats", stats=True),
           fmt=values["fmt"], output=values["output"])
+
+
+@main.command()
+@model_options
+@input_options
+@selection_options
+@run_options
+@grad_options
+@output_options
+def grads(**values: Any) -> None:
+    """Gradients of the loss w.r.t. each selected output, and per-parameter gradient statistics."""
+    ctx, values = _start(values)
+    from hookcli import api
+    from hookcli.gradients import backward_report
+
+    opts = _run_options(ctx, values)
+    prep = api.prepare(opts, default_batch=2 if opts.train else None)
+    _emit(backward_report(prep, "grads"), fmt=values["fmt"], output=values["output"])
 
 
 @main.command()

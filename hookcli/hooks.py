@@ -77,6 +77,8 @@ class HookSession:
         self.calls: list[_Call] = []
         self._open: dict[str, list[_Call]] = {}
         self._counts: dict[str, int] = {}
+        #: The call whose output gradient arrived last: when backward raises, it ran that call's backward.
+        self.last_grad_call: _Call | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
     def pre_hook(self, name: str) -> Callable[..., None]:
@@ -125,15 +127,15 @@ class HookSession:
                 entry.stats = reduce_tensor(tensor)
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
-                tensor.register_hook(self._output_grad_hook(entry))
+                tensor.register_hook(self._output_grad_hook(call, entry))
             if options.keep is not None:
                 options.keep(call.name, call.call, path, tensor)
             call.outputs.append(entry)
 
-    @staticmethod
-    def _output_grad_hook(entry: _Tensor) -> Callable[[torch.Tensor], None]:
+    def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             entry.grad = reduce_tensor(grad)
+            self.last_grad_call = call
 
         return hook
 
@@ -146,9 +148,17 @@ class HookSession:
         return hook
 
     # -- results ---------------------------------------------------------------------------------
-    def records(self, params_by_name: dict[str, int] | None = None) -> list[LayerRecord]:
-        """Turn the recorded calls into plain records, with one host transfer for all statistics."""
-        pending: list[torch.Tensor] = []
+    def records(
+        self,
+        params_by_name: dict[str, int] | None = None,
+        extra: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[LayerRecord], list[list[float]]]:
+        """Turn the recorded calls into plain records, with one host transfer for all statistics.
+
+        ``extra`` vectors (parameter gradients, the loss, ...) travel in the same transfer; their host
+        values come back as the second item.
+        """
+        pending: list[torch.Tensor] = [v.reshape(-1).to(torch.float64) for v in extra]
 
         def slot(vec: torch.Tensor | None) -> int | None:
             if vec is None:
@@ -161,7 +171,8 @@ class HookSession:
             outs = [(t, slot(t.stats), slot(t.grad)) for t in call.outputs]
             ins = [slot(g) for g in (call.input_grads or [])]
             layout.append((call, outs, ins))
-        values = to_host(pending)
+        values = _pad_and_transfer(pending)
+        extra_values = values[: len(extra)]
 
         params_by_name = params_by_name or {}
         records: list[LayerRecord] = []
@@ -199,7 +210,17 @@ class HookSession:
                     name=name, call=0, type=type(module).__name__, called=False,
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
                 ))
-        return records
+        return records, extra_values
+
+
+def _pad_and_transfer(vectors: list[torch.Tensor]) -> list[list[float]]:
+    """One transfer for vectors of different lengths: pad to the longest, stack, copy, trim."""
+    if not vectors:
+        return []
+    width = max(v.numel() for v in vectors)
+    padded = [v if v.numel() == width else torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors]
+    rows = to_host(padded)
+    return [row[: v.numel()] for row, v in zip(rows, vectors)]
 
 
 @contextmanager

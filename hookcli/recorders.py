@@ -18,7 +18,7 @@ import torch
 from hookcli.records import GRAD_KEYS, STAT_KEYS
 
 #: Order of the values in the vector ``reduce_tensor`` returns.
-_VECTOR = ("mean", "std", "min", "max", "norm", "zero_count", "nan_count", "inf_count", "numel")
+_VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
 _MAX_NESTING = 8
 
 
@@ -33,21 +33,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def reduce_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Reduce a floating tensor to a float64 vector of 9 statistics, on its device, without syncing.
+    """Reduce a floating tensor to a float64 vector of 8 statistics, on its device, without syncing.
 
-    Layout: mean, std, min, max, L2 norm, zero count, NaN count, Inf count, numel. The tensor is
-    detached; nothing of it is kept.
+    Layout: mean, std, min, max, zero count, NaN count, Inf count, numel. The tensor is detached;
+    nothing of it is kept. The L2 norm is derived on the host from mean and std (see ``_norm``):
+    one pass fewer, and more accurate than a float32 ``vector_norm`` on CPU.
     """
     x = t.detach()
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     n = x.numel()
     if n == 0:
-        return torch.tensor([math.nan] * 5 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
+        return torch.tensor([math.nan] * 4 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
     std, mean = torch.std_mean(x, correction=0)
     lo, hi = torch.aminmax(x)
-    norm = torch.linalg.vector_norm(x)
-    floats = torch.stack((mean, std, lo, hi, norm)).to(torch.float64)
+    floats = torch.stack((mean, std, lo, hi)).to(torch.float64)
     counts = torch.stack((
         n - torch.count_nonzero(x),
         torch.isnan(x).sum(),
@@ -61,6 +61,17 @@ def _clean(value: float) -> float:
     return value if math.isfinite(value) else float(value)
 
 
+def _norm(v: dict[str, float]) -> float:
+    """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64."""
+    if v["nan_count"]:
+        return math.nan
+    if v["inf_count"]:
+        return math.inf
+    if not v["numel"]:
+        return math.nan
+    return math.sqrt(v["numel"] * (v["std"] ** 2 + v["mean"] ** 2))
+
+
 def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
     """Turn a host copy of ``reduce_tensor``'s vector into the activation stats dict (``STAT_KEYS``)."""
     v = dict(zip(_VECTOR, values))
@@ -70,7 +81,7 @@ def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
         "std": _clean(v["std"]),
         "min": _clean(v["min"]),
         "max": _clean(v["max"]),
-        "norm": _clean(v["norm"]),
+        "norm": _norm(v),
         "zero_fraction": (v["zero_count"] / numel) if numel else None,
         "nan_count": int(v["nan_count"]),
         "inf_count": int(v["inf_count"]),
@@ -82,7 +93,8 @@ def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
 def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:
     """Turn a host copy of ``reduce_tensor``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
     v = dict(zip(_VECTOR, values))
-    stats: dict[str, float | int | None] = {key: _clean(v[key]) for key in ("mean", "std", "min", "max", "norm")}
+    stats: dict[str, float | int | None] = {key: _clean(v[key]) for key in ("mean", "std", "min", "max")}
+    stats["norm"] = _norm(v)
     stats["nan_count"] = int(v["nan_count"])
     stats["inf_count"] = int(v["inf_count"])
     assert tuple(stats) == GRAD_KEYS

@@ -1,0 +1,208 @@
+"""The hook engine through the Python API, checked against plain torch computed in the test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hookcli
+import tiny_models as tm
+from hookcli.errors import LayerNotFoundError, ModelRaisedError
+from hookcli.hooks import HookOptions, attach
+from hookcli.selection import select_modules
+
+
+def expected_stats(t: torch.Tensor) -> dict[str, float]:
+    t = t.detach().double()
+    return {
+        "mean": t.mean().item(),
+        "std": t.std(correction=0).item(),
+        "min": t.min().item(),
+        "max": t.max().item(),
+        "norm": t.norm().item(),
+        "zero_fraction": (t == 0).double().mean().item(),
+    }
+
+
+def assert_stats_match(stats: dict, tensor: torch.Tensor) -> None:
+    exp = expected_stats(tensor)
+    for key, value in exp.items():
+        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert stats["nan_count"] == int(torch.isnan(tensor).sum())
+    assert stats["inf_count"] == int(torch.isinf(tensor).sum())
+
+
+def test_reused_module_gives_one_record_per_call_with_correct_stats() -> None:
+    model = tm.Reused().eval()
+    x = torch.randn(3, 4)
+    report = hookcli.stats(model, input_shapes=["3x4"], seed=0, all_modules=True)
+    acts = [r for r in report.layers if r.name == "act"]
+    assert [r.call for r in acts] == [0, 1, 2]
+    assert [r.label for r in acts] == ["act#0", "act#1", "act#2"]
+    # independent forward with the same input the tool made (randn with seed 0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a0 = torch.relu(model.fc1(x))
+        a1 = torch.relu(model.fc2(a0))
+        a2 = torch.relu(a1 * 2.0)
+    for record, tensor in zip(acts, (a0, a1, a2)):
+        assert record.shape == list(tensor.shape)
+        assert_stats_match(record.stats, tensor)
+    order = [r.label for r in report.layers]
+    assert order == ["fc1", "act#0", "fc2", "act#1", "act#2", "head"]
+
+
+def test_tuple_dict_and_integer_outputs() -> None:
+    model = tm.TupleOut()
+    report = hookcli.stats(model, input_shapes=["2x4"], all_modules=True)
+    by_label = {r.label: r for r in report.layers}
+    assert {"split[0]", "split[1]", "split[2]", "heads['out']", "heads['aux']"} <= set(by_label)
+    mask = by_label["split[2]"]
+    assert mask.dtype == "int64" and mask.shape == [2, 4] and mask.stats is None
+    assert by_label["heads['out']"].input_shapes == [[2, 2], [2, 2]]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = model.stem(x)
+        out = model.heads.a(h[:, :2])
+    assert_stats_match(by_label["heads['out']"].stats, out)
+    assert_stats_match(by_label["split[1]"].stats, h[:, 2:] * 3.0)
+
+
+def test_namedtuple_and_lstm_outputs() -> None:
+    report = hookcli.shapes(tm.NamedTupleOut(), input_shapes=["2x4"], depth=0)
+    assert [r.label for r in report.layers] == ["(model).logits", "(model).features"]
+    report = hookcli.shapes(tm.TinyLSTM(), input_shapes=["2x6x5"], layers=["lstm"])
+    assert [(r.output, r.shape) for r in report.layers] == [
+        ("[0]", [2, 6, 7]), ("[1][0]", [1, 2, 7]), ("[1][1]", [1, 2, 7]),
+    ]
+
+
+def test_nan_and_inf_are_counted(tmp_path) -> None:
+    model = tm.MakesNaN()
+    with torch.no_grad():  # fc becomes the identity, so log sees the input itself
+        model.fc.weight.copy_(torch.eye(4))
+        model.fc.bias.zero_()
+    report = hookcli.stats(model, input_shapes=["1x4"], fill="ones", layers=["log"])
+    (record,) = report.layers
+    assert record.stats["nan_count"] == 0 and record.stats["inf_count"] == 0
+    path = tmp_path / "x.pt"
+    torch.save(torch.tensor([[-1.0, 0.0, 2.0, 3.0]]), path)  # log(-1) = nan, log(0) = -inf
+    report = hookcli.stats(model, inputs=[path], layers=["log"])
+    (record,) = report.layers
+    assert record.stats["nan_count"] == 1 and record.stats["inf_count"] == 1
+    assert math.isnan(record.stats["mean"])
+
+
+def test_half_precision_is_reduced_in_float32() -> None:
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU())
+    report = hookcli.stats(model, input_shapes=["4x8"], dtype="float16")
+    assert report.layers[0].dtype == "float16"
+    assert next(model.parameters()).dtype == torch.float32  # restored
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).half()
+    half_linear = nn.Linear(8, 64).half()
+    half_linear.load_state_dict({k: v.half() for k, v in model[0].state_dict().items()})
+    with torch.no_grad():
+        expected = half_linear(x).float()
+    assert_stats_match(report.layers[0].stats, expected)
+
+
+def test_not_called_module_is_reported() -> None:
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(2, 2)
+            self.unused = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    report = hookcli.shapes(Skips(), input_shapes=["1x2"])
+    unused = [r for r in report.layers if r.name == "unused"]
+    assert len(unused) == 1 and unused[0].called is False and unused[0].shape is None
+    assert unused[0].to_dict()["called"] is False
+
+
+def test_model_that_raises_gives_partial_rows_failing_module_and_is_restored() -> None:
+    model = tm.Raises().train()
+    model.good.weight.grad = torch.ones_like(model.good.weight)
+    grad_before = model.good.weight.grad
+    with pytest.raises(ModelRaisedError) as info:
+        hookcli.stats(model, input_shapes=["2x4"])
+    err = info.value
+    assert err.module == "bad" and err.input_shapes == [[2, 6]]
+    assert err.exit_code == 1
+    rows = {r.name: r for r in err.report.layers}
+    assert rows["good"].called and rows["good"].stats is not None
+    assert rows["act"].called and rows["act"].shape == [2, 6]
+    assert rows["bad"].raised and rows["bad"].shape is None
+    assert rows["never"].called is False
+    assert err.report.failure.module == "bad"
+    # restored: hooks gone, train mode back, .grad object untouched
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(m.training for m in model.modules())
+    assert model.good.weight.grad is grad_before
+
+
+def test_model_restored_after_device_dtype_and_mode_change() -> None:
+    model = tm.InPlace().train()
+    weight = model.fc.weight
+    data_ptr = weight.data_ptr()
+    running_mean = model.bn.running_mean.clone()
+    hookcli.stats(model, input_shapes=["5x4"], dtype="float64", train=True)
+    assert model.fc.weight is weight and weight.dtype == torch.float32 and weight.data_ptr() == data_ptr
+    assert torch.equal(model.bn.running_mean, running_mean)  # train-mode BN update undone
+    assert model.training and model.bn.training
+    hookcli.stats(model, input_shapes=["5x4"])  # eval run
+    assert model.training
+
+
+def test_hooks_are_removed_and_engine_works_directly() -> None:
+    model = tm.Reused()
+    with attach(model, select_modules(model), HookOptions(stats=True)) as session:
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        assert model.act._forward_hooks
+    assert not model.act._forward_hooks and not model.act._forward_pre_hooks
+    records, _ = session.records()
+    assert [r.label for r in records] == ["fc1", "act#0", "fc2", "act#1", "act#2", "head"]
+
+
+def test_selection_forms() -> None:
+    model = tm.TupleOut()
+    names = lambda **kw: [n for n, _ in select_modules(model, **kw)]  # noqa: E731
+    assert names() == ["stem", "split", "heads"]
+    assert names(depth=2) == ["stem", "split", "heads", "heads.a", "heads.b"]
+    assert names(depth=0) == [""]
+    assert names(all_modules=True) == ["stem", "split", "heads", "heads.a", "heads.b"]
+    assert names(layers=["heads.*"]) == ["heads.a", "heads.b"]
+    assert names(layers="stem,heads.b") == ["stem", "heads.b"]
+    assert names(types=["Linear"]) == ["stem", "heads.a", "heads.b"]
+    assert names(layers=["heads"], types=["Linear"]) == ["heads.a", "heads.b"]
+    with pytest.raises(LayerNotFoundError) as info:
+        names(layers=["head.a"])
+    assert "heads.a" in info.value.hint
+    with pytest.raises(LayerNotFoundError) as info:
+        names(types=["Linaer"])
+    assert "Linear" in info.value.hint
+
+
+def test_tied_parameters_are_counted_once() -> None:
+    model = tm.Tied()
+    report = hookcli.shapes(model, input_shapes=["2x3:int64"])
+    expected = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert report.model.params == expected == 40
+    assert report.layers[0].dtype == "float32"  # embedding output
+
+
+def test_resnet18_children_shapes_and_stats() -> None:
+    report = hookcli.stats("resnet18", input_shapes=["1x3x64x64"])
+    names = [r.name for r in report.layers]
+    assert names == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc"]
+    shapes = {r.name: r.shape for r in report.layers}
+    assert shapes["layer4"] == [1, 512, 2, 2] and shapes["fc"] == [1, 1000]
+    assert report.model.params == 11689512
+    relu = next(r for r in report.layers if r.name == "relu")
+    assert relu.stats["min"] >= 0 and 0 < relu.stats["zero_fraction"] < 1
