@@ -1,0 +1,302 @@
+"""TOML configuration: defaults for any CLI option, from ``--config FILE`` or ``[tool.hookcli]``.
+
+A config is flat: option keys at the top level (or in ``[tool.hookcli]`` of a pyproject.toml),
+plus a ``[checks]`` table kept raw for the ``check`` command. Keys may use ``-`` or ``_``.
+Relative paths (``input``, ``weights``, ``output``, a ``file.py:attr`` model) are resolved against
+the config file's directory, so a config works from any working directory. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from hookcli.errors import ConfigError, did_you_mean
+
+FILLS = ("randn", "rand", "ones", "zeros")
+MODES = ("train", "eval")
+FORMATS = ("table", "json", "csv", "markdown")  # the values of hookcli.render.OutputFormat
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+
+
+class _Invalid(Exception):
+    """A value of the wrong type or out of range (``expected`` says what was wanted)."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """What a config key accepts: ``expected`` (human-readable type), a description, a validator."""
+
+    expected: str
+    description: str
+    validate: Callable[[Any], Any] = field(repr=False)
+
+
+def _type_name(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+             dict: "table"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _describe_value(value: Any) -> str:
+    """``boolean true``, ``integer 0``, ``string 'x'``, ``array``: for error messages."""
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"{_type_name(value)} {value}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"string {shown!r}"
+    if isinstance(value, list) and value:
+        return "array of " + " and ".join(sorted({_type_name(v) for v in value}))
+    return _type_name(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid
+    return value
+
+
+def _str_list(value: Any) -> list[str]:
+    """A string or an array of strings, normalised to a list."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise _Invalid
+
+
+def _int(minimum: int | None = None) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if not _is_int(value) or (minimum is not None and value < minimum):
+            raise _Invalid
+        return int(value)
+
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise _Invalid
+        return value
+
+    return check
+
+
+_MODEL_ARG = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
+
+
+def _model_args(value: Any) -> dict[str, Any] | list[str]:
+    """A table (kept as a dict) or an array of ``"KEY=VALUE"`` strings (kept as written, so the
+    CLI parses them exactly like ``--model-arg``)."""
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list) and all(isinstance(v, str) and _MODEL_ARG.match(v) for v in value):
+        return list(value)
+    raise _Invalid
+
+
+def _spec(expected: str, description: str, validate: Callable[[Any], Any]) -> KeySpec:
+    return KeySpec(expected, description, validate)
+
+
+STR, STRS = "string", "string or array of strings"
+
+#: Every option a config may set (normalised names), with the type it takes.
+OPTION_KEYS: dict[str, KeySpec] = {
+    "model": _spec(STR, "model spec: torchvision name, module:attr or file.py:attr", _str),
+    "weights": _spec(STR, "weights file (or torchvision weights name)", _str),
+    "model_args": _spec("table, or array of \"KEY=VALUE\" strings",
+                        "keyword arguments for the model builder", _model_args),
+    "input_shape": _spec(STRS, "shape of each dummy input, e.g. \"1x3x224x224\"", _str_list),
+    "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
+    "batch_size": _spec("integer > 0", "batch size of dummy inputs", _int(1)),
+    "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
+    "seed": _spec("integer", "random seed for dummy inputs", _int()),
+    "layers": _spec(STRS, "layer name patterns to hook", _str_list),
+    "types": _spec(STRS, "module type names to hook", _str_list),
+    "depth": _spec("integer >= 0", "maximum module depth to hook", _int(0)),
+    "all": _spec("boolean", "hook every module, not only leaves", _bool),
+    "device": _spec(STR, "device to run on (cpu, cuda, cuda:1, mps)", _str),
+    "dtype": _spec(STR, "dtype to run in (float32, float16, bfloat16)", _str),
+    "mode": _spec(" | ".join(MODES), "module mode during the run", _choice(MODES)),
+    "format": _spec(" | ".join(FORMATS), "output format", _choice(FORMATS)),
+    "output": _spec(STR, "file to write the report to", _str),
+    "width": _spec("integer > 0", "table width in columns", _int(1)),
+}
+#: Tables kept raw for later validation (by the ``check`` command).
+RAW_TABLES = ("checks",)
+
+
+@dataclass
+class Config:
+    """Option defaults read from a config file."""
+
+    values: dict[str, Any]
+    path: Path | None
+    origin: str  # "config" (--config FILE) | "pyproject" (./pyproject.toml) | "none"
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` (``-`` or ``_`` spelling), or ``default``."""
+        return self.values.get(normalize_key(key), default)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and normalize_key(key) in self.values
+
+
+def normalize_key(key: str) -> str:
+    """``input-shape`` -> ``input_shape``."""
+    return key.replace("-", "_")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path}: permission denied") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid UTF-8: {exc.reason}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+
+
+def _is_pyproject(path: Path, data: dict[str, Any]) -> bool:
+    return path.name == "pyproject.toml" or "tool" in data or "project" in data
+
+
+def _resolve(value: str, base: Path) -> str:
+    if not value or value == "-" or "://" in value:
+        return value
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+_KEYWORD_INPUT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.+)$")
+
+
+def _resolve_input(value: str, base: Path) -> str:
+    """A file input, or ``name=file`` for a keyword input: the file part resolved."""
+    match = _KEYWORD_INPUT.match(value)
+    if match:
+        return f"{match.group(1)}={_resolve(match.group(2), base)}"
+    return _resolve(value, base)
+
+
+def _resolve_model(spec: str, base: Path) -> str:
+    index = spec.find(".py:")
+    if index < 0:
+        return _resolve(spec, base) if spec.endswith(".py") else spec
+    return _resolve(spec[: index + 3], base) + spec[index + 3 :]
+
+
+def _resolve_weights(value: str, base: Path) -> str:
+    """Resolve a weights *file*; keep a torchvision weights name (``DEFAULT``, ``X_Weights.V1``)."""
+    looks_like_file = (
+        "/" in value or os.sep in value or value.lower().endswith(WEIGHT_SUFFIXES)
+        or (base / value).exists()
+    )
+    return _resolve(value, base) if looks_like_file else value
+
+
+def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    values: dict[str, Any] = {}
+    checks: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    known = list(OPTION_KEYS) + list(RAW_TABLES)
+    for raw_key, value in table.items():
+        key = normalize_key(raw_key)
+        if key in seen:
+            raise ConfigError(f"{path}: key {raw_key!r} given twice (also as {seen[key]!r})")
+        seen[key] = raw_key
+        if key in RAW_TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: [{raw_key}] must be a table, got {_type_name(value)}")
+            checks = value
+            continue
+        spec = OPTION_KEYS.get(key)
+        if spec is None:
+            hint = did_you_mean(key, known)
+            msg = f"{path}: unknown key {raw_key!r}"
+            raise ConfigError(msg + (f" ({hint})" if hint else ""),
+                              hint="valid keys: " + ", ".join(known))
+        try:
+            values[key] = spec.validate(value)
+        except _Invalid:
+            got = _describe_value(value)
+            raise ConfigError(
+                f"{path}: key {raw_key!r} expects {spec.expected}, got {got}"
+            ) from None
+    base = path.parent
+    if "model" in values:
+        values["model"] = _resolve_model(values["model"], base)
+    if "weights" in values:
+        values["weights"] = _resolve_weights(values["weights"], base)
+    if "output" in values:
+        values["output"] = _resolve(values["output"], base)
+    if "input" in values:
+        values["input"] = [_resolve_input(v, base) for v in values["input"]]
+    return values, checks
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, cwd: str | os.PathLike[str] | None = None
+) -> Config:
+    """Read ``path`` (hookcli TOML or pyproject.toml), else ``[tool.hookcli]`` of ./pyproject.toml.
+
+    Returns ``Config({}, None, "none", {})`` when no path is given and the working directory has no
+    pyproject.toml with a ``[tool.hookcli]`` table. Raises ConfigError (naming the file) for a
+    missing or unreadable file, TOML syntax errors, unknown keys and values of the wrong type.
+    List-valued options (``input``, ``input_shape``, ``layers``, ``types``) are always lists;
+    ``model_args`` is a dict (from a table) or a list of ``"KEY=VALUE"`` strings (from an array).
+    """
+    base = Path(os.fspath(cwd)) if cwd is not None else Path.cwd()
+    if path is not None:
+        file = Path(os.fspath(path)).expanduser()
+        file = (file if file.is_absolute() else base / file).resolve()
+        data = _read_toml(file)
+        if _is_pyproject(file, data):
+            tool = data.get("tool", {})
+            table = tool.get("hookcli") if isinstance(tool, dict) else None
+            if not isinstance(table, dict):
+                raise ConfigError(f"{file} has no [tool.hookcli] table")
+            data = table
+        values, checks = _validate(data, file)
+        return Config(values, file, "config", checks)
+    file = (base / "pyproject.toml").resolve()
+    if not file.is_file():
+        return Config({}, None, "none", {})
+    data = _read_toml(file)
+    tool = data.get("tool", {})
+    table = tool.get("hookcli") if isinstance(tool, dict) else None
+    if table is None:
+        return Config({}, None, "none", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{file}: [tool.hookcli] must be a table")
+    values, checks = _validate(table, file)
+    return Config(values, file, "pyproject", checks)

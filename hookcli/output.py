@@ -1,0 +1,118 @@
+"""Writing output files atomically (temp file in the same directory + ``os.replace``)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from hookcli.errors import OutputError
+
+
+def _target(path: str | os.PathLike[str]) -> Path:
+    """The absolute path to write; a symlink is followed so its target is replaced, not the link."""
+    p = Path(os.fspath(path)).expanduser()
+    if p.is_symlink():
+        p = p.resolve()
+    return p.absolute()
+
+
+def ensure_writable(path: str | os.PathLike[str]) -> Path:
+    """Check up front that ``path`` can be written (so a command fails before running a model).
+
+    Raises OutputError when the path is empty or a directory, or its parent directory is missing,
+    not a directory or not writable. Returns the absolute target path.
+    """
+    if not os.fspath(path):
+        raise OutputError("output path is empty")
+    target = _target(path)
+    if target.is_dir():
+        raise OutputError(f"cannot write {path}: it is a directory")
+    parent = target.parent
+    if not parent.exists():
+        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {path}: permission denied for directory {parent}")
+    return target
+
+
+def _new_file_mode(target: Path) -> int:
+    """The mode a plain ``open()`` would give: the old file's mode, else 0o666 & ~umask."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _describe(path: str | os.PathLike[str], exc: BaseException) -> str:
+    if isinstance(exc, UnicodeEncodeError):
+        return f"cannot write {path}: the text cannot be encoded as UTF-8 ({exc.reason})"
+    if isinstance(exc, IsADirectoryError):
+        return f"cannot write {path}: it is a directory"
+    if isinstance(exc, PermissionError):
+        return f"cannot write {path}: permission denied"
+    if isinstance(exc, FileNotFoundError):
+        return f"cannot write {path}: directory {Path(os.fspath(path)).parent} does not exist"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"cannot write {path}: no space left on device"
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"cannot write {path}: {detail}"
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` (str is encoded as UTF-8) to ``path`` atomically; return the absolute path.
+
+    The data goes to a temporary file next to the target (``.<name>.XXXX.tmp``), is flushed and
+    fsynced, then renamed over the target with ``os.replace``: readers see the old file or the new
+    one, never a partial one. A new file gets the usual permissions (0o666 minus the umask), an
+    existing one keeps its mode. On any failure the temporary file is removed and OutputError is
+    raised; the old file, if any, is left as it was.
+    """
+    if not isinstance(data, (str, bytes)):
+        raise TypeError(f"write_atomic expects str or bytes, got {type(data).__name__}")
+    target = ensure_writable(path)
+    tmp_name: str | None = None
+    try:
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+        mode = _new_file_mode(target)
+        with tempfile.NamedTemporaryFile(
+            mode="wb", delete=False, dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
+        ) as tmp:
+            tmp_name = tmp.name
+            tmp.write(payload)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, target)
+        tmp_name = None
+    except (OSError, UnicodeEncodeError) as exc:
+        raise OutputError(_describe(path, exc)) from exc
+    finally:
+        if tmp_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+    _fsync_dir(target.parent)
+    return target
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Best effort: persist the rename (POSIX only; ignored where directories cannot be opened)."""
+    if os.name != "posix":
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

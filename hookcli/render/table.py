@@ -1,0 +1,200 @@
+"""Rich table renderer: header lines, one table per record kind, footer and failure lines."""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from rich import box
+from rich.cells import cell_len, set_cell_size
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from hookcli.records import ModelList, ModuleTree, Report
+from hookcli.render import summary
+from hookcli.render.columns import (
+    Cell,
+    Column,
+    layer_columns,
+    layer_row_style,
+    model_list_columns,
+    module_columns,
+    param_columns,
+    param_row_style,
+    table_columns,
+)
+from hookcli.render.formats import Renderable
+
+R = TypeVar("R")
+
+DEFAULT_WIDTH = 120
+
+
+def make_console(width: int | None = None, color: bool = False) -> Console:
+    """A Console writing to a string buffer; with ``color=False`` it emits no escape codes."""
+    return Console(
+        file=io.StringIO(),
+        width=width or DEFAULT_WIDTH,
+        force_terminal=color,
+        force_jupyter=False,
+        force_interactive=False,
+        color_system="standard" if color else None,
+        no_color=not color,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        legacy_windows=False,
+        soft_wrap=False,
+    )
+
+
+GAP = 2  # columns are separated by one space of padding and one of box
+
+
+def crop(text: str, width: int, *, keep_end: bool = False) -> str:
+    """``text`` cut to ``width`` cells with an ellipsis; ``keep_end`` keeps indent and tail."""
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return "…" if width == 1 else ""
+    if not keep_end:
+        return set_cell_size(text, width - 1) + "…"
+    body = text.lstrip(" ")
+    lead = text[: len(text) - len(body)]
+    if len(lead) + 2 > width:
+        lead = ""
+    tail = body
+    while cell_len(tail) > width - len(lead) - 1:
+        tail = tail[1:]
+    return lead + "…" + tail
+
+
+def wrap_header(header: str, width: int) -> str:
+    """A header broken into lines of ``width`` between words (long words cropped)."""
+    if cell_len(header) <= width:
+        return header
+    lines = textwrap.wrap(header, width=max(1, width), break_long_words=False) or [""]
+    return "\n".join(crop(line, width) for line in lines)
+
+
+def fit_widths(
+    columns: Sequence[Column[R]], cells: list[list[Cell]], width: int
+) -> tuple[list[int], int]:
+    """Column widths and the gap between columns that fit ``width`` (see :func:`build_table`)."""
+    body = [0] * len(columns)
+    for row in cells:
+        body = [max(w, cell_len(cell.text)) for w, cell in zip(body, row, strict=True)]
+    widths = [max(w, cell_len(c.header)) for w, c in zip(body, columns, strict=True)]
+    gap = GAP
+
+    def excess() -> int:
+        return sum(widths) + gap * max(0, len(widths) - 1) - width
+
+    def cut(i: int, floor: int) -> None:
+        widths[i] -= min(max(0, excess()), max(0, widths[i] - floor))
+
+    def water_fill(pool: list[int], floor: int) -> None:
+        while excess() > 0:
+            widest = max(pool, key=lambda i: widths[i], default=None)
+            if widest is None or widths[widest] <= floor:
+                return
+            widths[widest] -= 1
+
+    for i, col in enumerate(columns):  # wrap headers wider than their cells ("Grad / mean")
+        cut(i, max([body[i], 1] + [cell_len(word) for word in col.header.split()]))
+    for priority, i in sorted((c.squeeze, i) for i, c in enumerate(columns) if c.squeeze):
+        if priority > 1 and excess() > 0:
+            gap = 1  # narrower gaps before cropping names
+        cut(i, max(columns[i].min_width, cell_len(columns[i].header)))
+    if excess() > 0:
+        gap = 1
+    names = [i for i, c in enumerate(columns) if c.key == "name"]
+    text = [i for i, c in enumerate(columns) if c.justify != "right" and i not in names]
+    for pool, floor in ((text, 6), (names, 10), (text, 4), (names, 6)):
+        water_fill(pool, floor)
+    water_fill(list(range(len(columns))), 3)
+    return widths, gap
+
+
+def build_table(
+    title: str,
+    columns: Sequence[Column[R]],
+    rows: Sequence[R],
+    row_style: Callable[[R], str | None] | None = None,
+    width: int = DEFAULT_WIDTH,
+) -> Table:
+    """A ``rich.table.Table`` of ``rows`` under the table ``columns``, fitted to ``width``.
+
+    When the table is too wide: long headers wrap; Type is cropped to its ``min_width``; the gap
+    between columns narrows to one space; names are cropped to theirs (keeping the tail:
+    ``…1.downsample.0``); then text columns (shapes, types), names, and only as the very last
+    resort numbers are cropped, widest first.
+    """
+    shown = table_columns(columns)
+    cells = [[col.display(row) for col in shown] for row in rows]
+    widths, gap = fit_widths(shown, cells, width)
+    table = Table(
+        title=Text(title, style="bold"),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        padding=(0, 1) if gap == GAP else (0, 0),
+        header_style="bold",
+    )
+    for col, w in zip(shown, widths, strict=True):
+        table.add_column(Text(wrap_header(col.header, w)), justify=col.justify, no_wrap=True,
+                         overflow="ellipsis", max_width=w, vertical="bottom")
+    for row, row_cells in zip(rows, cells, strict=True):
+        texts = [
+            Text(crop(cell.text, w, keep_end=col.key == "name"), style=cell.style or "")
+            for col, cell, w in zip(shown, row_cells, widths, strict=True)
+        ]
+        table.add_row(*texts, style=row_style(row) if row_style else None)
+    return table
+
+
+class TableRenderer:
+    """Renders any report as Rich tables (``--format table``, the default)."""
+
+    def render(
+        self, report: Renderable, *, width: int | None = None, color: bool = False
+    ) -> str:
+        """The report as text, ``width`` columns wide (default 120)."""
+        console = make_console(width, color)
+        for parts in summary.header_lines(report):
+            for line in summary.pack(parts, console.width):
+                console.print(Text(line))
+        for note in summary.notes(report):
+            console.print(Text(note, style="dim"))
+        console.print()
+        for table in self._tables(report, console.width):
+            console.print(table)
+            console.print()
+        for parts in summary.footer_lines(report):
+            for line in summary.pack(parts, console.width):
+                console.print(Text(line))
+        if isinstance(report, Report):
+            failure = summary.failure_line(report.failure)
+            if failure:
+                console.print(Text(failure, style="bold red"))
+        out = console.file
+        assert isinstance(out, io.StringIO)
+        return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))
+
+    def _tables(self, report: Renderable, width: int) -> list[Table]:
+        name = summary.title(report)
+        if isinstance(report, ModelList):
+            return [build_table(name, model_list_columns(), report.models, width=width)]
+        if isinstance(report, ModuleTree):
+            return [build_table(name, module_columns(), report.modules, width=width)]
+        tables = [build_table(name, layer_columns(report), report.layers,
+                              lambda r: layer_row_style(report, r), width)]
+        if report.params is not None:
+            tables.append(build_table("Parameters", param_columns(report), report.params,
+                                      param_row_style, width))
+        return tables

@@ -1,0 +1,129 @@
+"""CSV and Markdown renderers, reading the same columns as the table."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from hookcli.records import ModelList, ModuleTree, Report
+from hookcli.render import summary
+from hookcli.render.columns import (
+    Column,
+    csv_columns,
+    layer_columns,
+    model_list_columns,
+    module_columns,
+    param_columns,
+    table_columns,
+)
+from hookcli.render.formats import Renderable
+
+R = TypeVar("R")
+
+
+def csv_value(value: Any) -> Any:
+    """A raw value for CSV: empty for None, ``true``/``false`` for booleans, floats in repr."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value
+
+
+def _union(*groups: Sequence[Column[Any]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for group in groups:
+        for col in csv_columns(group):
+            keys.setdefault(col.key, None)
+    return list(keys)
+
+
+def _rows(columns: Sequence[Column[R]], records: Sequence[R]) -> list[dict[str, Any]]:
+    shown = csv_columns(columns)
+    return [{c.key: csv_value(c.raw(r)) for c in shown} for r in records]
+
+
+class CsvRenderer:
+    """``--format csv``: a header row and one row per record (layers, then parameters).
+
+    Lines end with ``\\n``. Shapes are written ``1x3x224x224`` (several joined by ``;``), numbers at
+    full precision, None as an empty cell. A grads report's parameter rows (``kind=param``)
+    share the file under the union of columns.
+    """
+
+    def render(
+        self, report: Renderable, *, width: int | None = None, color: bool = False
+    ) -> str:
+        """The report as CSV text."""
+        if isinstance(report, ModelList):
+            cols: Sequence[Column[Any]] = model_list_columns()
+            return self._write(_union(cols), _rows(cols, report.models))
+        if isinstance(report, ModuleTree):
+            cols = module_columns()
+            return self._write(_union(cols), _rows(cols, report.modules))
+        layer_cols = layer_columns(report)
+        rows = _rows(layer_cols, report.layers)
+        if report.params is not None:
+            param_cols = param_columns(report)
+            return self._write(_union(layer_cols, param_cols),
+                               rows + _rows(param_cols, report.params))
+        return self._write(_union(layer_cols), rows)
+
+    @staticmethod
+    def _write(fieldnames: list[str], rows: list[dict[str, Any]]) -> str:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fieldnames, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return buf.getvalue()
+
+
+def md_escape(text: str) -> str:
+    """A table cell: ``|`` escaped, newlines folded, indentation kept as non-breaking spaces."""
+    text = " ".join(text.splitlines()).replace("\\", "\\\\").replace("|", "\\|")
+    stripped = text.lstrip(" ")
+    return "\u00a0" * (len(text) - len(stripped)) + stripped
+
+
+_ALIGN = {"left": ":---", "right": "---:", "center": ":---:"}
+
+
+def md_table(columns: Sequence[Column[R]], records: Sequence[R]) -> list[str]:
+    """A GitHub pipe table (same headers and display strings as the Rich table)."""
+    shown = table_columns(columns)
+    lines = ["| " + " | ".join(md_escape(c.header) for c in shown) + " |",
+             "| " + " | ".join(_ALIGN[c.justify] for c in shown) + " |"]
+    for rec in records:
+        lines.append("| " + " | ".join(md_escape(c.display(rec).text) for c in shown) + " |")
+    return lines
+
+
+class MarkdownRenderer:
+    """``--format markdown``: a heading, the header lines, pipe tables and the footer."""
+
+    def render(
+        self, report: Renderable, *, width: int | None = None, color: bool = False
+    ) -> str:
+        """The report as GitHub-flavoured Markdown."""
+        blocks: list[list[str]] = [[f"### {summary.heading(report)}"]]
+        blocks += [[summary.SEP.join(line)] for line in summary.header_lines(report)]
+        note_lines = summary.notes(report)
+        if note_lines:
+            blocks.append([f"- {n}" for n in note_lines])
+        if isinstance(report, ModelList):
+            blocks.append(md_table(model_list_columns(), report.models))
+        elif isinstance(report, ModuleTree):
+            blocks.append(md_table(module_columns(), report.modules))
+        else:
+            blocks.append(md_table(layer_columns(report), report.layers))
+            if report.params is not None:
+                blocks.append(["#### Parameters"])
+                blocks.append(md_table(param_columns(report), report.params))
+        blocks += [[summary.SEP.join(line)] for line in summary.footer_lines(report)]
+        if isinstance(report, Report):
+            failure = summary.failure_line(report.failure)
+            if failure:
+                blocks.append([f"**{failure}**"])
+        return "\n\n".join("\n".join(b) for b in blocks) + "\n"
