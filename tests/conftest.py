@@ -10,3 +10,25 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch):
+    """Invoke the hookcli CLI in-process; returns a function (args) -> click Result.
+
+    Fixed width and no colour so tables are stable; exceptions propagate (catch_exceptions=False).
+    """
+    from click.testing import CliRunner
+
+    from hookcli.cli import main
+
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.delenv("HOOKCLI_DEBUG", raising=False)
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    runner = CliRunner()
+
+    def invoke(*args: str, **kwargs):
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False, **kwargs)
+
+    return invoke
