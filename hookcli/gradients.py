@@ -192,6 +192,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
             clipped=int(values[c_slot][0]) if c_slot is not None else (0 if opts.clip and p.requires_grad else None),
         ))
     report.params = params if opts.params != "none" else None
+    if opts.params == "selected" and not params:
+        report.notes.append("the selected modules have no parameters (--params all lists every parameter)")
     if loss_choice is not None:
         report.loss = loss_choice.info(values[-1][0])
     if opts.clip is not None:

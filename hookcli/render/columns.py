@@ -7,7 +7,6 @@ are CSV-only (call index, depth, ...); ``csv=False`` ones are derived display va
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -219,12 +218,11 @@ def layer_row_style(report: Report, rec: LayerRecord) -> str | None:
 
 
 def grad_ratio(p: ParamRecord) -> float | None:
-    """Gradient norm / weight norm, or None when either is missing (or both are zero)."""
+    """Gradient norm / weight norm; None when either is missing or the weight is all zero
+    (zero-initialised biases would otherwise show a meaningless ``inf``)."""
     grad_norm = _get(p.grad, "norm")
-    if grad_norm is None or p.norm is None:
+    if grad_norm is None or not p.norm:
         return None
-    if p.norm == 0:
-        return None if grad_norm == 0 else math.inf
     return float(grad_norm) / float(p.norm)
 
 

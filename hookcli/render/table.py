@@ -194,7 +194,7 @@ class TableRenderer:
             return [build_table(name, module_columns(), report.modules, width=width)]
         tables = [build_table(name, layer_columns(report), report.layers,
                               lambda r: layer_row_style(report, r), width)]
-        if report.params is not None:
+        if report.params:
             tables.append(build_table("Parameters", param_columns(report), report.params,
                                       param_row_style, width))
         return tables

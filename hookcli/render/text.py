@@ -65,7 +65,7 @@ class CsvRenderer:
             return self._write(_union(cols), _rows(cols, report.modules))
         layer_cols = layer_columns(report)
         rows = _rows(layer_cols, report.layers)
-        if report.params is not None:
+        if report.params:
             param_cols = param_columns(report)
             return self._write(_union(layer_cols, param_cols),
                                rows + _rows(param_cols, report.params))
@@ -118,7 +118,7 @@ class MarkdownRenderer:
             blocks.append(md_table(module_columns(), report.modules))
         else:
             blocks.append(md_table(layer_columns(report), report.layers))
-            if report.params is not None:
+            if report.params:
                 blocks.append(["#### Parameters"])
                 blocks.append(md_table(param_columns(report), report.params))
         blocks += [[summary.SEP.join(line)] for line in summary.footer_lines(report)]
