@@ -16,9 +16,9 @@ import click
 from click.core import ParameterSource
 
 from hookcli._version import __version__
+from hookcli.config import FORMATS
 from hookcli.errors import HookcliError, ModelRaisedError, UsageError
 
-FORMATS = ("table", "json", "csv", "markdown")
 _META_OUTPUT = "hookcli.output"
 _META_DEBUG = "hookcli.debug"
 
@@ -80,7 +80,7 @@ run_options = _compose(
 
 output_options = _compose(
     click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-                 help="Output format."),
+                 help="Output format (with --output, .json/.csv/.md imply it)."),
     click.option("--output", "-o", "output", type=click.Path(dir_okay=False), metavar="FILE",
                  help="Write the output to FILE (atomically) instead of stdout."),
     click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
@@ -167,8 +167,12 @@ def _prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
     """Check the output target up front and remember how to write reports (also partial ones)."""
     if values.get("output"):
         from hookcli.output import ensure_writable
+        from hookcli.render.formats import format_for_path
 
         ensure_writable(values["output"])
+        implied = format_for_path(values["output"])
+        if implied is not None and ctx.get_parameter_source("fmt") == ParameterSource.DEFAULT:
+            values["fmt"] = implied.value
     ctx.meta[_META_OUTPUT] = {"fmt": values["fmt"], "output": values.get("output")}
 
 

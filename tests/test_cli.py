@@ -147,7 +147,7 @@ def test_model_that_raises_prints_partial_rows_and_exits_1(cli) -> None:
 
 def test_output_file_is_written_atomically(cli, tmp_path: Path) -> None:
     target = tmp_path / "report.json"
-    result = cli("shapes", "tiny_models:Reused", "--input-shape", "3x4", "-f", "json", "-o", target)
+    result = cli("shapes", "tiny_models:Reused", "--input-shape", "3x4", "-o", target)  # .json implies JSON
     assert result.exit_code == 0, result.output
     assert result.stdout == "" and str(target) in result.stderr
     assert json.loads(target.read_text())["command"] == "shapes"
