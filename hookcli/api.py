@@ -54,10 +54,16 @@ def prepare(options: RunOptions, *, default_batch: int | None = None) -> Prepare
 
 
 def load(opts: RunOptions) -> LoadedModel:
-    """Load the model an (already validated) RunOptions names."""
+    """Load the model an (already validated) RunOptions names.
+
+    Random initialisation is seeded with ``opts.seed`` (in a forked RNG, so the caller's global RNG
+    is untouched): the same command gives the same numbers on every run, which baselines rely on.
+    """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(opts.seed)
+        return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
 
 
 def model_info(loaded: LoadedModel, source: str) -> ModelInfo:

@@ -245,12 +245,13 @@ def param_columns(report: Report) -> list[Column[ParamRecord]]:
     """Columns of the ``Parameters`` table of a grads report (``Clipped`` only when recorded)."""
     cols: list[Column[ParamRecord]] = [
         Column("kind", "", lambda p: _text("param"), lambda p: "param", table=False),
+        # names are what people read: crop shapes first, names only to a wide floor
         Column("name", "Parameter", lambda p: _text(p.name), lambda p: p.name, no_wrap=True,
-               squeeze=2, min_width=16),
+               squeeze=3, min_width=28),
         Column("requires_grad", "", lambda p: _text(str(p.requires_grad)),
                lambda p: p.requires_grad, table=False),
         Column("shape", "Shape", lambda p: _text(format_shape(p.shape)),
-               lambda p: csv_shape(p.shape), no_wrap=True),
+               lambda p: csv_shape(p.shape), no_wrap=True, squeeze=1, min_width=8),
     ]
     for i, key in enumerate(_PARAM_GRAD_KEYS):
         cols.append(Column(f"grad_{key}", _GRAD_HEADERS[key], _param_grad_cell(key, i == 0),
