@@ -176,6 +176,15 @@ def test_config_file_and_pyproject_defaults(cli, tmp_path: Path, monkeypatch: py
     assert report["inputs"][0]["shape"] == [2, 4]
 
 
+def test_shipped_example_config_runs(cli) -> None:
+    config = TESTS.parent / "configs" / "resnet18_small.toml"
+    result = cli("shapes", "--config", config, "-f", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["name"] for r in report["layers"]] == ["layer4", "fc"]
+    assert report["inputs"][0]["shape"] == [2, 3, 64, 64]
+
+
 def test_bad_config_exits_2_naming_key_and_file(cli, tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text('model = "tiny_models:Reused"\nlayer = "act"\n')
