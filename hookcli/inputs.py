@@ -1,0 +1,425 @@
+"""Build the inputs a model is run on: from shapes, from files, or a per-model default.
+
+Everything is built on CPU (the caller moves it to a device and dtype). Random fills use their own
+seeded ``torch.Generator`` so runs are reproducible and the global RNG is never touched. Each input
+gets an ``InputInfo`` that says where it came from, including when its shape was only a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli.errors import InputError, UsageError, did_you_mean
+from hookcli.loading import LoadedModel
+from hookcli.records import InputInfo
+
+FILLS: tuple[str, ...] = ("randn", "rand", "ones", "zeros")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors")
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+_CANONICAL = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+DTYPE_ALIASES: dict[str, str] = {**{n: n for n in _CANONICAL}, "float": "float32", "fp32": "float32",
+                                 "half": "float16", "fp16": "float16", "bf16": "bfloat16",
+                                 "double": "float64", "long": "int64", "int": "int32"}
+_SHAPE_EXAMPLE = "e.g. 2x3x224x224, 2,3,224,224 or 1x16:int64"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input given by shape (and optionally dtype) on the command line."""
+
+    shape: tuple[int, ...]
+    dtype: str | None  # canonical torch dtype name; None = the model's default
+
+
+@dataclass
+class ModelInputs:
+    """Positional and keyword inputs, plus one InputInfo per input for the report."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    infos: list[InputInfo]
+
+
+def parse_input_shape(text: str) -> InputSpec:
+    """Parse ``2x3x224x224``, ``2,3,224,224`` or ``1x16:int64`` into an InputSpec."""
+    body, sep, dtype_text = text.strip().partition(":")
+    dtype: str | None = None
+    if sep:
+        dtype = DTYPE_ALIASES.get(dtype_text.strip().lower().removeprefix("torch."))
+        if dtype is None:
+            raise UsageError(f"unknown dtype {dtype_text!r} in input shape {text!r}",
+                             hint=f"valid dtypes: {', '.join(_CANONICAL)}; {_SHAPE_EXAMPLE}")
+    parts = re.split(r"[xX,*]", body.strip().strip("()[]").replace(" ", ""))
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UsageError(f"bad input shape {text!r}: dimensions must be positive integers",
+                         hint=_SHAPE_EXAMPLE)
+    return InputSpec(tuple(int(p) for p in parts), dtype)
+
+
+def _info(name: str, value: Any, source: str) -> InputInfo:
+    """InputInfo of a tensor, a list of same-dtype tensors (shape as if stacked), or a value."""
+    if isinstance(value, torch.Tensor):
+        return InputInfo(name, list(value.shape), str(value.dtype).removeprefix("torch."), source)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        same = all(v.shape == value[0].shape for v in value)
+        return InputInfo(name, [len(value), *value[0].shape] if same else None,
+                         str(value[0].dtype).removeprefix("torch."), source)
+    return InputInfo(name, None, type(value).__name__, source)
+
+
+def _pack(args: Sequence[tuple[Any, str]], kwargs: Sequence[tuple[str, Any, str]] = ()
+          ) -> ModelInputs:
+    """ModelInputs from (value, source) positional and (name, value, source) keyword entries."""
+    infos = [_info(str(i), v, src) for i, (v, src) in enumerate(args)]
+    infos += [_info(k, v, src) for k, v, src in kwargs]
+    return ModelInputs(tuple(v for v, _ in args), {k: v for k, v, _ in kwargs}, infos)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# --------------------------------------------------------------------------- generated inputs
+
+
+def _first_leaf(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first leaf module (in ``named_modules`` order) that has parameters of its own."""
+    for name, module in model.named_modules():
+        if next(module.children(), None) is None and next(module.parameters(False), None) is not None:
+            return name, module
+    return None
+
+
+def _fill(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Generator, seed: int,
+          model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
+    """One tensor of ``fill`` kind and its source text. Integer dtypes get randint in [0, high):
+    2 for bool, the vocabulary size when ``model`` starts with an embedding, else 10."""
+    if fill in ("ones", "zeros"):
+        return (torch.ones if fill == "ones" else torch.zeros)(tuple(shape), dtype=dtype), fill
+    if not (dtype.is_floating_point or dtype.is_complex):
+        leaf = _first_leaf(model) if model is not None else None
+        high = 2 if dtype == torch.bool else 10
+        if leaf is not None and isinstance(leaf[1], (nn.Embedding, nn.EmbeddingBag)) and high == 10:
+            high = int(leaf[1].num_embeddings)
+        t = torch.randint(0, high, tuple(shape), generator=gen, dtype=torch.int64).to(dtype)
+        return t, f"randint(0, {high}, seed={seed})"
+    make = torch.randn if fill == "randn" else torch.rand
+    base = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return make(tuple(shape), generator=gen, dtype=base).to(dtype), f"{fill}(seed={seed})"
+
+
+#: First layer type -> guessed input shape (given the layer and the batch size).
+_GUESSES: list[tuple[tuple[type, ...], Callable[[Any, int], tuple[int, ...]]]] = [
+    ((nn.Embedding, nn.EmbeddingBag), lambda m, b: (b, 16)),
+    ((nn.Linear,), lambda m, b: (b, m.in_features)),
+    ((nn.Conv1d, nn.ConvTranspose1d), lambda m, b: (b, m.in_channels, 64)),
+    ((nn.Conv2d, nn.ConvTranspose2d), lambda m, b: (b, m.in_channels, 224, 224)),
+    ((nn.Conv3d, nn.ConvTranspose3d), lambda m, b: (b, m.in_channels, 16, 112, 112)),
+    ((nn.RNNBase,), lambda m, b: (b, 8, m.input_size) if m.batch_first else (8, b, m.input_size)),
+    ((nn.BatchNorm1d,), lambda m, b: (b, m.num_features)),
+    ((nn.BatchNorm2d,), lambda m, b: (b, m.num_features, 224, 224)),
+    ((nn.LayerNorm,), lambda m, b: (b, *m.normalized_shape)),
+]
+
+
+def _guess_user_shape(model: nn.Module, b: int) -> tuple[tuple[int, ...], torch.dtype, str]:
+    """Guess one input shape from the first parametrised leaf; the note says what it was."""
+    leaf = _first_leaf(model)
+    if leaf is None:
+        return (b, 3, 224, 224), torch.float32, "shape guessed (no layer with parameters)"
+    name, m = leaf
+    if not isinstance(m, nn.modules.lazy.LazyModuleMixin):  # lazy: sizes unknown until called
+        for types, guess in _GUESSES:
+            if isinstance(m, types):
+                dtype = torch.int64 if types[0] is nn.Embedding else torch.float32
+                return guess(m, b), dtype, f"shape guessed from {name} ({type(m).__name__})"
+    note = f"shape guessed (default; first layer {name} is {type(m).__name__})"
+    return (b, 3, 224, 224), torch.float32, note
+
+
+def _transform_size(loaded: LoadedModel, attr: str, fallback: int) -> int:
+    """The model's own ``image_size`` (ViT: vit_h_14 without weights is 224, its weights 518), else
+    ``crop_size``/``resize_size`` of the weights' preset transforms, else ``fallback``."""
+    own = getattr(loaded.model, "image_size", None)
+    if isinstance(own, int) and attr == "crop_size":
+        return own
+    enum = loaded.weights_enum
+    try:
+        value = getattr(enum.transforms(), attr, None) if enum is not None else None
+    except Exception:  # preset transforms that cannot be built: fall back
+        return fallback
+    return int(value[0]) if value else fallback
+
+
+def _example_inputs(model: nn.Module) -> ModelInputs | None:
+    """Inputs from a model's own ``example_inputs`` / ``example_input`` attribute, if any."""
+    for attr in ("example_inputs", "example_input"):
+        value = getattr(model, attr, None)
+        if value is None or isinstance(value, nn.Module):
+            continue
+        if callable(value) and not isinstance(value, torch.Tensor):
+            try:
+                value = value()
+            except Exception as exc:
+                raise InputError(f"model.{attr}() raised {type(exc).__name__}: {exc}") from exc
+
+        def clone(v: Any) -> Any:  # in-place layers must not change the model's own examples
+            return v.clone() if isinstance(v, torch.Tensor) else v
+        if isinstance(value, dict):
+            return _pack([], [(str(k), clone(v), attr) for k, v in value.items()])
+        return _pack([(clone(v), attr) for v in (value if isinstance(value, (tuple, list)) else (value,))])
+    return None
+
+
+def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator,
+                    seed: int) -> ModelInputs:
+    """Per-model default inputs when neither shapes nor files are given."""
+    found = _example_inputs(loaded.model)
+    if found is not None:
+        return found
+    family, name, f32 = loaded.family, loaded.tv_name or "", torch.float32
+    if family is None:
+        shape, dtype, note = _guess_user_shape(loaded.model, b)
+        t, src = _fill(shape, dtype, fill, gen, seed, loaded.model)
+        return _pack([(t, f"{src}, {note}")])
+    if family == "detection":  # a list of CHW images, as torchvision detection models take
+        s = 300 if name.startswith("ssd300") else 320
+        t, src = _fill((b, 3, s, s), f32, fill, gen, seed)
+        return _pack([(list(t.unbind(0)), f"{src}, list of {_n(b, 'image')}")])
+    if family == "optical_flow":  # two frames; RAFT needs H, W divisible by 8 (224 runs)
+        return _pack([_fill((b, 3, 224, 224), f32, fill, gen, seed) for _ in range(2)])
+    # classification / quantization: the preset crop; segmentation: its resize; video: 16 frames
+    where = {"segmentation": ("resize_size", 520), "video": ("crop_size", 112)}
+    s = _transform_size(loaded, *where.get(family, ("crop_size", 224)))
+    shape = (b, 3, 16, s, s) if family == "video" else (b, 3, s, s)
+    return _pack([_fill(shape, f32, fill, gen, seed)])
+
+
+# --------------------------------------------------------------------------- image files
+
+
+def _expand_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
+    """Check the files; return their kind ("images" | "tensors"), the paths and a source label."""
+    kinds: set[str] = set()
+    paths: list[Path] = []
+    labels: list[str] = []
+    for entry in files:
+        text, path = os.fspath(entry), Path(entry)
+        if path.is_dir():
+            images = sorted(p for p in path.iterdir()
+                            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not images:
+                raise InputError(f"folder {text!r} has no images",
+                                 hint="supported images: " + " ".join(IMAGE_SUFFIXES))
+            kinds.add("images")
+            paths.extend(images)
+            labels.append(f"{text.rstrip('/' + os.sep)}/ ({_n(len(images), 'file')})")
+            continue
+        if not path.exists():
+            raise InputError(f"input file not found: {text}")
+        suffix = path.suffix.lower()
+        if suffix not in IMAGE_SUFFIXES + TENSOR_SUFFIXES:
+            raise InputError(f"unsupported input file {text!r}",
+                             hint=f"supported: images {' '.join(IMAGE_SUFFIXES)}, tensors "
+                             f"{' '.join(TENSOR_SUFFIXES)}, or a folder of images")
+        kinds.add("images" if suffix in IMAGE_SUFFIXES else "tensors")
+        paths.append(path)
+        labels.append(text)
+    if len(kinds) > 1:
+        raise UsageError("cannot mix image files and tensor files as inputs",
+                         hint="give either images (or folders of images) or tensor files")
+    kind = kinds.pop()
+    prefix = "image" if kind == "images" and len(files) == 1 and not Path(files[0]).is_dir() else kind
+    shown = labels[:3] + ([f"... ({_n(len(paths), 'file')})"] if len(labels) > 3 else [])
+    return kind, paths, f"{prefix}: " + ", ".join(shown)
+
+
+def list_input_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
+    """The files ``files`` names, folders expanded to their images (sorted by name), unread.
+
+    Returns the kind (``"images"`` or ``"tensors"``), the paths in the order ``make_inputs`` reads
+    them, and the source label a report shows; raises as ``make_inputs`` does. Lets a caller run
+    a large folder in batches (``hookcli features``): ``make_inputs(loaded, files=paths[i:j])``.
+    """
+    return _expand_files(files)
+
+
+def _decode(path: Path) -> torch.Tensor:
+    """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL)."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            img = decode_image(str(path), mode=ImageReadMode.RGB)
+        return img[0] if img.ndim == 4 else img  # animated GIF: first frame
+    except Exception:
+        pass  # BMP, TIFF, ... : PIL reads those
+    try:
+        from PIL import Image
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        with Image.open(path) as im:
+            return pil_to_tensor(im.convert("RGB"))
+    except Exception as exc:
+        raise InputError(f"could not decode image {str(path)!r}: {type(exc).__name__}: {exc}",
+                         hint="is it a valid, complete image file?") from exc
+
+
+def _generic_preprocess(img: torch.Tensor, crop: int = 224) -> torch.Tensor:
+    """Resize the shorter side to 256 and center-crop 224 (scaled for other crops), scale to
+    [0, 1], ImageNet-normalise: the usual classification preprocessing when no preset exists."""
+    import torchvision.transforms.v2.functional as F
+
+    img = F.center_crop(F.resize(img, [crop * 256 // 224], antialias=True), [crop, crop])
+    return F.normalize(F.to_dtype(img, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def _image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInputs:
+    """Decode and preprocess images into the input form the model's family expects."""
+    import torchvision.transforms.v2.functional as F
+
+    raw = [_decode(p) for p in paths]
+    family = loaded.family
+    tf = loaded.weights_enum.transforms() if loaded.weights_enum is not None else None
+    if family == "detection":  # a list of float CHW images in [0, 1], any sizes
+        images = [F.to_dtype(img, torch.float32, scale=True) for img in raw]
+        return _pack([(images, f"{label}, list of {_n(len(images), 'image')}")])
+    if family == "optical_flow":  # two frames, [0, 1] mapped to [-1, 1] as RAFT expects
+        if len(raw) != 2 or raw[0].shape != raw[1].shape:
+            got = ", ".join(f"{p.name} {list(r.shape)}" for p, r in zip(paths, raw))
+            raise InputError(f"optical flow models take exactly two images of one size (got {got})")
+        pair = tf(*raw) if tf is not None else [
+            F.normalize(F.to_dtype(r, torch.float32, scale=True), [0.5] * 3, [0.5] * 3) for r in raw]
+        return _pack([(t.unsqueeze(0), f"image: {p}") for t, p in zip(pair, paths)])
+    if family == "video":  # the images are the frames of one clip: (1, C, T, H, W)
+        frames = [tf(img.unsqueeze(0)) if tf is not None else _generic_preprocess(img).unsqueeze(1)
+                  for img in raw]
+        clip = torch.cat(frames, dim=1).unsqueeze(0)
+        return _pack([(clip, f"{label}, one clip of {_n(len(frames), 'frame')}")])
+    crop = _transform_size(loaded, "crop_size", 224)
+    if tf is not None and family != "segmentation" and getattr(tf, "crop_size", [crop])[0] != crop:
+        tf = None  # the preset crops for other weights than the model was built for (vit_h_14)
+    out = [tf(img) if tf is not None else _generic_preprocess(img, crop) for img in raw]
+    if any(t.shape != out[0].shape for t in out):
+        sizes = ", ".join(f"{p.name} {list(t.shape)}" for p, t in zip(paths, out))
+        raise InputError(f"images differ in size after preprocessing: {sizes}",
+                         hint="give images of one aspect ratio, or one image at a time")
+    return _pack([(torch.stack(out), label)])
+
+
+# --------------------------------------------------------------------------- tensor files
+
+Entry = tuple[str | None, Any, str]  # (keyword name, or None for positional; value; source)
+
+
+def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
+    """Numeric keys (``0``, ``arr_0``) -> positional in numeric order; other keys -> keyword."""
+    index = {k: re.fullmatch(r"(?:arr_)?(\d+)", str(k)) for k in data}
+    if data and all(index.values()):
+        keys = sorted(data, key=lambda k: int(index[k].group(1)))  # type: ignore[union-attr]
+        return [(None, data[k], f"file: {label}[{k}]") for k in keys]
+    if bad := [k for k in data if not isinstance(k, str) or not k.isidentifier()]:
+        raise InputError(f"{label}: keys {bad[:5]!r} are neither positions nor argument names")
+    return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
+
+
+def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]:
+    """Read one tensor file into positional / keyword entries."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".npy", ".npz"):
+            import numpy as np
+
+            data = np.load(path, allow_pickle=False)
+            if suffix == ".npy":
+                return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
+            with data:
+                return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return _split_keyed(dict(load_file(str(path), device="cpu")), label)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError as exc:
+        raise InputError(f"reading {label} needs the {exc.name} package",
+                         hint=f"pip install {exc.name}") from exc
+    except InputError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading "
+                         "refuses", hint="save plain tensors (or tuples/dicts of them)") from exc
+    except Exception as exc:
+        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, torch.Tensor):
+        return [(None, obj, f"file: {label}")]
+    if isinstance(obj, (list, tuple)):
+        if family == "detection" and obj and all(
+                isinstance(t, torch.Tensor) and t.ndim == 3 for t in obj):  # one list of images
+            return [(None, list(obj), f"file: {label}, list of {_n(len(obj), 'image')}")]
+        return [(None, v, f"file: {label}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return _split_keyed(obj, label)
+    raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict")
+
+
+def _tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]]) -> ModelInputs:
+    """Several tensor files: positional inputs in the given order, keyword inputs merged."""
+    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family)]
+    keyword = [(k, v, src) for k, v, src in entries if k is not None]
+    names = [k for k, _, _ in keyword]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise InputError(f"keyword inputs given by more than one file: {', '.join(twice)}")
+    return _pack([(v, src) for k, v, src in entries if k is None], keyword)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
+                files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
+                fill: str = "randn", seed: int = 0) -> ModelInputs:
+    """Build CPU inputs for ``loaded.model``.
+
+    ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
+    for a model that starts with an embedding, else float32). ``files``: images or folders of
+    images (one preprocessed batch; detection: a list of images; video: the frames of one clip;
+    optical flow: two frames) or tensor files (.pt/.pth/.npy/.npz/.safetensors); files decide the
+    batch, so ``batch_size`` is ignored with them. Neither: the model's ``example_inputs``, else a
+    per-family torchvision default, else a shape guessed from the model's first layer. ``fill``
+    and ``seed`` apply to generated tensors only.
+    """
+    if fill not in FILLS:
+        raise UsageError(f"unknown fill {fill!r}",
+                         hint=did_you_mean(fill, FILLS) or f"choose one of: {', '.join(FILLS)}")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"batch size must be a positive integer, got {batch_size}")
+    if shapes and files:
+        raise UsageError("give input shapes or input files, not both",
+                         hint="--input-shape makes random tensors; --input reads files")
+    gen = torch.Generator().manual_seed(seed)
+    if files:
+        kind, paths, label = _expand_files(files)
+        if kind == "images":
+            return _image_inputs(loaded, paths, label)
+        return _tensor_inputs(loaded, files)
+    if not shapes:
+        return _default_inputs(loaded, batch_size or 1, fill, gen, seed)
+    guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else torch.float32
+    made = []
+    for spec in shapes:
+        shape = (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape
+        dtype = getattr(torch, spec.dtype) if spec.dtype else guessed
+        made.append(_fill(shape, dtype, fill, gen, seed, loaded.model))
+    return _pack(made)

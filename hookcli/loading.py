@@ -1,0 +1,395 @@
+"""Turn a model spec into an ``nn.Module``.
+
+A spec is a torchvision model name (``resnet50``, ``torchvision:resnet50``), an import path
+(``package.module:attr``) or a Python file (``path/to/net.py:attr``). torchvision models are always
+built with ``weights=None`` (and ``weights_backbone=None``) unless the user names weights: nothing
+downloads behind the user's back. Weights may also come from a local state-dict file.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import pickle
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli.errors import (
+    ModelImportError, ModelNotFoundError, UsageError, WeightsError, did_you_mean,
+)
+
+TORCHVISION_PREFIX = "torchvision:"
+WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
+
+
+@dataclass
+class LoadedModel:
+    """A built model plus where it came from (read by inputs.py and the report header)."""
+
+    model: nn.Module
+    spec: str  # the spec as the user gave it
+    kind: str  # "torchvision" | "import" | "file" | "instance"
+    family: str | None  # torchvision family; None for user models
+    tv_name: str | None  # canonical torchvision name
+    weights_enum: Any | None  # WeightsEnum entry for metadata/transforms only (no download)
+    weights: str | None  # what was loaded: None, "DEFAULT", "IMAGENET1K_V2", "file: PATH"
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` items; values are Python literals when they parse, else strings."""
+    result: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"bad model argument {item!r}: expected KEY=VALUE with KEY a name",
+                             hint="e.g. --model-arg num_classes=10 --model-arg dropout=0.2")
+        try:
+            result[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            result[key] = raw
+    return result
+
+
+# --------------------------------------------------------------------------- torchvision
+
+
+@lru_cache(maxsize=1)
+def _family_map() -> dict[str, str]:
+    """torchvision model name -> family, from the per-submodule model registries."""
+    import torchvision.models as tvm
+
+    modules = {"classification": tvm, "detection": tvm.detection,
+               "segmentation": tvm.segmentation, "video": tvm.video,
+               "optical_flow": tvm.optical_flow, "quantization": tvm.quantization}
+    mapping: dict[str, str] = {}
+    for family, module in modules.items():
+        for name in tvm.list_models(module=module):
+            mapping.setdefault(name, family)
+    return mapping
+
+
+def list_torchvision_models(pattern: str | None = None) -> list[tuple[str, str]]:
+    """All torchvision models as ``(name, family)``, sorted, filtered by a case-insensitive glob."""
+    rows = sorted(_family_map().items())
+    if pattern:
+        rows = [(n, f) for n, f in rows if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
+    return rows
+
+
+def _resolve_weights_name(tv_name: str, weights: str) -> Any:
+    """Map ``DEFAULT`` / ``IMAGENET1K_V2`` / ``ResNet50_Weights.IMAGENET1K_V2`` to an enum entry."""
+    import torchvision.models as tvm
+
+    enum = tvm.get_model_weights(tv_name)
+    key = weights.strip().removeprefix(enum.__name__ + ".")
+    members = enum.__members__
+    for candidate in (key, key.upper()):
+        if candidate in members:
+            return members[candidate]
+    raise WeightsError(f"unknown weights {weights!r} for {tv_name}; valid: {', '.join(members)}",
+                       hint=did_you_mean(key, members) or "e.g. --weights DEFAULT, or a file")
+
+
+def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
+                      weights: str | None) -> LoadedModel:
+    import torchvision.models as tvm
+
+    families = _family_map()
+    tv_name = name.strip().lower()
+    if tv_name not in families:
+        hint = did_you_mean(name, families)
+        if "." in name or "/" in name:
+            extra = "for a user model use 'package.module:attr' or 'path/to/file.py:attr'"
+            hint = f"{hint} ({extra})" if hint else extra
+        raise ModelNotFoundError(f"unknown torchvision model {name!r}",
+                                 hint=hint or "run 'hookcli models' to list them")
+    kwargs: dict[str, Any] = {"weights": None}
+    if "weights_backbone" in inspect.signature(tvm.get_model_builder(tv_name)).parameters:
+        kwargs["weights_backbone"] = None
+    kwargs.update(model_args)
+    try:  # the DEFAULT entry, for metadata and preset transforms; touching it downloads nothing
+        weights_enum = tvm.get_model_weights(tv_name).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        weights_enum = None
+    named: str | None = None
+    if weights is not None and not _looks_like_weights_file(weights):
+        kwargs["weights"] = weights_enum = _resolve_weights_name(tv_name, weights)
+        named = weights
+        if families[tv_name] == "quantization":  # quantized weights only fit a quantized model
+            kwargs.setdefault("quantize", True)
+    try:
+        model = tvm.get_model(tv_name, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"could not build {tv_name!r}: {type(exc).__name__}: {exc}",
+                         hint=f"check --model-arg values against torchvision.models.{tv_name}()") from exc
+    except (OSError, RuntimeError) as exc:  # urllib's URLError is an OSError
+        if named is None:
+            raise
+        raise WeightsError(f"could not download {tv_name} weights {named!r}; offline? "
+                           f"({type(exc).__name__}: {exc})",
+                           hint="download the file elsewhere and pass it with --weights FILE, "
+                           "or leave --weights out for random weights") from exc
+    loaded = named
+    if weights is not None and named is None:
+        loaded = _load_state_dict_file(model, Path(weights))
+    return LoadedModel(model, spec, "torchvision", families[tv_name], tv_name, weights_enum, loaded)
+
+
+# --------------------------------------------------------------------------- user models
+
+
+@contextmanager
+def _on_sys_path(*dirs: str) -> Iterator[None]:
+    """Put ``dirs`` at the front of sys.path for the duration of an import, then restore it."""
+    added = [d for d in dirs if d not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)
+
+
+def _import_module(module_name: str) -> Any:
+    with _on_sys_path(os.getcwd()):
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if missing and (module_name == missing or module_name.startswith(missing + ".")):
+                raise ModelNotFoundError(
+                    f"could not import {module_name!r}: {exc}",
+                    hint="check the spelling, and that the package is installed or in the "
+                    "current directory") from exc
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+                                   hint="a module it imports is missing; install it") from exc
+        except Exception as exc:
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _import_file(path_text: str) -> Any:
+    """Import a .py file under a unique module name, its folder on sys.path for sibling imports."""
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise ModelNotFoundError(f"model file not found: {path_text}", hint="give an existing .py file")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    stem = "".join(c if c.isalnum() else "_" for c in resolved.stem)
+    module_name = f"_hookcli_file_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ModelImportError(f"cannot import {path_text!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses, pickling and typing look the module up
+    try:
+        with _on_sys_path(str(resolved.parent)):
+            spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _is_module_like(value: Any) -> bool:
+    return isinstance(value, nn.Module) or (
+        isinstance(value, type) and issubclass(value, nn.Module))
+
+
+def _resolve_attr(module: Any, attr: str, where: str) -> Any:
+    """Follow a dotted attribute; a missing part gives close matches among model-like names."""
+    obj = module
+    for depth, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            owner = where if depth == 0 else f"{where}:{'.'.join(attr.split('.')[:depth])}"
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            models = [n for n in public if _is_module_like(getattr(obj, n, None))]
+            others = [n for n in public if callable(getattr(obj, n, None))]
+            hint = did_you_mean(part, models) or did_you_mean(part, others)
+            if hint is None and models:
+                hint = "nn.Module classes there: " + ", ".join(models[:10])
+            raise ModelNotFoundError(f"{owner!r} has no attribute {part!r}", hint=hint)
+        obj = getattr(obj, part)
+    return obj
+
+
+def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
+    """Instantiate a class / call a factory with ``model_args``, or take an instance as is."""
+    if isinstance(obj, nn.Module):
+        if model_args:
+            raise UsageError(f"{label!r} is an already-built model instance; --model-arg "
+                             "cannot apply", hint="point the spec at the class or a factory")
+        return obj
+    if not callable(obj):
+        raise ModelImportError(
+            f"{label!r} is a {type(obj).__name__}, not an nn.Module class, factory or instance")
+    try:
+        result = obj(**model_args)
+    except Exception as exc:
+        hint = None
+        if isinstance(exc, TypeError):
+            hint = "pass arguments with --model-arg KEY=VALUE"
+            try:
+                hint = f"signature: {getattr(obj, '__name__', label)}{inspect.signature(obj)}; {hint}"
+            except (TypeError, ValueError):
+                pass
+        raise ModelImportError(f"building {label!r} failed: {type(exc).__name__}: {exc}",
+                               hint=hint) from exc
+    if not isinstance(result, nn.Module):
+        raise ModelImportError(f"{label!r} returned a {type(result).__name__}, not an nn.Module")
+    return result
+
+
+def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
+               weights: str | None) -> LoadedModel:
+    is_file = target.endswith(".py")
+    if not attr or not target:
+        example = "path/to/net.py:Net" if is_file else "package.module:Net"
+        raise UsageError(f"model spec {spec!r} needs both a module and an attribute",
+                         hint=f"e.g. {example}")
+    module = _import_file(target) if is_file else _import_module(target)
+    model = _build(_resolve_attr(module, attr, target), spec, model_args)
+    loaded: str | None = None
+    if weights is not None:
+        if not _looks_like_weights_file(weights):
+            raise UsageError(
+                f"--weights {weights!r} is not a file; weight names apply only to torchvision "
+                "models", hint="pass a state-dict file (.pt, .pth, .bin, .safetensors, .ckpt)")
+        loaded = _load_state_dict_file(model, Path(weights))
+    return LoadedModel(model, spec, "file" if is_file else "import", None, None, None, loaded)
+
+
+# --------------------------------------------------------------------------- weights files
+
+
+def _looks_like_weights_file(weights: str) -> bool:
+    """A path (existing, with a weights suffix, or with a slash) rather than a weights name."""
+    return (os.path.isfile(weights) or weights.lower().endswith(WEIGHT_FILE_SUFFIXES)
+            or "/" in weights or os.sep in weights)
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read a state dict (safetensors, or torch.load with weights_only) from a file."""
+    if not path.is_file():
+        raise WeightsError(f"weights file not found: {path}")
+    if path.suffix.lower() == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError as exc:
+            raise WeightsError(f"reading {path} needs the safetensors package",
+                               hint="pip install safetensors") from exc
+        try:
+            return dict(load_file(str(path), device="cpu"))
+        except Exception as exc:
+            raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise WeightsError(f"{path} holds non-tensor Python objects that weights_only loading "
+                           "refuses", hint="re-save it with torch.save(model.state_dict(), PATH)") from exc
+    except Exception as exc:
+        raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+    if _is_tensor_dict(obj):
+        return dict(obj)
+    if isinstance(obj, Mapping):
+        for key in ("state_dict", "model"):
+            if _is_tensor_dict(obj.get(key)):
+                return dict(obj[key])
+        raise WeightsError(
+            f"{path} is a dict but not a state dict (keys: {', '.join(map(repr, list(obj)[:8]))})",
+            hint="expected name -> tensor, or a checkpoint with a 'state_dict' or 'model' entry")
+    raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict",
+                       hint="save weights with torch.save(model.state_dict(), PATH)")
+
+
+def _few(keys: Sequence[str], n: int = 5) -> str:
+    return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def _load_state_dict_file(model: nn.Module, path: Path) -> str:
+    """Load a state-dict file into ``model`` (strict, checked first so nothing half-loads)."""
+    sd = _read_state_dict(path)
+    own = model.state_dict()
+    prefix = "module."  # saved from DataParallel / DistributedDataParallel
+    if all(k.startswith(prefix) for k in sd) and not all(k.startswith(prefix) for k in own):
+        sd = {k[len(prefix):]: v for k, v in sd.items()}
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    wrong = [f"{k} {list(sd[k].shape)} vs {list(own[k].shape)}"
+             for k in own if k in sd and sd[k].shape != own[k].shape]
+    problems = [f"{what}: {_few(keys)}" for what, keys in (
+        ("missing keys", missing), ("unexpected keys", unexpected),
+        ("shape mismatch (file vs model)", wrong)) if keys]
+    if problems:
+        raise WeightsError(f"weights in {path} do not fit {type(model).__name__}: " + "; ".join(problems),
+                           hint="are these weights for this model (and the same --model-arg values)?")
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as exc:
+        raise WeightsError(f"loading {path} failed: {exc}") from exc
+    return f"file: {path}"
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
+               weights: str | None = None) -> LoadedModel:
+    """Build the model a spec names, with random weights unless ``weights`` says otherwise.
+
+    ``weights`` is a state-dict file (any model) or a torchvision weights name such as ``DEFAULT``
+    (torchvision models only; that one downloads, and fails with a WeightsError when offline).
+    """
+    args = dict(model_args or {})
+    text = spec.strip()
+    if not text:
+        raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
+    if text.lower().startswith(TORCHVISION_PREFIX):
+        return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights)
+    if ":" not in text and not text.endswith(".py"):
+        return _load_torchvision(spec, text, args, weights)
+    if ":" not in text:
+        raise UsageError(f"model spec {spec!r} names a file but no attribute",
+                         hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
+    target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
+    return _load_user(spec, target.strip(), attr.strip(), args, weights)
+
+
+def _torchvision_family_of(model: nn.Module) -> str | None:
+    """The torchvision family of an instance of a torchvision model class, else None."""
+    parts = type(model).__module__.split(".")
+    if parts[:2] != ["torchvision", "models"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in FAMILIES else "classification"
+
+
+def from_instance(model: nn.Module, spec: str | None = None) -> LoadedModel:
+    """Wrap an already-built module (Python API).
+
+    Instances of torchvision model classes get their family (so default inputs fit a detection
+    model, say); ``tv_name`` and ``weights_enum`` stay None because one class covers many names.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"expected an nn.Module, got {type(model).__name__}")
+    return LoadedModel(model, spec if spec is not None else type(model).__name__, "instance",
+                       _torchvision_family_of(model), None, None, None)
