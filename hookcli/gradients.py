@@ -19,7 +19,7 @@ from torch import nn
 from hookcli.errors import ModelRaisedError, UsageError
 from hookcli.hooks import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.recorders import gradient_stats, iter_tensors, reduce_tensor, shape_of
+from hookcli.recorders import gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
 
@@ -169,7 +169,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                 g = grads.get(id(p))
                 g_slot = None
                 if g is not None:
-                    extra.append(reduce_tensor(g))
+                    extra.append(session.reducer.reduce(g, zeros=False))
                     g_slot = len(extra) - 1
                 extra.append(torch.linalg.vector_norm(p.detach(), dtype=torch.float64).reshape(1))
                 n_slot = len(extra) - 1

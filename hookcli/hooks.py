@@ -26,7 +26,7 @@ from hookcli.recorders import (
     gradient_stats,
     is_float,
     iter_tensors,
-    reduce_tensor,
+    Reducer,
     shape_of,
     to_host,
 )
@@ -44,6 +44,7 @@ class HookOptions:
     grads: bool = False
     input_grads: bool = False
     keep: KeepFn | None = None
+    flops: bool = False
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Call:
     input_grads: list[torch.Tensor | None] | None = None
     raised: bool = False
     finished: bool = False
+    flops: int = 0
 
 
 class HookSession:
@@ -79,6 +81,14 @@ class HookSession:
         self._counts: dict[str, int] = {}
         #: The call whose output gradient arrived last: when backward raises, it ran that call's backward.
         self.last_grad_call: _Call | None = None
+        #: Calls whose forward is running now, outermost first (for FLOP attribution).
+        self.active: list[_Call] = []
+        self.reducer = Reducer()
+
+    def add_flops(self, flops: int) -> None:
+        """Attribute ``flops`` to every selected call that is running (parents include children)."""
+        for call in self.active:
+            call.flops += flops
 
     # -- hooks -----------------------------------------------------------------------------------
     def pre_hook(self, name: str) -> Callable[..., None]:
@@ -101,6 +111,7 @@ class HookSession:
                         tensor.register_hook(self._input_grad_hook(call, position))
             self.calls.append(call)
             self._open.setdefault(name, []).append(call)
+            self.active.append(call)
 
         return hook
 
@@ -111,6 +122,10 @@ class HookSession:
                 return
             call = stack.pop()
             call.finished = True
+            if self.active and self.active[-1] is call:
+                self.active.pop()
+            elif call in self.active:
+                self.active.remove(call)
             if output is None and sys.exc_info()[1] is not None:
                 call.raised = True  # always_call path: forward raised
                 return
@@ -124,7 +139,7 @@ class HookSession:
             entry = _Tensor(path=path, shape=shape_of(tensor), dtype=dtype_name(tensor.dtype))
             floating = is_float(tensor)
             if options.stats and floating and tensor.device.type != "meta":
-                entry.stats = reduce_tensor(tensor)
+                entry.stats = self.reducer.reduce(tensor)
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 tensor.register_hook(self._output_grad_hook(call, entry))
@@ -134,16 +149,15 @@ class HookSession:
 
     def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            entry.grad = reduce_tensor(grad)
+            entry.grad = self.reducer.reduce(grad, zeros=False)
             self.last_grad_call = call
 
         return hook
 
-    @staticmethod
-    def _input_grad_hook(call: _Call, position: int) -> Callable[[torch.Tensor], None]:
+    def _input_grad_hook(self, call: _Call, position: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             assert call.input_grads is not None
-            call.input_grads[position] = reduce_tensor(grad)
+            call.input_grads[position] = self.reducer.reduce(grad, zeros=False)
 
         return hook
 
@@ -185,6 +199,7 @@ class HookSession:
                 calls=self._counts.get(call.name, 1),
                 input_shapes=call.input_shapes,
                 params=params_by_name.get(call.name, 0),
+                flops=call.flops if self.options.flops else None,
             )
             grad_input = None
             if call.input_grads is not None:
