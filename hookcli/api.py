@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -23,7 +24,17 @@ from hookcli.inputs import ModelInputs, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.recorders import iter_tensors, shape_of
-from hookcli.records import FailureInfo, ModelInfo, ModelList, ModuleRow, ModuleTree, Report
+from hookcli.records import (
+    CheckResult,
+    FailureInfo,
+    FeatureExport,
+    FeatureMaps,
+    ModelInfo,
+    ModelList,
+    ModuleRow,
+    ModuleTree,
+    Report,
+)
 from hookcli.selection import module_depth, select_modules
 from hookcli.state import model_device, preserved
 
@@ -244,7 +255,8 @@ def models(pattern: str | None = None) -> ModelList:
     return ModelList(pattern=pattern, models=[{"name": n, "family": f} for n, f in listed], version=__version__)
 
 
-__all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "prepare", "forward_report"]
+__all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "prepare",
+           "forward_report", "check", "run_check", "check_rules"]
 
 
 def grads(model: Any = None, **options: Any) -> Report:
@@ -258,3 +270,77 @@ def grads(model: Any = None, **options: Any) -> Report:
 
     opts = _options(model, options)
     return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+
+
+def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: str | os.PathLike[str] | None = None,
+          baseline: str | os.PathLike[str] | None = None, **options: Any) -> CheckResult:
+    """The CI sanity gate: forward and backward once, then the rules of ``[checks]``; a CheckResult.
+
+    ``config``: a hookcli TOML file (or a pyproject.toml with ``[tool.hookcli]``) giving option
+    defaults and the ``[checks]`` table (the API never reads ./pyproject.toml on its own);
+    ``checks``: rule entries as a dict, e.g. ``{"output_shape": [2, 10], "grad_norm": {"max": 1e3}}``,
+    replacing the config's entries of the same rules; ``baseline``: a saved JSON report to compare
+    with; ``options``: ``RunOptions`` fields (``input_shapes``, ``layers``, ``device``, ``params``...).
+    Every module is hooked and every parameter checked unless options narrow it; the model runs in
+    train mode (``train=False`` for eval), seeded with ``seed``. The model raising
+    is a failed ``runs`` rule (``result.ok`` is False), never an exception; bad rules or options raise
+    ConfigError/UsageError. The model you pass is handed back unchanged (params_change steps a copy).
+
+    >>> result = hookcli.check(model, input_shapes=["2x3x32x32"], checks={"output_shape": [2, 10]})
+    >>> assert result.ok, result
+    """
+    from hookcli.checkrun import api_check
+
+    return api_check(model, checks=checks, config=config, baseline=baseline, options=options)
+
+
+def run_check(options: RunOptions, rules: Any) -> CheckResult:
+    """``check`` with validated pieces (the CLI): RunOptions and ``hookcli.checkrun.check_rules(...)``."""
+    from hookcli.checkrun import run_check as run
+
+    return run(options, rules)
+
+
+def check_rules(config: Any, *, baseline: str | os.PathLike[str] | None = None) -> Any:
+    """The validated rules of a loaded Config (its ``[checks]`` table) plus a ``baseline`` file."""
+    from hookcli.checkrun import check_rules as rules
+
+    return rules(config, baseline=baseline)
+
+
+def features(model: Any = None, *, output: str | os.PathLike[str] | None = None, progress: bool | None = None,
+             **options: Any) -> FeatureExport:
+    """Keep the outputs of the selected modules: one entry per call and output tensor.
+
+    Entries are named like the report's rows (``layer4``, ``layer1.0.relu#1``, ``split[0]``). With
+    ``output`` (``.safetensors``, ``.pt``/``.pth`` or ``.npz``; checked before the model is built) they
+    are saved there, atomically, with metadata. The result lists them; ``result.tensors`` holds the
+    tensors themselves (CPU), also without ``output``. A folder of images runs in batches of
+    ``batch_size`` (default 32), with a progress bar on stderr when ``progress`` (default: stderr is
+    a terminal).
+
+    >>> hookcli.features("resnet18", layers="layer4,avgpool", output="feats.safetensors")
+    """
+    from hookcli.feature_export import run_features
+
+    return run_features(_options(model, options), output=output, progress=progress)
+
+
+def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
+          channels: int | str | Sequence[int] | None = None, sample: int = 0, call: int = 0,
+          output_key: str | None = None, scale: int | None = None, **options: Any) -> FeatureMaps:
+    """Draw one module's output channels as a grid (a bar strip for a (batch, features) output).
+
+    ``channels``: the first N (default 64), ``"all"``, or indices (``[0, 5, 7]``, ``"0-15"``);
+    ``sample``: the batch item; ``call``: which call of a reused module; ``output_key``: which tensor
+    of a tuple/dict output; ``scale``: tile upscaling (default: tiles of at least 32 px). With
+    ``output`` (``.png``) the image is written atomically; ``result.image`` is the uint8 (1, H, W)
+    tensor. The result has per-channel min/max/mean and a status (``dead``, ``constant``, ...).
+
+    >>> hookcli.fmaps("resnet18", layer="conv1", inputs=["photo.jpg"], output="conv1.png")
+    """
+    from hookcli.feature_maps import FmapOptions, run_fmaps
+
+    spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
+                       scale=scale)
+    return run_fmaps(_options(model, options), spec, output=output)

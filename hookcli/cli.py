@@ -17,7 +17,7 @@ from click.core import ParameterSource
 
 from hookcli._version import __version__
 from hookcli.config import FORMATS
-from hookcli.errors import HookcliError, ModelRaisedError, UsageError
+from hookcli.errors import CheckFailedError, HookcliError, ModelRaisedError, UsageError
 
 _META_OUTPUT = "hookcli.output"
 _META_DEBUG = "hookcli.debug"
@@ -55,7 +55,8 @@ input_options = _compose(
                  help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; repeat for several inputs."),
     click.option("--input", "input_files", multiple=True, metavar="FILE",
                  help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable."),
-    click.option("--batch-size", type=click.IntRange(min=1), help="Batch size of the dummy input."),
+    click.option("--batch-size", type=click.IntRange(min=1),
+                 help="Batch size of the dummy input (features: images per batch from --input, default 32)."),
     click.option("--fill", type=click.Choice(["randn", "rand", "ones", "zeros"]), default="randn",
                  show_default=True, help="How the dummy input is filled."),
     click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the dummy input."),
@@ -101,6 +102,45 @@ grad_options = _compose(
     click.option("--input-grads", is_flag=True, help="Also report gradients w.r.t. each module's inputs."),
 )
 """How the loss and the backward pass are made."""
+
+check_options = _compose(
+    click.option("--junit", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Also write a JUnit XML report (one testcase per rule) to FILE, atomically."),
+    click.option("--github/--no-github", "github", default=None,
+                 help="GitHub Actions annotations on stderr (default: on when GITHUB_ACTIONS=true)."),
+    click.option("--baseline", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Compare with a saved JSON report (hookcli shapes MODEL -f json -o FILE)."),
+)
+"""CI outputs of ``check`` (rules and thresholds come from the config's [checks] table)."""
+
+
+def file_output_options(help_text: str) -> Callable[[F], F]:
+    """``--output FILE`` (required) for commands that write a file of their own (features, fmaps);
+    their result table goes to stdout in ``--format``."""
+    return _compose(
+        click.option("--output", "-o", "save_to", required=True, type=click.Path(dir_okay=False),
+                     metavar="FILE", help=help_text),
+        click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+                     help="Format of the summary printed to stdout."),
+        click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
+                     help="Show tracebacks of errors."),
+    )
+
+
+fmap_options = _compose(
+    click.option("--layer", required=True, metavar="NAME", help="The module whose output is drawn, e.g. conv1."),
+    click.option("--channels", metavar="N|LIST", default="64", show_default=True,
+                 help="The first N channels, 'all', or indices like 0,5,7 or 0-15 (one index: '5,')."),
+    click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Which item of the batch."),
+    click.option("--call", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Which call of a module the forward pass calls more than once."),
+    click.option("--output-key", "tensor_key", metavar="KEY",
+                 help="Which tensor of a tuple/dict output, e.g. 0 or out."),
+    click.option("--scale", type=click.IntRange(min=1), metavar="N",
+                 help="Upscale each tile N times (default: so tiles are at least 32 px)."),
+)
+"""Which output of which module ``fmaps`` draws, and how."""
 
 # Config keys that do not share their CLI parameter's name.
 _CONFIG_TO_PARAM = {"input": "input_files", "all": "all_modules", "format": "fmt"}
@@ -313,6 +353,53 @@ def grads(**values: Any) -> None:
 
 @main.command()
 @model_options
+@input_options
+@selection_options
+@run_options
+@grad_options
+@check_options
+@output_options
+def check(**values: Any) -> None:
+    """The CI gate: forward and backward once, then the [checks] rules; exit 1 when an error rule fails.
+
+    \b
+    Rules (finite, output_shape, max_abs_activation, max_zero_fraction, dead_channels, grad_norm,
+    params_change, baseline) and thresholds come from [checks] in --config FILE or [tool.hookcli.checks]
+    in ./pyproject.toml. Every module is hooked and every parameter checked unless --layers, --types,
+    --depth or --params narrow it; the model runs in train mode (as in training) unless --eval.
+    """
+    ctx, values = _start(values)
+    from hookcli import api, ci
+    from hookcli.output import ensure_writable
+
+    rules = api.check_rules(values["_config"], baseline=values["baseline"])
+    if values["junit"]:
+        ensure_writable(values["junit"])
+    result = api.run_check(_run_options(ctx, values), rules)
+    _emit(result, fmt=values["fmt"], output=values["output"])
+    ci.publish(result, junit=values["junit"], github=values["github"])
+    if not result.ok:
+        raise CheckFailedError(result.headline(), result=result) from result.cause
+
+
+def _command_defaults(command: click.Command, defaults: dict[str, tuple[Any, str]]) -> None:
+    """Give one command its own defaults (and help) for options of a shared bundle; every command
+    owns its Option objects, so the other commands keep theirs."""
+    for param in command.params:
+        if param.name in defaults and isinstance(param, click.Option):
+            param.default, param.help = defaults[param.name]
+
+
+# The gate sees every parameter, and the model as its first training step sees it (BatchNorm batch
+# statistics); a config's ``mode`` and the command line still win.
+_command_defaults(check, {
+    "params": ("all", "Parameters the rules check: all, of the selected modules, or none."),
+    "train": (True, "Run in training (default for check) or eval mode."),
+})
+
+
+@main.command()
+@model_options
 @output_options
 def modules(**values: Any) -> None:
     """The model's module tree (names, types, parameters) to choose --layers from."""
@@ -335,6 +422,36 @@ def models(pattern: str | None, **values: Any) -> None:
     from hookcli import api
 
     _emit(api.models(pattern), fmt=values["fmt"], output=values["output"])
+
+
+@main.command()
+@model_options
+@input_options
+@selection_options
+@run_options
+@file_output_options("File to save the tensors to: .safetensors, .pt or .npz (by extension).")
+def features(**values: Any) -> None:
+    """Save the outputs of the selected modules (every call, every tensor) to a tensor file."""
+    ctx, values = _start(values)
+    from hookcli.feature_export import run_features
+
+    _emit(run_features(_run_options(ctx, values), output=values["save_to"]), fmt=values["fmt"], output=None)
+
+
+@main.command()
+@model_options
+@input_options
+@fmap_options
+@run_options
+@file_output_options("PNG file to draw the feature maps to.")
+def fmaps(**values: Any) -> None:
+    """Draw one module's output channels as a grid of feature maps (PNG)."""
+    ctx, values = _start(values)
+    from hookcli.feature_maps import FmapOptions, run_fmaps
+
+    fmap = FmapOptions(layer=values["layer"], channels=values["channels"], sample=values["sample"],
+                       call=values["call"], output_key=values["tensor_key"], scale=values["scale"])
+    _emit(run_fmaps(_run_options(ctx, values), fmap, output=values["save_to"]), fmt=values["fmt"], output=None)
 
 
 if __name__ == "__main__":  # pragma: no cover

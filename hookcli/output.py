@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from hookcli.errors import OutputError
@@ -116,3 +117,42 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path next to ``path`` for writers that want a file name (``torch.save``,
+    ``safetensors.torch.save_file``); renamed over ``path`` when the block succeeds.
+
+    >>> with atomic_path("feats.safetensors") as tmp:
+    ...     save_file(tensors, tmp)
+
+    Same guarantees as :func:`write_atomic`: readers see the old file or the complete new one, the
+    new file gets the usual permissions, and when the block raises the temporary file is removed
+    (an OSError becomes OutputError; other exceptions propagate unchanged).
+    """
+    target = ensure_writable(path)
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as exc:
+        raise OutputError(_describe(path, exc)) from exc
+    done = False
+    try:
+        yield Path(tmp_name)
+        try:
+            mode = _new_file_mode(target)
+            with open(tmp_name, "rb+") as tmp:
+                os.fsync(tmp.fileno())
+            os.chmod(tmp_name, mode)
+            os.replace(tmp_name, target)
+        except OSError as exc:
+            raise OutputError(_describe(path, exc)) from exc
+        done = True
+    except OSError as exc:
+        raise OutputError(_describe(path, exc)) from exc
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+    _fsync_dir(target.parent)

@@ -56,8 +56,8 @@ class Column(Generic[R]):
 
 
 def report_kind(report: Report) -> ReportKind:
-    """``shapes`` (also ``features``), ``grads``, or ``stats`` for every other command."""
-    if report.command in ("shapes", "features"):
+    """``shapes`` (also ``features`` and ``fmaps``), ``grads``, or ``stats`` for every other command."""
+    if report.command in ("shapes", "features", "fmaps"):
         return "shapes"
     if report.command == "grads":
         return "grads"

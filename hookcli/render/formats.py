@@ -12,10 +12,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, TypeAlias, Union
 
 from hookcli.errors import OutputError, did_you_mean
-from hookcli.records import InputInfo, LayerRecord, ModelList, ModuleTree, Report
+from hookcli.records import (
+    CheckResult,
+    FeatureExport,
+    FeatureMaps,
+    InputInfo,
+    LayerRecord,
+    ModelList,
+    ModuleTree,
+    Report,
+)
 
 #: Anything a renderer accepts.
-Renderable: TypeAlias = Union[Report, ModuleTree, ModelList]  # noqa: UP007
+Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult]  # noqa: UP007
 
 
 class OutputFormat(str, enum.Enum):

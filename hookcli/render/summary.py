@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hookcli.records import FailureInfo, InputInfo, ModelInfo, ModelList, ModuleTree, Report
+from hookcli.records import (
+    FailureInfo,
+    FeatureExport,
+    FeatureMaps,
+    InputInfo,
+    ModelInfo,
+    ModelList,
+    ModuleTree,
+    Report,
+)
+from hookcli.render import exports
 from hookcli.render.columns import report_kind
 from hookcli.render.formats import (
     Renderable,
@@ -65,6 +75,8 @@ def header_lines(report: Renderable) -> list[Line]:
         return [_model_parts(report.model)]
     parts = _model_parts(report.model) + [_input_part(i) for i in report.inputs]
     lines = [[p for p in [*parts, report.device, report.mode] if p]]
+    if isinstance(report, (FeatureExport, FeatureMaps)):
+        return lines
     if report.loss is not None:
         lines.append([format_loss(report.loss)])
     return lines
@@ -72,7 +84,7 @@ def header_lines(report: Renderable) -> list[Line]:
 
 def notes(report: Renderable) -> list[str]:
     """The report's notes (printed dim under the header)."""
-    return [plain(n) for n in report.notes] if isinstance(report, Report) else []
+    return [plain(n) for n in report.notes] if isinstance(report, (Report, FeatureExport, FeatureMaps)) else []
 
 
 def pack(parts: Line, width: int) -> list[str]:
@@ -135,6 +147,8 @@ def footer_lines(report: Renderable) -> list[Line]:
         return [[f"Total params: {format_count(report.model.params)}",
                  f"Trainable: {format_count(report.model.trainable_params)}",
                  _plural(len(report.modules), "module")]]
+    if isinstance(report, (FeatureExport, FeatureMaps)):
+        return exports.footer_lines(report)
     kind = report_kind(report)
     if kind == "shapes":
         return [_shapes_footer(report)]

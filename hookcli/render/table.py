@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hookcli.records import ModelList, ModuleTree, Report
-from hookcli.render import summary
+from hookcli.records import CheckResult, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.render import checks, exports, summary
 from hookcli.render.columns import (
     Cell,
     Column,
@@ -165,6 +165,8 @@ class TableRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as text, ``width`` columns wide (default 120)."""
+        if isinstance(report, CheckResult):
+            return checks.render_table(report, width=width, color=color)
         console = make_console(width, color)
         for parts in summary.header_lines(report):
             for line in summary.pack(parts, console.width):
@@ -192,6 +194,9 @@ class TableRenderer:
             return [build_table(name, model_list_columns(), report.models, width=width)]
         if isinstance(report, ModuleTree):
             return [build_table(name, module_columns(), report.modules, width=width)]
+        if isinstance(report, (FeatureExport, FeatureMaps)):
+            return [build_table(title, cols, rows, width=width)
+                    for title, cols, rows in exports.table_sections(report)]
         tables = [build_table(name, layer_columns(report), report.layers,
                               lambda r: layer_row_style(report, r), width)]
         if report.params:

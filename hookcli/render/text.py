@@ -7,8 +7,8 @@ import io
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from hookcli.records import ModelList, ModuleTree, Report
-from hookcli.render import summary
+from hookcli.records import CheckResult, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.render import checks, exports, summary
 from hookcli.render.columns import (
     Column,
     csv_columns,
@@ -57,12 +57,17 @@ class CsvRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as CSV text."""
+        if isinstance(report, CheckResult):
+            return checks.render_csv(report)
         if isinstance(report, ModelList):
             cols: Sequence[Column[Any]] = model_list_columns()
             return self._write(_union(cols), _rows(cols, report.models))
         if isinstance(report, ModuleTree):
             cols = module_columns()
             return self._write(_union(cols), _rows(cols, report.modules))
+        if isinstance(report, (FeatureExport, FeatureMaps)):
+            cols, records = exports.csv_section(report)
+            return self._write(_union(cols), _rows(cols, records))
         layer_cols = layer_columns(report)
         rows = _rows(layer_cols, report.layers)
         if report.params:
@@ -107,6 +112,8 @@ class MarkdownRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as GitHub-flavoured Markdown."""
+        if isinstance(report, CheckResult):
+            return checks.render_markdown(report)
         blocks: list[list[str]] = [[f"### {summary.heading(report)}"]]
         blocks += [[summary.SEP.join(line)] for line in summary.header_lines(report)]
         note_lines = summary.notes(report)
@@ -116,6 +123,11 @@ class MarkdownRenderer:
             blocks.append(md_table(model_list_columns(), report.models))
         elif isinstance(report, ModuleTree):
             blocks.append(md_table(module_columns(), report.modules))
+        elif isinstance(report, (FeatureExport, FeatureMaps)):
+            for title, cols, records in exports.table_sections(report):
+                if title != report.command:
+                    blocks.append([f"#### {title}"])
+                blocks.append(md_table(cols, records))
         else:
             blocks.append(md_table(layer_columns(report), report.layers))
             if report.params:

@@ -1,0 +1,244 @@
+"""Run ``hookcli check``: forward, loss and backward once with hooks on every module, then the rules.
+
+What the engine's Report does not hold is measured here, on the device, with one host transfer:
+the order in which module calls *finish* (so the finite rule can name the first layer that made a
+NaN), the model's output shapes, and per-channel dead counts for the ``dead_channels`` rule. The
+``params_change`` rule steps a ``copy.deepcopy`` of the model with SGD: the user's model is never
+stepped. Rules themselves are evaluated on plain data in ``hookcli.rules``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli import api
+from hookcli._version import __version__
+from hookcli.checks import CheckRules, RuleConfig, parse_checks
+from hookcli.config import Config, load_config
+from hookcli.errors import ConfigError, ModelRaisedError
+from hookcli.gradients import backward_report, build_loss
+from hookcli.options import RunOptions
+from hookcli.recorders import dtype_name, iter_tensors, shape_of, to_host
+from hookcli.records import CheckResult
+from hookcli.rules import Observations, evaluate, load_baseline
+
+
+class Probe:
+    """Forward hooks of the check run: completion order, output shapes, dead channels (on device)."""
+
+    def __init__(self, channel_dim: Callable[[str], int] | None) -> None:
+        self.channel_dim = channel_dim
+        self.order: dict[tuple[str, int], int] = {}
+        self._calls: dict[str, int] = {}
+        self._channels: list[tuple[tuple[str, int, str], int, int, torch.Tensor]] = []
+        self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
+
+    def layer_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self.order[(name, call)] = len(self.order)
+            if self.channel_dim is not None:
+                self._dead_channels(name, call, output, self.channel_dim(name))
+
+        return hook
+
+    def _dead_channels(self, name: str, call: int, output: Any, dim: int) -> None:
+        for path, t in iter_tensors(output):
+            if not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
+                continue
+            d = dim + t.dim() if dim < 0 else dim
+            if not 0 <= d < t.dim() or t.shape[d] == 0:
+                continue
+            x = t.detach()
+            peak = x.abs().amax(dim=[i for i in range(x.dim()) if i != d])  # per channel, on device
+            channels = int(t.shape[d])
+            self._channels.append(((name, call, path), channels, t.numel() // channels, (peak == 0).sum()))
+
+    def root_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._outputs = []
+        for path, t in iter_tensors(output):
+            bad = None
+            if t.is_floating_point() and t.device.type != "meta":
+                bad = t.numel() - torch.isfinite(t.detach()).sum()
+            self._outputs.append((path, shape_of(t), dtype_name(t.dtype), bad))
+
+    @contextmanager
+    def attached(self, model: nn.Module, selection: list[tuple[str, nn.Module]]) -> Iterator[Probe]:
+        handles = [model.register_forward_hook(self.root_hook)]
+        seen: set[int] = set()
+        try:
+            for name, module in selection:
+                if id(module) not in seen:  # hooked once, under its first name (as hooks.attach does)
+                    seen.add(id(module))
+                    handles.append(module.register_forward_hook(self.layer_hook(name)))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def fill(self, obs: Observations) -> None:
+        """Move every measurement to the host in one transfer and store it in ``obs``."""
+        vectors = [v.reshape(1).to(torch.float64) for *_, v in self._channels]
+        vectors += [b.reshape(1).to(torch.float64) for *_, b in self._outputs if b is not None]
+        host = iter(row[0] for row in to_host(vectors))
+        obs.order = dict(self.order)
+        obs.channels = {key: (int(next(host)), channels, per) for key, channels, per, _ in self._channels}
+        obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
+                        "nonfinite": int(next(host)) if bad is not None else 0}
+                       for path, shape, dtype, bad in self._outputs]
+
+
+def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tuple[dict[str, float | None] | None, str | None]:
+    """Step a deep copy of the model with SGD; the largest absolute change of each named parameter.
+
+    Returns ``(changes, None)``, ``(None, None)`` when no parameter is trainable, or ``(None, why)``
+    when the copy or its step fails. The user's model is only read (by ``copy.deepcopy``).
+    """
+    opts = prep.options
+    try:
+        clone = copy.deepcopy(prep.loaded.model)
+    except Exception as exc:  # noqa: BLE001 - any failure to copy is reported as the rule's failure
+        return None, (f"cannot deep-copy the model ({type(exc).__name__}: {exc}); params_change steps a copy so "
+                      "that your model is never modified: disable it with [checks.params_change] enabled = false")
+    params = dict(clone.named_parameters())
+    tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
+    if not tracked:
+        return None, None
+    with api.running(replace(prep, loaded=replace(prep.loaded, model=clone))) as (model, args, kwargs):
+        before = [p.detach().clone() for _, p in tracked]
+        optimizer = torch.optim.SGD([p for _, p in tracked], lr=rule["lr"])
+        try:
+            for _ in range(rule["steps"]):
+                optimizer.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    output = model(*args, **kwargs)
+                    loss = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
+                    loss.value.backward()
+                optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
+            return None, f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
+        with torch.no_grad():
+            deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) for (_, p), b in zip(tracked, before)]
+        values = to_host([d.to(torch.float64) for d in deltas])
+        return {n: (v[0] if p.grad is not None else None) for (n, p), v in zip(tracked, values)}, None
+
+
+@contextmanager
+def seeded(prep: api.Prepared) -> Iterator[None]:
+    """Seed dropout & co. with ``--seed`` in a forked RNG: a train-mode check gives the same verdict
+    on every run, and the caller's RNG state is left as it was."""
+    device = torch.device(prep.options.device) if prep.options.device else None
+    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(prep.options.seed)
+        yield
+
+
+def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
+    """Forward and backward once, the extra measurements, the SGD step on a copy, then the rules.
+
+    Every module is hooked unless ``layers``/``types``/``depth`` choose some; the run is seeded with
+    ``options.seed`` (dropout masks are reproducible). A model that raises
+    gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
+    or rules raise UsageError/ConfigError before anything runs.
+    """
+    opts = options
+    if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
+        opts = replace(opts, all_modules=True)
+    base_rule = rules.get("baseline")
+    obs = Observations(baseline=load_baseline(base_rule["file"], rules.source) if base_rule else None)
+    prep = api.prepare(opts, default_batch=2)
+    dead = rules.get("dead_channels")
+    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
+    cause: BaseException | None = None
+    with seeded(prep), probe.attached(prep.loaded.model, prep.selection):
+        try:
+            report = backward_report(prep, "check", stats=True)
+        except ModelRaisedError as exc:
+            if exc.report is None:
+                raise
+            report, cause = exc.report, exc
+    probe.fill(obs)
+    change_rule = rules.get("params_change")
+    if report.failure is None and change_rule is not None and report.params is not None:
+        names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
+        with seeded(prep):  # the copy sees the same dropout masks as the checked run
+            obs.changes, obs.change_error = params_change(prep, names, change_rule)
+    results, notes = evaluate(rules, report, obs)
+    source = rules.source if rules.source != "checks" else None
+    return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause)
+
+
+# --------------------------------------------------------------------------- setup (CLI and API)
+
+#: Config keys -> RunOptions fields (the Python API reads a config like the CLI does).
+_CONFIG_FIELDS = {
+    "model": "model", "weights": "weights", "model_args": "model_args", "input_shape": "input_shapes",
+    "input": "inputs", "batch_size": "batch_size", "fill": "fill", "seed": "seed", "layers": "layers",
+    "types": "types", "depth": "depth", "all": "all_modules", "device": "device", "dtype": "dtype",
+}
+
+
+def options_from_config(config: Config) -> dict[str, Any]:
+    """RunOptions fields from a config's option keys (``mode`` -> ``train``)."""
+    from hookcli.loading import parse_model_args
+
+    fields: dict[str, Any] = {}
+    for key, value in config.values.items():
+        if key in _CONFIG_FIELDS:
+            fields[_CONFIG_FIELDS[key]] = value
+    if isinstance(fields.get("model_args"), list):
+        fields["model_args"] = parse_model_args(fields["model_args"])
+    if "mode" in config.values:
+        fields["train"] = config.values["mode"] == "train"
+    if "model" in fields:
+        fields["model_source"] = config.origin
+    return fields
+
+
+def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = None,
+                baseline: str | os.PathLike[str] | None = None) -> CheckRules:
+    """The validated rules: the config's ``[checks]``, rule entries of ``checks`` over them, and a
+    ``baseline`` file (relative to the working directory) over both."""
+    table: dict[str, Any] = dict(config.checks) if config is not None else {}
+    source: str | None = os.fspath(config.path) if config is not None and config.path is not None else None
+    section = "tool.hookcli.checks" if config is not None and config.path is not None and (
+        config.path.name == "pyproject.toml") else "checks"
+    if checks is not None:
+        if not isinstance(checks, Mapping):
+            raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}")
+        parse_checks(checks, source="checks")  # errors name the dict, not the file
+        table.update(checks)
+    if baseline is not None:
+        entry = table.get("baseline")
+        entry = dict(entry) if isinstance(entry, dict) else {}
+        table["baseline"] = {**entry, "enabled": True, "file": str(Path(os.fspath(baseline)).resolve())}
+    base_dir = config.path.parent if config is not None and config.path is not None else None
+    return parse_checks(table, source=source, base_dir=base_dir, section=section)
+
+
+def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.PathLike[str] | None,
+              baseline: str | os.PathLike[str] | None, options: dict[str, Any]) -> CheckResult:
+    """``hookcli.check``: options from ``config`` (if given), keyword options over them."""
+    cfg = load_config(config) if config is not None else None
+    fields = options_from_config(cfg) if cfg is not None else {}
+    if model is not None:
+        fields.pop("model_source", None)
+        fields["model"] = model
+    fields.update(options)
+    fields.setdefault("params", "all")
+    fields.setdefault("train", True)  # check the model as training sees it (BatchNorm batch statistics)
+    source = fields.pop("model_source", None) or ("python" if not isinstance(fields.get("model"), (str, type(None)))
+                                                  else "argument")
+    rules = check_rules(cfg, checks=checks, baseline=baseline)
+    return run_check(RunOptions(model_source=source, **fields), rules)

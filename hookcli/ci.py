@@ -1,0 +1,140 @@
+"""CI outputs of ``hookcli check``: JUnit XML, GitHub Actions annotations and the job summary.
+
+Never imports torch. Annotations (``::error title=...::message``) go to **stderr**: the Actions
+runner reads workflow commands from both streams, and stdout stays clean for ``--format json``.
+Escaping follows GitHub's toolkit (``@actions/core`` ``command.ts``): in messages ``%``, ``\\r`` and
+``\\n`` become ``%25``, ``%0D`` and ``%0A``; property values (``title``, ``file``) also escape ``:``
+and ``,`` as ``%3A`` and ``%2C``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from hookcli.output import write_atomic
+from hookcli.records import CheckResult, RuleResult
+
+#: How many offenders an annotation or a JUnit failure lists (JSON lists them all).
+MAX_LISTED = 10
+_COMMANDS = {"FAIL": "error", "WARN": "warning"}
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def escape_data(text: str) -> str:
+    """Escape a workflow-command message: ``%`` -> ``%25``, CR -> ``%0D``, LF -> ``%0A``."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(text: str) -> str:
+    """Escape a workflow-command property value: as :func:`escape_data`, plus ``:`` and ``,``."""
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def rule_text(rule: RuleResult, limit: int = MAX_LISTED) -> str:
+    """The rule's message, then one line per offender (at most ``limit``)."""
+    lines = [rule.message]
+    if len(rule.violations) > 1:
+        lines += [f"- {v.get('message') or v.get('where')}" for v in rule.violations[:limit]]
+        if len(rule.violations) > limit:
+            lines.append(f"- ... {len(rule.violations) - limit} more")
+    return "\n".join(lines)
+
+
+def _repo_path(path: str | None) -> str | None:
+    """``path`` relative to the working directory (the checkout in Actions), or None outside it."""
+    if not path:
+        return None
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return None
+    return None if rel.startswith("..") else rel.replace(os.sep, "/")
+
+
+def annotations(result: CheckResult) -> list[str]:
+    """One ``::error``/``::warning`` command per FAIL/WARN rule, pointing at the config file."""
+    file = _repo_path(result.config)
+    lines = []
+    for rule in result.rules:
+        command = _COMMANDS.get(rule.status)
+        if command is None:
+            continue
+        where = f" at {rule.offender}" if rule.offender else ""
+        props = [f"title={escape_property(f'hookcli check {rule.rule}{where} ({result.model.spec})')}"]
+        if file:
+            props.insert(0, f"file={escape_property(file)}")
+        lines.append(f"::{command} {','.join(props)}::{escape_data(rule_text(rule))}")
+    return lines
+
+
+def _xml(text: str) -> str:
+    return _XML_INVALID.sub("\ufffd", text)
+
+
+def junit_xml(result: CheckResult) -> str:
+    """A JUnit XML document: one ``testcase`` per rule; FAIL -> ``failure``, SKIP -> ``skipped``."""
+    counts = result.counts()
+    totals = {"tests": str(len(result.rules)), "failures": str(counts["failed"]), "errors": "0",
+              "skipped": str(counts["skipped"])}
+    spec = result.model.spec
+    suites = ET.Element("testsuites", name="hookcli check", **totals)
+    suite = ET.SubElement(suites, "testsuite", name=_xml(f"hookcli check {spec}"), **totals)
+    props = ET.SubElement(suite, "properties")
+    for name, value in (("model", spec), ("class", result.model.class_name), ("config", result.config or ""),
+                        ("hookcli", result.version)):
+        ET.SubElement(props, "property", name=name, value=_xml(str(value)))
+    classname = "hookcli.check." + re.sub(r"[^A-Za-z0-9_]+", "_", result.model.class_name)
+    for rule in result.rules:
+        case = ET.SubElement(suite, "testcase", name=rule.rule, classname=classname, time="0")
+        summary = f"{rule.status} ({rule.severity}): {rule.message}"
+        if rule.status == "FAIL":
+            failure = ET.SubElement(case, "failure", message=_xml(rule.message), type=rule.rule)
+            failure.text = _xml(rule_text(rule))
+        elif rule.status == "SKIP":
+            ET.SubElement(case, "skipped", message=_xml(rule.message))
+        ET.SubElement(case, "system-out").text = _xml(summary)
+    ET.indent(suites)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+
+
+def write_junit(result: CheckResult, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`junit_xml` to ``path`` atomically (temp file + rename)."""
+    return write_atomic(path, junit_xml(result))
+
+
+def append_step_summary(result: CheckResult, path: str | os.PathLike[str]) -> None:
+    """Append the Markdown rendering of ``result`` to ``$GITHUB_STEP_SUMMARY`` (appending is the
+    contract of that file: every step adds to it)."""
+    from hookcli.render import render
+
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(render(result, "markdown") + "\n")
+
+
+def github_enabled(flag: bool | None) -> bool:
+    """``--github``/``--no-github``, else on when ``GITHUB_ACTIONS=true``."""
+    return flag if flag is not None else os.environ.get("GITHUB_ACTIONS", "") == "true"
+
+
+def publish(result: CheckResult, *, junit: str | os.PathLike[str] | None = None, github: bool | None = None) -> None:
+    """Every CI output the options and environment ask for (annotations on stderr)."""
+    import click
+
+    if junit:
+        click.echo(f"wrote {write_junit(result, junit)}", err=True)
+    if github_enabled(github):
+        for line in annotations(result):
+            click.echo(line, err=True)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        try:
+            append_step_summary(result, summary)
+        except OSError as exc:  # never hide the check's verdict behind a summary problem
+            click.echo(f"warning: cannot append to GITHUB_STEP_SUMMARY ({summary}): {exc}", err=True)
+
+
+__all__ = ["annotations", "append_step_summary", "escape_data", "escape_property", "github_enabled",
+           "junit_xml", "publish", "write_junit"]

@@ -1,0 +1,369 @@
+"""``hookcli features``: save the outputs of the selected modules to .safetensors, .pt or .npz.
+
+The seeds' FeatureExtractor, through the hook engine: ``attach`` with a ``keep`` callback that gets
+every output tensor of every selected call; only those are kept (detached, copied to CPU), so
+memory grows with what is selected, not with the model. Entries are named like the JSON report's
+rows (``LayerRecord.label``): ``layer4``, ``layer1.0.relu#1`` for the second call of a reused
+module, ``split[0]`` / ``heads['out']`` for tensors inside tuple or dict outputs.
+
+A folder of images runs in batches of ``batch_size`` (default 32) images; each entry is copied into
+one tensor preallocated for all images after the first batch, so the result equals one run over
+all images at once.
+
+File formats (by extension) and where the metadata goes (the same ``str -> str`` dict in each):
+
+- ``.safetensors``: the entries, metadata in the file's metadata header;
+- ``.pt`` / ``.pth``: ``{"tensors": {label: tensor}, "metadata": {...}}`` via ``torch.save``
+  (loads with ``torch.load(path, weights_only=True)``);
+- ``.npz``: one array per entry plus ``__metadata__``, a 0-d string array holding the metadata as
+  JSON (loads with ``numpy.load(path)``; bfloat16 and float8 entries are stored as float32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookcli._version import __version__
+from hookcli.api import (
+    Prepared,
+    failure_message,
+    locate_failure,
+    new_report,
+    params_by_module,
+    prepare,
+    running,
+    to_device,
+)
+from hookcli.errors import InputError, ModelRaisedError, OutputError
+from hookcli.hooks import HookOptions, attach
+from hookcli.inputs import list_input_files, make_inputs
+from hookcli.options import RunOptions
+from hookcli.recorders import dtype_name
+from hookcli.records import FailureInfo, FeatureExport, InputInfo, LayerRecord, SavedTensor
+from hookcli.state import model_device
+
+#: Extension -> format name.
+FEATURE_FORMATS: dict[str, str] = {
+    ".safetensors": "safetensors",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".npz": "numpy",
+}
+#: Images per batch when ``--input`` names more images than this and no ``--batch-size`` is given.
+DEFAULT_IMAGE_BATCH = 32
+#: Families whose images are not one batch item each (one clip, one frame pair, a list of images):
+#: their images always run at once.
+_UNBATCHED_FAMILIES = ("video", "optical_flow", "detection")
+#: The ``format`` metadata value: what wrote the file and its layout version.
+METADATA_FORMAT = "hookcli.features/1"
+
+Key = tuple[str, int, str]  # (module name, call index, output path)
+
+
+def check_output(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """Validate a features output path up front: a supported extension and a writable directory.
+
+    Returns the absolute target and the format name; raises OutputError (exit 2).
+    """
+    from hookcli.output import ensure_writable
+
+    text = os.fspath(path)
+    suffix = Path(text).suffix.lower()
+    fmt = FEATURE_FORMATS.get(suffix)
+    if fmt is None:
+        shown = suffix or "no extension"
+        raise OutputError(f"cannot save features to {text}: unsupported file type ({shown})",
+                          hint="use one of: " + ", ".join(FEATURE_FORMATS))
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise OutputError("saving .safetensors needs the safetensors package",
+                              hint="pip install safetensors, or save to .pt or .npz") from None
+    return ensure_writable(text), fmt
+
+
+# --------------------------------------------------------------------------- collecting
+
+
+@dataclass
+class _Entry:
+    key: Key
+    label: str
+    type: str
+    shape: list[int]  # of one batch (dim 0 replaced by the total when batched)
+    dtype: torch.dtype
+    tensor: torch.Tensor
+
+
+class FeatureStore:
+    """The ``keep`` callback and the kept tensors, over one or more batches.
+
+    ``keep`` copies each selected output tensor to CPU as its module returns it (before a later
+    in-place op can change it). ``end_batch`` checks the batch against the first one and, when the
+    run is batched, copies it into the tensors preallocated for all ``total`` items.
+    """
+
+    def __init__(self, total: int | None = None) -> None:
+        self.total = total  # items over all batches; None: one run, nothing to append
+        self.entries: dict[Key, _Entry] = {}
+        self.not_called: list[str] = []
+        self.no_tensor: list[str] = []  # labels of calls that returned no tensor (None, ints, ...)
+        self._batch: dict[Key, torch.Tensor] = {}
+        self._offset = 0
+        self._first = True
+
+    def keep(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
+        self._batch[(name, call, path)] = tensor.detach().to(
+            device="cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def end_batch(self, records: Sequence[LayerRecord], size: int) -> None:
+        """Take the batch of ``size`` items whose calls ``records`` describes."""
+        batch, self._batch = self._batch, {}
+        keys: list[Key] = []
+        labels: dict[Key, tuple[str, str]] = {}
+        not_called: list[str] = []
+        for rec in records:
+            if not rec.called:
+                not_called.append(rec.name)
+                continue
+            key = (rec.name, rec.call, rec.output)
+            if key in batch:
+                keys.append(key)
+                labels[key] = (rec.label, rec.type)
+            elif self._first and rec.shape is None:
+                self.no_tensor.append(rec.label)
+        if self._first:
+            self._first = False
+            self.not_called = not_called
+            for key in keys:
+                t = batch[key]
+                if self.total is not None:
+                    self._check_batch_dim(labels[key][0], t, size)
+                    full = torch.empty((self.total, *t.shape[1:]), dtype=t.dtype)
+                    full[:size].copy_(t)
+                    t = full
+                self.entries[key] = _Entry(key, labels[key][0], labels[key][1], list(t.shape), t.dtype, t)
+        else:
+            if set(keys) != set(self.entries) or not_called != self.not_called:
+                raise InputError(
+                    "the selected modules ran differently on this batch than on the first "
+                    f"(items {self._offset}-{self._offset + size - 1})",
+                    hint="the model's control flow depends on its input; give --batch-size at least "
+                    f"{self.total} to run all images at once")
+            for key in keys:
+                entry, t = self.entries[key], batch[key]
+                self._check_batch_dim(entry.label, t, size)
+                if list(t.shape[1:]) != entry.shape[1:] or t.dtype != entry.dtype:
+                    raise InputError(
+                        f"{entry.label}: output {dtype_name(t.dtype)} {list(t.shape)} on this batch "
+                        f"does not match {dtype_name(entry.dtype)} {[size, *entry.shape[1:]]} of the first",
+                        hint=f"give --batch-size at least {self.total} to run all images at once")
+                entry.tensor[self._offset:self._offset + size].copy_(t)
+        self._offset += size
+
+    def _check_batch_dim(self, label: str, t: torch.Tensor, size: int) -> None:
+        if t.dim() == 0 or t.shape[0] != size:
+            raise InputError(
+                f"{label}: output shape {list(t.shape)} does not start with the batch "
+                f"({size} images), so batches cannot be appended",
+                hint=f"give --batch-size at least {self.total} to run all images at once")
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _numpy_array(t: torch.Tensor) -> tuple[Any, bool]:
+    """A numpy array of ``t``; dtypes numpy lacks (bfloat16, float8) become float32 (flag True)."""
+    try:
+        return t.numpy(), False
+    except TypeError:
+        return t.float().numpy(), True
+
+
+def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, torch.Tensor],
+                  metadata: dict[str, str]) -> tuple[int, list[str]]:
+    """Write ``tensors`` and ``metadata`` to ``path`` atomically; return (bytes written, notes)."""
+    from hookcli.output import atomic_path
+
+    notes: list[str] = []
+    with atomic_path(path) as tmp:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        elif fmt == "torch":
+            torch.save({"tensors": tensors, "metadata": metadata}, tmp)
+        elif fmt == "numpy":
+            import numpy as np
+
+            arrays: dict[str, Any] = {}
+            for label, tensor in tensors.items():
+                arrays[label], cast = _numpy_array(tensor)
+                if cast:
+                    notes.append(f"{label}: {dtype_name(tensor.dtype)} saved as float32 (numpy has no "
+                                 f"{dtype_name(tensor.dtype)})")
+            arrays["__metadata__"] = np.array(json.dumps(metadata))
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **arrays)
+        else:  # pragma: no cover - check_output rejects it first
+            raise OutputError(f"unknown features format {fmt!r}")
+        size = os.path.getsize(tmp)
+    return size, notes
+
+
+def build_metadata(result: FeatureExport, prep: Prepared) -> dict[str, str]:
+    """The metadata stored with the tensors (``str -> str``; nested values as JSON)."""
+    opts = prep.options
+    return {
+        "format": METADATA_FORMAT,
+        "hookcli": __version__,
+        "model": result.model.spec,
+        "model_class": result.model.class_name,
+        "model_source": result.model.source,
+        "weights": result.model.weights or "",
+        "inputs": json.dumps([i.to_dict() for i in result.inputs]),
+        "device": result.device,
+        "dtype": opts.dtype or "",
+        "mode": result.mode,
+        "layers": json.dumps([name for name, _ in prep.selection]),
+        "entries": json.dumps([e.to_dict() for e in result.entries]),
+    }
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _plan(opts: RunOptions) -> tuple[RunOptions, list[list[Path]], str]:
+    """Split ``--input`` images into batches: (options for the first run, batches, source label).
+
+    No batches (``[]``) when the inputs are not images, or fit in one batch.
+    """
+    if not opts.inputs:
+        return opts, [], ""
+    kind, paths, label = list_input_files(opts.inputs)
+    size = opts.batch_size or DEFAULT_IMAGE_BATCH
+    if kind != "images" or len(paths) <= size:
+        return opts, [], label
+    batches = [paths[i:i + size] for i in range(0, len(paths), size)]
+    return replace(opts, inputs=[os.fspath(p) for p in batches[0]]), batches, label
+
+
+def _progress(enabled: bool | None, total: int) -> tuple[AbstractContextManager[Any], Callable[[int], None]]:
+    """A rich progress bar on stderr (only on a terminal unless ``enabled``) and its advance()."""
+    show = enabled if enabled is not None else sys.stderr.isatty()
+    if not show or total <= 0:
+        return nullcontext(), lambda n: None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(file=sys.stderr)
+    bar = Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(), TextColumn("images"),
+                   TimeRemainingColumn(), console=console, transient=console.is_terminal)
+    task = bar.add_task("features", total=total)
+    return bar, lambda n: bar.advance(task, n)
+
+
+def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None = None,
+                 progress: bool | None = None) -> FeatureExport:
+    """Run the model, keep the selected outputs, save them to ``output`` (if given).
+
+    ``output`` is checked (extension, writable directory) before the model is built. The result
+    lists every saved entry; its ``tensors`` dict holds the tensors (CPU) for Python callers.
+    Raises ModelRaisedError (with the partial report) when the model raises; nothing is written.
+    """
+    opts = options.validate()
+    target, fmt = check_output(output) if output is not None else (None, None)
+    first_opts, batches, label = _plan(opts)
+    prep = prepare(first_opts)
+    if batches and prep.loaded.family in _UNBATCHED_FAMILIES:
+        prep.inputs = make_inputs(prep.loaded, files=opts.inputs)  # its images are one input
+        batches = []
+    total = sum(len(b) for b in batches) if batches else None
+    store = FeatureStore(total)
+    report = new_report(prep, "features")
+    params = params_by_module(prep.selection)
+    bar, advance = _progress(progress, total or 0)
+    with bar, running(prep) as (model, args, kwargs):
+        device = torch.device(opts.device) if opts.device else model_device(model)
+        for index in range(max(1, len(batches))):
+            if index > 0:
+                more = make_inputs(prep.loaded, files=batches[index])
+                args = to_device(more.args, device, opts.torch_dtype())
+                kwargs = to_device(more.kwargs, device, opts.torch_dtype())
+            failure: FailureInfo | None = None
+            with attach(model, prep.selection, HookOptions(keep=store.keep)) as session:
+                try:
+                    with torch.no_grad():
+                        model(*args, **kwargs)
+                except Exception as exc:  # the user's model raised: nothing is saved
+                    failure = locate_failure(exc, model, "forward")
+                    cause: BaseException | None = exc
+                else:
+                    cause = None
+            records, _ = session.records(params)
+            if failure is not None:
+                report.layers, report.failure = records, failure
+                if batches:
+                    report.notes.append(f"batch {index + 1} of {len(batches)}")
+                raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
+                                       input_shapes=failure.input_shapes) from cause
+            size = len(batches[index]) if batches else 0
+            store.end_batch(records, size)
+            advance(size)
+    result = FeatureExport(
+        model=prep.info,
+        inputs=_inputs(prep, batches, label),
+        device=report.device,
+        mode=report.mode,
+        not_called=store.not_called,
+        batches=max(1, len(batches)),
+        batch_size=len(batches[0]) if batches else None,
+        version=__version__,
+    )
+    for entry in store.entries.values():
+        name, call, path = entry.key
+        result.entries.append(SavedTensor(
+            label=entry.label, name=name, call=call, output=path, type=entry.type,
+            shape=list(entry.tensor.shape), dtype=dtype_name(entry.dtype),
+            nbytes=entry.tensor.numel() * entry.tensor.element_size()))
+        result.tensors[entry.label] = entry.tensor
+    result.notes += [f"{name} was not called; nothing saved for it" for name in store.not_called]
+    result.notes += [f"{label} returned no tensor; nothing saved for it" for label in store.no_tensor]
+    if not result.entries:
+        result.notes.append("no tensors to save: no selected module returned a tensor")
+    if target is not None and fmt is not None:
+        result.path, result.format = os.fspath(output), fmt  # type: ignore[arg-type]
+        result.file_bytes, notes = save_features(target, fmt, result.tensors, build_metadata(result, prep))
+        result.notes += notes
+    return result
+
+
+def _inputs(prep: Prepared, batches: list[list[Path]], label: str) -> list[InputInfo]:
+    """The input infos; for a batched run one info for all images, shape as if run at once."""
+    if not batches:
+        return list(prep.inputs.infos)
+    first = prep.inputs.infos[0]
+    total = sum(len(b) for b in batches)
+    shape = [total, *first.shape[1:]] if first.shape else None
+    source = f"{label}, {len(batches)} batches of {len(batches[0])}"
+    return [InputInfo(first.name, shape, first.dtype, source)]
+
+
+__all__ = [
+    "DEFAULT_IMAGE_BATCH",
+    "FEATURE_FORMATS",
+    "FeatureStore",
+    "check_output",
+    "run_features",
+    "save_features",
+]

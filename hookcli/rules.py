@@ -1,0 +1,370 @@
+"""Evaluate ``hookcli check`` rules on plain data: the run's Report plus a few extra measurements.
+
+Never imports torch: ``hookcli.checkrun`` runs the model and hands over a :class:`Observations`;
+every rule here reads only records and Python values, so rules are easy to test and to reason about.
+Each rule returns a RuleResult naming its worst offender (or, when it passes, the layer/parameter
+closest to its limit) and every violation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hookcli.checks import RUNS, CheckRules, RuleConfig
+from hookcli.errors import ConfigError
+from hookcli.records import LayerRecord, Report, RuleResult
+
+LayerKey = tuple[str, int]
+TensorKey = tuple[str, int, str]
+
+
+@dataclass
+class Observations:
+    """What the check run measured beyond the Report (plain Python values)."""
+
+    #: (module name, call) -> position in forward *completion* order (children finish before parents).
+    order: dict[LayerKey, int] = field(default_factory=dict)
+    #: The model's output tensors: ``{"path", "shape", "dtype", "nonfinite"}``.
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    #: (name, call, output path) -> (dead channels, channels, values per channel).
+    channels: dict[TensorKey, tuple[int, int, int]] = field(default_factory=dict)
+    #: parameter -> largest absolute change after the SGD step(s); None: it got no gradient.
+    changes: dict[str, float | None] | None = None
+    change_error: str | None = None
+    baseline: dict[str, Any] | None = None
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if math.isfinite(x) else str(x)
+
+
+def _shape(s: Any) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]" if isinstance(s, list) else str(s)
+
+
+def _violation(where: str, value: Any, limit: Any, message: str) -> dict[str, Any]:
+    return {"where": where, "value": value, "limit": limit, "message": message}
+
+
+def _result(rule: RuleConfig, violations: list[dict[str, Any]], *, ok_where: str | None = None,
+            ok_value: Any = None, limit: Any = None, ok_message: str, fail_message: str = "") -> RuleResult:
+    """PASS (naming the offender closest to the limit), or FAIL/WARN by severity."""
+    if not violations:
+        return RuleResult(rule.name, "PASS", rule.severity, ok_message, ok_where, ok_value, limit)
+    first = violations[0]
+    more = f" (+{len(violations) - 1} more)" if len(violations) > 1 and not fail_message else ""
+    status = "FAIL" if rule.severity == "error" else "WARN"
+    return RuleResult(rule.name, status, rule.severity, (fail_message or first["message"]) + more,
+                      first["where"], first["value"], first["limit"], violations)
+
+
+def _layers(report: Report, rule: RuleConfig) -> list[LayerRecord]:
+    return [r for r in report.layers if r.called and not r.raised and not rule.ignored(r.name)]
+
+
+def _by_order(obs: Observations) -> Callable[[LayerRecord], int]:
+    return lambda r: obs.order.get((r.name, r.call), len(obs.order))
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def runs(report: Report) -> RuleResult:
+    failure = report.failure
+    if failure is None:
+        return RuleResult(RUNS, "PASS", "error", "forward, loss and backward ran")
+    where = failure.module or "(model)"
+    at = f" at {where} ({failure.module_type})" if failure.module_type else ""
+    shapes = ", ".join(_shape(s) for s in failure.input_shapes)
+    message = (f"the model raised in {failure.phase}{at}" + (f" with input shape(s) {shapes}" if shapes else "")
+               + f": {failure.exception}: {failure.message}")
+    return RuleResult(RUNS, "FAIL", "error", message, where, failure.exception, None,
+                      [_violation(where, failure.exception, None, message)])
+
+
+def finite(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """No NaN/Inf in activations, the model output, the loss, output gradients or parameters."""
+    def bad(data: dict[str, Any] | None) -> int:
+        return int((data or {}).get("nan_count") or 0) + int((data or {}).get("inf_count") or 0)
+
+    def what(data: dict[str, Any]) -> str:
+        return f"{data.get('nan_count') or 0} NaN, {data.get('inf_count') or 0} Inf"
+
+    layers = sorted(_layers(report, rule), key=_by_order(obs))
+    found: list[dict[str, Any]] = []
+    for r in layers:
+        if bad(r.stats):
+            found.append(_violation(r.label, bad(r.stats), 0, f"{what(r.stats or {})} in the output of {r.label}"))
+    for out in obs.outputs:
+        if out["nonfinite"] and not rule.ignored(""):
+            label = "(model)" + out["path"]
+            found.append(_violation(label, out["nonfinite"], 0, f"{out['nonfinite']} NaN/Inf in the model output "
+                                                                f"{out['path']}".rstrip()))
+    loss = (report.loss or {}).get("value")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        found.append(_violation("loss", loss, 0, f"the loss is {loss}"))
+    for r in reversed(layers):  # backward reaches the last layers first
+        if bad(r.grad):
+            found.append(_violation(r.label, bad(r.grad), 0, f"{what(r.grad or {})} in the gradient w.r.t. the "
+                                                             f"output of {r.label}"))
+    for p in report.params or []:
+        if rule.ignored(p.name, "param"):
+            continue
+        if bad(p.grad):
+            found.append(_violation(p.name, bad(p.grad), 0, f"{what(p.grad or {})} in the gradient of {p.name}"))
+        if p.norm is not None and not math.isfinite(p.norm):
+            found.append(_violation(p.name, p.norm, 0, f"parameter {p.name} holds NaN/Inf"))
+    first = found[0]["message"] if found else ""
+    order = (" (first in execution order)" if " in the output of " in first else
+             " (the first that backward reaches)" if "gradient w.r.t." in first else "")
+    more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+    return _result(rule, found, ok_value=0, limit=0, fail_message=first + order + more,
+                   ok_message=f"no NaN/Inf in {len(layers)} activations, their gradients, "
+                              f"{len(report.params or [])} parameter gradients and the loss")
+
+
+def max_abs_activation(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    rows = []
+    for r in _layers(report, rule):
+        s = r.stats or {}
+        lo, hi = s.get("min"), s.get("max")
+        if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+            continue
+        value, limit = max(abs(lo), abs(hi)), rule.limits(r.name)["value"]
+        rows.append((value / limit, -obs.order.get((r.name, r.call), 0), r.label, value, limit))
+    rows.sort(reverse=True)
+    bad = [_violation(w, v, lim, f"|activation| {_fmt(v)} in {w} exceeds {_fmt(lim)}") for _, _, w, v, lim in rows
+           if v > lim]
+    top = rows[0] if rows else (0, 0, None, None, rule["value"])
+    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
+                   ok_message=f"largest |activation| {_fmt(top[3])} in {top[2]}" if rows else "no activation stats")
+
+
+def max_zero_fraction(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    rows = []
+    for r in _layers(report, rule):
+        frac = (r.stats or {}).get("zero_fraction")
+        if frac is None:
+            continue
+        limit = rule.limits(r.name)["value"]
+        rows.append((frac - limit, -obs.order.get((r.name, r.call), 0), r.label, frac, limit))
+    rows.sort(reverse=True)
+    bad = [_violation(w, v, lim, f"{v:.1%} of the output of {w} is zero (dead layer; limit {lim:.1%})")
+           for _, _, w, v, lim in rows if v > lim]
+    top = rows[0] if rows else (0, 0, None, None, rule["value"])
+    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
+                   ok_message=f"at most {top[3]:.1%} zeros (in {top[2]})" if rows else "no activation stats")
+
+
+def dead_channels(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    labels = {(r.name, r.call, r.output): r for r in _layers(report, rule)}
+    rows, judged = [], 0
+    for key, (dead, channels, per_channel) in obs.channels.items():
+        rec = labels.get(key)
+        if rec is None or not channels:
+            continue
+        limits = rule.limits(rec.name)
+        if per_channel < limits["min_values"]:
+            continue
+        judged += 1
+        frac = dead / channels
+        rows.append((frac - limits["value"], -obs.order.get(key[:2], 0), rec.label, frac, limits["value"],
+                     dead, channels, limits["dim"]))
+    rows.sort(reverse=True)
+    bad = [_violation(w, f, lim, f"{d} of {c} channels (dim {dim}) of {w} are zero over the whole batch")
+           for _, _, w, f, lim, d, c, dim in rows if f > lim]
+    top = rows[0] if rows else (0, 0, None, None, rule["value"], 0, 0, 0)
+    msg = (f"at most {top[5]} of {top[6]} channels dead (in {top[2]})" if rows else
+           f"no output has {rule['min_values']}+ values per channel to judge")
+    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4], ok_message=msg)
+
+
+def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    if report.params is None:
+        return RuleResult(rule.name, "SKIP", rule.severity, "no parameters reported (--params none)")
+    rows = []
+    for p in report.params:
+        if not p.requires_grad or rule.ignored(p.name, "param"):
+            continue
+        limits = rule.limits(p.name, "param")
+        lo, hi = limits["min"], limits["max"]
+        value = float((p.grad or {}).get("norm") or 0.0) if p.grad is not None else 0.0
+        if math.isnan(value):
+            rows.append((math.inf, p.name, value, [lo, hi], True, f"gradient norm of {p.name} is NaN"))
+            continue
+        below = math.log10(lo / value) if value > 0 and lo > 0 else (math.inf if lo > 0 else -math.inf)
+        above = math.log10(value / hi) if value > 0 else -math.inf
+        if p.grad is None:
+            msg = f"{p.name} gets no gradient (not used by the loss)"
+        elif value < lo:
+            msg = f"gradient norm {_fmt(value)} of {p.name} is below {_fmt(lo)} (vanishing)"
+        else:
+            msg = f"gradient norm {_fmt(value)} of {p.name} is above {_fmt(hi)} (exploding)"
+        rows.append((max(below, above), p.name, value, [lo, hi], value < lo or value > hi, msg))
+    rows.sort(key=lambda row: -row[0])
+    bad = [_violation(name, v, lim, msg) for _, name, v, lim, out, msg in rows if out]
+    if not rows:
+        return _result(rule, [], limit=[rule["min"], rule["max"]], ok_message="no trainable parameters to check")
+    _, name, value, limit, _, _ = rows[0]
+    return _result(rule, bad, ok_where=name, ok_value=value, limit=limit,
+                   ok_message=f"{len(rows)} gradient norms within limits (closest: {name})")
+
+
+def params_change(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    steps = f"{rule['steps']} SGD step{'s' if rule['steps'] > 1 else ''} (lr={rule['lr']:g})"
+    if obs.change_error is not None:
+        return _result(rule, [_violation("(model)", None, None, obs.change_error)], ok_message="")
+    if obs.changes is None:
+        return RuleResult(rule.name, "SKIP", rule.severity, "not run (no trainable parameters in scope)")
+    rows = [(change if change is not None and not math.isnan(change) else (0.0 if change is None else math.inf),
+             name, change) for name, change in obs.changes.items()
+            if not rule.ignored(name, "param")]
+    rows.sort(key=lambda row: row[0])
+    bad = [_violation(name, 0.0, None, f"{name} did not change after {steps}"
+                      + ("" if change is not None else ": it got no gradient")) for _, name, change in rows
+           if not change]
+    if bad:
+        return _result(rule, bad, ok_message="", fail_message=f"{len(bad)} of {len(rows)} trainable parameters "
+                       f"unchanged after {steps}, first: {bad[0]['where']}")
+    top = rows[0] if rows else (None, None, None)
+    return _result(rule, [], ok_where=top[1], ok_value=top[2],
+                   ok_message=f"all {len(rows)} trainable parameters changed after {steps}")
+
+
+def _shape_ok(actual: list[int], expected: list[int]) -> bool:
+    return len(actual) == len(expected) and all(e == -1 or a == e for a, e in zip(actual, expected))
+
+
+def output_shape(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    expected = rule["value"]
+    outputs = [o for o in obs.outputs if o["shape"] is not None]
+    actual = {o["path"]: o["shape"] for o in outputs}
+    shown = [o["shape"] for o in outputs]
+    value: Any = shown[0] if len(shown) == 1 else (actual if isinstance(expected, dict) else shown)
+    bad: list[dict[str, Any]] = []
+    if isinstance(expected, dict):
+        for key, shape in expected.items():
+            path = next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in actual), None)
+            if path is None:
+                bad.append(_violation(f"(model){key}", None, shape, f"the model output has no {key!r} "
+                                      f"(outputs: {', '.join(p or '(output)' for p in actual)})"))
+            elif not _shape_ok(actual[path], shape):
+                bad.append(_violation(f"(model){path}", actual[path], shape,
+                                      f"output {path} has shape {_shape(actual[path])}, expected {_shape(shape)}"))
+    else:
+        wanted = expected if expected and isinstance(expected[0], list) else [expected]
+        if len(shown) != len(wanted):
+            bad.append(_violation("(model)", value, expected, f"the model returns {len(shown)} tensor(s), "
+                                  f"expected {len(wanted)}: {', '.join(map(_shape, shown))}"))
+        else:
+            for out, shape in zip(outputs, wanted):
+                if not _shape_ok(out["shape"], shape):
+                    label = "(model)" + out["path"]
+                    bad.append(_violation(label, out["shape"], shape, f"output {label} has shape "
+                                          f"{_shape(out['shape'])}, expected {_shape(shape)}"))
+    return _result(rule, bad, ok_where="(model)", ok_value=value, limit=expected,
+                   ok_message=f"output shape {', '.join(map(_shape, shown))} as expected")
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def load_baseline(path: str, source: str | None = None) -> dict[str, Any]:
+    """A saved JSON report (``hookcli shapes MODEL -f json -o FILE``); ConfigError when unusable.
+
+    ``source`` (the config file) prefixes error messages."""
+    where = f"{source}: [checks.baseline] " if source else ""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}baseline file {path} does not exist",
+                          hint="make one with: hookcli shapes MODEL --format json --output FILE") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}baseline file {path} is not a readable JSON report: {exc}") from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    ok = isinstance(layers, list) and all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in layers)
+    if not ok:
+        raise ConfigError(f"{where}baseline file {path} is not a hookcli JSON report (no 'layers' list)")
+    return data
+
+
+def baseline(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Same model size, inputs and per-layer shapes, dtypes and parameter counts as the saved report."""
+    base = obs.baseline or {}
+    diffs: list[dict[str, Any]] = []
+
+    def differ(where: str, got: Any, want: Any, what: str) -> None:
+        if got != want:
+            diffs.append(_violation(where, got, want, f"{where}: {what} {_show(want)} -> {_show(got)}"))
+
+    model = base.get("model") or {}
+    for key in ("class", "params", "trainable_params"):
+        if key in model:
+            differ("(model)", report.model.to_dict()[key], model[key], key.replace("_", " "))
+    inputs = base.get("inputs")
+    if isinstance(inputs, list):
+        differ("(inputs)", [[i.shape, i.dtype] for i in report.inputs],
+               [[i.get("shape"), i.get("dtype")] for i in inputs if isinstance(i, dict)], "input shapes/dtypes")
+    run = {(r.name, r.call, r.output): r for r in report.layers if not rule.ignored(r.name)}
+    seen = set()
+    for old in base.get("layers", []):
+        key = (old["name"], int(old.get("call", 0)), old.get("output", ""))
+        if rule.ignored(key[0]):
+            continue
+        seen.add(key)
+        label = (key[0] or "(model)") + (f"#{key[1]}" if key[1] else "") + key[2]
+        new = run.get(key)
+        if new is None:
+            diffs.append(_violation(label, None, old.get("shape"), f"{label}: missing (in the baseline, not in this run)"))
+            continue
+        differ(label, new.called, old.get("called", True), "called")
+        for attr in ("shape", "dtype", "params"):
+            if attr in old:
+                differ(label, getattr(new, attr), old[attr], attr)
+    depth = max((int(r.get("depth", 1)) for r in base.get("layers", [])), default=0)
+    for key, new in run.items():
+        if key not in seen and 1 <= new.depth <= depth and new.called:
+            diffs.append(_violation(new.label, new.shape, None, f"{new.label}: new (not in the baseline)"))
+    return _result(rule, diffs, ok_where=None, ok_value=0, limit=0,
+                   ok_message=f"{len(seen)} layers match the baseline {os.path.basename(str(rule['file']))}",
+                   fail_message=f"{len(diffs)} difference(s) from the baseline: {diffs[0]['message']}" if diffs else "")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return _shape(value)
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+EVALUATORS: dict[str, Callable[[RuleConfig, Report, Observations], RuleResult]] = {
+    "finite": finite,
+    "output_shape": output_shape,
+    "max_abs_activation": max_abs_activation,
+    "max_zero_fraction": max_zero_fraction,
+    "dead_channels": dead_channels,
+    "grad_norm": grad_norm,
+    "params_change": params_change,
+    "baseline": baseline,
+}
+
+
+def evaluate(rules: CheckRules, report: Report, obs: Observations) -> tuple[list[RuleResult], list[str]]:
+    """``runs`` then every enabled rule (SKIP when the model raised); notes on unused patterns."""
+    results = [runs(report)]
+    notes: list[str] = []
+    for rule in rules.enabled():
+        if report.failure is not None:
+            results.append(RuleResult(rule.name, "SKIP", rule.severity, "not evaluated: the model raised"))
+            continue
+        results.append(EVALUATORS[rule.name](rule, report, obs))
+        notes += [f"[checks.{rule.name}] {kind} {pattern!r} matches nothing" for kind, pattern in
+                  (u.split(":", 1) for u in rule.unused_patterns())]
+    return results, notes

@@ -1,0 +1,424 @@
+"""``hookcli check``: rules on healthy and broken models, config validation, CI outputs, the API.
+
+Expected offenders and values come from plain-torch computations on the same model instance and the
+same input tensor (saved to a .pt file that hookcli reads), never from hookcli's own output.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import broken_models as bm
+import pytest
+import torch
+from torch import nn
+
+import hookcli
+from hookcli.ci import annotations, escape_data, escape_property
+from hookcli.errors import ConfigError
+
+DEFAULT_RULES = ["runs", "finite", "max_abs_activation", "max_zero_fraction", "dead_channels", "grad_norm",
+                 "params_change"]
+
+
+# --------------------------------------------------------------------------- plain-torch helpers
+
+
+def finished_outputs(model: nn.Module, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(module name, output copy) in the order module calls *finish*, with plain forward hooks."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    handles = [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
+               for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def param_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Gradients of cross-entropy (target 0) w.r.t. every trainable parameter (torch.autograd.grad)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = model(x)
+    loss = nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {n: g for (n, _), g in zip(named, grads)}
+
+
+def check_on(model: nn.Module, x: torch.Tensor, tmp_path: Path, **kwargs):
+    """hookcli.check on ``model`` with exactly ``x`` as input (through a .pt file)."""
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    return hookcli.check(model, inputs=[path], **kwargs)
+
+
+def as_json(result) -> dict:
+    return json.loads(result.stdout)
+
+
+# --------------------------------------------------------------------------- healthy
+
+
+def test_healthy_resnet18_passes_every_default_rule(cli) -> None:
+    result = cli("check", "resnet18", "--input-shape", "2x3x64x64", "-f", "json")
+    assert result.exit_code == 0, result.output
+    data = as_json(result)
+    assert data["ok"] is True and data["command"] == "check" and data["report"]["mode"] == "train"
+    assert [(r["rule"], r["status"]) for r in data["rules"]] == [(r, "PASS") for r in DEFAULT_RULES]
+    report = data["report"]
+    names = {layer["name"] for layer in report["layers"]}
+    assert {"layer4.1.bn2", "layer1.0.conv1", "fc"} <= names  # every module, not only children
+    assert len(report["params"]) == 62  # every parameter of resnet18
+
+
+def test_resnet18_numbers_match_plain_torch(tmp_path: Path) -> None:
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(weights=None).train()  # check runs in train mode: BatchNorm uses batch statistics
+    x = torch.randn(2, 3, 64, 64)
+    result = check_on(model, x, tmp_path)
+    assert result.ok, result
+    assert result.report.mode == "train"
+    outputs = finished_outputs(model, x)
+    peak = max(o.abs().max().item() for _, o in outputs)
+    assert result.rule("max_abs_activation").value == pytest.approx(peak, rel=1e-5)
+    zero = max((o == 0).float().mean().item() for _, o in outputs)
+    assert result.rule("max_zero_fraction").value == pytest.approx(zero, rel=1e-6)
+    norms = {n: g.double().norm().item() for n, g in param_grads(model, x).items()}
+    biggest = max(norms, key=norms.get)
+    grad = result.rule("grad_norm")
+    assert grad.offender == biggest and grad.value == pytest.approx(norms[biggest], rel=1e-4)
+
+
+# --------------------------------------------------------------------------- broken models
+
+
+def test_nan_names_the_first_layer_in_execution_order(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.NestedNaN(), torch.randn(4, 4)
+    first = next(n for n, o in finished_outputs(model, x) if not torch.isfinite(o).all())
+    assert first == "block.1"  # the log inside the Sequential, which starts before it but ends after
+    result = check_on(model, x, tmp_path)
+    finite = result.rule("finite")
+    assert not result.ok and finite.status == "FAIL" and finite.offender == first
+    nan_count = int(torch.isnan(dict(finished_outputs(model, x))[first]).sum())
+    assert finite.value == nan_count
+
+
+def test_nan_model_exits_1_through_cli(cli) -> None:
+    result = cli("check", "broken_models:NestedNaN", "--input-shape", "4x4")
+    assert result.exit_code == 1
+    assert "finite at block.1" in result.stderr and "FAIL" in result.stdout
+
+
+def test_dead_layer_fails_max_zero_fraction(cli, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.DeadLayer(), torch.randn(4, 4)
+    dead = [n for n, o in finished_outputs(model, x) if bool((o == 0).all())]
+    result = check_on(model, x, tmp_path)
+    rule = result.rule("max_zero_fraction")
+    assert rule.status == "FAIL" and rule.offender == dead[0] == "act" and rule.value == 1.0
+    out = cli("check", "broken_models:DeadLayer", "--input-shape", "4x4", "-f", "json")
+    assert out.exit_code == 1 and as_json(out)["rules"][3]["offender"] == "act"
+
+
+def test_dead_channels_counts_channels_zero_over_the_batch(cli, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.DeadChannels(), torch.randn(2, 3, 8, 8)
+    relu = dict(finished_outputs(model, x))["relu"]
+    expected = (relu.abs().amax(dim=(0, 2, 3)) == 0).float().mean().item()
+    result = check_on(model, x, tmp_path)
+    rule = result.rule("dead_channels")
+    assert rule.status == "WARN" and result.ok  # warn by default: reported, the run passes
+    assert rule.offender == "relu" and rule.value == pytest.approx(expected) and expected == 0.75
+    strict = tmp_path / "strict.toml"
+    strict.write_text('[checks.dead_channels]\nseverity = "error"\nvalue = 0.5\n')
+    out = cli("check", "broken_models:DeadChannels", "--input-shape", "2x3x8x8", "--config", strict)
+    assert out.exit_code == 1 and "dead_channels at relu" in out.stderr
+
+
+def test_unused_parameter_fails_params_change_but_frozen_is_fine(cli, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.UnusedParam(), torch.randn(4, 4)
+    no_grad = sorted(n for n, g in param_grads(model, x).items() if g is None)
+    assert no_grad == ["unused.bias", "unused.weight"]
+    result = check_on(model, x, tmp_path)
+    change, grad = result.rule("params_change"), result.rule("grad_norm")
+    assert change.status == grad.status == "FAIL"
+    assert sorted(v["where"] for v in change.violations) == no_grad  # frozen.* is not trainable: not listed
+    assert sorted(v["where"] for v in grad.violations) == no_grad
+    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4")
+    assert out.exit_code == 1 and "params_change at unused" in out.stderr
+
+
+def test_exploding_model_fails_grad_norm_and_warns_on_activations(cli, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.Explodes(), torch.randn(4, 4)
+    norms = {n: g.double().norm().item() for n, g in param_grads(model, x).items()}
+    worst = max(norms, key=norms.get)
+    assert norms[worst] > 1e4
+    peaks = {n: o.abs().max().item() for n, o in finished_outputs(model, x)}
+    result = check_on(model, x, tmp_path)
+    grad, act = result.rule("grad_norm"), result.rule("max_abs_activation")
+    assert grad.status == "FAIL" and grad.offender == worst and grad.value == pytest.approx(norms[worst], rel=1e-4)
+    assert {v["where"] for v in grad.violations} == {n for n, v in norms.items() if v > 1e4}
+    assert act.status == "WARN" and act.value == pytest.approx(max(peaks.values()), rel=1e-5)
+    assert cli("check", "broken_models:Explodes", "--input-shape", "4x4").exit_code == 1
+
+
+def test_wrong_output_shape_from_config(cli, tmp_path: Path) -> None:
+    expected = list(bm.Healthy()(torch.zeros(2, 3, 8, 8)).shape)
+    config = tmp_path / "shape.toml"
+    config.write_text('model = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n[checks]\noutput_shape = [2, 5]\n')
+    out = cli("check", "--config", config, "-f", "json")
+    assert out.exit_code == 1
+    rule = next(r for r in as_json(out)["rules"] if r["rule"] == "output_shape")
+    assert rule["status"] == "FAIL" and rule["value"] == expected and rule["limit"] == [2, 5]
+    config.write_text(config.read_text().replace("[2, 5]", "[-1, 4]"))
+    assert cli("check", "--config", config).exit_code == 0
+
+
+def test_model_that_raises_fails_runs_and_still_writes_junit(cli, tmp_path: Path) -> None:
+    junit = tmp_path / "out" / "check.xml"
+    junit.parent.mkdir()
+    out = cli("check", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json", "--junit", junit)
+    assert out.exit_code == 1 and "bad (Linear)" in out.stderr
+    data = as_json(out)
+    assert data["rules"][0]["rule"] == "runs" and data["rules"][0]["status"] == "FAIL"
+    assert {r["status"] for r in data["rules"][1:]} == {"SKIP"}
+    assert data["report"]["failure"]["module"] == "bad"
+    assert [r["name"] for r in data["report"]["layers"] if r["called"]] == ["good", "act", "bad"]
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "1" and suite.get("skipped") == str(len(DEFAULT_RULES) - 1)
+
+
+def test_scope_and_mode_defaults_can_be_narrowed(cli, tmp_path: Path) -> None:
+    args = ("check", "broken_models:Healthy", "--input-shape", "2x3x8x8", "-f", "json")
+    report = as_json(cli(*args))["report"]
+    assert report["mode"] == "train" and len(report["params"]) == 4
+    narrow = as_json(cli(*args, "--layers", "fc", "--params", "selected", "--eval"))["report"]
+    assert narrow["mode"] == "eval" and [p["name"] for p in narrow["params"]] == ["fc.weight", "fc.bias"]
+    assert [layer["name"] for layer in narrow["layers"]] == ["fc"]
+    config = tmp_path / "eval.toml"
+    config.write_text('mode = "eval"\n')
+    assert as_json(cli(*args, "--config", config))["report"]["mode"] == "eval"
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def test_baseline_lists_differences(cli, tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    made = cli("shapes", "broken_models:Healthy", "--input-shape", "2x3x8x8", "-f", "json", "-o", base)
+    assert made.exit_code == 0
+    same = cli("check", "broken_models:Healthy", "--input-shape", "2x3x8x8", "--baseline", base)
+    assert same.exit_code == 0, same.output
+    changed = bm.Healthy(classes=6)
+    new_shape = list(changed(torch.zeros(2, 3, 8, 8)).shape)
+    new_params = sum(p.numel() for p in changed.parameters())
+    old_params = sum(p.numel() for p in bm.Healthy().parameters())
+    out = cli("check", "broken_models:Healthy", "--model-arg", "classes=6", "--input-shape", "2x3x8x8",
+              "--baseline", base, "-f", "json")
+    assert out.exit_code == 1
+    rule = next(r for r in as_json(out)["rules"] if r["rule"] == "baseline")
+    diffs = {(v["where"], json.dumps(v["limit"]), json.dumps(v["value"])) for v in rule["violations"]}
+    assert ("fc", json.dumps([2, 4]), json.dumps(new_shape)) in diffs
+    assert ("(model)", str(old_params), str(new_params)) in diffs
+    assert "fc: shape [2, 4] -> [2, 6]" in out.stdout
+
+
+# --------------------------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("[checks.max_abs_activation]\nvalu = 3\n", ["'valu'", "value"]),
+    ("[checks.grad_norm]\nmin = 'small'\n", ["'min'", "number"]),
+    ("[checks]\nfinit = true\n", ["'finit'", "finite"]),
+    ("[checks.finite]\nseverity = 'fatal'\n", ["'severity'", "warn"]),
+    ("[checks.max_zero_fraction]\nvalue = 1.5\n", ["'value'", "0 to 1"]),
+    ("[checks.grad_norm]\noverrides = { fc = 3 }\n", ["'fc'", "min"]),
+    ("[checks.output_shape]\nout = [1, 2]\n", ["'out'", "value"]),
+])
+def test_bad_checks_table_exits_2_naming_key_and_file(cli, tmp_path: Path, text: str, needles: list[str]) -> None:
+    config = tmp_path / "bad_checks.toml"
+    config.write_text('model = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n' + text)
+    out = cli("check", "--config", config)
+    assert out.exit_code == 2 and out.stdout == ""
+    assert "bad_checks.toml" in out.stderr and "Traceback" not in out.stderr
+    for needle in needles:
+        assert needle in out.stderr, out.stderr
+
+
+def test_pyproject_tool_hookcli_checks(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.hookcli]\nmodel = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n'
+        '[tool.hookcli.checks]\noutput_shape = [2, 3]\n[tool.hookcli.checks.grad_norm]\nmax = 1e3\n')
+    out = cli("check")
+    assert out.exit_code == 1 and "output_shape at (model)" in out.stderr
+    (tmp_path / "pyproject.toml").write_text('[tool.hookcli]\n[tool.hookcli.checks.grad_norm]\nmaxx = 1\n')
+    out = cli("check", "broken_models:Healthy")
+    assert out.exit_code == 2 and "pyproject.toml" in out.stderr and "tool.hookcli.checks.grad_norm" in out.stderr
+
+
+# --------------------------------------------------------------------------- CI outputs
+
+
+def test_junit_xml(cli, tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "--junit", junit)
+    assert out.exit_code == 1
+    root = ET.parse(junit).getroot()
+    cases = root.findall("./testsuite/testcase")
+    assert [c.get("name") for c in cases] == DEFAULT_RULES
+    failed = [c.get("name") for c in cases if c.find("failure") is not None]
+    assert failed == ["grad_norm", "params_change"] and root.get("failures") == "2"
+    assert "unused.weight" in cases[DEFAULT_RULES.index("params_change")].find("failure").get("message")
+    assert [p.name for p in tmp_path.iterdir()] == ["junit.xml"]  # atomic: no temp file left
+
+
+def test_escape_functions() -> None:
+    assert escape_data("50%,\na:b") == "50%25,%0Aa:b"
+    assert escape_property("50%,\na:b") == "50%25%2C%0Aa%3Ab"
+    assert escape_data("x\r\ny") == "x%0D%0Ay"
+
+
+def test_github_annotations_on_stderr(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "-f", "json")
+    assert out.exit_code == 1
+    json.loads(out.stdout)  # stdout stays pure JSON
+    lines = [line for line in out.stderr.splitlines() if line.startswith("::")]
+    assert [line.split(" ", 1)[0] for line in lines] == ["::error", "::error"]
+    title, message = lines[0].split("::", 2)[1:]
+    assert title.startswith("error title=hookcli check grad_norm at unused.weight (broken_models%3AUnusedParam)")
+    assert "%0A- unused.bias" in message and "\n" not in message
+    assert cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "--no-github").stderr.count("::") == 0
+
+
+def test_step_summary_is_appended(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = tmp_path / "summary.md"
+    summary.write_text("previous step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    out = cli("check", "broken_models:DeadLayer", "--input-shape", "4x4")
+    assert out.exit_code == 1
+    text = summary.read_text()
+    assert text.startswith("previous step\n")
+    assert "### hookcli check: broken_models:DeadLayer: FAILED" in text
+    assert "| max_zero_fraction | FAIL | error | act |" in text
+
+
+# --------------------------------------------------------------------------- Python API
+
+
+def test_api_check_result_and_overrides(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.DeadLayer(), torch.randn(4, 4)
+    result = check_on(model, x, tmp_path, checks={"max_zero_fraction": {"ignore": ["act"]}})
+    assert result.rule("max_zero_fraction").status == "PASS"
+    result = check_on(model, x, tmp_path, checks={
+        "max_zero_fraction": {"overrides": {"act": 1.0, "nope*": 0.5}},
+        "grad_norm": False, "params_change": {"enabled": False}})
+    assert result.ok and [r.rule for r in result.rules] == ["runs", "finite", "max_abs_activation",
+                                                             "max_zero_fraction", "dead_channels"]
+    assert any("'nope*' matches nothing" in n for n in result.notes)
+    healthy = hookcli.check(bm.Healthy(), input_shapes=["2x3x8x8"], checks={"output_shape": [2, 5]})
+    assert not healthy.ok and [r.rule for r in healthy.failures] == ["output_shape"]
+    assert "output_shape" in str(healthy) and healthy.to_dict()["ok"] is False
+    with pytest.raises(ConfigError, match="bogus"):
+        hookcli.check(bm.Healthy(), checks={"bogus": 1})
+
+
+def test_api_reads_a_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('model = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n[checks]\noutput_shape = [2, 4]\n')
+    result = hookcli.check(config=config)
+    assert result.ok and result.config == str(config) and result.model.source == "config"
+
+
+def test_users_model_is_unchanged(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    model.train()
+    params = {n: (p, p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+    buffers = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    grad = model[0].weight.grad
+    result = hookcli.check(model, input_shapes=["2x3x8x8"], train=True)
+    assert result.rule("params_change").status == "PASS"  # the copy was stepped ...
+    for n, p in model.named_parameters():  # ... the model was not
+        obj, before, requires_grad = params[n]
+        assert p is obj and torch.equal(p, before) and p.requires_grad == requires_grad
+    for n, b in model.named_buffers():
+        assert b is buffers[n][0] and torch.equal(b, buffers[n][1])
+    assert model[0].weight.grad is grad and torch.equal(grad, torch.ones_like(grad))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "0.weight")
+    assert model.training and not model._forward_hooks and not model[0]._forward_hooks
+
+
+def test_train_mode_run_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+    state = torch.get_rng_state()
+    first = hookcli.check(model, input_shapes=["4x8"]).to_dict()
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.rand(5)  # move the global RNG: the check must not depend on it
+    again = hookcli.check(model, input_shapes=["4x8"]).to_dict()
+    assert first["report"]["layers"] == again["report"]["layers"] and first["rules"] == again["rules"]
+    other = hookcli.check(model, input_shapes=["4x8"], seed=1).to_dict()
+    assert other["report"]["layers"] != first["report"]["layers"]  # --seed drives input and dropout
+
+
+# --------------------------------------------------------------------------- renderers
+
+
+def test_check_renders_in_every_format_without_torch() -> None:
+    code = textwrap.dedent("""
+        import sys
+        from hookcli.records import CheckResult, ModelInfo, Report, RuleResult
+        from hookcli.render import OutputFormat, render
+        report = Report(command="check", model=ModelInfo(spec="net", source="argument", class_name="Net"))
+        rules = [RuleResult("runs", "PASS", "error", "ran"),
+                 RuleResult("finite", "FAIL", "error", "3 NaN in log", "log", 3, 0,
+                            [{"where": "log", "value": 3, "limit": 0, "message": "3 NaN in log"}]),
+                 RuleResult("grad_norm", "WARN", "warn", "big", "fc.weight", 2e4, [1e-12, 1e4]),
+                 RuleResult("output_shape", "PASS", "error", "ok", "(model)", [2, 10], [-1, 10])]
+        result = CheckResult(report, rules)
+        out = {fmt.value: render(result, fmt, width=100, color=True) for fmt in OutputFormat}
+        assert "\\x1b[1;31mFAIL" in out["table"] and "\\x1b[33mWARN" in out["table"], out["table"]
+        assert "[1e-12, 1e+04]" in out["table"] and "[-1, 10]" in out["table"]
+        assert "| finite | FAIL | error | log | 3 | 0 | 3 NaN in log |" in out["markdown"]
+        assert out["csv"].splitlines()[0] == "rule,status,severity,offender,value,limit,message"
+        assert "output_shape,PASS,error,(model),2x10,-1x10,ok" in out["csv"]
+        assert '"ok": false' in out["json"]
+        assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_check_help_does_not_import_torch() -> None:
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom hookcli.cli import main\n"
+            "r = CliRunner().invoke(main, ['check', '--help'])\nassert r.exit_code == 0 and '--junit' in r.output\n"
+            "assert 'torch' not in sys.modules\nprint('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_annotations_point_at_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookcli.records import CheckResult, ModelInfo, Report, RuleResult
+
+    monkeypatch.chdir(tmp_path)
+    report = Report(command="check", model=ModelInfo(spec="a:b", source="config", class_name="B"))
+    result = CheckResult(report, [RuleResult("finite", "WARN", "warn", "50%,\na:b", "x")],
+                         config=str(tmp_path / "ci" / "gate.toml"))
+    assert annotations(result) == ["::warning file=ci/gate.toml,title=hookcli check finite at x (a%3Ab)::50%25,%0Aa:b"]
