@@ -34,56 +34,111 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Reducer:
-    """Reduces tensors to statistics vectors with fast kernels and one reusable scratch buffer.
+    """Reduces tensors to statistics vectors (``_VECTOR`` layout), fast and without host syncs.
 
-    Per tensor: ``sum`` (the mean, kept on the device), ``aminmax``, the centred sum of squares
-    (two-pass variance: exact also for offset data) and, for activations, the count of zeros; the
-    last two go through a float scratch buffer that is reused across calls, so no activation-sized
-    temporary is allocated per layer (slow bool reductions like ``(x == 0).sum()``, Welford
-    ``std_mean`` and ``count_nonzero`` are avoided: they cost 10-50x a plain sum on CPU).
+    Memory traffic is the cost (a hooked activation is usually no longer in cache), so each path
+    reads a tensor as few times as it can and never allocates an activation-sized temporary; the
+    slow reductions (Welford ``std_mean``, ``count_nonzero``, bool sums like ``(x == 0).sum()``)
+    cost 10-50x a plain sum on CPU and are avoided.
 
-    NaN/Inf counts: a sum is finite exactly when the tensor holds no NaN and no Inf (both propagate),
-    so on CPU, where reading a scalar costs no device synchronisation, the counting passes run only
-    when the sum is not finite. On other devices they always run, so nothing waits for the device.
+    * CPU, where reading a scalar costs no device synchronisation: ``sum``, ``aminmax`` and ``dot``
+      (sum of squares) in three passes; zeros are counted only when ``min <= 0 <= max``, NaN/Inf only
+      when a sum is not finite (a sum is finite exactly when the tensor holds neither: both
+      propagate), and the exact centred two-pass variance runs only when ``mean^2 > 4 var``, where
+      ``E[x^2] - mean^2`` would lose digits. Counting passes run over cache-sized chunks.
+    * Other devices: one branch-free path (centred variance, all counts) through a reusable scratch
+      buffer, so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
     ReLU's output, a Sequential's *is* its last child's) reuses its vector.
     """
 
+    CHUNK = 1 << 20  # elements per counting pass on CPU: 4 MB of float32, stays in cache
+
     def __init__(self) -> None:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
-    def scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A float32 buffer of ``like.numel()`` elements on ``like``'s device, reused across calls."""
+    def scratch(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+        """A float32 buffer of ``numel`` (default ``like.numel()``) elements on ``like``'s device, reused."""
+        size = like.numel() if numel is None else numel
         buf = self._scratch.get(like.device)
-        if buf is None or buf.numel() < like.numel():
-            buf = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        if buf is None or buf.numel() < size:
+            buf = torch.empty(size, dtype=torch.float32, device=like.device)
             self._scratch[like.device] = buf
-        return buf[: like.numel()]
+        return buf[:size]
 
     def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:
-        """A float64 vector (``_VECTOR`` layout) of ``t``'s statistics, computed on ``t``'s device."""
+        """A float64 vector of ``t``'s statistics, computed on ``t``'s device."""
         key = (id(t), t._version, zeros)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t:
             return hit[1]
-        vector = self._reduce(t, zeros)
+        x = t.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()  # float16/bfloat16 are reduced in float32
+        if x.numel() == 0:
+            vector = torch.tensor([math.nan] * 4 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
+        elif x.device.type == "cpu":
+            vector = self._reduce_cpu(x.reshape(-1), zeros)
+        else:
+            vector = self._reduce_device(x.reshape(-1), zeros)
         try:
             self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
         return vector
 
-    def _reduce(self, t: torch.Tensor, zeros: bool) -> torch.Tensor:
-        x = t.detach()
-        if x.dtype != torch.float32 and x.dtype != torch.float64:
-            x = x.float()  # float16/bfloat16 are reduced in float32
-        n = x.numel()
-        device = x.device
-        if n == 0:
-            return torch.tensor([math.nan] * 4 + [0, 0, 0, 0], dtype=torch.float64, device=device)
-        flat = x.reshape(-1)
+    # -- CPU: cheap passes, exact checks on the host decide what else is needed ---------------------
+    def _count(self, flat: torch.Tensor, op: str) -> int:
+        """Exact count of zeros / NaNs / Infs, in cache-sized chunks (float32 counts stay exact)."""
+        total = 0
+        for chunk in flat.split(self.CHUNK):
+            buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
+            if op == "zero":
+                torch.eq(chunk, 0, out=buf)
+            elif op == "nan":
+                torch.ne(chunk, chunk, out=buf)
+            else:
+                torch.eq(chunk.abs(), math.inf, out=buf)
+            total += int(buf.sum())
+        return total
+
+    def _centred_m2(self, flat: torch.Tensor, mean: float) -> float:
+        """Sum of squared deviations from ``mean``: the exact two-pass formula, chunked."""
+        m2 = 0.0
+        for chunk in flat.split(self.CHUNK):
+            buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
+            torch.sub(chunk, mean, out=buf)
+            m2 += float(torch.dot(buf, buf))
+        return m2
+
+    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+        n = flat.numel()
+        total = float(flat.sum())
+        lo_t, hi_t = torch.aminmax(flat)
+        lo, hi = float(lo_t), float(hi_t)
+        squares = float(torch.dot(flat, flat)) if flat.dtype == torch.float32 else float(flat.square().sum())
+        nan_count = inf_count = 0
+        if not (math.isfinite(total) and math.isfinite(squares)):
+            nan_count, inf_count = self._count(flat, "nan"), self._count(flat, "inf")
+        mean = total / n
+        if nan_count or inf_count:
+            std = math.nan
+        else:
+            var = squares / n - mean * mean
+            if mean * mean > 4 * max(var, 0.0):  # E[x^2] - mean^2 would lose digits: two-pass
+                var = self._centred_m2(flat, mean) / n
+            std = math.sqrt(max(var, 0.0))
+        # min/max are NaN when a NaN is present, so then the zero test cannot skip the count
+        count_zeros = zeros and (nan_count > 0 or lo <= 0.0 <= hi)
+        zero_count = self._count(flat, "zero") if count_zeros else 0
+        return torch.tensor([mean, std, lo, hi, zero_count, nan_count, inf_count, n], dtype=torch.float64)
+
+    # -- accelerators: branch-free, no host synchronisation ---------------------------------------
+    def _reduce_device(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+        n = flat.numel()
+        device = flat.device
         total = flat.sum(dtype=torch.float64) if flat.dtype == torch.float64 else flat.sum()
         mean = total / n
         lo, hi = torch.aminmax(flat)
@@ -92,11 +147,8 @@ class Reducer:
         buf.square_()
         var = buf.sum() / n
         zero_count = torch.eq(flat, 0, out=buf).sum() if zeros else torch.zeros((), device=device)
-        if device.type == "cpu" and math.isfinite(float(total)):
-            nan_count = inf_count = torch.zeros((), device=device)
-        else:
-            nan_count = torch.ne(flat, flat, out=buf).sum()
-            inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum()
+        nan_count = torch.ne(flat, flat, out=buf).sum()
+        inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum()
         numel = torch.full((), float(n), device=device)
         parts = (mean, var.sqrt(), lo, hi, zero_count, nan_count, inf_count, numel)
         return torch.stack([p.to(torch.float64) for p in parts])
