@@ -105,12 +105,11 @@ class Reducer:
         return total
 
     def _centred_m2(self, flat: torch.Tensor, mean: float) -> float:
-        """Sum of squared deviations from ``mean``: the exact two-pass formula, chunked."""
+        """Sum of squared deviations from ``mean``: the exact two-pass formula, chunked, in float64."""
         m2 = 0.0
         for chunk in flat.split(self.CHUNK):
-            buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
-            torch.sub(chunk, mean, out=buf)
-            m2 += float(torch.dot(buf, buf))
+            centred = chunk.double() - mean
+            m2 += float(torch.dot(centred, centred))
         return m2
 
     def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
@@ -127,7 +126,8 @@ class Reducer:
             std = math.nan
         else:
             var = squares / n - mean * mean
-            if mean * mean > 4 * max(var, 0.0):  # E[x^2] - mean^2 would lose digits: two-pass
+            # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
+            if not math.isfinite(squares) or mean * mean > 4 * max(var, 0.0):
                 var = self._centred_m2(flat, mean) / n
             std = math.sqrt(max(var, 0.0))
         # min/max are NaN when a NaN is present, so then the zero test cannot skip the count
