@@ -104,13 +104,19 @@ class Reducer:
             total += int(buf.sum())
         return total
 
-    def _centred_m2(self, flat: torch.Tensor, mean: float) -> float:
-        """Sum of squared deviations from ``mean``: the exact two-pass formula, chunked, in float64."""
+    def _exact_moments(self, flat: torch.Tensor) -> tuple[float, float]:
+        """Mean and sum of squared deviations by the two-pass formula, chunked, in float64.
+
+        The rare path for ill-conditioned data (a large offset): there a float32 mean's own error
+        would bias the centred sum, so the mean is recomputed in float64 first.
+        """
+        chunks = flat.split(self.CHUNK)
+        mean = sum(float(c.sum(dtype=torch.float64)) for c in chunks) / flat.numel()
         m2 = 0.0
-        for chunk in flat.split(self.CHUNK):
+        for chunk in chunks:
             centred = chunk.double() - mean
             m2 += float(torch.dot(centred, centred))
-        return m2
+        return mean, m2
 
     def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
         n = flat.numel()
@@ -128,7 +134,8 @@ class Reducer:
             var = squares / n - mean * mean
             # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
             if not math.isfinite(squares) or mean * mean > 4 * max(var, 0.0):
-                var = self._centred_m2(flat, mean) / n
+                mean, m2 = self._exact_moments(flat)
+                var = m2 / n
             std = math.sqrt(max(var, 0.0))
         # min/max are NaN when a NaN is present, so then the zero test cannot skip the count
         count_zeros = zeros and (nan_count > 0 or lo <= 0.0 <= hi)
@@ -139,8 +146,7 @@ class Reducer:
     def _reduce_device(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
         n = flat.numel()
         device = flat.device
-        total = flat.sum(dtype=torch.float64) if flat.dtype == torch.float64 else flat.sum()
-        mean = total / n
+        mean = flat.sum(dtype=torch.float64) / n  # float64: its error would bias the centred variance
         lo, hi = torch.aminmax(flat)
         buf = self.scratch(flat) if flat.dtype == torch.float32 else torch.empty_like(flat)
         torch.sub(flat, mean, out=buf)
