@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from hookcli._version import __version__
-from hookcli.errors import ModelRaisedError
+from hookcli import progress
+from hookcli.errors import HookcliError, ModelRaisedError
 from hookcli.hooks import HookOptions, attach
 from hookcli.inputs import ModelInputs, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
@@ -50,10 +51,16 @@ class Prepared:
     info: ModelInfo
 
 
-def prepare(options: RunOptions, *, default_batch: int | None = None) -> Prepared:
-    """Validate options, load the model, select modules, build inputs (no forward pass yet)."""
-    opts = options.validate()
-    loaded = load(opts)
+def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
+    """Validate options, load the model, select modules, build inputs (no forward pass yet).
+
+    ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
+    only) and runs it there.
+    """
+    opts = options.validate()  # a fresh copy: safe to adjust
+    if meta:
+        opts.device = "meta"
+    loaded = load(opts, meta=meta)
     selection = select_modules(
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
     )
@@ -64,17 +71,18 @@ def prepare(options: RunOptions, *, default_batch: int | None = None) -> Prepare
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
 
 
-def load(opts: RunOptions) -> LoadedModel:
-    """Load the model an (already validated) RunOptions names.
+def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
+    """Load the model an (already validated) RunOptions names (on the meta device with ``meta``).
 
     Random initialisation is seeded with ``opts.seed`` (in a forked RNG, so the caller's global RNG
     is untouched): the same command gives the same numbers on every run, which baselines rely on.
     """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    with torch.random.fork_rng(devices=[]):
+    with progress.phase(f"building {opts.model}"), torch.random.fork_rng(devices=[]):
         torch.manual_seed(opts.seed)
-        return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
+        with torch.device("meta") if meta else nullcontext():
+            return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
 
 
 def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
@@ -180,17 +188,22 @@ def new_report(prep: Prepared, command: str) -> Report:
     )
 
 
-def forward_report(prep: Prepared, command: str, *, stats: bool) -> Report:
+def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False) -> Report:
     """Run one forward pass with hooks on the selected modules and return the report.
 
-    Raises ModelRaisedError (carrying the partial report) when the model raises.
+    ``flops`` counts forward FLOPs per call (``torch.utils.flop_counter`` formulas). Raises
+    ModelRaisedError (carrying the partial report) when the model raises.
     """
+    from hookcli.flops import FlopCounter
+
     report = new_report(prep, command)
     failure: FailureInfo | None = None
+    counter: FlopCounter | None = None
     with running(prep) as (model, args, kwargs):
-        with attach(model, prep.selection, HookOptions(stats=stats)) as session:
+        with attach(model, prep.selection, HookOptions(stats=stats, flops=flops)) as session:
+            counter = FlopCounter(session.add_flops) if flops else None
             try:
-                with torch.no_grad():
+                with torch.no_grad(), counter or nullcontext(), progress.phase("forward"):
                     model(*args, **kwargs)
             except Exception as exc:  # the user's model raised: keep what we have
                 failure = locate_failure(exc, model, "forward")
@@ -198,6 +211,8 @@ def forward_report(prep: Prepared, command: str, *, stats: bool) -> Report:
             else:
                 cause = None
         report.layers, _ = session.records(params_by_module(prep.selection))
+    if counter is not None:
+        report.flops = counter.summary()
     if failure is not None:
         report.failure = failure
         raise ModelRaisedError(
@@ -211,13 +226,46 @@ def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
     return RunOptions(model=model, model_source=source, **kwargs)
 
 
+META_NOTE = "ran on the meta device: shapes only, no memory for weights or activations (--device cpu: a real run)"
+
+
+def wants_meta(opts: RunOptions) -> bool:
+    """Shapes need no values: run on meta unless a device, input files or weights ask for real data."""
+    if opts.meta is not None:
+        return opts.meta
+    return opts.device is None and not opts.inputs and opts.weights is None and not model_is_instance(opts.model)
+
+
+def shapes_report(options: RunOptions) -> Report:
+    """``shapes``: on the meta device when possible, else (or when the model cannot run there) for real."""
+    opts = options.validate()
+    fallback: str | None = None
+    if wants_meta(opts):
+        try:
+            report = forward_report(prepare(opts, meta=True), "shapes", stats=False, flops=opts.flops)
+            report.notes.append(META_NOTE)
+            return report
+        except HookcliError as exc:
+            if not isinstance(exc, ModelRaisedError):
+                raise  # a usage error (unknown layer, bad input) is the same on any device
+            fallback = f"{exc.report.failure.exception}: {exc.report.failure.message}" if exc.report and \
+                exc.report.failure else str(exc)
+        except Exception as exc:  # building on meta failed (an init that reads values)
+            fallback = f"{type(exc).__name__}: {exc}"
+    report = forward_report(prepare(opts), "shapes", stats=False, flops=opts.flops)
+    if fallback is not None:
+        report.notes.append(f"ran on cpu: the model cannot run on the meta device ({fallback[:160]})")
+    return report
+
+
 def shapes(model: Any = None, **options: Any) -> Report:
     """Input and output shapes, dtypes and parameter counts of the selected modules.
 
     ``model`` is a spec (``"resnet50"``, ``"pkg.mod:Net"``, ``"file.py:build"``) or an ``nn.Module``;
-    ``options`` are the fields of ``RunOptions`` (``input_shapes``, ``layers``, ``device``, ...).
+    ``options`` are the fields of ``RunOptions`` (``input_shapes``, ``layers``, ``device``, ``flops``,
+    ...). A model given by spec, with no device, input files or weights, runs on the meta device.
     """
-    return forward_report(prepare(_options(model, options)), "shapes", stats=False)
+    return shapes_report(_options(model, options))
 
 
 def stats(model: Any = None, **options: Any) -> Report:

@@ -73,7 +73,7 @@ selection_options = _compose(
 """Which modules get hooks (default: the model's direct children)."""
 
 run_options = _compose(
-    click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
+    click.option("--device", help="cpu (default), cuda, cuda:N, mps; `shapes` uses meta when none is given."),
     click.option("--dtype", help="Cast the model and float inputs: float32, float16, bfloat16, float64."),
     click.option("--train/--eval", "train", default=False, help="Run in training or eval mode (default eval)."),
 )
@@ -275,7 +275,7 @@ def _run_options(ctx: click.Context, values: dict[str, Any]) -> Any:
         dtype=values.get("dtype"),
         train=values.get("train", False),
     )
-    for extra in ("loss", "target", "output_key", "params", "clip", "input_grads"):
+    for extra in ("loss", "target", "output_key", "params", "clip", "input_grads", "flops"):
         if extra in values and values[extra] is not None:
             fields[extra] = values[extra]
     return RunOptions(**fields).validate()
@@ -285,6 +285,9 @@ def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
     ctx = click.get_current_context()
     values = _apply_config(ctx, values)
     _prepare_output(ctx, values)
+    from hookcli import progress
+
+    progress.enable()  # spinners on stderr for slow phases, only on a terminal
     return ctx, values
 
 
@@ -308,14 +311,18 @@ def main() -> None:
 @input_options
 @selection_options
 @run_options
+@click.option("--flops", is_flag=True, help="Forward FLOPs per call and in total (torch.utils.flop_counter).")
 @output_options
 def shapes(**values: Any) -> None:
-    """Input and output shapes, dtypes and parameters of each selected module call."""
+    """Input and output shapes, dtypes and parameters of each selected module call.
+
+    Without --device, --input or --weights the model is built and run on the meta device: no memory
+    for weights or activations, so models of any size work (a real run is the fallback).
+    """
     ctx, values = _start(values)
     from hookcli import api
 
-    _emit(api.forward_report(api.prepare(_run_options(ctx, values)), "shapes", stats=False),
-          fmt=values["fmt"], output=values["output"])
+    _emit(api.shapes_report(_run_options(ctx, values)), fmt=values["fmt"], output=values["output"])
 
 
 @main.command()
@@ -339,6 +346,7 @@ def stats(**values: Any) -> None:
 @selection_options
 @run_options
 @grad_options
+@click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @output_options
 def grads(**values: Any) -> None:
     """Gradients of the loss w.r.t. each selected output, and per-parameter gradient statistics."""

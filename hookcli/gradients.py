@@ -8,7 +8,7 @@ gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookcli import progress
 from hookcli.errors import ModelRaisedError, UsageError
+from hookcli.flops import FlopCounter
 from hookcli.hooks import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.recorders import gradient_stats, iter_tensors, shape_of
@@ -137,14 +139,19 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     cause: BaseException | None = None
     loss_choice: LossChoice | None = None
     grads: dict[int, torch.Tensor | None] = {}
-    hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads)
+    hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops)
+    forward_flops: FlopCounter | None = None
+    backward_flops: FlopCounter | None = None
     with running(prep) as (model, args, kwargs), clipping(all_params, opts.clip) as clipped:
         args, kwargs = require_grad(args), require_grad(kwargs)
         with attach(model, prep.selection, hook_options) as session:
             phase = "forward"
+            if opts.flops:
+                forward_flops, backward_flops = FlopCounter(session.add_flops), FlopCounter()
             try:
                 with torch.enable_grad():
-                    output = model(*args, **kwargs)
+                    with forward_flops or nullcontext(), progress.phase("forward"):
+                        output = model(*args, **kwargs)
                     loss_choice = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
                     del output
                     leaves = [p for _, p in all_params if p.requires_grad]
@@ -152,7 +159,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                     if not loss_choice.value.requires_grad:
                         raise UsageError("the loss does not depend on any parameter or input that requires grad")
                     phase = "backward"
-                    results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)
+                    with backward_flops or nullcontext(), progress.phase("backward"):
+                        results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)
                 grads = {id(leaf): g for leaf, g in zip(leaves, results)}
             except UsageError:
                 raise
@@ -196,6 +204,10 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
         report.notes.append("the selected modules have no parameters (--params all lists every parameter)")
     if loss_choice is not None:
         report.loss = loss_choice.info(values[-1][0])
+    if forward_flops is not None and backward_flops is not None:
+        report.flops = forward_flops.summary(backward=backward_flops.total)
+        report.flops["partial"] = forward_flops.partial or backward_flops.partial
+        report.flops["missing_ops"] = sorted(forward_flops.missing | backward_flops.missing)
     if opts.clip is not None:
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if failure is not None:

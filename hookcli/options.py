@@ -58,6 +58,9 @@ class RunOptions:
     params: str = "selected"
     clip: float | None = None
     input_grads: bool = False
+    # shapes: FLOPs per call; run on the meta device (None: when nothing needs real values)
+    flops: bool = False
+    meta: bool | None = None
 
     # filled by validate()
     specs: list[InputSpec] = field(default_factory=list, init=False)

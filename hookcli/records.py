@@ -179,6 +179,8 @@ class Report:
     failure: FailureInfo | None = None
     notes: list[str] = field(default_factory=list)
     version: str = ""
+    #: {"forward": int, "backward": int | None, "partial": bool, "missing_ops": [...]} with --flops
+    flops: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -199,6 +201,8 @@ class Report:
             data["params"] = [p.to_dict() for p in self.params]
         if self.loss is not None:
             data["loss"] = self.loss
+        if self.flops is not None:
+            data["flops"] = self.flops
         data["notes"] = list(self.notes)
         data["failure"] = self.failure.to_dict() if self.failure else None
         return data

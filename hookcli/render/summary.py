@@ -115,7 +115,19 @@ def _shapes_footer(report: Report) -> Line:
         f"Buffers: {format_mb(model.buffer_bytes)}",
         f"Input size: {format_mb(input_bytes(report.inputs))}",
         f"Output size (selected layers): {format_mb(output_bytes(report.layers))}",
-    ]
+    ] + _flops_footer(report)
+
+
+def _flops_footer(report: Report) -> Line:
+    flops = report.flops
+    if not flops:
+        return []
+    parts = [f"Forward FLOPs: {format_count(flops.get('forward'))}"]
+    if flops.get("backward") is not None:
+        parts.append(f"Backward FLOPs: {format_count(flops['backward'])}")
+    if flops.get("partial"):
+        parts.append("partial: no formula for " + ", ".join(flops.get("missing_ops", [])))
+    return parts
 
 
 def _count_rows(report: Report) -> dict[str, int]:
@@ -159,7 +171,7 @@ def footer_lines(report: Renderable) -> list[Line]:
     else:
         parts.append(f"{c['no_grad']} without grad")
     parts.append(f"{c['not_called']} not called")
-    return [parts]
+    return [parts] + ([_flops_footer(report)] if report.flops else [])
 
 
 def failure_line(failure: FailureInfo | None) -> str | None:

@@ -1,0 +1,57 @@
+"""Progress for slow phases (building a big model, forward, backward, saving), on stderr.
+
+The library marks phases with ``with phase("forward"):``; nothing is shown unless the CLI called
+``enable()`` and stderr is a terminal, and a phase shows a transient spinner only once it has run for
+about a second, so quick commands print nothing extra and pipes and CI logs stay clean.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_DELAY_S = 1.0
+_enabled = False
+
+
+def enable(on: bool = True) -> None:
+    """Show progress (the CLI calls this when stderr is a terminal)."""
+    global _enabled
+    _enabled = bool(on) and sys.stderr.isatty()
+
+
+@contextmanager
+def phase(description: str) -> Iterator[None]:
+    """Mark a phase; shows ``description`` with a spinner on stderr if it lasts over a second."""
+    if not _enabled:
+        yield
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    status: list[Any] = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def start() -> None:
+        with lock:
+            if not done.is_set():
+                live = console.status(f"{description}…", spinner="dots")
+                live.start()
+                status.append(live)
+
+    timer = threading.Timer(_DELAY_S, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            done.set()
+            for live in status:
+                live.stop()
+            status.clear()
