@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -20,7 +21,7 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import HookcliError, ModelRaisedError
-from hookcli.hooks import HookOptions, attach
+from hookcli.hooks import HookOptions, KeepFn, attach
 from hookcli.inputs import ModelInputs, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
 from hookcli.options import RunOptions, model_is_instance
@@ -175,24 +176,32 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
 
 
 def new_report(prep: Prepared, command: str) -> Report:
+    """An empty report of ``command`` for a prepared run (inputs shown as they run: --dtype applied)."""
     opts = prep.options
     model = prep.loaded.model
     device = opts.device or str(model_device(model))
+    inputs = [
+        dataclasses.replace(info, dtype=opts.dtype)
+        if opts.dtype and info.dtype.startswith(("float", "bfloat")) else info
+        for info in prep.inputs.infos
+    ]
     return Report(
         command=command,
         model=prep.info,
-        inputs=list(prep.inputs.infos),
+        inputs=inputs,
         device=device,
         mode="train" if opts.train else "eval",
         version=__version__,
     )
 
 
-def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False) -> Report:
+def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False,
+                   keep: KeepFn | None = None) -> Report:
     """Run one forward pass with hooks on the selected modules and return the report.
 
-    ``flops`` counts forward FLOPs per call (``torch.utils.flop_counter`` formulas). Raises
-    ModelRaisedError (carrying the partial report) when the model raises.
+    ``flops`` counts forward FLOPs per call (``torch.utils.flop_counter`` formulas); ``keep`` is
+    called with every selected output tensor (features, fmaps). Raises ModelRaisedError (carrying
+    the partial report) when the model raises.
     """
     from hookcli.flops import FlopCounter
 
@@ -200,7 +209,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     failure: FailureInfo | None = None
     counter: FlopCounter | None = None
     with running(prep) as (model, args, kwargs):
-        with attach(model, prep.selection, HookOptions(stats=stats, flops=flops)) as session:
+        with attach(model, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep)) as session:
             counter = FlopCounter(session.add_flops) if flops else None
             try:
                 with torch.no_grad(), counter or nullcontext(), progress.phase("forward"):

@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 
 from hookcli._version import __version__
-from hookcli.api import failure_message, locate_failure, new_report, params_by_module, prepare, running
-from hookcli.errors import ModelRaisedError, OutputError, UsageError
-from hookcli.hooks import HookOptions, attach
+from hookcli.api import forward_report, prepare
+from hookcli.errors import OutputError, UsageError
 from hookcli.options import RunOptions
 from hookcli.recorders import dtype_name, shape_of
-from hookcli.records import ChannelRecord, FailureInfo, FeatureMaps
+from hookcli.records import ChannelRecord, FeatureMaps
 
 DEFAULT_CHANNELS = 64
 MIN_TILE = 32  # px: smaller maps are upscaled so each tile is at least this big
@@ -275,23 +274,8 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
         sample = tensor.detach()[spec.sample].to("cpu", copy=True) if take else None
         captured[path] = _Captured(shape_of(tensor), tensor.dtype, sample)
 
-    report = new_report(prep, "fmaps")
-    failure: FailureInfo | None = None
-    with running(prep) as (model, args, kwargs):
-        with attach(model, prep.selection, HookOptions(keep=keep)) as session:
-            try:
-                with torch.no_grad():
-                    model(*args, **kwargs)
-            except Exception as exc:  # the user's model raised: keep what we have
-                failure = locate_failure(exc, model, "forward")
-                cause: BaseException | None = exc
-            else:
-                cause = None
-        records, _ = session.records(params_by_module(prep.selection))
-    if failure is not None:
-        report.layers, report.failure = records, failure
-        raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
-                               input_shapes=failure.input_shapes) from cause
+    report = forward_report(prep, "fmaps", stats=False, keep=keep)  # raises ModelRaisedError
+    records = report.layers
     calls = max((r.calls for r in records), default=0)
     label = name or "(model)"
     if calls == 0 or not any(r.called for r in records):

@@ -99,7 +99,7 @@ def test_nan_and_inf_are_counted(tmp_path) -> None:
 def test_half_precision_is_reduced_in_float32() -> None:
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU())
     report = hookcli.stats(model, input_shapes=["4x8"], dtype="float16")
-    assert report.layers[0].dtype == "float16"
+    assert report.layers[0].dtype == "float16" and report.inputs[0].dtype == "float16"
     assert next(model.parameters()).dtype == torch.float32  # restored
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).half()
     half_linear = nn.Linear(8, 64).half()

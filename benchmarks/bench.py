@@ -1,0 +1,281 @@
+"""hookcli benchmarks: every issue-6 target with its measured ratio (CPU, a few minutes on 2 cores).
+
+    python benchmarks/bench.py            # all targets
+    python benchmarks/bench.py --quick    # smaller repeat counts
+
+Timings are medians of alternating runs in one process (so both sides see the same machine state);
+peak memory is each variant's own process peak (``ru_maxrss``) in a fresh subprocess. Nothing here
+is a test: the suite never times anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --------------------------------------------------------------------------- variants (run in-process)
+
+def _resnet50_case(batch: int = 8) -> tuple[Any, Any]:
+    import torch
+    from torchvision.models import resnet50
+
+    torch.manual_seed(0)
+    return resnet50(weights=None).eval(), torch.randn(batch, 3, 224, 224)
+
+
+def run_bare(model: Any, x: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        model(x)
+
+
+def run_hookcli(model: Any, x: Any) -> None:
+    """What `hookcli stats --all` does around the forward: hooks, on-device stats, one transfer."""
+    import torch
+
+    from hookcli.hooks import HookOptions, attach
+    from hookcli.selection import select_modules
+
+    with attach(model, select_modules(model, all_modules=True), HookOptions(stats=True)) as session:
+        with torch.no_grad():
+            model(x)
+    session.records()
+
+
+def run_item_hooks(model: Any, x: Any) -> None:
+    """The naive way: forward hooks calling .item() per statistic (the seeds' ForwardCheck, extended)."""
+    import torch
+
+    rows: list[tuple[float, ...]] = []
+
+    def hook(_m: Any, _i: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            o = out.detach()
+            rows.append((o.mean().item(), o.std().item(), o.min().item(), o.max().item(), o.norm().item(),
+                         (o == 0).float().mean().item(), torch.isnan(o).sum().item(), torch.isinf(o).sum().item()))
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def run_capture_all(model: Any, x: Any) -> None:
+    """A capture-everything tool: keeps a clone of every module output, then computes statistics."""
+    import torch
+
+    kept: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda _m, _i, o: kept.append(o.detach().clone()) if isinstance(o, torch.Tensor) else None)
+               for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(x)
+        [(t.mean().item(), t.std().item()) for t in kept]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def run_torchinfo(model: Any, x: Any) -> None:
+    import torchinfo  # optional: pip install torchinfo
+
+    torchinfo.summary(model, input_data=x, verbose=0, depth=10)
+
+
+VARIANTS: dict[str, Callable[[Any, Any], None]] = {
+    "bare forward": run_bare,
+    "hookcli stats --all": run_hookcli,
+    "plain .item() hooks": run_item_hooks,
+    "capture everything": run_capture_all,
+    "torchinfo.summary": run_torchinfo,
+}
+
+
+def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds per variant, running the variants in turn ``repeats`` times (after a warm-up)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_rss_mb(code: str) -> float:
+    """Peak resident memory (MB) of a fresh Python process running ``code``.
+
+    Read from ``VmHWM`` in /proc/self/status, which starts afresh at exec; ``ru_maxrss`` would not
+    (a child inherits its parent's peak across fork).
+    """
+    script = code + textwrap.dedent("""
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                print("PEAK", line.split()[1])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=HERE)
+    kb = int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("PEAK")))
+    return kb / 1024
+
+
+def command_seconds(args: list[str], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(args, capture_output=True, check=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- targets
+
+def bench_overhead(repeats: int) -> list[dict[str, Any]]:
+    model, x = _resnet50_case()
+    available = dict(VARIANTS)
+    try:
+        import torchinfo  # noqa: F401
+    except ImportError:
+        available.pop("torchinfo.summary")
+    medians = alternate({name: (lambda f=f: f(model, x)) for name, f in available.items()}, repeats)
+    bare = medians["bare forward"]
+    rows = [{"target": "stats overhead, resnet50 b8 224 CPU", "variant": name, "seconds": round(t, 3),
+             "ratio": round(t / bare, 2), "goal": "<= 1.15" if name == "hookcli stats --all" else ""}
+            for name, t in medians.items()]
+    setup = "import sys; sys.path.insert(0, '.'); from bench import _resnet50_case, VARIANTS; m, x = _resnet50_case()\n"
+    bare_mb = peak_rss_mb(setup + "VARIANTS['bare forward'](m, x); VARIANTS['bare forward'](m, x)")
+    hook_mb = peak_rss_mb(setup + "VARIANTS['hookcli stats --all'](m, x); VARIANTS['hookcli stats --all'](m, x)")
+    rows.append({"target": "peak memory, same case", "variant": "hookcli / bare", "seconds": None,
+                 "ratio": round(hook_mb / bare_mb, 3), "goal": "<= 1.10",
+                 "detail": f"{hook_mb:.0f} MB vs {bare_mb:.0f} MB"})
+    return rows
+
+
+def bench_help(repeats: int) -> list[dict[str, Any]]:
+    torch_s = command_seconds([sys.executable, "-c", "import torch"], repeats)
+    help_s = command_seconds([sys.executable, "-m", "hookcli.cli", "--help"], repeats)
+    version_s = command_seconds([sys.executable, "-m", "hookcli.cli", "--version"], repeats)
+    return [
+        {"target": "hookcli --help vs import torch", "variant": "--help", "seconds": round(help_s, 3),
+         "ratio": round(help_s / torch_s, 3), "goal": "<= 0.2"},
+        {"target": "hookcli --version vs import torch", "variant": "--version", "seconds": round(version_s, 3),
+         "ratio": round(version_s / torch_s, 3), "goal": "<= 0.2"},
+    ]
+
+
+BIG_MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(d)
+            self.attn = nn.MultiheadAttention(d, 32, batch_first=True)
+            self.norm2 = nn.LayerNorm(d)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        def forward(self, x):
+            h = self.norm1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.norm2(x))
+
+    class Big(nn.Module):
+        '''About 7B parameters: 32 transformer blocks of width 4096 and a 32k vocabulary.'''
+        example_inputs = (torch.zeros(1, 16, dtype=torch.long),)
+        def __init__(self, d=4096, layers=32, vocab=32000):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.Sequential(*[Block(d) for _ in range(layers)])
+            self.head = nn.Linear(d, vocab, bias=False)
+        def forward(self, ids):
+            return self.head(self.blocks(self.embed(ids)))
+""")
+
+
+def bench_meta(repeats: int) -> list[dict[str, Any]]:
+    big = os.path.join(HERE, "_big_model.py")
+    with open(big, "w") as fh:
+        fh.write(BIG_MODEL)
+    imports_s = command_seconds([sys.executable, "-c", "import torch, torchvision"], repeats)
+    rows = []
+    for spec in ("vit_h_14", f"{big}:Big"):
+        code = f"import hookcli; r = hookcli.shapes({spec!r}); print('PARAMS', r.model.params, r.device)"
+        start = time.perf_counter()
+        mb = peak_rss_mb(code)
+        seconds = time.perf_counter() - start
+        rows.append({"target": "shapes on meta", "variant": os.path.basename(spec), "seconds": round(seconds, 2),
+                     "ratio": round(seconds / imports_s, 2), "goal": "<= 2.0 (time vs import) ; < 1500 MB",
+                     "detail": f"peak {mb:.0f} MB"})
+    os.remove(big)
+    return rows
+
+
+def _chain_model(n_modules: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(n_modules // 3)])
+
+
+def bench_scaling(repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    x = torch.randn(4, 32)
+    per_module = {}
+    for n in (1_000, 10_000):
+        model = _chain_model(n)
+        count = sum(1 for _ in model.modules()) - 1
+        seconds = alternate({"run": lambda: run_hookcli(model, x)}, repeats)["run"]
+        per_module[n] = seconds / count
+    ratio = per_module[10_000] / per_module[1_000]
+    return [{"target": "time per module, 10k vs 1k modules", "variant": "stats --all", "seconds": None,
+             "ratio": round(ratio, 2), "goal": "<= 1.5",
+             "detail": f"{per_module[1_000] * 1e6:.0f} vs {per_module[10_000] * 1e6:.0f} us/module"}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling"], action="append")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    benches = {"overhead": bench_overhead, "help": bench_help, "meta": bench_meta, "scaling": bench_scaling}
+    rows: list[dict[str, Any]] = []
+    for name, fn in benches.items():
+        if args.only and name not in args.only:
+            continue
+        rows += fn(repeats)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, torch {torch.__version__}")
+    print(f"{'target':42s} {'variant':22s} {'seconds':>8s} {'ratio':>7s}  goal / detail")
+    for r in rows:
+        seconds = "" if r["seconds"] is None else f"{r['seconds']:.3f}"
+        print(f"{r['target']:42s} {r['variant']:22s} {seconds:>8s} {r['ratio']:>7.2f}  {r['goal']} {r.get('detail', '')}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
