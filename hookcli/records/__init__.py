@@ -1,0 +1,32 @@
+"""Plain data that hookcli computes and renderers read (never tensors; renderers never import torch).
+
+``core``: the inspection report (shapes, stats, grads) — ``Report.to_dict()`` *is* the JSON format;
+``exports``: features / fmaps results; ``checks``: the check gate's results. Everything is re-exported
+here, so ``from hookcli.records import Report`` works for all of them.
+"""
+
+from hookcli.records.checks import CheckResult, RuleResult
+from hookcli.records.core import (
+    GRAD_KEYS,
+    SCHEMA,
+    STAT_KEYS,
+    FailureInfo,
+    GradStats,
+    InputInfo,
+    LayerRecord,
+    ModelInfo,
+    ModelList,
+    ModuleRow,
+    ModuleTree,
+    ParamRecord,
+    Report,
+    Shape,
+    Stats,
+)
+from hookcli.records.exports import ChannelRecord, FeatureExport, FeatureMaps, SavedTensor
+
+__all__ = [
+    "GRAD_KEYS", "SCHEMA", "STAT_KEYS", "ChannelRecord", "CheckResult", "FailureInfo", "FeatureExport",
+    "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
+    "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats",
+]

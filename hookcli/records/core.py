@@ -1,0 +1,275 @@
+"""Plain data that hookcli computes and renderers read.
+
+Records hold only Python values (ints, floats, strings, tuples/lists of ints, dicts of floats),
+never tensors, so renderers never need torch. ``Report.to_dict()`` *is* the JSON format (schema 1,
+documented in the README); keys may be added, none renamed or removed without bumping ``SCHEMA``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = 1
+
+Shape = list[int]
+#: Activation statistics of one tensor: mean, std, min, max, norm, zero_fraction, nan_count, inf_count.
+Stats = dict[str, float | int | None]
+#: Gradient statistics of one tensor: mean, std, min, max, norm, nan_count, inf_count (+ abs_max for params).
+GradStats = dict[str, float | int | None]
+
+STAT_KEYS: tuple[str, ...] = (
+    "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
+)
+GRAD_KEYS: tuple[str, ...] = ("mean", "std", "min", "max", "norm", "nan_count", "inf_count")
+
+
+@dataclass
+class ModelInfo:
+    """Where the model came from and how big it is."""
+
+    spec: str
+    source: str  # "argument", "config", "pyproject", "default", "python"
+    class_name: str
+    params: int = 0
+    trainable_params: int = 0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    weights: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec,
+            "source": self.source,
+            "class": self.class_name,
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            "param_bytes": self.param_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "weights": self.weights,
+        }
+
+
+@dataclass
+class InputInfo:
+    """One model input: positional ("0", "1", ...) or keyword (its name)."""
+
+    name: str
+    shape: Shape | None
+    dtype: str
+    source: str  # "randn(seed=0)", "image: cat.png", "file: x.pt", ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": self.shape, "dtype": self.dtype, "source": self.source}
+
+
+@dataclass
+class LayerRecord:
+    """One tensor of one call of one selected module (or one 'not called' row)."""
+
+    name: str
+    call: int
+    type: str
+    output: str = ""  # path of the tensor inside the module's output: "", "[0]", "['out']", ".logits"
+    called: bool = True
+    depth: int = 1
+    calls: int = 1  # how many times the module was called in the run
+    input_shapes: list[Shape | None] = field(default_factory=list)
+    shape: Shape | None = None
+    dtype: str | None = None
+    params: int = 0
+    stats: Stats | None = None
+    grad: GradStats | None = None
+    grad_input: list[GradStats | None] | None = None
+    raised: bool = False  # the module's forward raised (this is the failing call or one of its parents)
+    flops: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Display name: ``name``, ``name#call`` for reused modules, plus the output path."""
+        base = self.name or "(model)"
+        if self.calls > 1:
+            base = f"{base}#{self.call}"
+        return base + self.output
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "name": self.name,
+            "call": self.call,
+            "type": self.type,
+            "output": self.output,
+            "called": self.called,
+            "depth": self.depth,
+            "input_shapes": self.input_shapes,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "params": self.params,
+        }
+        if self.raised:
+            data["raised"] = True
+        if self.stats is not None:
+            data["stats"] = self.stats
+        if self.grad is not None or self.grad_input is not None:
+            data["grad"] = self.grad
+        if self.grad_input is not None:
+            data["grad_input"] = self.grad_input
+        if self.flops is not None:
+            data["flops"] = self.flops
+        return data
+
+
+@dataclass
+class ParamRecord:
+    """One parameter tensor: its gradient statistics after backward."""
+
+    name: str
+    shape: Shape
+    requires_grad: bool
+    norm: float | None
+    grad: GradStats | None = None
+    clipped: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "name": self.name,
+            "shape": self.shape,
+            "requires_grad": self.requires_grad,
+            "norm": self.norm,
+            "grad": self.grad,
+        }
+        if self.clipped is not None:
+            data["clipped"] = self.clipped
+        return data
+
+
+@dataclass
+class FailureInfo:
+    """What went wrong when the model raised: the innermost module and its input shapes."""
+
+    phase: str  # "forward" or "backward"
+    module: str | None
+    module_type: str | None
+    input_shapes: list[Shape | None]
+    exception: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "module": self.module,
+            "module_type": self.module_type,
+            "input_shapes": self.input_shapes,
+            "exception": self.exception,
+            "message": self.message,
+        }
+
+
+@dataclass
+class Report:
+    """The result of one inspection run (shapes, stats, grads, ...)."""
+
+    command: str
+    model: ModelInfo
+    inputs: list[InputInfo] = field(default_factory=list)
+    device: str = "cpu"
+    mode: str = "eval"
+    layers: list[LayerRecord] = field(default_factory=list)
+    params: list[ParamRecord] | None = None
+    loss: dict[str, Any] | None = None
+    failure: FailureInfo | None = None
+    notes: list[str] = field(default_factory=list)
+    version: str = ""
+    #: {"forward": int, "backward": int | None, "partial": bool, "missing_ops": [...]} with --flops
+    flops: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "schema": SCHEMA,
+            "hookcli": self.version,
+            "command": self.command,
+            "model": self.model.to_dict(),
+            "inputs": [i.to_dict() for i in self.inputs],
+            "device": self.device,
+            "mode": self.mode,
+            "layers": [r.to_dict() for r in self.layers],
+        }
+        if self.params is not None:
+            data["params"] = [p.to_dict() for p in self.params]
+        if self.loss is not None:
+            data["loss"] = self.loss
+        if self.flops is not None:
+            data["flops"] = self.flops
+        data["notes"] = list(self.notes)
+        data["failure"] = self.failure.to_dict() if self.failure else None
+        return data
+
+
+@dataclass
+class ModuleRow:
+    """One module of the model tree (``hookcli modules``)."""
+
+    name: str
+    type: str
+    depth: int
+    params: int  # parameters in this module's subtree, each tensor counted once
+    own_params: int  # parameters registered directly on this module
+    children: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "depth": self.depth,
+            "params": self.params,
+            "own_params": self.own_params,
+            "children": self.children,
+        }
+
+
+@dataclass
+class ModuleTree:
+    """The module tree of a model (``hookcli modules``)."""
+
+    model: ModelInfo
+    modules: list[ModuleRow]
+    version: str = ""
+    command: str = "modules"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "hookcli": self.version,
+            "command": self.command,
+            "model": self.model.to_dict(),
+            "modules": [m.to_dict() for m in self.modules],
+        }
+
+
+@dataclass
+class ModelList:
+    """torchvision model names (``hookcli models``)."""
+
+    pattern: str | None
+    models: list[dict[str, str]]  # {"name": ..., "family": ...}
+    version: str = ""
+    command: str = "models"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "hookcli": self.version,
+            "command": self.command,
+            "pattern": self.pattern,
+            "models": self.models,
+        }
+
+
+# --------------------------------------------------------------------------- kept activations
+#
+# ``hookcli features`` and ``hookcli fmaps`` are the two commands that keep activations. Their results
+# are plain data like every record, with one exception for Python callers: ``tensors`` / ``image``
+# hold the kept CPU tensors. Neither is part of ``to_dict()``, and renderers never read them.
