@@ -45,7 +45,8 @@ from hookcli.api import (
 )
 from hookcli.errors import InputError, ModelRaisedError, OutputError
 from hookcli.hooks import HookOptions, attach
-from hookcli.inputs import list_input_files, make_inputs
+from hookcli.input_files import list_input_files
+from hookcli.inputs import make_inputs
 from hookcli.options import RunOptions
 from hookcli.recorders import dtype_name
 from hookcli.records import FailureInfo, FeatureExport, InputInfo, LayerRecord, SavedTensor

@@ -8,12 +8,9 @@ gets an ``InputInfo`` that says where it came from, including when its shape was
 from __future__ import annotations
 
 import os
-import pickle
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +23,6 @@ from hookcli.records import InputInfo
 FILLS: tuple[str, ...] = ("randn", "rand", "ones", "zeros")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors")
-IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 _CANONICAL = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 DTYPE_ALIASES: dict[str, str] = {**{n: n for n in _CANONICAL}, "float": "float32", "fp32": "float32",
                                  "half": "float16", "fp16": "float16", "bf16": "bfloat16",
@@ -78,7 +74,7 @@ def _info(name: str, value: Any, source: str) -> InputInfo:
     return InputInfo(name, None, type(value).__name__, source)
 
 
-def _pack(args: Sequence[tuple[Any, str]], kwargs: Sequence[tuple[str, Any, str]] = ()
+def pack_inputs(args: Sequence[tuple[Any, str]], kwargs: Sequence[tuple[str, Any, str]] = ()
           ) -> ModelInputs:
     """ModelInputs from (value, source) positional and (name, value, source) keyword entries."""
     infos = [_info(str(i), v, src) for i, (v, src) in enumerate(args)]
@@ -86,7 +82,7 @@ def _pack(args: Sequence[tuple[Any, str]], kwargs: Sequence[tuple[str, Any, str]
     return ModelInputs(tuple(v for v, _ in args), {k: v for k, v, _ in kwargs}, infos)
 
 
-def _n(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
@@ -148,7 +144,7 @@ def _guess_user_shape(model: nn.Module, b: int) -> tuple[tuple[int, ...], torch.
     return (b, 3, 224, 224), torch.float32, note
 
 
-def _transform_size(loaded: LoadedModel, attr: str, fallback: int) -> int:
+def transform_size(loaded: LoadedModel, attr: str, fallback: int) -> int:
     """The model's own ``image_size`` (ViT: vit_h_14 without weights is 224, its weights 518), else
     ``crop_size``/``resize_size`` of the weights' preset transforms, else ``fallback``."""
     own = getattr(loaded.model, "image_size", None)
@@ -177,8 +173,8 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
         def clone(v: Any) -> Any:  # in-place layers must not change the model's own examples
             return v.clone() if isinstance(v, torch.Tensor) else v
         if isinstance(value, dict):
-            return _pack([], [(str(k), clone(v), attr) for k, v in value.items()])
-        return _pack([(clone(v), attr) for v in (value if isinstance(value, (tuple, list)) else (value,))])
+            return pack_inputs([], [(str(k), clone(v), attr) for k, v in value.items()])
+        return pack_inputs([(clone(v), attr) for v in (value if isinstance(value, (tuple, list)) else (value,))])
     return None
 
 
@@ -192,196 +188,18 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
     if family is None:
         shape, dtype, note = _guess_user_shape(loaded.model, b)
         t, src = _fill(shape, dtype, fill, gen, seed, loaded.model)
-        return _pack([(t, f"{src}, {note}")])
+        return pack_inputs([(t, f"{src}, {note}")])
     if family == "detection":  # a list of CHW images, as torchvision detection models take
         s = 300 if name.startswith("ssd300") else 320
         t, src = _fill((b, 3, s, s), f32, fill, gen, seed)
-        return _pack([(list(t.unbind(0)), f"{src}, list of {_n(b, 'image')}")])
+        return pack_inputs([(list(t.unbind(0)), f"{src}, list of {plural(b, 'image')}")])
     if family == "optical_flow":  # two frames; RAFT needs H, W divisible by 8 (224 runs)
-        return _pack([_fill((b, 3, 224, 224), f32, fill, gen, seed) for _ in range(2)])
+        return pack_inputs([_fill((b, 3, 224, 224), f32, fill, gen, seed) for _ in range(2)])
     # classification / quantization: the preset crop; segmentation: its resize; video: 16 frames
     where = {"segmentation": ("resize_size", 520), "video": ("crop_size", 112)}
-    s = _transform_size(loaded, *where.get(family, ("crop_size", 224)))
+    s = transform_size(loaded, *where.get(family, ("crop_size", 224)))
     shape = (b, 3, 16, s, s) if family == "video" else (b, 3, s, s)
-    return _pack([_fill(shape, f32, fill, gen, seed)])
-
-
-# --------------------------------------------------------------------------- image files
-
-
-def _expand_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
-    """Check the files; return their kind ("images" | "tensors"), the paths and a source label."""
-    kinds: set[str] = set()
-    paths: list[Path] = []
-    labels: list[str] = []
-    for entry in files:
-        text, path = os.fspath(entry), Path(entry)
-        if path.is_dir():
-            images = sorted(p for p in path.iterdir()
-                            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-            if not images:
-                raise InputError(f"folder {text!r} has no images",
-                                 hint="supported images: " + " ".join(IMAGE_SUFFIXES))
-            kinds.add("images")
-            paths.extend(images)
-            labels.append(f"{text.rstrip('/' + os.sep)}/ ({_n(len(images), 'file')})")
-            continue
-        if not path.exists():
-            raise InputError(f"input file not found: {text}")
-        suffix = path.suffix.lower()
-        if suffix not in IMAGE_SUFFIXES + TENSOR_SUFFIXES:
-            raise InputError(f"unsupported input file {text!r}",
-                             hint=f"supported: images {' '.join(IMAGE_SUFFIXES)}, tensors "
-                             f"{' '.join(TENSOR_SUFFIXES)}, or a folder of images")
-        kinds.add("images" if suffix in IMAGE_SUFFIXES else "tensors")
-        paths.append(path)
-        labels.append(text)
-    if len(kinds) > 1:
-        raise UsageError("cannot mix image files and tensor files as inputs",
-                         hint="give either images (or folders of images) or tensor files")
-    kind = kinds.pop()
-    prefix = "image" if kind == "images" and len(files) == 1 and not Path(files[0]).is_dir() else kind
-    shown = labels[:3] + ([f"... ({_n(len(paths), 'file')})"] if len(labels) > 3 else [])
-    return kind, paths, f"{prefix}: " + ", ".join(shown)
-
-
-def list_input_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
-    """The files ``files`` names, folders expanded to their images (sorted by name), unread.
-
-    Returns the kind (``"images"`` or ``"tensors"``), the paths in the order ``make_inputs`` reads
-    them, and the source label a report shows; raises as ``make_inputs`` does. Lets a caller run
-    a large folder in batches (``hookcli features``): ``make_inputs(loaded, files=paths[i:j])``.
-    """
-    return _expand_files(files)
-
-
-def _decode(path: Path) -> torch.Tensor:
-    """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL)."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    try:
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            img = decode_image(str(path), mode=ImageReadMode.RGB)
-        return img[0] if img.ndim == 4 else img  # animated GIF: first frame
-    except Exception:
-        pass  # BMP, TIFF, ... : PIL reads those
-    try:
-        from PIL import Image
-        from torchvision.transforms.v2.functional import pil_to_tensor
-
-        with Image.open(path) as im:
-            return pil_to_tensor(im.convert("RGB"))
-    except Exception as exc:
-        raise InputError(f"could not decode image {str(path)!r}: {type(exc).__name__}: {exc}",
-                         hint="is it a valid, complete image file?") from exc
-
-
-def _generic_preprocess(img: torch.Tensor, crop: int = 224) -> torch.Tensor:
-    """Resize the shorter side to 256 and center-crop 224 (scaled for other crops), scale to
-    [0, 1], ImageNet-normalise: the usual classification preprocessing when no preset exists."""
-    import torchvision.transforms.v2.functional as F
-
-    img = F.center_crop(F.resize(img, [crop * 256 // 224], antialias=True), [crop, crop])
-    return F.normalize(F.to_dtype(img, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
-
-
-def _image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInputs:
-    """Decode and preprocess images into the input form the model's family expects."""
-    import torchvision.transforms.v2.functional as F
-
-    raw = [_decode(p) for p in paths]
-    family = loaded.family
-    tf = loaded.weights_enum.transforms() if loaded.weights_enum is not None else None
-    if family == "detection":  # a list of float CHW images in [0, 1], any sizes
-        images = [F.to_dtype(img, torch.float32, scale=True) for img in raw]
-        return _pack([(images, f"{label}, list of {_n(len(images), 'image')}")])
-    if family == "optical_flow":  # two frames, [0, 1] mapped to [-1, 1] as RAFT expects
-        if len(raw) != 2 or raw[0].shape != raw[1].shape:
-            got = ", ".join(f"{p.name} {list(r.shape)}" for p, r in zip(paths, raw))
-            raise InputError(f"optical flow models take exactly two images of one size (got {got})")
-        pair = tf(*raw) if tf is not None else [
-            F.normalize(F.to_dtype(r, torch.float32, scale=True), [0.5] * 3, [0.5] * 3) for r in raw]
-        return _pack([(t.unsqueeze(0), f"image: {p}") for t, p in zip(pair, paths)])
-    if family == "video":  # the images are the frames of one clip: (1, C, T, H, W)
-        frames = [tf(img.unsqueeze(0)) if tf is not None else _generic_preprocess(img).unsqueeze(1)
-                  for img in raw]
-        clip = torch.cat(frames, dim=1).unsqueeze(0)
-        return _pack([(clip, f"{label}, one clip of {_n(len(frames), 'frame')}")])
-    crop = _transform_size(loaded, "crop_size", 224)
-    if tf is not None and family != "segmentation" and getattr(tf, "crop_size", [crop])[0] != crop:
-        tf = None  # the preset crops for other weights than the model was built for (vit_h_14)
-    out = [tf(img) if tf is not None else _generic_preprocess(img, crop) for img in raw]
-    if any(t.shape != out[0].shape for t in out):
-        sizes = ", ".join(f"{p.name} {list(t.shape)}" for p, t in zip(paths, out))
-        raise InputError(f"images differ in size after preprocessing: {sizes}",
-                         hint="give images of one aspect ratio, or one image at a time")
-    return _pack([(torch.stack(out), label)])
-
-
-# --------------------------------------------------------------------------- tensor files
-
-Entry = tuple[str | None, Any, str]  # (keyword name, or None for positional; value; source)
-
-
-def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
-    """Numeric keys (``0``, ``arr_0``) -> positional in numeric order; other keys -> keyword."""
-    index = {k: re.fullmatch(r"(?:arr_)?(\d+)", str(k)) for k in data}
-    if data and all(index.values()):
-        keys = sorted(data, key=lambda k: int(index[k].group(1)))  # type: ignore[union-attr]
-        return [(None, data[k], f"file: {label}[{k}]") for k in keys]
-    if bad := [k for k in data if not isinstance(k, str) or not k.isidentifier()]:
-        raise InputError(f"{label}: keys {bad[:5]!r} are neither positions nor argument names")
-    return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
-
-
-def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]:
-    """Read one tensor file into positional / keyword entries."""
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".npy", ".npz"):
-            import numpy as np
-
-            data = np.load(path, allow_pickle=False)
-            if suffix == ".npy":
-                return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
-            with data:
-                return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
-        if suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return _split_keyed(dict(load_file(str(path), device="cpu")), label)
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except ImportError as exc:
-        raise InputError(f"reading {label} needs the {exc.name} package",
-                         hint=f"pip install {exc.name}") from exc
-    except InputError:
-        raise
-    except pickle.UnpicklingError as exc:
-        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading "
-                         "refuses", hint="save plain tensors (or tuples/dicts of them)") from exc
-    except Exception as exc:
-        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(obj, torch.Tensor):
-        return [(None, obj, f"file: {label}")]
-    if isinstance(obj, (list, tuple)):
-        if family == "detection" and obj and all(
-                isinstance(t, torch.Tensor) and t.ndim == 3 for t in obj):  # one list of images
-            return [(None, list(obj), f"file: {label}, list of {_n(len(obj), 'image')}")]
-        return [(None, v, f"file: {label}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return _split_keyed(obj, label)
-    raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict")
-
-
-def _tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]]) -> ModelInputs:
-    """Several tensor files: positional inputs in the given order, keyword inputs merged."""
-    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family)]
-    keyword = [(k, v, src) for k, v, src in entries if k is not None]
-    names = [k for k, _, _ in keyword]
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise InputError(f"keyword inputs given by more than one file: {', '.join(twice)}")
-    return _pack([(v, src) for k, v, src in entries if k is None], keyword)
+    return pack_inputs([_fill(shape, f32, fill, gen, seed)])
 
 
 # --------------------------------------------------------------------------- entry point
@@ -410,10 +228,12 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
     if files:
-        kind, paths, label = _expand_files(files)
+        from hookcli.input_files import expand_files, image_inputs, tensor_inputs  # decoders only when needed
+
+        kind, paths, label = expand_files(files)
         if kind == "images":
-            return _image_inputs(loaded, paths, label)
-        return _tensor_inputs(loaded, files)
+            return image_inputs(loaded, paths, label)
+        return tensor_inputs(loaded, files)
     if not shapes:
         return _default_inputs(loaded, batch_size or 1, fill, gen, seed)
     guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else torch.float32
@@ -422,4 +242,4 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         shape = (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape
         dtype = getattr(torch, spec.dtype) if spec.dtype else guessed
         made.append(_fill(shape, dtype, fill, gen, seed, loaded.model))
-    return _pack(made)
+    return pack_inputs(made)

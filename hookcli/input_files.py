@@ -1,0 +1,208 @@
+"""Inputs read from files: images (or folders of them) and tensor files (.pt/.npy/.npz/.safetensors).
+
+``hookcli.inputs.make_inputs`` calls in here when ``--input`` is given; images are decoded with
+torchvision.io (PIL as fallback) and preprocessed with the model's weights transforms when known.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookcli.errors import InputError, UsageError
+from hookcli.inputs import (
+    IMAGE_SUFFIXES,
+    TENSOR_SUFFIXES,
+    ModelInputs,
+    pack_inputs,
+    plural,
+    transform_size,
+)
+from hookcli.loading import LoadedModel
+
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+# --------------------------------------------------------------------------- image files
+
+
+def expand_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
+    """Check the files; return their kind ("images" | "tensors"), the paths and a source label."""
+    kinds: set[str] = set()
+    paths: list[Path] = []
+    labels: list[str] = []
+    for entry in files:
+        text, path = os.fspath(entry), Path(entry)
+        if path.is_dir():
+            images = sorted(p for p in path.iterdir()
+                            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not images:
+                raise InputError(f"folder {text!r} has no images",
+                                 hint="supported images: " + " ".join(IMAGE_SUFFIXES))
+            kinds.add("images")
+            paths.extend(images)
+            labels.append(f"{text.rstrip('/' + os.sep)}/ ({plural(len(images), 'file')})")
+            continue
+        if not path.exists():
+            raise InputError(f"input file not found: {text}")
+        suffix = path.suffix.lower()
+        if suffix not in IMAGE_SUFFIXES + TENSOR_SUFFIXES:
+            raise InputError(f"unsupported input file {text!r}",
+                             hint=f"supported: images {' '.join(IMAGE_SUFFIXES)}, tensors "
+                             f"{' '.join(TENSOR_SUFFIXES)}, or a folder of images")
+        kinds.add("images" if suffix in IMAGE_SUFFIXES else "tensors")
+        paths.append(path)
+        labels.append(text)
+    if len(kinds) > 1:
+        raise UsageError("cannot mix image files and tensor files as inputs",
+                         hint="give either images (or folders of images) or tensor files")
+    kind = kinds.pop()
+    prefix = "image" if kind == "images" and len(files) == 1 and not Path(files[0]).is_dir() else kind
+    shown = labels[:3] + ([f"... ({plural(len(paths), 'file')})"] if len(labels) > 3 else [])
+    return kind, paths, f"{prefix}: " + ", ".join(shown)
+
+
+def list_input_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Path], str]:
+    """The files ``files`` names, folders expanded to their images (sorted by name), unread.
+
+    Returns the kind (``"images"`` or ``"tensors"``), the paths in the order ``make_inputs`` reads
+    them, and the source label a report shows; raises as ``make_inputs`` does. Lets a caller run
+    a large folder in batches (``hookcli features``): ``make_inputs(loaded, files=paths[i:j])``.
+    """
+    return expand_files(files)
+
+
+def _decode(path: Path) -> torch.Tensor:
+    """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL)."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            img = decode_image(str(path), mode=ImageReadMode.RGB)
+        return img[0] if img.ndim == 4 else img  # animated GIF: first frame
+    except Exception:
+        pass  # BMP, TIFF, ... : PIL reads those
+    try:
+        from PIL import Image
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        with Image.open(path) as im:
+            return pil_to_tensor(im.convert("RGB"))
+    except Exception as exc:
+        raise InputError(f"could not decode image {str(path)!r}: {type(exc).__name__}: {exc}",
+                         hint="is it a valid, complete image file?") from exc
+
+
+def _generic_preprocess(img: torch.Tensor, crop: int = 224) -> torch.Tensor:
+    """Resize the shorter side to 256 and center-crop 224 (scaled for other crops), scale to
+    [0, 1], ImageNet-normalise: the usual classification preprocessing when no preset exists."""
+    import torchvision.transforms.v2.functional as F
+
+    img = F.center_crop(F.resize(img, [crop * 256 // 224], antialias=True), [crop, crop])
+    return F.normalize(F.to_dtype(img, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInputs:
+    """Decode and preprocess images into the input form the model's family expects."""
+    import torchvision.transforms.v2.functional as F
+
+    raw = [_decode(p) for p in paths]
+    family = loaded.family
+    tf = loaded.weights_enum.transforms() if loaded.weights_enum is not None else None
+    if family == "detection":  # a list of float CHW images in [0, 1], any sizes
+        images = [F.to_dtype(img, torch.float32, scale=True) for img in raw]
+        return pack_inputs([(images, f"{label}, list of {plural(len(images), 'image')}")])
+    if family == "optical_flow":  # two frames, [0, 1] mapped to [-1, 1] as RAFT expects
+        if len(raw) != 2 or raw[0].shape != raw[1].shape:
+            got = ", ".join(f"{p.name} {list(r.shape)}" for p, r in zip(paths, raw))
+            raise InputError(f"optical flow models take exactly two images of one size (got {got})")
+        pair = tf(*raw) if tf is not None else [
+            F.normalize(F.to_dtype(r, torch.float32, scale=True), [0.5] * 3, [0.5] * 3) for r in raw]
+        return pack_inputs([(t.unsqueeze(0), f"image: {p}") for t, p in zip(pair, paths)])
+    if family == "video":  # the images are the frames of one clip: (1, C, T, H, W)
+        frames = [tf(img.unsqueeze(0)) if tf is not None else _generic_preprocess(img).unsqueeze(1)
+                  for img in raw]
+        clip = torch.cat(frames, dim=1).unsqueeze(0)
+        return pack_inputs([(clip, f"{label}, one clip of {plural(len(frames), 'frame')}")])
+    crop = transform_size(loaded, "crop_size", 224)
+    if tf is not None and family != "segmentation" and getattr(tf, "crop_size", [crop])[0] != crop:
+        tf = None  # the preset crops for other weights than the model was built for (vit_h_14)
+    out = [tf(img) if tf is not None else _generic_preprocess(img, crop) for img in raw]
+    if any(t.shape != out[0].shape for t in out):
+        sizes = ", ".join(f"{p.name} {list(t.shape)}" for p, t in zip(paths, out))
+        raise InputError(f"images differ in size after preprocessing: {sizes}",
+                         hint="give images of one aspect ratio, or one image at a time")
+    return pack_inputs([(torch.stack(out), label)])
+
+
+# --------------------------------------------------------------------------- tensor files
+
+Entry = tuple[str | None, Any, str]  # (keyword name, or None for positional; value; source)
+
+
+def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
+    """Numeric keys (``0``, ``arr_0``) -> positional in numeric order; other keys -> keyword."""
+    index = {k: re.fullmatch(r"(?:arr_)?(\d+)", str(k)) for k in data}
+    if data and all(index.values()):
+        keys = sorted(data, key=lambda k: int(index[k].group(1)))  # type: ignore[union-attr]
+        return [(None, data[k], f"file: {label}[{k}]") for k in keys]
+    if bad := [k for k in data if not isinstance(k, str) or not k.isidentifier()]:
+        raise InputError(f"{label}: keys {bad[:5]!r} are neither positions nor argument names")
+    return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
+
+
+def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]:
+    """Read one tensor file into positional / keyword entries."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".npy", ".npz"):
+            import numpy as np
+
+            data = np.load(path, allow_pickle=False)
+            if suffix == ".npy":
+                return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
+            with data:
+                return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return _split_keyed(dict(load_file(str(path), device="cpu")), label)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError as exc:
+        raise InputError(f"reading {label} needs the {exc.name} package",
+                         hint=f"pip install {exc.name}") from exc
+    except InputError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading "
+                         "refuses", hint="save plain tensors (or tuples/dicts of them)") from exc
+    except Exception as exc:
+        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, torch.Tensor):
+        return [(None, obj, f"file: {label}")]
+    if isinstance(obj, (list, tuple)):
+        if family == "detection" and obj and all(
+                isinstance(t, torch.Tensor) and t.ndim == 3 for t in obj):  # one list of images
+            return [(None, list(obj), f"file: {label}, list of {plural(len(obj), 'image')}")]
+        return [(None, v, f"file: {label}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return _split_keyed(obj, label)
+    raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict")
+
+
+def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]]) -> ModelInputs:
+    """Several tensor files: positional inputs in the given order, keyword inputs merged."""
+    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family)]
+    keyword = [(k, v, src) for k, v, src in entries if k is not None]
+    names = [k for k, _, _ in keyword]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise InputError(f"keyword inputs given by more than one file: {', '.join(twice)}")
+    return pack_inputs([(v, src) for k, v, src in entries if k is None], keyword)
