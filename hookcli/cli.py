@@ -158,7 +158,7 @@ def stats(**values: Any) -> None:
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @output_options
 def grads(**values: Any) -> None:
-    """Gradients of the loss w.r.t. each selected output, and per-parameter gradient statistics."""
+    """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
     from hookcli import api
     from hookcli.gradients import backward_report
@@ -233,7 +233,7 @@ def modules(**values: Any) -> None:
 @click.argument("pattern", required=False)
 @output_options
 def models(pattern: str | None, **values: Any) -> None:
-    """torchvision model names, optionally filtered by a glob (e.g. 'resnet*')."""
+    """torchvision model names, optionally filtered by a glob such as 'resnet*'."""
     ctx = click.get_current_context()
     prepare_output(ctx, values)
     from hookcli import api
