@@ -24,6 +24,20 @@ STAT_KEYS: tuple[str, ...] = (
 GRAD_KEYS: tuple[str, ...] = ("mean", "std", "min", "max", "norm", "nan_count", "inf_count")
 
 
+def envelope(version: str, command: str, model: ModelInfo, inputs: list[InputInfo], device: str,
+             mode: str) -> dict[str, Any]:
+    """The keys every JSON report of a model run starts with (schema 1)."""
+    return {
+        "schema": SCHEMA,
+        "hookcli": version,
+        "command": command,
+        "model": model.to_dict(),
+        "inputs": [i.to_dict() for i in inputs],
+        "device": device,
+        "mode": mode,
+    }
+
+
 @dataclass
 class ModelInfo:
     """Where the model came from and how big it is."""
@@ -187,16 +201,8 @@ class Report:
         return self.failure is None
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "schema": SCHEMA,
-            "hookcli": self.version,
-            "command": self.command,
-            "model": self.model.to_dict(),
-            "inputs": [i.to_dict() for i in self.inputs],
-            "device": self.device,
-            "mode": self.mode,
-            "layers": [r.to_dict() for r in self.layers],
-        }
+        data = envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode)
+        data["layers"] = [r.to_dict() for r in self.layers]
         if self.params is not None:
             data["params"] = [p.to_dict() for p in self.params]
         if self.loss is not None:

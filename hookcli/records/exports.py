@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookcli.records.core import SCHEMA, InputInfo, ModelInfo, Shape
+from hookcli.records.core import InputInfo, ModelInfo, Shape, envelope
 
 
 @dataclass
@@ -57,13 +57,7 @@ class FeatureExport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA,
-            "hookcli": self.version,
-            "command": self.command,
-            "model": self.model.to_dict(),
-            "inputs": [i.to_dict() for i in self.inputs],
-            "device": self.device,
-            "mode": self.mode,
+            **envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode),
             "file": {"path": self.path, "format": self.format, "bytes": self.file_bytes},
             "batches": self.batches,
             "batch_size": self.batch_size,
@@ -131,13 +125,7 @@ class FeatureMaps:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA,
-            "hookcli": self.version,
-            "command": self.command,
-            "model": self.model.to_dict(),
-            "inputs": [i.to_dict() for i in self.inputs],
-            "device": self.device,
-            "mode": self.mode,
+            **envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode),
             "layer": {"name": self.layer, "type": self.type, "call": self.call, "calls": self.calls,
                       "output": self.output, "label": self.label, "shape": self.shape,
                       "dtype": self.dtype},
