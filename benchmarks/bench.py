@@ -56,6 +56,17 @@ def run_hookcli(model: Any, x: Any) -> None:
     session.records()
 
 
+def run_hookcli_torch_reductions(model: Any, x: Any) -> None:
+    """The same without the C kernel (HOOKCLI_NO_KERNEL=1): what an install without a C compiler gets."""
+    from hookcli.recorders import NO_KERNEL_ENV
+
+    os.environ[NO_KERNEL_ENV] = "1"
+    try:
+        run_hookcli(model, x)
+    finally:
+        del os.environ[NO_KERNEL_ENV]
+
+
 def run_item_hooks(model: Any, x: Any) -> None:
     """The naive way: forward hooks calling .item() per statistic (the seeds' ForwardCheck, extended)."""
     import torch
@@ -102,6 +113,7 @@ def run_torchinfo(model: Any, x: Any) -> None:
 VARIANTS: dict[str, Callable[[Any, Any], None]] = {
     "bare forward": run_bare,
     "hookcli stats --all": run_hookcli,
+    "  without the C kernel": run_hookcli_torch_reductions,
     "plain .item() hooks": run_item_hooks,
     "capture everything": run_capture_all,
     "torchinfo.summary": run_torchinfo,

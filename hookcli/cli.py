@@ -100,8 +100,16 @@ def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
     return ctx, values
 
 
+def _version_message() -> str:
+    """The version line, saying whether the optional C statistics kernel was built (found, not imported)."""
+    from importlib.util import find_spec
+
+    kernel = "built" if find_spec("hookcli._fastreduce") else "not built, CPU statistics use torch reductions"
+    return f"%(prog)s %(version)s (C statistics kernel: {kernel})"
+
+
 @click.group(cls=HookcliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, "--version", "-V", prog_name="hookcli")
+@click.version_option(__version__, "--version", "-V", prog_name="hookcli", message=_version_message())
 def main() -> None:
     """Inspect PyTorch models from the command line: per-layer shapes, activation statistics and
     gradients through hooks, as tables (or JSON, CSV, Markdown).

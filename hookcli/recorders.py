@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -17,6 +18,14 @@ from typing import Any
 import torch
 
 from hookcli.records import GRAD_KEYS, STAT_KEYS
+
+try:  # the optional one-pass C kernel (setup.py); imported after torch so that it shares torch's OpenMP
+    from hookcli import _fastreduce
+except ImportError:  # no C compiler at install time: the torch reductions below give the same numbers
+    _fastreduce = None
+
+#: Set to 1 to compute CPU statistics with torch reductions even where the C kernel is built.
+NO_KERNEL_ENV = "HOOKCLI_NO_KERNEL"
 
 #: Order of the values in the vector ``reduce_tensor`` returns.
 _VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
@@ -26,6 +35,11 @@ _MAX_NESTING = 8
 def is_float(t: torch.Tensor) -> bool:
     """Statistics make sense for real floating tensors only (ints/bools get shape and dtype)."""
     return t.is_floating_point()
+
+
+def kernel_available() -> bool:
+    """Whether CPU statistics take the one-pass C kernel (built, and not switched off by the environment)."""
+    return _fastreduce is not None and os.environ.get(NO_KERNEL_ENV, "") in ("", "0")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,11 +55,13 @@ class Reducer:
     slow reductions (Welford ``std_mean``, ``count_nonzero``, bool sums like ``(x == 0).sum()``)
     cost 10-50x a plain sum on CPU and are avoided.
 
-    * CPU, where reading a scalar costs no device synchronisation: ``sum``, ``aminmax`` and ``dot``
-      (sum of squares) in three passes; zeros are counted only when ``min <= 0 <= max``, NaN/Inf only
-      when a sum is not finite (a sum is finite exactly when the tensor holds neither: both
-      propagate), and the exact centred two-pass variance runs only when ``mean^2 > 4 var``, where
-      ``E[x^2] - mean^2`` would lose digits. Counting passes run over cache-sized chunks.
+    * CPU, where reading a scalar costs no device synchronisation: float32 (and float16/bfloat16,
+      widened) goes through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of
+      squares (both float64), min, max and zero count in one pass. Without it, ``sum``, ``aminmax``
+      and ``dot`` take three passes and zeros are counted in cache-sized chunks, only when
+      ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
+      finite exactly when the tensor holds neither: both propagate), and the exact centred
+      two-pass variance runs only where ``E[x^2] - mean^2`` would lose digits (a large offset).
     * Other devices: one branch-free path (centred variance, all counts) through a reusable scratch
       buffer, so nothing waits for the device.
 
@@ -54,8 +70,16 @@ class Reducer:
     """
 
     CHUNK = 1 << 20  # elements per counting pass on CPU: 4 MB of float32, stays in cache
+    #: two-pass variance when mean^2 > RATIO * var: float64 sums of squares keep ~10 more digits
+    OFFSET_RATIO_FLOAT64 = 1e3
+    OFFSET_RATIO_FLOAT32 = 4.0
 
-    def __init__(self) -> None:
+    def __init__(self, *, kernel: bool | None = None) -> None:
+        """``kernel``: use the C kernel on CPU (default: where it is built and not switched off)."""
+        self.kernel = kernel_available() if kernel is None else kernel
+        if self.kernel and _fastreduce is None:
+            raise RuntimeError("hookcli._fastreduce is not built (a C compiler was missing at install time)")
+        self.threads = torch.get_num_threads()
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
@@ -80,9 +104,9 @@ class Reducer:
         if x.numel() == 0:
             vector = torch.tensor([math.nan] * 4 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
         elif x.device.type == "cpu":
-            vector = self._reduce_cpu(x.reshape(-1), zeros)
+            vector = self._reduce_cpu(flat_view(x), zeros)
         else:
-            vector = self._reduce_device(x.reshape(-1), zeros)
+            vector = self._reduce_device(flat_view(x), zeros)
         try:
             self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
@@ -118,28 +142,46 @@ class Reducer:
             m2 += float(torch.dot(centred, centred))
         return mean, m2
 
-    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
-        n = flat.numel()
+    def _cpu_passes(self, flat: torch.Tensor, zeros: bool) -> tuple[float, float, float, float, int | None, float]:
+        """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a dense 1-D tensor.
+
+        min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
+        of None means "not counted yet".
+        """
+        if self.kernel and flat.dtype == torch.float32 and type(flat) is torch.Tensor:
+            total, squares, lo, hi, zero_count = _fastreduce.reduce_float32(flat.data_ptr(), flat.numel(), self.threads)
+            return total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64
         total = float(flat.sum())
         lo_t, hi_t = torch.aminmax(flat)
+        squares = float(torch.dot(flat, flat))
+        ratio = self.OFFSET_RATIO_FLOAT32 if flat.dtype == torch.float32 else self.OFFSET_RATIO_FLOAT64
         lo, hi = float(lo_t), float(hi_t)
-        squares = float(torch.dot(flat, flat)) if flat.dtype == torch.float32 else float(flat.square().sum())
+        # no zero lies outside [min, max]; a NaN min/max (a NaN is present) fails both tests
+        zero_count = 0 if lo > 0.0 or hi < 0.0 else None
+        return total, squares, lo, hi, zero_count, ratio
+
+    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+        n = flat.numel()
+        total, squares, lo, hi, zero_count, ratio = self._cpu_passes(flat, zeros)
         nan_count = inf_count = 0
         if not (math.isfinite(total) and math.isfinite(squares)):
             nan_count, inf_count = self._count(flat, "nan"), self._count(flat, "inf")
+        if nan_count:
+            lo = hi = math.nan  # as torch.aminmax reports them
         mean = total / n
         if nan_count or inf_count:
             std = math.nan
         else:
             var = squares / n - mean * mean
             # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
-            if not math.isfinite(squares) or mean * mean > 4 * max(var, 0.0):
+            if not math.isfinite(squares) or mean * mean > ratio * max(var, 0.0):
                 mean, m2 = self._exact_moments(flat)
                 var = m2 / n
             std = math.sqrt(max(var, 0.0))
-        # min/max are NaN when a NaN is present, so then the zero test cannot skip the count
-        count_zeros = zeros and (nan_count > 0 or lo <= 0.0 <= hi)
-        zero_count = self._count(flat, "zero") if count_zeros else 0
+        if not zeros:
+            zero_count = 0
+        elif zero_count is None:
+            zero_count = self._count(flat, "zero")
         return torch.tensor([mean, std, lo, hi, zero_count, nan_count, inf_count, n], dtype=torch.float64)
 
     # -- accelerators: branch-free, no host synchronisation ---------------------------------------
@@ -158,6 +200,21 @@ class Reducer:
         numel = torch.full((), float(n), device=device)
         parts = (mean, var.sqrt(), lo, hi, zero_count, nan_count, inf_count, numel)
         return torch.stack([p.to(torch.float64) for p in parts])
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 1-D tensor, without a copy when its memory is dense (contiguous or channels-last).
+
+    Every statistic is independent of element order, so a channels-last activation is reduced in
+    its memory order instead of being copied into the logical one.
+    """
+    if x.is_contiguous():
+        return x.view(-1)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) or (
+        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+    ):
+        return x.permute(0, *range(2, x.dim()), 1).reshape(-1)  # a view: this order is contiguous
+    return x.reshape(-1)
 
 
 def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:

@@ -30,8 +30,11 @@ def test_help_and_version_do_not_import_torch() -> None:
 
 
 def test_version(cli) -> None:
+    from hookcli.recorders import _fastreduce
+
     result = cli("--version")
-    assert result.exit_code == 0 and "0.1.0" in result.stdout
+    assert result.exit_code == 0 and result.stdout.startswith("hookcli 0.1.0 (C statistics kernel: ")
+    assert ("kernel: built)" in result.stdout) == (_fastreduce is not None)
 
 
 def test_shapes_json_matches_plain_forward(cli) -> None:

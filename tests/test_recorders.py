@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
-from hookcli.recorders import Reducer, activation_stats, gradient_stats, iter_tensors, to_host
+from hookcli.recorders import (
+    NO_KERNEL_ENV,
+    Reducer,
+    _fastreduce,
+    activation_stats,
+    flat_view,
+    gradient_stats,
+    iter_tensors,
+    kernel_available,
+    to_host,
+)
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:
@@ -24,12 +35,18 @@ def seeded(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-def stats_of(t: torch.Tensor, device_path: bool = False) -> dict:
-    reducer = Reducer()
-    if device_path:  # the branch-free accelerator path, exercised on CPU tensors
-        vec = reducer._reduce_device(t.detach().float().reshape(-1), True)
+#: The CPU statistics paths: the one-pass C kernel, torch reductions, and the accelerator path run on CPU.
+PATHS = ["kernel", "torch", "device"]
+needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli._fastreduce was not built here")
+
+
+def stats_of(t: torch.Tensor, path: str = "torch") -> dict:
+    if path == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli._fastreduce was not built here")
+    if path == "device":  # the branch-free accelerator path, exercised on CPU tensors
+        vec = Reducer(kernel=False)._reduce_device(t.detach().float().reshape(-1), True)
     else:
-        vec = reducer.reduce(t)
+        vec = Reducer(kernel=path == "kernel").reduce(t)
     return activation_stats(to_host([vec])[0])
 
 
@@ -40,41 +57,113 @@ CASES = {
     "huge values (x^2 overflows float32)": lambda: seeded(10_000) * 1e20,
     "all zero": lambda: torch.zeros(5, 7),
     "one element": lambda: torch.tensor([2.5]),
+    "channels-last relu": lambda: seeded(2, 16, 9, 7).relu().to(memory_format=torch.channels_last),
+    "transposed (not dense)": lambda: seeded(300, 70).t()[5:],
+    "float64": lambda: seeded(10_001).double() * 3 - 1,
 }
 
 
-@pytest.mark.parametrize("device_path", [False, True], ids=["cpu-path", "device-path"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_statistics_match_float64_reference(name: str, device_path: bool) -> None:
-    if device_path and name.startswith("huge"):
+def test_statistics_match_float64_reference(name: str, path: str) -> None:
+    if path == "device" and name.startswith("huge"):
         pytest.skip("the accelerator path squares in float32 (documented limitation)")
     t = CASES[name]()
-    got, exp = stats_of(t, device_path), reference(t)
+    got, exp = stats_of(t, path), reference(t)
     for key in ("mean", "std", "min", "max", "norm", "zero_fraction"):
         assert got[key] == pytest.approx(exp[key], rel=2e-5, abs=1e-9), key
     assert got["nan_count"] == 0 and got["inf_count"] == 0
 
 
-@pytest.mark.parametrize("device_path", [False, True], ids=["cpu-path", "device-path"])
-def test_nan_and_inf_are_counted_exactly(device_path: bool) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_and_inf_are_counted_exactly(path: str) -> None:
     t = torch.tensor([0.0, 1.0, math.nan, -math.inf, math.inf, 0.0, math.nan, 2.0, math.nan])
-    got = stats_of(t, device_path)
+    got = stats_of(t, path)
     assert (got["nan_count"], got["inf_count"]) == (3, 2)
     assert got["zero_fraction"] == pytest.approx(2 / 9)
     assert math.isnan(got["mean"]) and math.isnan(got["norm"])
+    assert math.isnan(got["min"]) and math.isnan(got["max"])  # as torch.aminmax reports them
 
 
-def test_inf_without_nan_gives_infinite_norm() -> None:
-    got = stats_of(torch.tensor([1.0, math.inf, 0.0]))
+@pytest.mark.parametrize("path", PATHS)
+def test_zeros_are_counted_with_a_nan_present(path: str) -> None:
+    """A NaN makes min/max NaN, so "no zero outside [min, max]" must not skip the count."""
+    t = torch.cat([torch.zeros(7), torch.tensor([math.nan]), torch.ones(2)])
+    assert stats_of(t, path)["zero_fraction"] == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_inf_without_nan_gives_infinite_norm(path: str) -> None:
+    got = stats_of(torch.tensor([1.0, math.inf, 0.0]), path)
     assert got["inf_count"] == 1 and got["nan_count"] == 0 and got["norm"] == math.inf
+    assert got["max"] == math.inf and got["min"] == 0.0
 
 
-def test_half_precision_and_empty() -> None:
-    t = seeded(1000).half()
-    got, exp = stats_of(t), reference(t.float())
-    assert got["std"] == pytest.approx(exp["std"], rel=1e-5)
-    empty = stats_of(torch.empty(0, 3))
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_half_precision_and_empty(path: str) -> None:
+    for t in (seeded(1000).half(), seeded(1000).bfloat16()):
+        got, exp = stats_of(t, path), reference(t.float())
+        assert got["std"] == pytest.approx(exp["std"], rel=1e-5)
+        assert got["max"] == exp["max"]
+    empty = stats_of(torch.empty(0, 3), path)
     assert empty["zero_fraction"] is None and math.isnan(empty["mean"])
+
+
+# -- the C kernel on its own ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 1000, (1 << 15) - 3, (1 << 16) + 5, 3 * (1 << 16) + 77])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int, threads: int) -> None:
+    """Lengths around the 16-lane blocks and the per-thread minimum; thread ranges must tile exactly."""
+    x = seeded(numel) * 2 + 0.5
+    x[:: max(numel // 7, 1)] = 0.0  # zeros scattered over every thread's range
+    total, squares, lo, hi, zeros = _fastreduce.reduce_float32(x.data_ptr(), numel, threads)
+    d = x.double()
+    assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-9)
+    assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
+    assert (lo, hi) == (float(x.min()), float(x.max()))
+    assert zeros == int((x == 0).sum())
+
+
+@needs_kernel
+def test_kernel_reads_only_the_given_range() -> None:
+    """A view's data_ptr starts at its offset; values around it (here huge ones) must not leak in."""
+    base = torch.full((100,), 1e30)
+    base[10:60] = torch.arange(50, dtype=torch.float32)
+    view = base[10:60]
+    total, _squares, lo, hi, zeros = _fastreduce.reduce_float32(view.data_ptr(), view.numel(), 2)
+    assert (total, lo, hi, zeros) == (float(sum(range(50))), 0.0, 49.0, 1)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_arguments_instead_of_reading_memory() -> None:
+    with pytest.raises(ValueError):
+        _fastreduce.reduce_float32(0, 10, 1)
+    with pytest.raises(ValueError):
+        _fastreduce.reduce_float32(torch.zeros(1).data_ptr(), -1, 1)
+    assert _fastreduce.reduce_float32(0, 0, 1)[4] == 0
+
+
+def test_kernel_is_built_wherever_a_c_compiler_is() -> None:
+    """setup.py builds the kernel optionally; with a compiler on the machine a missing build is a bug."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the torch reductions are used")
+    assert _fastreduce is not None, "hookcli._fastreduce failed to build; see the pip install log"
+
+
+def test_environment_switches_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NO_KERNEL_ENV, "1")
+    assert not kernel_available() and not Reducer().kernel
+    monkeypatch.setenv(NO_KERNEL_ENV, "0")
+    assert kernel_available() == (_fastreduce is not None)
+
+
+def test_channels_last_activation_is_reduced_without_a_copy() -> None:
+    t = seeded(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    assert flat_view(t).data_ptr() == t.data_ptr() and flat_view(t).numel() == t.numel()
+    assert sorted(flat_view(t).tolist()) == sorted(t.reshape(-1).tolist())
 
 
 def test_gradient_stats_have_abs_max() -> None:

@@ -1,0 +1,177 @@
+/*
+ * hookcli._fastreduce: the statistics of a dense float32 buffer in one pass over memory.
+ *
+ * Why: on CPU a hooked activation is usually no longer in cache, so the cost of `stats` is the
+ * number of times each activation is read. torch needs four passes for what hookcli reports
+ * (sum, aminmax, dot for the sum of squares, and a compare-and-sum for the zero count); this
+ * reads each element once and keeps everything in registers. See benchmarks/README.md.
+ *
+ * Optional: setup.py builds it when a C compiler is present, and hookcli.recorders falls back to
+ * the torch reductions when it is missing. Plain C and the CPython API only (no torch headers),
+ * so it builds in a second and does not depend on the torch version.
+ *
+ * Numerics: sums and sums of squares are accumulated in float64 in 16 independent lanes per thread
+ * (float32 squares cannot overflow a double); min/max ignore NaN (the caller counts NaN/Inf with
+ * torch when the sum is not finite, which happens exactly when the buffer holds one).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LANES 16
+/* int32 lane counters are flushed into the int64 total long before they could overflow */
+#define FLUSH_BLOCKS ((int64_t)1 << 24)
+/* below this many elements per thread, starting threads costs more than it saves */
+#define MIN_PER_THREAD ((int64_t)1 << 15)
+#define MAX_THREADS 256
+
+typedef struct {
+    double sum;
+    double sumsq;
+    float lo;
+    float hi;
+    int64_t zeros;
+} partial_t;
+
+/* One build that uses AVX-512 or AVX2 where the CPU has them (GCC function multiversioning). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HK_CLONES
+#endif
+
+HK_CLONES static void reduce_range(const float *x, int64_t n, partial_t *out) {
+    double sum[LANES] = {0}, sumsq[LANES] = {0};
+    float lo[LANES], hi[LANES];
+    int64_t zeros = 0;
+    for (int j = 0; j < LANES; j++) {
+        lo[j] = INFINITY;
+        hi[j] = -INFINITY;
+    }
+    const int64_t blocks = n / LANES;
+    int64_t b = 0;
+    while (b < blocks) {
+        const int64_t end = blocks - b > FLUSH_BLOCKS ? b + FLUSH_BLOCKS : blocks;
+        int32_t zero[LANES] = {0};
+        for (; b < end; b++) {
+            const float *p = x + b * LANES;
+            for (int j = 0; j < LANES; j++) {
+                const float v = p[j];
+                const double d = (double)v;
+                sum[j] += d;
+                sumsq[j] += d * d;
+                lo[j] = v < lo[j] ? v : lo[j];
+                hi[j] = v > hi[j] ? v : hi[j];
+                zero[j] += (v == 0.0f);
+            }
+        }
+        for (int j = 0; j < LANES; j++) zeros += zero[j];
+    }
+    double s = 0.0, q = 0.0;
+    float l = INFINITY, h = -INFINITY;
+    for (int j = 0; j < LANES; j++) {
+        s += sum[j];
+        q += sumsq[j];
+        l = lo[j] < l ? lo[j] : l;
+        h = hi[j] > h ? hi[j] : h;
+    }
+    for (int64_t i = blocks * LANES; i < n; i++) {
+        const float v = x[i];
+        s += (double)v;
+        q += (double)v * (double)v;
+        l = v < l ? v : l;
+        h = v > h ? v : h;
+        zeros += (v == 0.0f);
+    }
+    out->sum = s;
+    out->sumsq = q;
+    out->lo = l;
+    out->hi = h;
+    out->zeros = zeros;
+}
+
+static void reduce_parallel(const float *x, int64_t n, int threads, partial_t *total) {
+    partial_t parts[MAX_THREADS];
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if ((int64_t)threads > n / MIN_PER_THREAD) threads = (int)(n / MIN_PER_THREAD);
+    if (threads < 1) threads = 1;
+    /* equal ranges, each starting on a 64-element (256-byte) boundary of the buffer */
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + 63) & ~(int64_t)63;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        int64_t start = (int64_t)t * per, stop = start + per;
+        if (start > n) start = n;
+        if (stop > n) stop = n;
+        reduce_range(x + start, stop - start, &parts[t]);
+    }
+    *total = parts[0];
+    for (int t = 1; t < threads; t++) {
+        total->sum += parts[t].sum;
+        total->sumsq += parts[t].sumsq;
+        total->lo = parts[t].lo < total->lo ? parts[t].lo : total->lo;
+        total->hi = parts[t].hi > total->hi ? parts[t].hi : total->hi;
+        total->zeros += parts[t].zeros;
+    }
+}
+
+PyDoc_STRVAR(reduce_float32_doc,
+             "reduce_float32(address, numel, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
+             "One pass over `numel` float32 values at `address` (a dense buffer: Tensor.data_ptr()),\n"
+             "on up to `threads` OpenMP threads, without holding the GIL. Sums are float64; min and\n"
+             "max ignore NaN (inf and -inf for an empty buffer).");
+
+static PyObject *reduce_float32(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    long long numel;
+    int threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLi", &address, &numel, &threads)) return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "numel must not be negative");
+        return NULL;
+    }
+    if (numel > 0 && address == 0) {
+        PyErr_SetString(PyExc_ValueError, "null address");
+        return NULL;
+    }
+    partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
+    if (numel > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        reduce_parallel((const float *)(uintptr_t)address, (int64_t)numel, threads, &total);
+        Py_END_ALLOW_THREADS
+    }
+    return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
+                         (long long)total.zeros);
+}
+
+static PyObject *has_openmp(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"reduce_float32", reduce_float32, METH_VARARGS, reduce_float32_doc},
+    {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs on several threads."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "hookcli._fastreduce",
+    "One-pass float32 statistics for hookcli (optional C speed-up).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fastreduce(void) { return PyModule_Create(&module); }
