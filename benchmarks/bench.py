@@ -4,7 +4,7 @@
     python benchmarks/bench.py --quick    # smaller repeat counts
 
 Timings are medians of alternating runs in one process (so both sides see the same machine state);
-peak memory is each variant's own process peak (``ru_maxrss``) in a fresh subprocess. Nothing here
+peak memory is each variant's own process peak (``VmHWM``, median of fresh subprocesses). Nothing here
 is a test: the suite never times anything.
 """
 
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -133,12 +132,15 @@ def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, flo
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def peak_rss_mb(code: str) -> float:
-    """Peak resident memory (MB) of a fresh Python process running ``code``.
+def peak_rss_mb(code: str, runs: int = 1) -> float:
+    """Peak resident memory (MB) of a fresh Python process running ``code`` (median of ``runs``).
 
     Read from ``VmHWM`` in /proc/self/status, which starts afresh at exec; ``ru_maxrss`` would not
-    (a child inherits its parent's peak across fork).
+    (a child inherits its parent's peak across fork). One process's peak varies by up to ~10% from run
+    to run (glibc's allocator, for a bare forward too), hence the median.
     """
+    if runs > 1:
+        return statistics.median(peak_rss_mb(code) for _ in range(runs))
     script = code + textwrap.dedent("""
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"):
@@ -173,8 +175,9 @@ def bench_overhead(repeats: int) -> list[dict[str, Any]]:
              "ratio": round(t / bare, 2), "goal": "<= 1.15" if name == "hookcli stats --all" else ""}
             for name, t in medians.items()]
     setup = "import sys; sys.path.insert(0, '.'); from bench import _resnet50_case, VARIANTS; m, x = _resnet50_case()\n"
-    bare_mb = peak_rss_mb(setup + "VARIANTS['bare forward'](m, x); VARIANTS['bare forward'](m, x)")
-    hook_mb = peak_rss_mb(setup + "VARIANTS['hookcli stats --all'](m, x); VARIANTS['hookcli stats --all'](m, x)")
+    runs = 3 if repeats < 7 else 5
+    bare_mb = peak_rss_mb(setup + "VARIANTS['bare forward'](m, x); VARIANTS['bare forward'](m, x)", runs)
+    hook_mb = peak_rss_mb(setup + "VARIANTS['hookcli stats --all'](m, x); VARIANTS['hookcli stats --all'](m, x)", runs)
     rows.append({"target": "peak memory, same case", "variant": "hookcli / bare", "seconds": None,
                  "ratio": round(hook_mb / bare_mb, 3), "goal": "<= 1.10",
                  "detail": f"{hook_mb:.0f} MB vs {bare_mb:.0f} MB"})
