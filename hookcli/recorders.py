@@ -62,8 +62,8 @@ class Reducer:
       ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
       finite exactly when the tensor holds neither: both propagate), and the exact centred
       two-pass variance runs only where ``E[x^2] - mean^2`` would lose digits (a large offset).
-    * Other devices: one branch-free path (centred variance, all counts) through a reusable scratch
-      buffer, so nothing waits for the device.
+    * Other devices: one branch-free path (centred variance of data scaled into [-1, 1], all counts)
+      through a reusable scratch buffer, so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
     ReLU's output, a Sequential's *is* its last child's) reuses its vector.
@@ -191,9 +191,11 @@ class Reducer:
         mean = flat.sum(dtype=torch.float64) / n  # float64: its error would bias the centred variance
         lo, hi = torch.aminmax(flat)
         buf = self.scratch(flat) if flat.dtype == torch.float32 else torch.empty_like(flat)
-        torch.sub(flat, mean, out=buf)
-        buf.square_()
-        var = buf.sum() / n
+        # centred values divided by the largest magnitude lie in [-2, 2]: squaring them in float32
+        # cannot overflow, whatever the scale of the data (x^2 would above ~1.8e19)
+        scale = torch.clamp(torch.maximum(lo.abs(), hi.abs()), min=torch.finfo(flat.dtype).tiny)
+        torch.sub(flat, mean, out=buf).div_(scale)
+        var = torch.dot(buf, buf).double() * scale.double().square() / n
         zero_count = torch.eq(flat, 0, out=buf).sum() if zeros else torch.zeros((), device=device)
         nan_count = torch.ne(flat, flat, out=buf).sum()
         inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum()
