@@ -99,6 +99,8 @@ class Reducer:
         if hit is not None and hit[0]() is t:
             return hit[1]
         x = t.detach()
+        if x.layout != torch.strided:
+            x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()  # float16/bfloat16 are reduced in float32
         if x.numel() == 0:
@@ -148,7 +150,8 @@ class Reducer:
         min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
         of None means "not counted yet".
         """
-        if self.kernel and flat.dtype == torch.float32 and type(flat) is torch.Tensor:
+        # the kernel reads raw memory: plain dense float32 only (no subclass, no lazy negation bit)
+        if self.kernel and flat.dtype == torch.float32 and type(flat) is torch.Tensor and not flat.is_neg():
             total, squares, lo, hi, zero_count = _fastreduce.reduce_float32(flat.data_ptr(), flat.numel(), self.threads)
             return total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64
         total = float(flat.sum())

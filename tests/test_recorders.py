@@ -108,6 +108,19 @@ def test_half_precision_and_empty(path: str) -> None:
     assert empty["zero_fraction"] is None and math.isnan(empty["mean"])
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_lazy_negation_and_sparse_outputs_are_read_as_their_values(path: str) -> None:
+    """A tensor's memory is not always its values: a negative view (the lazy ``-x`` that ``conj``
+    machinery produces) stores ``x``, and a sparse tensor stores only its non-zeros."""
+    values = seeded(1000) + 0.25
+    got = stats_of(torch._neg_view(values), path)
+    assert got["mean"] == pytest.approx(-float(values.double().mean()), rel=1e-6)
+    assert got["max"] == -float(values.min())
+    dense = torch.tensor([[0.0, 2.0, 0.0], [0.0, -1.0, 4.0]])
+    got = stats_of(dense.to_sparse(), path)
+    assert got["zero_fraction"] == pytest.approx(0.5) and got["mean"] == pytest.approx(5 / 6)
+
+
 # -- the C kernel on its own ---------------------------------------------------------------------------
 
 
