@@ -104,7 +104,9 @@ class Reducer:
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()  # float16/bfloat16 are reduced in float32
         if x.numel() == 0:
-            vector = torch.tensor([math.nan] * 4 + [0, 0, 0, 0], dtype=torch.float64, device=x.device)
+            # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
+            vector = torch.full((len(_VECTOR),), math.nan, dtype=torch.float64, device=x.device)
+            vector[4:] = 0.0
         elif x.device.type == "cpu":
             vector = self._reduce_cpu(flat_view(x), zeros)
         else:
