@@ -57,7 +57,7 @@ def run_hookcli(model: Any, x: Any) -> None:
 
 def run_hookcli_torch_reductions(model: Any, x: Any) -> None:
     """The same without the C kernel (HOOKCLI_NO_KERNEL=1): what an install without a C compiler gets."""
-    from hookcli.recorders import NO_KERNEL_ENV
+    from hookcli.kernel import NO_KERNEL_ENV
 
     os.environ[NO_KERNEL_ENV] = "1"
     try:

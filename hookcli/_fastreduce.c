@@ -174,4 +174,15 @@ static struct PyModuleDef module = {
     "One-pass float32 statistics for hookcli (optional C speed-up).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fastreduce(void) { return PyModule_Create(&module); }
+/* Bump with every change to the functions' signatures or results: hookcli.recorders ignores a
+ * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
+#define HK_ABI 1
+
+PyMODINIT_FUNC PyInit__fastreduce(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", HK_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -100,16 +100,23 @@ def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
     return ctx, values
 
 
-def _version_message() -> str:
-    """The version line, saying whether the optional C statistics kernel was built (found, not imported)."""
-    from importlib.util import find_spec
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``: the version and whether the optional C statistics kernel is usable.
 
-    kernel = "built" if find_spec("hookcli._fastreduce") else "not built, CPU statistics use torch reductions"
-    return f"%(prog)s %(version)s (C statistics kernel: {kernel})"
+    The kernel is inspected only here (importing it loads an OpenMP runtime, which a real run must
+    leave to torch to load first).
+    """
+    if not value or ctx.resilient_parsing:
+        return
+    from hookcli import kernel
+
+    click.echo(f"hookcli {__version__} (C statistics kernel: {kernel.status()})")
+    ctx.exit()
 
 
 @click.group(cls=HookcliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, "--version", "-V", prog_name="hookcli", message=_version_message())
+@click.option("--version", "-V", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and whether the C statistics kernel is built, and exit.")
 def main() -> None:
     """Inspect PyTorch models from the command line: per-layer shapes, activation statistics and
     gradients through hooks, as tables (or JSON, CSV, Markdown).

@@ -10,36 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from hookcli import kernel
 from hookcli.records import GRAD_KEYS, STAT_KEYS
 
-try:  # the optional one-pass C kernel (setup.py); imported after torch so that it shares torch's OpenMP
-    from hookcli import _fastreduce
-except ImportError:  # no C compiler at install time: the torch reductions below give the same numbers
-    _fastreduce = None
-
-#: Set to 1 to compute CPU statistics with torch reductions even where the C kernel is built.
-NO_KERNEL_ENV = "HOOKCLI_NO_KERNEL"
+#: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
+_fastreduce = kernel.load()
 
 #: Order of the values in the vector ``reduce_tensor`` returns.
 _VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
 _MAX_NESTING = 8
 
 
+def kernel_available() -> bool:
+    """Whether CPU statistics take the one-pass C kernel (built, and not switched off by the environment)."""
+    return kernel.enabled()
+
+
 def is_float(t: torch.Tensor) -> bool:
     """Statistics make sense for real floating tensors only (ints/bools get shape and dtype)."""
     return t.is_floating_point()
-
-
-def kernel_available() -> bool:
-    """Whether CPU statistics take the one-pass C kernel (built, and not switched off by the environment)."""
-    return _fastreduce is not None and os.environ.get(NO_KERNEL_ENV, "") in ("", "0")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

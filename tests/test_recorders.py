@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
+from hookcli.kernel import NO_KERNEL_ENV
 from hookcli.recorders import (
-    NO_KERNEL_ENV,
     Reducer,
     _fastreduce,
     activation_stats,
@@ -170,6 +170,24 @@ def test_environment_switches_the_kernel_off(monkeypatch: pytest.MonkeyPatch) ->
     assert not kernel_available() and not Reducer().kernel
     monkeypatch.setenv(NO_KERNEL_ENV, "0")
     assert kernel_available() == (_fastreduce is not None)
+
+
+@needs_kernel
+def test_a_stale_kernel_build_is_ignored_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install keeps an old .so after a checkout changes _fastreduce.c: never call it."""
+    from hookcli import kernel
+
+    monkeypatch.setattr(_fastreduce, "ABI", kernel.ABI - 1)
+    assert kernel.load.__wrapped__() is None
+    assert kernel.status() == "stale build, run pip install -e . again"
+
+
+def test_version_status_says_when_the_kernel_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookcli import kernel
+
+    monkeypatch.setenv(NO_KERNEL_ENV, "1")
+    expected = "built, switched off by HOOKCLI_NO_KERNEL" if _fastreduce else "not built, CPU statistics use torch reductions"
+    assert kernel.status() == expected
 
 
 def test_channels_last_activation_is_reduced_without_a_copy() -> None:
