@@ -206,3 +206,40 @@ def test_resnet18_children_shapes_and_stats() -> None:
     assert report.model.params == 11689512
     relu = next(r for r in report.layers if r.name == "relu")
     assert relu.stats["min"] >= 0 and 0 < relu.stats["zero_fraction"] < 1
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "torch reductions"])
+def test_every_call_of_every_resnet18_module_matches_plain_torch(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end on both CPU statistics paths (the C kernel, with several threads on these sizes, and
+    HOOKCLI_NO_KERNEL=1), against outputs captured by plain forward hooks in the test."""
+    from torchvision.models import resnet18
+
+    from hookcli.kernel import NO_KERNEL_ENV
+    from hookcli.recorders import _fastreduce
+
+    if kernel == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli._fastreduce was not built here")
+    monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
+    torch.manual_seed(0)
+    model = resnet18(weights=None).eval()
+    report = hookcli.stats(model, input_shapes=["2x3x64x64"], seed=0, all_modules=True)
+
+    captured: dict[tuple[str, int], torch.Tensor] = {}
+    calls: dict[str, int] = {}
+
+    def capture(name: str):
+        def hook(_module: nn.Module, _args: object, out: torch.Tensor) -> None:
+            captured[(name, calls.get(name, 0))] = out.detach().clone()  # as it is when the module returns
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    handles = [m.register_forward_hook(capture(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
+    finally:
+        for h in handles:
+            h.remove()
+    assert {(r.name, r.call) for r in report.layers} == set(captured)
+    for record in report.layers:
+        assert_stats_match(record.stats, captured[(record.name, record.call)])
