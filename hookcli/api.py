@@ -68,6 +68,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
+        trust_pickle=opts.trust_pickle,
     )
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
 
@@ -83,7 +84,8 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     with progress.phase(f"building {opts.model}"), torch.random.fork_rng(devices=[]):
         torch.manual_seed(opts.seed)
         with torch.device("meta") if meta else nullcontext():
-            return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights)
+            return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
+                              trust_pickle=opts.trust_pickle)
 
 
 def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
@@ -273,6 +275,8 @@ def shapes(model: Any = None, **options: Any) -> Report:
     ``model`` is a spec (``"resnet50"``, ``"pkg.mod:Net"``, ``"file.py:build"``) or an ``nn.Module``;
     ``options`` are the fields of ``RunOptions`` (``input_shapes``, ``layers``, ``device``, ``flops``,
     ...). A model given by spec, with no device, input files or weights, runs on the meta device.
+    ``trust_pickle=True`` lets torch.load unpickle arbitrary objects from ``weights``/``inputs``
+    .pt/.pth files (it runs code from them; only for files you trust); the other functions take it too.
     """
     return shapes_report(_options(model, options))
 
@@ -288,9 +292,10 @@ def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Re
 
 
 def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
-            model_source: str | None = None) -> ModuleTree:
+            model_source: str | None = None, trust_pickle: bool = False) -> ModuleTree:
     """The model's module tree (names, types, parameter counts), to choose ``--layers`` from."""
-    opts = _options(model, {"model_args": model_args or {}, "weights": weights, "model_source": model_source})
+    opts = _options(model, {"model_args": model_args or {}, "weights": weights, "model_source": model_source,
+                            "trust_pickle": trust_pickle})
     opts = opts.validate()
     loaded = load(opts)
     rows: list[ModuleRow] = []

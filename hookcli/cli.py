@@ -240,7 +240,7 @@ def modules(**values: Any) -> None:
 
     opts = run_options_from(ctx, values)
     tree = api.modules(opts.model, model_args=dict(opts.model_args), weights=opts.weights,
-                       model_source=opts.model_source)
+                       model_source=opts.model_source, trust_pickle=opts.trust_pickle)
     _emit(tree, fmt=values["fmt"], output=values["output"])
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from hookcli.config import FORMATS
+from hookcli.config import CLI_ONLY_KEYS, FORMATS
 from hookcli.errors import UsageError
 
 META_OUTPUT = "hookcli.output"
@@ -44,10 +44,13 @@ model_options = _compose(
                  help="Argument for the model class/factory (Python literal); repeatable."),
     click.option("--weights", metavar="FILE|NAME",
                  help="State dict file (.pt/.pth/.safetensors) or torchvision weights name (DEFAULT; downloads)."),
+    click.option("--trust-pickle", "trust_pickle", is_flag=True,
+                 help="Let torch.load unpickle arbitrary Python objects from --weights/--input files. "
+                 "Unpickling runs code from the file: use it only for files you trust (never from a config)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
                  help="TOML config giving defaults for any option (else [tool.hookcli] in ./pyproject.toml)."),
 )
-"""MODEL argument and how to build it."""
+"""MODEL argument, how to build it, and whether its files may be unpickled."""
 
 input_options = _compose(
     click.option("--input-shape", "input_shape", multiple=True, metavar="SHAPE[:DTYPE]",
@@ -169,8 +172,8 @@ def apply_config(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
     params = {p.name: p for p in ctx.command.params}
     for key, raw in config.values.items():
         name = _CONFIG_TO_PARAM.get(key, key)
-        if key in _CONFIG_LATE or name not in params:
-            continue
+        if key in _CONFIG_LATE or key in CLI_ONLY_KEYS or name not in params:
+            continue  # used later, never from a config (load_config refuses those), or not for this command
         if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None):
             continue  # the command line wins
         param = params[name]
@@ -205,6 +208,7 @@ def run_options_from(ctx: click.Context, values: dict[str, Any]) -> Any:
         model_source=source if model is not None else "default",
         model_args=model_args,
         weights=values.get("weights"),
+        trust_pickle=values.get("trust_pickle", False),
         input_shapes=values.get("input_shape", ()),
         inputs=values.get("input_files", ()),
         batch_size=values.get("batch_size"),

@@ -2,6 +2,7 @@
 
 A config is flat: option keys at the top level (or in ``[tool.hookcli]`` of a pyproject.toml),
 plus a ``[checks]`` table kept raw for the ``check`` command. Keys may use ``-`` or ``_``.
+``trust_pickle`` is refused: only the command line (or a Python keyword) may opt in to unpickling.
 Relative paths (``input``, ``weights``, ``output``, a ``file.py:attr`` model) are resolved against
 the config file's directory, so a config works from any working directory. Never imports torch.
 """
@@ -144,6 +145,9 @@ OPTION_KEYS: dict[str, KeySpec] = {
 }
 #: Tables kept raw for later validation (by the ``check`` command).
 RAW_TABLES = ("checks",)
+#: Options a config may never set (key -> the command-line flag): configs often come from someone
+#: else's repository, so opting in to running code from a file must be the user's own.
+CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle"}
 
 
 @dataclass
@@ -239,6 +243,11 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
                 raise ConfigError(f"{path}: [{raw_key}] must be a table, got {_type_name(value)}")
             checks = value
             continue
+        if key in CLI_ONLY_KEYS:
+            raise ConfigError(
+                f"{path}: key {raw_key!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[key]} "
+                "on the command line instead",
+                hint="unpickling runs code from the file, and a config may come from someone else's repository")
         spec = OPTION_KEYS.get(key)
         if spec is None:
             hint = did_you_mean(key, known)
@@ -271,7 +280,8 @@ def load_config(
 
     Returns ``Config({}, None, "none", {})`` when no path is given and the working directory has no
     pyproject.toml with a ``[tool.hookcli]`` table. Raises ConfigError (naming the file) for a
-    missing or unreadable file, TOML syntax errors, unknown keys and values of the wrong type.
+    missing or unreadable file, TOML syntax errors, unknown keys, keys only the command line may
+    set (``trust_pickle``) and values of the wrong type.
     List-valued options (``input``, ``input_shape``, ``layers``, ``types``) are always lists;
     ``model_args`` is a dict (from a table) or a list of ``"KEY=VALUE"`` strings (from an array).
     """

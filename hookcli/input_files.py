@@ -25,7 +25,7 @@ from hookcli.inputs import (
     plural,
     transform_size,
 )
-from hookcli.loading import LoadedModel
+from hookcli.loading import TRUST_PICKLE_HINT, UNPICKLE_IMPORT_HINT, LoadedModel
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -159,8 +159,9 @@ def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
     return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
 
 
-def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]:
-    """Read one tensor file into positional / keyword entries."""
+def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: bool = False) -> list[Entry]:
+    """Read one tensor file into positional / keyword entries (``trust_pickle``: a .pt/.pth file
+    may hold any pickled object, e.g. a namedtuple of tensors; unpickling runs code from it)."""
     suffix = path.suffix.lower()
     try:
         if suffix in (".npy", ".npz"):
@@ -175,17 +176,23 @@ def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]
             from safetensors.torch import load_file
 
             return _split_keyed(dict(load_file(str(path), device="cpu")), label)
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except ImportError as exc:
+        if suffix in (".pt", ".pth"):  # unpickling imports the module of a class the file names
+            raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}",
+                             hint=UNPICKLE_IMPORT_HINT) from exc
         raise InputError(f"reading {label} needs the {exc.name} package",
                          hint=f"pip install {exc.name}") from exc
     except InputError:
         raise
     except pickle.UnpicklingError as exc:
-        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading "
-                         "refuses", hint="save plain tensors (or tuples/dicts of them)") from exc
+        if trust_pickle:  # a plain unpickling failure: a corrupt file
+            raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
+        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading refuses",
+                         hint=f"save plain tensors (or tuples/dicts of them), or {TRUST_PICKLE_HINT}") from exc
     except Exception as exc:
-        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
+        hint = UNPICKLE_IMPORT_HINT if trust_pickle and isinstance(exc, AttributeError) else None
+        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}", hint=hint) from exc
     if isinstance(obj, torch.Tensor):
         return [(None, obj, f"file: {label}")]
     if isinstance(obj, (list, tuple)):
@@ -198,9 +205,10 @@ def _read_tensor_file(path: Path, label: str, family: str | None) -> list[Entry]
     raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict")
 
 
-def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]]) -> ModelInputs:
+def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]], *,
+                  trust_pickle: bool = False) -> ModelInputs:
     """Several tensor files: positional inputs in the given order, keyword inputs merged."""
-    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family)]
+    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family, trust_pickle)]
     keyword = [(k, v, src) for k, v, src in entries if k is not None]
     names = [k for k, _, _ in keyword]
     if twice := sorted({n for n in names if names.count(n) > 1}):

@@ -207,7 +207,7 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
-                fill: str = "randn", seed: int = 0) -> ModelInputs:
+                fill: str = "randn", seed: int = 0, trust_pickle: bool = False) -> ModelInputs:
     """Build CPU inputs for ``loaded.model``.
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
@@ -216,7 +216,8 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     optical flow: two frames) or tensor files (.pt/.pth/.npy/.npz/.safetensors); files decide the
     batch, so ``batch_size`` is ignored with them. Neither: the model's ``example_inputs``, else a
     per-family torchvision default, else a shape guessed from the model's first layer. ``fill``
-    and ``seed`` apply to generated tensors only.
+    and ``seed`` apply to generated tensors only. ``trust_pickle`` lets torch.load unpickle
+    arbitrary objects from .pt/.pth files (it runs code from them); else weights_only loading.
     """
     if fill not in FILLS:
         raise UsageError(f"unknown fill {fill!r}",
@@ -233,7 +234,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         kind, paths, label = expand_files(files)
         if kind == "images":
             return image_inputs(loaded, paths, label)
-        return tensor_inputs(loaded, files)
+        return tensor_inputs(loaded, files, trust_pickle=trust_pickle)
     if not shapes:
         return _default_inputs(loaded, batch_size or 1, fill, gen, seed)
     guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else torch.float32

@@ -3,7 +3,8 @@
 A spec is a torchvision model name (``resnet50``, ``torchvision:resnet50``), an import path
 (``package.module:attr``) or a Python file (``path/to/net.py:attr``). torchvision models are always
 built with ``weights=None`` (and ``weights_backbone=None``) unless the user names weights: nothing
-downloads behind the user's back. Weights may also come from a local state-dict file.
+downloads behind the user's back. Weights may also come from a local state-dict file, read with
+``torch.load(weights_only=True)`` unless the caller trusts the file (``trust_pickle``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from hookcli.errors import (
 TORCHVISION_PREFIX = "torchvision:"
 WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
+TRUST_PICKLE_HINT = "pass --trust-pickle if you trust the file (unpickling runs code from it)"
+UNPICKLE_IMPORT_HINT = "unpickling imports the classes the file names: run where their modules are importable"
 
 
 @dataclass
@@ -106,7 +109,7 @@ def _resolve_weights_name(tv_name: str, weights: str) -> Any:
 
 
 def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
-                      weights: str | None) -> LoadedModel:
+                      weights: str | None, trust_pickle: bool = False) -> LoadedModel:
     import torchvision.models as tvm
 
     families = _family_map()
@@ -146,7 +149,7 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
                            "or leave --weights out for random weights") from exc
     loaded = named
     if weights is not None and named is None:
-        loaded = _load_state_dict_file(model, Path(weights))
+        loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle)
     return LoadedModel(model, spec, "torchvision", families[tv_name], tv_name, weights_enum, loaded)
 
 
@@ -256,7 +259,7 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
 
 
 def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
-               weights: str | None) -> LoadedModel:
+               weights: str | None, trust_pickle: bool = False) -> LoadedModel:
     is_file = target.endswith(".py")
     if not attr or not target:
         example = "path/to/net.py:Net" if is_file else "package.module:Net"
@@ -270,7 +273,7 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
             raise UsageError(
                 f"--weights {weights!r} is not a file; weight names apply only to torchvision "
                 "models", hint="pass a state-dict file (.pt, .pth, .bin, .safetensors, .ckpt)")
-        loaded = _load_state_dict_file(model, Path(weights))
+        loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle)
     return LoadedModel(model, spec, "file" if is_file else "import", None, None, None, loaded)
 
 
@@ -288,8 +291,16 @@ def _is_tensor_dict(obj: Any) -> bool:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a state dict (safetensors, or torch.load with weights_only) from a file."""
+def _state_dict_of(obj: Any) -> dict[str, torch.Tensor] | None:
+    """The state dict in ``obj``: a name -> tensor dict, or a whole pickled ``nn.Module``."""
+    if isinstance(obj, nn.Module):
+        obj = obj.state_dict()
+    return dict(obj) if _is_tensor_dict(obj) else None
+
+
+def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Read a state dict from a file: safetensors, or torch.load with weights_only unless
+    ``trust_pickle`` (then a whole pickled ``nn.Module`` gives its ``state_dict()``)."""
     if not path.is_file():
         raise WeightsError(f"weights file not found: {path}")
     if path.suffix.lower() == ".safetensors":
@@ -303,18 +314,22 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         except Exception as exc:
             raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
-        raise WeightsError(f"{path} holds non-tensor Python objects that weights_only loading "
-                           "refuses", hint="re-save it with torch.save(model.state_dict(), PATH)") from exc
+        if trust_pickle:  # a plain unpickling failure: a corrupt file
+            raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+        raise WeightsError(f"{path} holds non-tensor Python objects that weights_only loading refuses",
+                           hint=f"re-save it with torch.save(model.state_dict(), PATH), or {TRUST_PICKLE_HINT}",
+                           ) from exc
     except Exception as exc:
-        raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
-    if _is_tensor_dict(obj):
-        return dict(obj)
+        hint = UNPICKLE_IMPORT_HINT if trust_pickle and isinstance(exc, (AttributeError, ImportError)) else None
+        raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}", hint=hint) from exc
+    if (state := _state_dict_of(obj)) is not None:
+        return state
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):
-            if _is_tensor_dict(obj.get(key)):
-                return dict(obj[key])
+            if (state := _state_dict_of(obj.get(key))) is not None:
+                return state
         raise WeightsError(
             f"{path} is a dict but not a state dict (keys: {', '.join(map(repr, list(obj)[:8]))})",
             hint="expected name -> tensor, or a checkpoint with a 'state_dict' or 'model' entry")
@@ -326,9 +341,9 @@ def _few(keys: Sequence[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
-def _load_state_dict_file(model: nn.Module, path: Path) -> str:
+def _load_state_dict_file(model: nn.Module, path: Path, *, trust_pickle: bool = False) -> str:
     """Load a state-dict file into ``model`` (strict, checked first so nothing half-loads)."""
-    sd = _read_state_dict(path)
+    sd = _read_state_dict(path, trust_pickle=trust_pickle)
     own = model.state_dict()
     prefix = "module."  # saved from DataParallel / DistributedDataParallel
     if all(k.startswith(prefix) for k in sd) and not all(k.startswith(prefix) for k in own):
@@ -354,25 +369,27 @@ def _load_state_dict_file(model: nn.Module, path: Path) -> str:
 
 
 def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
-               weights: str | None = None) -> LoadedModel:
+               weights: str | None = None, trust_pickle: bool = False) -> LoadedModel:
     """Build the model a spec names, with random weights unless ``weights`` says otherwise.
 
     ``weights`` is a state-dict file (any model) or a torchvision weights name such as ``DEFAULT``
     (torchvision models only; that one downloads, and fails with a WeightsError when offline).
+    ``trust_pickle`` lets torch.load unpickle arbitrary objects from a weights file (it runs code
+    from the file); a whole pickled ``nn.Module`` then gives its ``state_dict()``.
     """
     args = dict(model_args or {})
     text = spec.strip()
     if not text:
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
     if text.lower().startswith(TORCHVISION_PREFIX):
-        return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights)
+        return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
     if ":" not in text and not text.endswith(".py"):
-        return _load_torchvision(spec, text, args, weights)
+        return _load_torchvision(spec, text, args, weights, trust_pickle)
     if ":" not in text:
         raise UsageError(f"model spec {spec!r} names a file but no attribute",
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
-    return _load_user(spec, target.strip(), attr.strip(), args, weights)
+    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle)
 
 
 def _torchvision_family_of(model: nn.Module) -> str | None:

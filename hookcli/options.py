@@ -39,6 +39,9 @@ class RunOptions:
     model_source: str = "argument"
     model_args: Mapping[str, Any] = field(default_factory=dict)
     weights: str | None = None
+    # let torch.load unpickle arbitrary objects from weights/input files (runs code from them);
+    # only the command line or a Python keyword sets it, never a config file
+    trust_pickle: bool = False
     input_shapes: Sequence[Any] = ()  # strings like "2x3x224x224:float16" or InputSpec
     inputs: Sequence[str | os.PathLike[str]] = ()
     batch_size: int | None = None
@@ -76,6 +79,8 @@ class RunOptions:
             raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
         opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
         opts.inputs = [os.fspath(p) for p in opts.inputs]
+        if not isinstance(opts.trust_pickle, bool):
+            raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}")
         if opts.specs and opts.inputs:
             raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
         for path in opts.inputs:

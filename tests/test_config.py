@@ -103,6 +103,49 @@ def test_unknown_key_names_key_file_and_suggestion(tmp_path: Path) -> None:
     assert "input_shape" in (info.value.hint or "")
 
 
+@pytest.mark.parametrize("line", ["trust_pickle = true", "trust-pickle = true", "trust_pickle = false"])
+def test_trust_pickle_is_refused_in_a_config(tmp_path: Path, line: str) -> None:
+    assert "trust_pickle" not in OPTION_KEYS
+    cfg = write(tmp_path / "h.toml", f'model = "tiny_models:Scaled"\n{line}\n')
+    with pytest.raises(ConfigError, match="cannot be set in a config file") as info:
+        load_config(cfg)
+    assert str(cfg) in str(info.value) and "--trust-pickle on the command line" in str(info.value)
+    assert info.value.exit_code == 2
+    write(tmp_path / "pyproject.toml", f"[tool.hookcli]\n{line}\n")
+    with pytest.raises(ConfigError, match="--trust-pickle on the command line") as pyproject:
+        load_config(cwd=tmp_path)
+    assert "pyproject.toml" in str(pyproject.value)
+
+
+def test_config_cannot_opt_in_to_unpickling(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiny_models
+    import torch
+
+    torch.save(tiny_models.Scaled(), tmp_path / "whole.pt")  # a pickled module: needs --trust-pickle
+    torch.save(torch.randn(2, 4), tmp_path / "x.pt")
+    cfg = write(tmp_path / "h.toml", 'model = "tiny_models:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n'
+                                      "trust_pickle = true\n")
+    result = cli("stats", "--config", cfg)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "trust_pickle" in result.stderr and "--trust-pickle on the command line" in result.stderr
+    assert "Traceback" not in result.stderr
+    monkeypatch.chdir(tmp_path)  # [tool.hookcli] read on its own: refused the same way
+    write(tmp_path / "pyproject.toml", "[tool.hookcli]\nmodel = 'tiny_models:Scaled'\ntrust-pickle = true\n")
+    result = cli("modules")
+    assert result.exit_code == 2 and "--trust-pickle on the command line" in result.stderr
+    (tmp_path / "pyproject.toml").unlink()
+    import hookcli
+
+    with pytest.raises(ConfigError, match="--trust-pickle"):
+        hookcli.check(config=cfg)
+    # without the key the config's files load only when the command line trusts them
+    cfg.write_text('model = "tiny_models:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n', encoding="utf-8")
+    result = cli("stats", "--config", cfg, "-f", "json")
+    assert result.exit_code == 2 and "--trust-pickle" in result.stderr
+    result = cli("stats", "--config", cfg, "--trust-pickle", "-f", "json")
+    assert result.exit_code == 0, result.output
+
+
 def test_unknown_key_in_pyproject(tmp_path: Path) -> None:
     write(tmp_path / "pyproject.toml", "[tool.hookcli]\nlayer = 'fc'\n")
     with pytest.raises(ConfigError, match=r"unknown key 'layer'.*layers") as info:

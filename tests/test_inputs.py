@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -372,3 +373,57 @@ def test_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="mix") as mixed:
         make_inputs(loaded, files=[tmp_path / "a.png", tmp_path / "t.pt"])
     assert both.type is UsageError and mixed.type is UsageError
+
+
+# --------------------------------------------------------------------------- --trust-pickle
+
+
+def _pickled_batch(tmp_path: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A .pt input file holding a namedtuple of two tensors (weights_only loading refuses it)."""
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, 2, generator=generator), torch.randn(3, 2, generator=generator)
+    torch.save(tiny_models.Batch(x, y), tmp_path / "batch.pt")
+    return tmp_path / "batch.pt", x, y
+
+
+def test_pickled_input_file_needs_trust_pickle(tmp_path: Path) -> None:
+    loaded = user(tiny_models.TupleOut.Heads())
+    path, x, y = _pickled_batch(tmp_path)
+    with pytest.raises(InputError, match="batch.pt holds non-tensor") as excinfo:
+        make_inputs(loaded, files=[path])
+    assert "--trust-pickle" in (excinfo.value.hint or "")
+    inputs = make_inputs(loaded, files=[path], trust_pickle=True)
+    assert len(inputs.args) == 2 and torch.equal(inputs.args[0], x) and torch.equal(inputs.args[1], y)
+    assert [i.source for i in inputs.infos] == [f"file: {path}[0]", f"file: {path}[1]"]
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    with pytest.raises(InputError, match="could not read input file .*bad.pt") as corrupt:
+        make_inputs(loaded, files=[tmp_path / "bad.pt"], trust_pickle=True)
+    assert "non-tensor" not in str(corrupt.value)
+    torch.save(tiny_models.TrainState(), tmp_path / "state.pt")
+    with pytest.raises(InputError, match="holds a TrainState, not a tensor"):
+        make_inputs(loaded, files=[tmp_path / "state.pt"], trust_pickle=True)
+
+
+def test_cli_trust_pickle_input(cli, tmp_path: Path) -> None:
+    torch.manual_seed(11)
+    heads = tiny_models.TupleOut.Heads()
+    torch.save(heads.state_dict(), tmp_path / "heads.pt")  # plain tensors: no trust needed
+    path, x, y = _pickled_batch(tmp_path)
+    args = ["stats", "tiny_models:TupleOut.Heads", "--weights", tmp_path / "heads.pt", "--input", path, "-f", "json"]
+    refused = cli(*args)
+    assert refused.exit_code == 2 and refused.stdout == ""
+    assert "non-tensor" in refused.stderr and "--trust-pickle" in refused.stderr
+    result = cli(*args, "--trust-pickle")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [i["shape"] for i in report["inputs"]] == [[3, 2], [3, 2]]
+    with torch.no_grad():
+        expected = {"a": heads.a(x), "b": heads.b(y)}
+    rows = {r["name"]: r for r in report["layers"]}
+    assert set(rows) == {"a", "b"}
+    for name, out in expected.items():
+        stats = rows[name]["stats"]
+        assert stats["mean"] == pytest.approx(out.mean().item(), rel=1e-5, abs=1e-6), name
+        assert stats["std"] == pytest.approx(out.std(correction=0).item(), rel=1e-5), name
+        assert stats["min"] == pytest.approx(out.min().item(), rel=1e-6), name
+        assert stats["max"] == pytest.approx(out.max().item(), rel=1e-6), name

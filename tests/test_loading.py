@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 import urllib.error
@@ -331,3 +332,133 @@ def test_weights_name_for_user_model_is_usage_error() -> None:
     with pytest.raises(UsageError, match="torchvision") as excinfo:
         load_model("tiny_models:Scaled", weights="DEFAULT")
     assert not isinstance(excinfo.value, WeightsError)
+
+
+# --------------------------------------------------------------------------- --trust-pickle
+
+
+def _trained_scaled() -> tiny_models.Scaled:
+    """A Scaled(width=3) whose weights differ from what seed 0 builds."""
+    torch.manual_seed(7)
+    return tiny_models.Scaled(width=3, scale=2.0)
+
+
+def _pickled_weights(tmp_path: Path) -> dict[str, tuple[Path, tiny_models.Scaled]]:
+    """Weights files weights_only loading refuses: a whole module, checkpoints holding objects."""
+    files: dict[str, tuple[Path, tiny_models.Scaled]] = {}
+    whole = _trained_scaled()
+    torch.save(whole, tmp_path / "whole.pt")
+    files["whole module"] = (tmp_path / "whole.pt", whole)
+    ckpt = _trained_scaled()
+    torch.save({"state_dict": ckpt.state_dict(), "train_state": tiny_models.TrainState(epoch=3)},
+               tmp_path / "ckpt.pth")
+    files["checkpoint with an object"] = (tmp_path / "ckpt.pth", ckpt)
+    in_ckpt = _trained_scaled()
+    torch.save({"model": in_ckpt, "epoch": 3}, tmp_path / "model_in_ckpt.pt")
+    files["checkpoint holding the module"] = (tmp_path / "model_in_ckpt.pt", in_ckpt)
+    return files
+
+
+def test_pickled_weights_need_trust_pickle(tmp_path: Path) -> None:
+    for what, (path, ref) in _pickled_weights(tmp_path).items():
+        with pytest.raises(WeightsError, match="non-tensor") as excinfo:
+            load_model("tiny_models:Scaled", model_args={"width": 3}, weights=str(path))
+        assert "--trust-pickle" in (excinfo.value.hint or ""), what
+        assert "torch.save(model.state_dict(), PATH)" in (excinfo.value.hint or ""), what
+        loaded = load_model("tiny_models:Scaled", model_args={"width": 3}, weights=str(path), trust_pickle=True)
+        assert loaded.weights == f"file: {path}", what
+        for name, tensor in ref.state_dict().items():
+            assert torch.equal(loaded.model.state_dict()[name], tensor), (what, name)
+
+
+def test_trust_pickle_keeps_other_weights_errors(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(WeightsError, match="could not read .*corrupt.pt") as excinfo:
+        load_model("tiny_models:Scaled", weights=str(corrupt), trust_pickle=True)
+    assert "non-tensor" not in str(excinfo.value)
+    torch.save(tiny_models.TrainState(), tmp_path / "state.pt")
+    with pytest.raises(WeightsError, match="holds a TrainState, not a state dict"):
+        load_model("tiny_models:Scaled", weights=str(tmp_path / "state.pt"), trust_pickle=True)
+    torch.save(tiny_models.Reused(), tmp_path / "reused.pt")  # the wrong model: strict checks still apply
+    with pytest.raises(WeightsError, match="missing keys: fc.weight"):
+        load_model("tiny_models:Scaled", weights=str(tmp_path / "reused.pt"), trust_pickle=True)
+
+
+def test_trust_pickle_names_a_class_it_cannot_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module_file = tmp_path / "hookcli_gone_model.py"
+    module_file.write_text("from torch import nn\n\nclass Gone(nn.Linear):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hookcli_gone_model
+
+    torch.save(hookcli_gone_model.Gone(4, 4), tmp_path / "gone.pt")
+    monkeypatch.delitem(sys.modules, "hookcli_gone_model")
+    module_file.unlink()
+    with pytest.raises(WeightsError, match="hookcli_gone_model") as excinfo:
+        load_model("tiny_models:Scaled", weights=str(tmp_path / "gone.pt"), trust_pickle=True)
+    assert "importable" in (excinfo.value.hint or "")
+
+
+def test_cli_trust_pickle_weights(cli, tmp_path: Path) -> None:
+    path, ref = _pickled_weights(tmp_path)["whole module"]
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    torch.save(x, tmp_path / "x.pt")
+    args = ["stats", "tiny_models:Scaled", "--model-arg", "width=3", "--model-arg", "scale=2.0",
+            "--weights", path, "--input", tmp_path / "x.pt", "-f", "json"]
+    refused = cli(*args)
+    assert refused.exit_code == 2 and refused.stdout == ""
+    assert "non-tensor" in refused.stderr and "--trust-pickle" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    result = cli(*args, "--trust-pickle")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model"]["weights"] == f"file: {path}"
+    (row,) = report["layers"]
+    with torch.no_grad():
+        expected = ref.fc(x)
+    assert row["name"] == "fc" and row["shape"] == [5, 3]
+    assert row["stats"]["mean"] == pytest.approx(expected.mean().item(), rel=1e-5, abs=1e-6)
+    assert row["stats"]["std"] == pytest.approx(expected.std(correction=0).item(), rel=1e-5)
+    assert row["stats"]["min"] == pytest.approx(expected.min().item(), rel=1e-6)
+    assert row["stats"]["max"] == pytest.approx(expected.max().item(), rel=1e-6)
+
+
+def test_cli_modules_trust_pickle(cli, tmp_path: Path) -> None:
+    path, _ = _pickled_weights(tmp_path)["checkpoint with an object"]
+    refused = cli("modules", "tiny_models:Scaled", "--model-arg", "width=3", "--weights", path)
+    assert refused.exit_code == 2 and "--trust-pickle" in refused.stderr
+    result = cli("modules", "tiny_models:Scaled", "--model-arg", "width=3", "--weights", path,
+                 "--trust-pickle", "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"]["weights"] == f"file: {path}"
+
+
+def test_every_command_with_files_takes_trust_pickle() -> None:
+    from hookcli.cli import main
+
+    for name, command in main.commands.items():
+        params = {p.name for p in command.params}
+        if params & {"weights", "input_files"}:
+            assert "trust_pickle" in params, name
+
+
+def test_api_trust_pickle(tmp_path: Path) -> None:
+    import hookcli
+
+    path, ref = _pickled_weights(tmp_path)["whole module"]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+    torch.save(x, tmp_path / "x.pt")
+    options = {"model_args": {"width": 3, "scale": 2.0}, "weights": str(path), "inputs": [tmp_path / "x.pt"]}
+    with pytest.raises(WeightsError, match="non-tensor"):
+        hookcli.stats("tiny_models:Scaled", **options)
+    report = hookcli.stats("tiny_models:Scaled", trust_pickle=True, **options)
+    with torch.no_grad():
+        expected = ref.fc(x)
+    assert report.layers[0].stats["max"] == pytest.approx(expected.max().item(), rel=1e-6)
+    assert hookcli.shapes("tiny_models:Scaled", trust_pickle=True, **options).layers[0].shape == [2, 3]
+    grads = hookcli.grads("tiny_models:Scaled", trust_pickle=True, params="all", **options)
+    assert {p.name for p in grads.params} == {"fc.weight", "fc.bias"}
+    tree = hookcli.modules("tiny_models:Scaled", model_args={"width": 3}, weights=str(path), trust_pickle=True)
+    assert tree.model.weights == f"file: {path}"
+    with pytest.raises(UsageError, match="trust_pickle must be True or False"):
+        hookcli.stats("tiny_models:Scaled", trust_pickle="yes", **options)

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 Pair = namedtuple("Pair", ["logits", "features"])
+Batch = namedtuple("Batch", ["x", "y"])  # pickled inputs: torch.load reads it only with --trust-pickle
+
+
+@dataclass
+class TrainState:
+    """A non-tensor object a training checkpoint holds (weights_only loading refuses it)."""
+
+    epoch: int = 0
+    lr: float = 0.1
 
 
 class Reused(nn.Module):
