@@ -1,5 +1,5 @@
 /*
- * hookcli._fastreduce: the statistics of a dense float32 buffer in one pass over memory.
+ * hookcli._fastreduce: the statistics of a dense float32 / bfloat16 / float16 buffer in one pass.
  *
  * Why: on CPU a hooked activation is usually no longer in cache, so the cost of `stats` is the
  * number of times each activation is read. torch needs four passes for what hookcli reports
@@ -11,7 +11,7 @@
  * so it builds in a second and does not depend on the torch version.
  *
  * Numerics: sums and sums of squares are accumulated in float64 in 16 independent lanes per thread
- * (float32 squares cannot overflow a double); min/max ignore NaN (the caller counts NaN/Inf with
+ * (float32 squares cannot overflow a double; bfloat16 and float16 widen to float32 exactly); min/max ignore NaN (the caller counts NaN/Inf with
  * torch when the sum is not finite, which happens exactly when the buffer holds one).
  */
 #define PY_SSIZE_T_CLEAN
@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -46,62 +47,119 @@ typedef struct {
 #define HK_CLONES
 #endif
 
-HK_CLONES static void reduce_range(const float *x, int64_t n, partial_t *out) {
-    double sum[LANES] = {0}, sumsq[LANES] = {0};
-    float lo[LANES], hi[LANES];
-    int64_t zeros = 0;
-    for (int j = 0; j < LANES; j++) {
-        lo[j] = INFINITY;
-        hi[j] = -INFINITY;
-    }
-    const int64_t blocks = n / LANES;
-    int64_t b = 0;
-    while (b < blocks) {
-        const int64_t end = blocks - b > FLUSH_BLOCKS ? b + FLUSH_BLOCKS : blocks;
-        int32_t zero[LANES] = {0};
-        for (; b < end; b++) {
-            const float *p = x + b * LANES;
-            for (int j = 0; j < LANES; j++) {
-                const float v = p[j];
-                const double d = (double)v;
-                sum[j] += d;
-                sumsq[j] += d * d;
-                lo[j] = v < lo[j] ? v : lo[j];
-                hi[j] = v > hi[j] ? v : hi[j];
-                zero[j] += (v == 0.0f);
-            }
-        }
-        for (int j = 0; j < LANES; j++) zeros += zero[j];
-    }
-    double s = 0.0, q = 0.0;
-    float l = INFINITY, h = -INFINITY;
-    for (int j = 0; j < LANES; j++) {
-        s += sum[j];
-        q += sumsq[j];
-        l = lo[j] < l ? lo[j] : l;
-        h = hi[j] > h ? hi[j] : h;
-    }
-    for (int64_t i = blocks * LANES; i < n; i++) {
-        const float v = x[i];
-        s += (double)v;
-        q += (double)v * (double)v;
-        l = v < l ? v : l;
-        h = v > h ? v : h;
-        zeros += (v == 0.0f);
-    }
-    out->sum = s;
-    out->sumsq = q;
-    out->lo = l;
-    out->hi = h;
-    out->zeros = zeros;
+/* Element loaders: every dtype is reduced as float32 values (exactly: both halves widen losslessly).
+ * Conversions are integer bit operations and selects, so the compiler vectorises them on any x86-64
+ * level (a _Float16 cast compiles to a library call per element here). */
+static inline float bits_to_float(uint32_t bits) {
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
-static void reduce_parallel(const float *x, int64_t n, int threads, partial_t *total) {
+static inline uint32_t float_to_bits(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits;
+}
+
+static inline float load_float32(const void *x, int64_t i) { return ((const float *)x)[i]; }
+
+/* bfloat16 is the top half of a float32 */
+static inline float load_bfloat16(const void *x, int64_t i) {
+    return bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16);
+}
+
+/* IEEE half -> float32, exact for every input (normal, subnormal, zero, inf, NaN): F. Giesen's
+ * branch-free conversion. Subnormals are renormalised by a float subtraction of 2^-14. */
+static inline float load_float16(const void *x, int64_t i) {
+    const uint32_t h = ((const uint16_t *)x)[i];
+    const uint32_t shifted_exp = 0x7c00u << 13;       /* half's exponent mask, moved to float's place */
+    const uint32_t magnitude = (h & 0x7fffu) << 13;  /* exponent and mantissa bits */
+    const uint32_t exp = magnitude & shifted_exp;
+    const uint32_t normal = magnitude + ((uint32_t)(127 - 15) << 23);
+    const uint32_t inf_nan = normal + ((uint32_t)(128 - 16) << 23);
+    const uint32_t subnormal =
+        float_to_bits(bits_to_float(normal + (1u << 23)) - bits_to_float((uint32_t)113 << 23));
+    const uint32_t bits = exp == shifted_exp ? inf_nan : (exp == 0 ? subnormal : normal);
+    return bits_to_float(bits | (h & 0x8000u) << 16);
+}
+
+/* reduce_range_<dtype>: 16 independent lanes the compiler vectorises; the tail is done one by one. */
+#define DEFINE_REDUCE_RANGE(DTYPE)                                                                  \
+    HK_CLONES static void reduce_range_##DTYPE(const void *x, int64_t n, partial_t *out) {          \
+        double sum[LANES] = {0}, sumsq[LANES] = {0};                                                \
+        float lo[LANES], hi[LANES];                                                                 \
+        int64_t zeros = 0;                                                                          \
+        for (int j = 0; j < LANES; j++) {                                                           \
+            lo[j] = INFINITY;                                                                       \
+            hi[j] = -INFINITY;                                                                      \
+        }                                                                                           \
+        const int64_t blocks = n / LANES;                                                           \
+        int64_t b = 0;                                                                              \
+        while (b < blocks) {                                                                        \
+            const int64_t end = blocks - b > FLUSH_BLOCKS ? b + FLUSH_BLOCKS : blocks;              \
+            int32_t zero[LANES] = {0};                                                              \
+            for (; b < end; b++) {                                                                  \
+                for (int j = 0; j < LANES; j++) {                                                   \
+                    const float v = load_##DTYPE(x, b * LANES + j);                                 \
+                    const double d = (double)v;                                                     \
+                    sum[j] += d;                                                                    \
+                    sumsq[j] += d * d;                                                              \
+                    lo[j] = v < lo[j] ? v : lo[j];                                                  \
+                    hi[j] = v > hi[j] ? v : hi[j];                                                  \
+                    zero[j] += (v == 0.0f);                                                         \
+                }                                                                                   \
+            }                                                                                       \
+            for (int j = 0; j < LANES; j++) zeros += zero[j];                                       \
+        }                                                                                           \
+        double s = 0.0, q = 0.0;                                                                    \
+        float l = INFINITY, h = -INFINITY;                                                          \
+        for (int j = 0; j < LANES; j++) {                                                           \
+            s += sum[j];                                                                            \
+            q += sumsq[j];                                                                          \
+            l = lo[j] < l ? lo[j] : l;                                                              \
+            h = hi[j] > h ? hi[j] : h;                                                              \
+        }                                                                                           \
+        for (int64_t i = blocks * LANES; i < n; i++) {                                              \
+            const float v = load_##DTYPE(x, i);                                                     \
+            s += (double)v;                                                                         \
+            q += (double)v * (double)v;                                                             \
+            l = v < l ? v : l;                                                                      \
+            h = v > h ? v : h;                                                                      \
+            zeros += (v == 0.0f);                                                                   \
+        }                                                                                           \
+        out->sum = s;                                                                               \
+        out->sumsq = q;                                                                             \
+        out->lo = l;                                                                                \
+        out->hi = h;                                                                                \
+        out->zeros = zeros;                                                                         \
+    }
+
+DEFINE_REDUCE_RANGE(float32)
+DEFINE_REDUCE_RANGE(bfloat16)
+DEFINE_REDUCE_RANGE(float16)
+
+typedef void (*range_fn)(const void *x, int64_t n, partial_t *out);
+
+typedef struct {
+    const char *name;
+    range_fn range;
+    int64_t itemsize;
+} kind_t;
+
+static const kind_t KINDS[] = {
+    {"float32", reduce_range_float32, 4},
+    {"bfloat16", reduce_range_bfloat16, 2},
+    {"float16", reduce_range_float16, 2},
+};
+#define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
+
+static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int threads, partial_t *total) {
     partial_t parts[MAX_THREADS];
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if ((int64_t)threads > n / MIN_PER_THREAD) threads = (int)(n / MIN_PER_THREAD);
     if (threads < 1) threads = 1;
-    /* equal ranges, each starting on a 64-element (256-byte) boundary of the buffer */
+    /* equal ranges, each starting on a 64-element boundary of the buffer */
     int64_t per = (n + threads - 1) / threads;
     per = (per + 63) & ~(int64_t)63;
 #ifdef _OPENMP
@@ -111,7 +169,7 @@ static void reduce_parallel(const float *x, int64_t n, int threads, partial_t *t
         int64_t start = (int64_t)t * per, stop = start + per;
         if (start > n) start = n;
         if (stop > n) stop = n;
-        reduce_range(x + start, stop - start, &parts[t]);
+        kind->range(x + start * kind->itemsize, stop - start, &parts[t]);
     }
     *total = parts[0];
     for (int t = 1; t < threads; t++) {
@@ -123,18 +181,27 @@ static void reduce_parallel(const float *x, int64_t n, int threads, partial_t *t
     }
 }
 
-PyDoc_STRVAR(reduce_float32_doc,
-             "reduce_float32(address, numel, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
-             "One pass over `numel` float32 values at `address` (a dense buffer: Tensor.data_ptr()),\n"
-             "on up to `threads` OpenMP threads, without holding the GIL. Sums are float64; min and\n"
-             "max ignore NaN (inf and -inf for an empty buffer).");
+PyDoc_STRVAR(reduce_doc,
+             "reduce(dtype, address, numel, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
+             "One pass over `numel` values of `dtype` (a name in DTYPES) at `address` (a dense buffer:\n"
+             "Tensor.data_ptr()), on up to `threads` OpenMP threads, without holding the GIL. Sums are\n"
+             "float64; min and max ignore NaN (inf and -inf for an empty buffer).");
 
-static PyObject *reduce_float32(PyObject *self, PyObject *args) {
+static PyObject *reduce(PyObject *self, PyObject *args) {
+    const char *dtype;
     unsigned long long address;
     long long numel;
     int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KLi", &address, &numel, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "sKLi", &dtype, &address, &numel, &threads)) return NULL;
+    const kind_t *kind = NULL;
+    for (int k = 0; k < N_KINDS; k++) {
+        if (strcmp(KINDS[k].name, dtype) == 0) kind = &KINDS[k];
+    }
+    if (kind == NULL) {
+        PyErr_Format(PyExc_ValueError, "unsupported dtype %s", dtype);
+        return NULL;
+    }
     if (numel < 0) {
         PyErr_SetString(PyExc_ValueError, "numel must not be negative");
         return NULL;
@@ -146,7 +213,7 @@ static PyObject *reduce_float32(PyObject *self, PyObject *args) {
     partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
     if (numel > 0) {
         Py_BEGIN_ALLOW_THREADS
-        reduce_parallel((const float *)(uintptr_t)address, (int64_t)numel, threads, &total);
+        reduce_parallel(kind, (const char *)(uintptr_t)address, (int64_t)numel, threads, &total);
         Py_END_ALLOW_THREADS
     }
     return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
@@ -164,7 +231,7 @@ static PyObject *has_openmp(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"reduce_float32", reduce_float32, METH_VARARGS, reduce_float32_doc},
+    {"reduce", reduce, METH_VARARGS, reduce_doc},
     {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs on several threads."},
     {NULL, NULL, 0, NULL},
 };
@@ -176,11 +243,20 @@ static struct PyModuleDef module = {
 
 /* Bump with every change to the functions' signatures or results: hookcli.recorders ignores a
  * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
-#define HK_ABI 1
+#define HK_ABI 2
 
 PyMODINIT_FUNC PyInit__fastreduce(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI", HK_ABI) < 0) {
+    if (m == NULL) return NULL;
+    PyObject *dtypes = PyTuple_New(N_KINDS);
+    for (int k = 0; dtypes != NULL && k < N_KINDS; k++) {
+        PyObject *name = PyUnicode_FromString(KINDS[k].name);
+        if (name == NULL) Py_CLEAR(dtypes);
+        else PyTuple_SET_ITEM(dtypes, k, name);
+    }
+    if (PyModule_AddIntConstant(m, "ABI", HK_ABI) < 0 || dtypes == NULL ||
+        PyModule_AddObject(m, "DTYPES", dtypes) < 0) {
+        Py_XDECREF(dtypes);
         Py_DECREF(m);
         return NULL;
     }

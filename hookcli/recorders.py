@@ -50,11 +50,11 @@ class Reducer:
     slow reductions (Welford ``std_mean``, ``count_nonzero``, bool sums like ``(x == 0).sum()``)
     cost 10-50x a plain sum on CPU and are avoided.
 
-    * CPU, where reading a scalar costs no device synchronisation: float32 (and float16/bfloat16,
-      widened) goes through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of
-      squares (both float64), min, max and zero count in one pass. Without it, ``sum``, ``aminmax``
-      and ``dot`` take three passes and zeros are counted in cache-sized chunks, only when
-      ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
+    * CPU, where reading a scalar costs no device synchronisation: float32, bfloat16 and float16
+      go through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of squares (both
+      float64), min, max and zero count in one pass, without a widened copy. Without it (and for
+      float64), ``sum``, ``aminmax`` and ``dot`` take three passes and zeros are counted in
+      cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
       finite exactly when the tensor holds neither: both propagate), and the exact centred
       two-pass variance runs only where ``E[x^2] - mean^2`` would lose digits (a large offset).
     * Other devices: one branch-free path (centred variance of data scaled into [-1, 1], all counts)
@@ -96,8 +96,8 @@ class Reducer:
         x = t.detach()
         if x.layout != torch.strided:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()  # float16/bfloat16 are reduced in float32
+        if x.dtype not in (torch.float32, torch.float64) and not (x.device.type == "cpu" and self._kernel_reads(x)):
+            x = x.float()  # float16/bfloat16 are reduced in float32 (the C kernel widens as it reads)
         if x.numel() == 0:
             # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
             vector = torch.full((len(_VECTOR),), math.nan, dtype=torch.float64, device=x.device)
@@ -141,16 +141,24 @@ class Reducer:
             m2 += float(torch.dot(centred, centred))
         return mean, m2
 
+    def _kernel_reads(self, x: torch.Tensor) -> bool:
+        """Whether the C kernel takes ``x`` (a CPU tensor): it reads raw memory, so only plain tensors
+        of its dtypes, without a lazy negation bit (their memory holds ``-x``)."""
+        return (self.kernel and dtype_name(x.dtype) in _fastreduce.DTYPES and type(x) is torch.Tensor
+                and not x.is_neg())
+
     def _cpu_passes(self, flat: torch.Tensor, zeros: bool) -> tuple[float, float, float, float, int | None, float]:
         """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a dense 1-D tensor.
 
         min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
         of None means "not counted yet".
         """
-        # the kernel reads raw memory: plain dense float32 only (no subclass, no lazy negation bit)
-        if self.kernel and flat.dtype == torch.float32 and type(flat) is torch.Tensor and not flat.is_neg():
-            total, squares, lo, hi, zero_count = _fastreduce.reduce_float32(flat.data_ptr(), flat.numel(), self.threads)
+        if self._kernel_reads(flat):
+            total, squares, lo, hi, zero_count = _fastreduce.reduce(
+                dtype_name(flat.dtype), flat.data_ptr(), flat.numel(), self.threads)
             return total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64
+        if flat.dtype not in (torch.float32, torch.float64):
+            flat = flat.float()
         total = float(flat.sum())
         lo_t, hi_t = torch.aminmax(flat)
         squares = float(torch.dot(flat, flat))

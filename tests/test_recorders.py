@@ -131,7 +131,7 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
     """Lengths around the 16-lane blocks and the per-thread minimum; thread ranges must tile exactly."""
     x = seeded(numel) * 2 + 0.5
     x[:: max(numel // 7, 1)] = 0.0  # zeros scattered over every thread's range
-    total, squares, lo, hi, zeros = _fastreduce.reduce_float32(x.data_ptr(), numel, threads)
+    total, squares, lo, hi, zeros = _fastreduce.reduce("float32", x.data_ptr(), numel, threads)
     d = x.double()
     assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-9)
     assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
@@ -145,17 +145,66 @@ def test_kernel_reads_only_the_given_range() -> None:
     base = torch.full((100,), 1e30)
     base[10:60] = torch.arange(50, dtype=torch.float32)
     view = base[10:60]
-    total, _squares, lo, hi, zeros = _fastreduce.reduce_float32(view.data_ptr(), view.numel(), 2)
+    total, _squares, lo, hi, zeros = _fastreduce.reduce("float32", view.data_ptr(), view.numel(), 2)
     assert (total, lo, hi, zeros) == (float(sum(range(50))), 0.0, 49.0, 1)
 
 
 @needs_kernel
 def test_kernel_rejects_bad_arguments_instead_of_reading_memory() -> None:
     with pytest.raises(ValueError):
-        _fastreduce.reduce_float32(0, 10, 1)
+        _fastreduce.reduce("float32", 0, 10, 1)
     with pytest.raises(ValueError):
-        _fastreduce.reduce_float32(torch.zeros(1).data_ptr(), -1, 1)
-    assert _fastreduce.reduce_float32(0, 0, 1)[4] == 0
+        _fastreduce.reduce("float32", torch.zeros(1).data_ptr(), -1, 1)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        _fastreduce.reduce("float64", torch.zeros(1, dtype=torch.float64).data_ptr(), 1, 1)
+    assert _fastreduce.reduce("float32", 0, 0, 1)[4] == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_widens_every_half_precision_value_exactly(dtype: torch.dtype) -> None:
+    """All 65,536 bit patterns (normals, subnormals, signed zeros, infinities, NaNs), one at a time,
+    against torch's own conversion to float32."""
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    widened = patterns.float().tolist()
+    name = str(dtype).removeprefix("torch.")
+    wrong = []
+    for i, expected in enumerate(widened):
+        one = patterns[i:i + 1]
+        total, squares, lo, hi, zeros = _fastreduce.reduce(name, one.data_ptr(), 1, 1)
+        if math.isnan(expected):
+            ok = math.isnan(total)  # min/max ignore NaN; the sum carries it
+        else:
+            ok = (total, lo, hi, zeros) == (expected, expected, expected, int(expected == 0)) and (
+                squares == expected * expected)
+        if not ok:
+            wrong.append((hex(int(patterns[i:i + 1].view(torch.int16))), expected, total, lo, hi))
+    assert not wrong, wrong[:5]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_activations_are_reduced_without_a_float32_copy(dtype: torch.dtype) -> None:
+    """The kernel reads 2-byte values in place: no float32 tensor is allocated for them."""
+    x = (seeded(300_000) * 3).relu().to(dtype)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with OpLog() as log:
+        vector = Reducer(kernel=True).reduce(x)
+    assert "aten._to_copy" not in log.ops, log.ops  # what x.float() runs
+    got = activation_stats(to_host([vector])[0])
+    exp = reference(x.float())
+    for key in ("mean", "std", "min", "max", "zero_fraction"):
+        assert got[key] == pytest.approx(exp[key], rel=1e-6, abs=1e-12), key
 
 
 def test_kernel_is_built_wherever_a_c_compiler_is() -> None:
