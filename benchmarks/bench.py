@@ -11,6 +11,7 @@ is a test: the suite never times anything.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -163,17 +164,37 @@ def command_seconds(args: list[str], repeats: int) -> float:
 # --------------------------------------------------------------------------- targets
 
 def bench_overhead(repeats: int) -> list[dict[str, Any]]:
+    """Each variant alternates with its own bare forward (bare, variant, bare, variant, ...).
+
+    Pairing matters on this kind of machine: a run right after one that freed a lot of memory (the
+    capture-everything variant frees 1.3 GB) pays for faulting fresh pages, so a single round-robin
+    over all variants would charge that to whichever variant comes next.
+    """
+    import copy
+
+    import torch
+
     model, x = _resnet50_case()
     available = dict(VARIANTS)
-    try:
-        import torchinfo  # noqa: F401
-    except ImportError:
+    available.pop("bare forward")
+    if importlib.util.find_spec("torchinfo") is None:
         available.pop("torchinfo.summary")
-    medians = alternate({name: (lambda f=f: f(model, x)) for name, f in available.items()}, repeats)
-    bare = medians["bare forward"]
-    rows = [{"target": "stats overhead, resnet50 b8 224 CPU", "variant": name, "seconds": round(t, 3),
-             "ratio": round(t / bare, 2), "goal": "<= 1.15" if name == "hookcli stats --all" else ""}
-            for name, t in medians.items()]
+    target = "stats overhead, resnet50 b8 224 CPU"
+    rows: list[dict[str, Any]] = []
+    for name, fn in available.items():
+        pair = alternate({"bare": lambda: run_bare(model, x), name: lambda fn=fn: fn(model, x)}, repeats)
+        if not rows:
+            rows.append({"target": target, "variant": "bare forward", "seconds": round(pair["bare"], 3),
+                         "ratio": 1.0, "goal": ""})
+        rows.append({"target": target, "variant": name, "seconds": round(pair[name], 3),
+                     "ratio": round(pair[name] / pair["bare"], 2), "goal": "<= 1.15" if name == "hookcli stats --all" else "",
+                     "detail": f"bare {pair['bare']:.3f} s"})
+    half_model, half_x = copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16)  # informative: no target
+    half = alternate({"bare": lambda: run_bare(half_model, half_x),
+                      "hookcli": lambda: run_hookcli(half_model, half_x)}, repeats)
+    rows.append({"target": "same, in bfloat16 (no target)", "variant": "hookcli stats --all",
+                 "seconds": round(half["hookcli"], 3), "ratio": round(half["hookcli"] / half["bare"], 2),
+                 "goal": "", "detail": f"bare {half['bare']:.3f} s"})
     setup = "import sys; sys.path.insert(0, '.'); from bench import _resnet50_case, VARIANTS; m, x = _resnet50_case()\n"
     runs = 3 if repeats < 7 else 5
     bare_mb = peak_rss_mb(setup + "VARIANTS['bare forward'](m, x); VARIANTS['bare forward'](m, x)", runs)

@@ -21,7 +21,7 @@ from hookcli.errors import ModelRaisedError, UsageError
 from hookcli.flops import FlopCounter
 from hookcli.hooks import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.recorders import gradient_stats, iter_tensors, shape_of
+from hookcli.recorders import Vector, gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
 
@@ -171,7 +171,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                     failure.module = session.last_grad_call.name or None
                     failure.module_type = session.last_grad_call.type
                     failure.input_shapes = session.last_grad_call.input_shapes
-            extra: list[torch.Tensor] = []
+            extra: list[Vector] = []
             plan: list[tuple[str, nn.Parameter, int | None, int, int | None]] = []
             for name, p in reported:
                 g = grads.get(id(p))

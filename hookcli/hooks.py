@@ -28,6 +28,7 @@ from hookcli.recorders import (
     is_float,
     iter_tensors,
     Reducer,
+    Vector,
     shape_of,
     to_host,
 )
@@ -53,8 +54,8 @@ class _Tensor:
     path: str
     shape: list[int]
     dtype: str
-    stats: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
+    stats: Vector | None = None
+    grad: Vector | None = None
     wants_grad: bool = False
 
 
@@ -65,7 +66,7 @@ class _Call:
     type: str
     input_shapes: list[list[int] | None]
     outputs: list[_Tensor] = field(default_factory=list)
-    input_grads: list[torch.Tensor | None] | None = None
+    input_grads: list[Vector | None] | None = None
     raised: bool = False
     finished: bool = False
     flops: int = 0
@@ -166,7 +167,7 @@ class HookSession:
     def records(
         self,
         params_by_name: dict[str, int] | None = None,
-        extra: Sequence[torch.Tensor] = (),
+        extra: Sequence[Vector] = (),
     ) -> tuple[list[LayerRecord], list[list[float]]]:
         """Turn the recorded calls into plain records, with one host transfer for all statistics.
 
@@ -177,11 +178,11 @@ class HookSession:
             return self._records(params_by_name or {}, extra)
 
     def _records(
-        self, params_by_name: dict[str, int], extra: Sequence[torch.Tensor],
+        self, params_by_name: dict[str, int], extra: Sequence[Vector],
     ) -> tuple[list[LayerRecord], list[list[float]]]:
-        pending: list[torch.Tensor] = [v.reshape(-1).to(torch.float64) for v in extra]
+        pending: list[Vector] = list(extra)
 
-        def slot(vec: torch.Tensor | None) -> int | None:
+        def slot(vec: Vector | None) -> int | None:
             if vec is None:
                 return None
             pending.append(vec)
@@ -192,7 +193,7 @@ class HookSession:
             outs = [(t, slot(t.stats), slot(t.grad)) for t in call.outputs]
             ins = [slot(g) for g in (call.input_grads or [])]
             layout.append((call, outs, ins))
-        values = _pad_and_transfer(pending)
+        values = to_host(pending)
         extra_values = values[: len(extra)]
 
         records: list[LayerRecord] = []
@@ -249,16 +250,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _pad_and_transfer(vectors: list[torch.Tensor]) -> list[list[float]]:
-    """One transfer for vectors of different lengths: pad to the longest, stack, copy, trim."""
-    if not vectors:
-        return []
-    width = max(v.numel() for v in vectors)
-    padded = [v if v.numel() == width else torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors]
-    rows = to_host(padded)
-    return [row[: v.numel()] for row, v in zip(rows, vectors)]
 
 
 @contextmanager

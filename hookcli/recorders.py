@@ -24,6 +24,9 @@ _fastreduce = kernel.load()
 
 #: Order of the values in the vector ``reduce_tensor`` returns.
 _VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
+#: A statistics vector: host floats already (CPU), or a float64 tensor on an accelerator, read once at
+#: the end of a run (``to_host``). CPU results stay out of torch so a run keeps no small tensors alive.
+Vector = torch.Tensor | tuple[float, ...]
 _MAX_NESTING = 8
 
 
@@ -76,7 +79,7 @@ class Reducer:
             raise RuntimeError("hookcli._fastreduce is not built (a C compiler was missing at install time)")
         self.threads = torch.get_num_threads()
         self._scratch: dict[torch.device, torch.Tensor] = {}
-        self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}
 
     def scratch(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
         """A float32 buffer of ``numel`` (default ``like.numel()``) elements on ``like``'s device, reused."""
@@ -87,8 +90,8 @@ class Reducer:
             self._scratch[like.device] = buf
         return buf[:size]
 
-    def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:
-        """A float64 vector of ``t``'s statistics, computed on ``t``'s device."""
+    def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> Vector:
+        """``t``'s statistics vector: host floats for a CPU tensor, a float64 tensor on ``t``'s device otherwise."""
         key = (id(t), t._version, zeros)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t:
@@ -98,7 +101,10 @@ class Reducer:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
         if x.dtype not in (torch.float32, torch.float64) and not (x.device.type == "cpu" and self._kernel_reads(x)):
             x = x.float()  # float16/bfloat16 are reduced in float32 (the C kernel widens as it reads)
-        if x.numel() == 0:
+        vector: Vector
+        if x.numel() == 0 and x.device.type == "cpu":
+            vector = (math.nan,) * 4 + (0.0,) * 4
+        elif x.numel() == 0:
             # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
             vector = torch.full((len(_VECTOR),), math.nan, dtype=torch.float64, device=x.device)
             vector[4:] = 0.0
@@ -168,7 +174,7 @@ class Reducer:
         zero_count = 0 if lo > 0.0 or hi < 0.0 else None
         return total, squares, lo, hi, zero_count, ratio
 
-    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> tuple[float, ...]:
         n = flat.numel()
         total, squares, lo, hi, zero_count, ratio = self._cpu_passes(flat, zeros)
         nan_count = inf_count = 0
@@ -190,7 +196,7 @@ class Reducer:
             zero_count = 0
         elif zero_count is None:
             zero_count = self._count(flat, "zero")
-        return torch.tensor([mean, std, lo, hi, zero_count, nan_count, inf_count, n], dtype=torch.float64)
+        return (mean, std, lo, hi, float(zero_count), float(nan_count), float(inf_count), float(n))
 
     # -- accelerators: branch-free, no host synchronisation ---------------------------------------
     def _reduce_device(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
@@ -227,7 +233,7 @@ def flat_view(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)
 
 
-def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:
+def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> Vector:
     """Statistics vector of one tensor (a one-off ``Reducer``); see ``Reducer.reduce``."""
     return Reducer().reduce(t, zeros=zeros)
 
@@ -278,18 +284,26 @@ def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[st
     return stats
 
 
-def to_host(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
-    """Move many small result vectors to the host with one transfer per device (usually one)."""
-    if not vectors:
-        return []
+def to_host(vectors: Sequence[Vector]) -> list[list[float]]:
+    """Host values of many small result vectors of any lengths, with one transfer per device.
+
+    Tuples are host values already; tensors are grouped by device, padded to the group's longest,
+    stacked, copied in one go and trimmed back.
+    """
+    out: list[list[float]] = [[] for _ in vectors]
     by_device: dict[torch.device, list[int]] = {}
     for index, vec in enumerate(vectors):
-        by_device.setdefault(vec.device, []).append(index)
-    out: list[list[float]] = [[] for _ in vectors]
+        if isinstance(vec, tuple):
+            out[index] = list(vec)
+        else:
+            by_device.setdefault(vec.device, []).append(index)
     for indices in by_device.values():
-        rows = torch.stack([vectors[i] for i in indices]).cpu().tolist()
-        for i, row in zip(indices, rows):
-            out[i] = row
+        flat = [vectors[i].reshape(-1).to(torch.float64) for i in indices]  # type: ignore[union-attr]
+        width = max(v.numel() for v in flat)
+        padded = [v if v.numel() == width else torch.nn.functional.pad(v, (0, width - v.numel())) for v in flat]
+        rows = torch.stack(padded).cpu().tolist()
+        for i, row, v in zip(indices, rows, flat):
+            out[i] = row[: v.numel()]
     return out
 
 
