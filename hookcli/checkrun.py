@@ -60,9 +60,12 @@ class Probe:
             if not 0 <= d < t.dim() or t.shape[d] == 0:
                 continue
             x = t.detach()
-            peak = x.abs().amax(dim=[i for i in range(x.dim()) if i != d])  # per channel, on device
+            others = [i for i in range(x.dim()) if i != d]
+            # a channel is dead when its max and min are both 0: two reductions on the device, no
+            # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
+            dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
             channels = int(t.shape[d])
-            self._channels.append(((name, call, path), channels, t.numel() // channels, (peak == 0).sum()))
+            self._channels.append(((name, call, path), channels, t.numel() // channels, dead.sum()))
 
     def root_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._outputs = []
