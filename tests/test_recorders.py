@@ -139,6 +139,18 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
     assert zeros == int((x == 0).sum())
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_nan_and_inf_in_a_large_tensor_are_counted_across_threads(path: str) -> None:
+    """Non-finite values in the second thread's range of a multi-threaded reduction."""
+    t = seeded(400_000)
+    t[300_001], t[350_000], t[399_999] = math.nan, math.inf, -math.inf
+    t[:1000] = 0.0
+    got = stats_of(t, path)
+    assert (got["nan_count"], got["inf_count"]) == (1, 2)
+    assert math.isnan(got["min"]) and math.isnan(got["std"])
+    assert got["zero_fraction"] == pytest.approx(float((t == 0).sum()) / t.numel())
+
+
 @needs_kernel
 def test_kernel_reads_only_the_given_range() -> None:
     """A view's data_ptr starts at its offset; values around it (here huge ones) must not leak in."""
