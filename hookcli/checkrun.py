@@ -91,8 +91,8 @@ class Probe:
 
     def fill(self, obs: Observations) -> None:
         """Move every measurement to the host in one transfer and store it in ``obs``."""
-        vectors = [v.reshape(1).to(torch.float64) for *_, v in self._channels]
-        vectors += [b.reshape(1).to(torch.float64) for *_, b in self._outputs if b is not None]
+        vectors = [v.reshape(1) for *_, v in self._channels]
+        vectors += [b.reshape(1) for *_, b in self._outputs if b is not None]
         host = iter(row[0] for row in to_host(vectors))
         obs.order = dict(self.order)
         obs.channels = {key: (int(next(host)), channels, per) for key, channels, per, _ in self._channels}
@@ -132,7 +132,7 @@ def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tup
             return None, f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
         with torch.no_grad():
             deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) for (_, p), b in zip(tracked, before)]
-        values = to_host([d.to(torch.float64) for d in deltas])
+        values = to_host(deltas)
         return {n: (v[0] if p.grad is not None else None) for (n, p), v in zip(tracked, values)}, None
 
 

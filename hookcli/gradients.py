@@ -21,7 +21,7 @@ from hookcli.errors import ModelRaisedError, UsageError
 from hookcli.flops import FlopCounter
 from hookcli.hooks import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.recorders import Vector, gradient_stats, iter_tensors, shape_of
+from hookcli.recorders import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
 
@@ -179,7 +179,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                 if g is not None:
                     extra.append(session.reducer.reduce(g, zeros=False))
                     g_slot = len(extra) - 1
-                extra.append(torch.linalg.vector_norm(p.detach(), dtype=torch.float64).reshape(1))
+                extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
                 n_slot = len(extra) - 1
                 c_slot = None
                 if name in clipped:

@@ -91,7 +91,7 @@ class Reducer:
         return buf[:size]
 
     def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> Vector:
-        """``t``'s statistics vector: host floats for a CPU tensor, a float64 tensor on ``t``'s device otherwise."""
+        """``t``'s statistics vector: host floats for a CPU tensor, else a tensor on ``t``'s device."""
         key = (id(t), t._version, zeros)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t:
@@ -106,7 +106,7 @@ class Reducer:
             vector = (math.nan,) * 4 + (0.0,) * 4
         elif x.numel() == 0:
             # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
-            vector = torch.full((len(_VECTOR),), math.nan, dtype=torch.float64, device=x.device)
+            vector = torch.full((len(_VECTOR),), math.nan, dtype=device_float(x.device), device=x.device)
             vector[4:] = 0.0
         elif x.device.type == "cpu":
             vector = self._reduce_cpu(flat_view(x), zeros)
@@ -199,23 +199,31 @@ class Reducer:
         return (mean, std, lo, hi, float(zero_count), float(nan_count), float(inf_count), float(n))
 
     # -- accelerators: branch-free, no host synchronisation ---------------------------------------
-    def _reduce_device(self, flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+    def _reduce_device(self, flat: torch.Tensor, zeros: bool, acc: torch.dtype | None = None) -> torch.Tensor:
+        """The vector in ``acc`` (default: ``device_float`` of the device), with no host synchronisation."""
         n = flat.numel()
         device = flat.device
-        mean = flat.sum(dtype=torch.float64) / n  # float64: its error would bias the centred variance
+        acc = acc or device_float(device)
+        mean = flat.sum(dtype=acc) / n  # float64 where it exists: its error would bias the centred variance
         lo, hi = torch.aminmax(flat)
         buf = self.scratch(flat) if flat.dtype == torch.float32 else torch.empty_like(flat)
         # centred values divided by the largest magnitude lie in [-2, 2]: squaring them in float32
         # cannot overflow, whatever the scale of the data (x^2 would above ~1.8e19)
         scale = torch.clamp(torch.maximum(lo.abs(), hi.abs()), min=torch.finfo(flat.dtype).tiny)
         torch.sub(flat, mean, out=buf).div_(scale)
-        var = torch.dot(buf, buf).double() * scale.double().square() / n
-        zero_count = torch.eq(flat, 0, out=buf).sum() if zeros else torch.zeros((), device=device)
-        nan_count = torch.ne(flat, flat, out=buf).sum()
-        inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum()
-        numel = torch.full((), float(n), device=device)
-        parts = (mean, var.sqrt(), lo, hi, zero_count, nan_count, inf_count, numel)
-        return torch.stack([p.to(torch.float64) for p in parts])
+        std = (torch.dot(buf, buf).to(acc) / n).sqrt() * scale.to(acc)  # scale^2 would overflow float32
+        # counts summed as int64: a float32 sum of 0/1 values stops being exact above 2^24
+        zero_count = torch.eq(flat, 0, out=buf).sum(dtype=torch.int64) if zeros else torch.zeros((), device=device)
+        nan_count = torch.ne(flat, flat, out=buf).sum(dtype=torch.int64)
+        inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum(dtype=torch.int64)
+        numel = torch.full((), n, dtype=torch.int64, device=device)
+        parts = (mean, std, lo, hi, zero_count, nan_count, inf_count, numel)
+        return torch.stack([p.to(acc) for p in parts])
+
+
+def device_float(device: torch.device) -> torch.dtype:
+    """The widest float a device reduces in: float64, except on Apple's MPS, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def flat_view(x: torch.Tensor) -> torch.Tensor:
@@ -287,8 +295,8 @@ def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[st
 def to_host(vectors: Sequence[Vector]) -> list[list[float]]:
     """Host values of many small result vectors of any lengths, with one transfer per device.
 
-    Tuples are host values already; tensors are grouped by device, padded to the group's longest,
-    stacked, copied in one go and trimmed back.
+    Tuples are host values already; tensors are grouped by device, widened to ``device_float``,
+    padded to the group's longest, stacked, copied in one go and trimmed back.
     """
     out: list[list[float]] = [[] for _ in vectors]
     by_device: dict[torch.device, list[int]] = {}
@@ -297,11 +305,12 @@ def to_host(vectors: Sequence[Vector]) -> list[list[float]]:
             out[index] = list(vec)
         else:
             by_device.setdefault(vec.device, []).append(index)
-    for indices in by_device.values():
-        flat = [vectors[i].reshape(-1).to(torch.float64) for i in indices]  # type: ignore[union-attr]
+    for device, indices in by_device.items():
+        wide = device_float(device)
+        flat = [vectors[i].reshape(-1).to(wide) for i in indices]  # type: ignore[union-attr]
         width = max(v.numel() for v in flat)
         padded = [v if v.numel() == width else torch.nn.functional.pad(v, (0, width - v.numel())) for v in flat]
-        rows = torch.stack(padded).cpu().tolist()
+        rows = torch.stack(padded).cpu().double().tolist()
         for i, row, v in zip(indices, rows, flat):
             out[i] = row[: v.numel()]
     return out

@@ -13,6 +13,7 @@ from hookcli.recorders import (
     Reducer,
     _fastreduce,
     activation_stats,
+    device_float,
     flat_view,
     gradient_stats,
     iter_tensors,
@@ -35,16 +36,21 @@ def seeded(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-#: The CPU statistics paths: the one-pass C kernel, torch reductions, and the accelerator path run on CPU.
-PATHS = ["kernel", "torch", "device"]
+#: The CPU statistics paths: the one-pass C kernel, torch reductions, and the accelerator path run on
+#: CPU, accumulating in float64 (CUDA) or in float32 (Apple's MPS has no float64).
+PATHS = ["kernel", "torch", "device", "device-float32"]
+#: Relative tolerance per path: float32 accumulation of a mean loses digits on offset data.
+REL = {"kernel": 2e-5, "torch": 2e-5, "device": 2e-5, "device-float32": 2e-4}
 needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli._fastreduce was not built here")
 
 
 def stats_of(t: torch.Tensor, path: str = "torch") -> dict:
     if path == "kernel" and _fastreduce is None:
         pytest.skip("hookcli._fastreduce was not built here")
-    if path == "device":  # the branch-free accelerator path, exercised on CPU tensors
-        vec = Reducer(kernel=False)._reduce_device(t.detach().float().reshape(-1), True)
+    if path.startswith("device"):  # the branch-free accelerator path, exercised on CPU tensors
+        acc = torch.float32 if path == "device-float32" else None
+        vec = Reducer(kernel=False)._reduce_device(t.detach().float().reshape(-1), True, acc)
+        assert vec.dtype == (acc or torch.float64)
     else:
         vec = Reducer(kernel=path == "kernel").reduce(t)
     return activation_stats(to_host([vec])[0])
@@ -70,7 +76,7 @@ def test_statistics_match_float64_reference(name: str, path: str) -> None:
     t = CASES[name]()
     got, exp = stats_of(t, path), reference(t)
     for key in ("mean", "std", "min", "max", "norm", "zero_fraction"):
-        assert got[key] == pytest.approx(exp[key], rel=2e-5, abs=1e-9), key
+        assert got[key] == pytest.approx(exp[key], rel=REL[path], abs=1e-9), key
     assert got["nan_count"] == 0 and got["inf_count"] == 0
 
 
@@ -280,6 +286,20 @@ def test_iter_tensors_paths() -> None:
     x = torch.zeros(1)
     out = {"out": (x, [x, None]), "nt": NT(x, 3)}
     assert [p for p, _ in iter_tensors(out)] == ["['out'][0]", "['out'][1][0]", "['nt'].a"]
+
+
+def test_device_path_counts_exactly_above_float32_integers() -> None:
+    """2^24 + 8 elements, all but five zero: 2^24 + 3 zeros, a count float32 cannot hold (it is odd)."""
+    n = (1 << 24) + 8
+    t = torch.zeros(n)
+    t[:5] = 1.0
+    got = stats_of(t, "device")
+    assert got["zero_fraction"] * n == n - 5 and got["mean"] == 5 / n
+
+
+def test_devices_without_float64_reduce_in_float32() -> None:
+    assert device_float(torch.device("cpu")) == device_float(torch.device("cuda", 0)) == torch.float64
+    assert device_float(torch.device("mps")) == torch.float32
 
 
 def test_to_host_takes_host_tuples_and_tensors_of_any_length_in_order() -> None:
