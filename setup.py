@@ -10,7 +10,7 @@ import sys
 from setuptools import Extension, setup
 
 openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-compile_args = ["-O3", "-std=c99", *openmp] if sys.platform != "win32" else ["/O2"]
+compile_args = ["-O3", *openmp] if sys.platform != "win32" else ["/O2"]
 
 setup(
     ext_modules=[
