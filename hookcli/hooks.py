@@ -99,7 +99,10 @@ class HookSession:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             index = self._counts.get(name, 0)
             self._counts[name] = index + 1
-            inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
+            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                inputs = [("[0]", args[0])]  # the common case, without the generic walk
+            else:
+                inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
             call = _Call(
                 name=name,
                 call=index,
@@ -137,7 +140,8 @@ class HookSession:
 
     def _record_outputs(self, call: _Call, output: Any) -> None:
         options = self.options
-        for path, tensor in iter_tensors(output):
+        tensors = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
+        for path, tensor in tensors:
             entry = _Tensor(path=path, shape=shape_of(tensor), dtype=dtype_name(tensor.dtype))
             floating = is_float(tensor)
             if options.stats and floating and tensor.device.type != "meta":

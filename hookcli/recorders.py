@@ -9,6 +9,7 @@ end of a run. Float16/bfloat16 are reduced in float32; the standard deviation is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,8 +41,9 @@ def is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
+    """``torch.float32`` -> ``"float32"`` (cached: it runs for every hooked tensor)."""
     return str(dtype).removeprefix("torch.")
 
 
