@@ -155,7 +155,7 @@ class Reducer:
         return (self.kernel and dtype_name(x.dtype) in _fastreduce.DTYPES and type(x) is torch.Tensor
                 and not x.is_neg())
 
-    def _cpu_passes(self, flat: torch.Tensor, zeros: bool) -> tuple[float, float, float, float, int | None, float]:
+    def _cpu_passes(self, flat: torch.Tensor) -> tuple[float, float, float, float, int | None, float]:
         """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a dense 1-D tensor.
 
         min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
@@ -178,7 +178,7 @@ class Reducer:
 
     def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> tuple[float, ...]:
         n = flat.numel()
-        total, squares, lo, hi, zero_count, ratio = self._cpu_passes(flat, zeros)
+        total, squares, lo, hi, zero_count, ratio = self._cpu_passes(flat)
         nan_count = inf_count = 0
         if not (math.isfinite(total) and math.isfinite(squares)):
             nan_count, inf_count = self._count(flat, "nan"), self._count(flat, "inf")
