@@ -61,6 +61,13 @@ class OutputError(UsageError):
     """An output file cannot be written (bad extension, unwritable path)."""
 
 
+class UnsupportedError(UsageError):
+    """Something hookcli does not support (exit 2): the message says what, the hint what to do instead.
+
+    Never "the model raised": the model may be fine, hookcli cannot inspect it this way.
+    """
+
+
 class ModelRaisedError(HookcliError):
     """The model raised during forward or backward (exit 1).
 
@@ -95,6 +102,19 @@ class CheckFailedError(HookcliError):
     def __init__(self, message: str, *, result: Any = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.result = result
+
+
+class InternalError(HookcliError):
+    """A bug in hookcli itself (exit 3): never blamed on the model or the user's input."""
+
+    exit_code = 3
+
+
+#: The CLI's exit codes, in one place (README "Exit codes" documents them).
+EXIT_OK = 0
+EXIT_FAILED = 1  # the model raised or exited, or a check failed
+EXIT_USAGE = 2  # bad usage or input, or something hookcli does not support
+EXIT_INTERNAL = 3  # a bug in hookcli
 
 
 def close_matches(word: str, candidates: Iterable[str], n: int = 5) -> list[str]:
