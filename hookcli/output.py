@@ -1,106 +1,349 @@
-"""Writing output files atomically (temp file in the same directory + ``os.replace``)."""
+"""Writing output files without ever losing what was there.
+
+Every file hookcli writes (``-o`` reports, ``features``/``fmaps`` files, ``--junit``) goes through
+this module, which decides *how* to write from what the path is:
+
+- a new path or a regular file: a temporary file next to it (``.<name>.XXXX.tmp``), flushed and
+  fsynced, then renamed over it (``os.replace``): readers see the old file or the complete new one;
+- a FIFO or a character/block device (``/dev/null``, ``/dev/stdout``, a named pipe): opened and
+  written in place; it is never replaced by a regular file;
+- a symlink (chains and relative links too): followed, and its target written as above (the link
+  stays a link);
+- a file the user cannot write: refused before anything runs (OutputError, exit 2). A regular file
+  with no write bit at all counts as "cannot write" even for root, who could replace it: someone
+  made it read-only on purpose.
+
+Temporary files are removed on every failure, including SIGINT/SIGTERM turned into exceptions by
+the CLI (the few statements that create or rename them hold those signals, so no signal can land
+between creating a temporary file and remembering to remove it). An OSError while writing becomes
+OutputError with one line and a hint (no space left, broken pipe, ...).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
+import re
+import shlex
+import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from hookcli.errors import OutputError
 
+_CHUNK = 1 << 20
 
-def _target(path: str | os.PathLike[str]) -> Path:
-    """The absolute path to write; a symlink is followed so its target is replaced, not the link."""
-    p = Path(os.fspath(path)).expanduser()
-    if p.is_symlink():
-        p = p.resolve()
-    return p.absolute()
+
+@dataclass(frozen=True)
+class Target:
+    """Where an output goes: ``path`` (symlinks followed) and how it is written."""
+
+    path: Path
+    #: a FIFO or device: opened and written in place, never renamed over
+    in_place: bool
+    #: something already exists at ``path`` (and will be replaced or written into)
+    exists: bool
+    #: the path as the user gave it (for messages)
+    given: str
+
+
+def _shown(text: str, real: Path) -> str:
+    """``text``, plus where it leads when it is a symlink (for messages)."""
+    return text if Path(text).expanduser().absolute() == real else f"{text} (a link to {real})"
+
+
+def _follow(text: str) -> Path:
+    """The absolute path to write: a symlink (chain, relative) is followed to its final target."""
+    p = Path(text).expanduser()
+    if not p.is_symlink():
+        return p.absolute()
+    try:
+        return p.resolve(strict=False)
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise OutputError(f"cannot write {text}: the symlink does not lead to a file ({exc})",
+                          hint="fix the link, or choose another path") from None
+
+
+def _check_parent(text: str, real: Path) -> None:
+    """A new file or a replaced one needs a writable directory (the temporary file and the rename)."""
+    shown = _shown(text, real)
+    parent = real.parent
+    if not parent.exists():
+        raise OutputError(f"cannot write {shown}: directory {parent} does not exist",
+                          hint=f"create it first (mkdir -p {shlex.quote(str(parent))}), or choose another path")
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {shown}: {parent} is not a directory", hint="choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {shown}: permission denied for directory {parent}",
+                          hint="choose a directory you can write to")
+
+
+def _check_file_writable(text: str, real: Path, st: os.stat_result) -> None:
+    """Refuse a file the user cannot write; a file without any write bit is refused even for root."""
+    shown = _shown(text, real)
+    if not st.st_mode & 0o222:
+        raise OutputError(f"cannot write {shown}: the file is read-only",
+                          hint=f"make it writable first (chmod u+w {shlex.quote(str(real))}), or choose another path")
+    if not os.access(real, os.W_OK):
+        raise OutputError(f"cannot write {shown}: permission denied", hint="choose a path you can write to")
+
+
+def resolve_target(path: str | os.PathLike[str]) -> Target:
+    """Decide how ``path`` will be written, and check up front that it can be (before a model runs).
+
+    Raises OutputError (exit 2) for an empty path, a directory, a socket, a missing or unwritable
+    directory, a symlink loop, or a file the user cannot write.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise OutputError("output path is empty", hint="give a file name, e.g. -o report.json")
+    real = _follow(text)
+    shown = _shown(text, real)
+    try:
+        st: os.stat_result | None = os.stat(real)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise OutputError(f"cannot write {shown}: {real.parent} is not a directory",
+                          hint="choose another path") from None
+    except OSError as exc:
+        message, hint = describe(shown, exc)
+        raise OutputError(message, hint=hint) from None
+    if st is None:
+        _check_parent(text, real)
+        return Target(real, in_place=False, exists=False, given=text)
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        raise OutputError(f"cannot write {shown}: it is a directory", hint="give a file name inside it")
+    if stat.S_ISREG(mode):
+        _check_file_writable(text, real, st)
+        _check_parent(text, real)
+        return Target(real, in_place=False, exists=True, given=text)
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        _check_file_writable(text, real, st)
+        return Target(real, in_place=True, exists=True, given=text)
+    kind = "a socket" if stat.S_ISSOCK(mode) else "not a regular file, FIFO or device"
+    raise OutputError(f"cannot write {shown}: it is {kind}", hint="choose another path")
 
 
 def ensure_writable(path: str | os.PathLike[str]) -> Path:
     """Check up front that ``path`` can be written (so a command fails before running a model).
 
-    Raises OutputError when the path is empty or a directory, or its parent directory is missing,
-    not a directory or not writable. Returns the absolute target path.
+    Returns the absolute path that will be written (a symlink's target); see :func:`resolve_target`.
     """
-    if not os.fspath(path):
-        raise OutputError("output path is empty")
-    target = _target(path)
-    if target.is_dir():
-        raise OutputError(f"cannot write {path}: it is a directory")
-    parent = target.parent
-    if not parent.exists():
-        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
-    if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {path}: permission denied for directory {parent}")
-    return target
+    return resolve_target(path).path
 
 
-def _new_file_mode(target: Path) -> int:
-    """The mode a plain ``open()`` would give: the old file's mode, else 0o666 & ~umask."""
-    try:
-        return stat.S_IMODE(target.stat().st_mode)
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+# --------------------------------------------------------------------------- errors
+
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error prints itself
 
 
-def _describe(path: str | os.PathLike[str], exc: BaseException) -> str:
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, one in its cause/context chain, or one a native writer
+    (safetensors' Rust code) only named in its message (``... (os error 28)``); else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        match = _OS_ERROR_IN_TEXT.search(str(current))
+        if match:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+_ERRNO_TEXT: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("no space left on device", "free some space, or write to another disk"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space, or write to another disk"),
+    errno.EFBIG: ("the file is too large for this file system", "write to another disk"),
+    errno.EROFS: ("the file system is read-only", "write to another disk"),
+    errno.EPIPE: ("the reader closed the pipe", "keep the reading end open until hookcli finishes"),
+    errno.ENXIO: ("no reader or device behind it", "start the reader first, or choose another path"),
+    errno.EACCES: ("permission denied", "choose a path you can write to"),
+    errno.EPERM: ("operation not permitted", "choose a path you can write to"),
+    errno.EISDIR: ("it is a directory", "give a file name inside it"),
+}
+
+
+def describe(path: str | os.PathLike[str], exc: BaseException) -> tuple[str, str]:
+    """One line saying why ``path`` could not be written, and a hint."""
     if isinstance(exc, UnicodeEncodeError):
-        return f"cannot write {path}: the text cannot be encoded as UTF-8 ({exc.reason})"
-    if isinstance(exc, IsADirectoryError):
-        return f"cannot write {path}: it is a directory"
-    if isinstance(exc, PermissionError):
-        return f"cannot write {path}: permission denied"
+        return (f"cannot write {path}: the text cannot be encoded as UTF-8 ({exc.reason})",
+                "write --format json, which escapes every character")
     if isinstance(exc, FileNotFoundError):
-        return f"cannot write {path}: directory {Path(os.fspath(path)).parent} does not exist"
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return f"cannot write {path}: no space left on device"
+        return (f"cannot write {path}: directory {Path(os.fspath(path)).parent} does not exist",
+                "create it first, or choose another path")
+    if isinstance(exc, OSError) and exc.errno in _ERRNO_TEXT:
+        text, hint = _ERRNO_TEXT[exc.errno]
+        return f"cannot write {path}: {text}", hint
     detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return f"cannot write {path}: {detail}"
+    return f"cannot write {path}: {detail}", "check the path, or choose another one"
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` (str is encoded as UTF-8) to ``path`` atomically; return the absolute path.
+def _output_error(target: Target, exc: BaseException) -> OutputError:
+    message, hint = describe(_shown(target.given, target.path), exc)
+    return OutputError(message, hint=hint)
 
-    The data goes to a temporary file next to the target (``.<name>.XXXX.tmp``), is flushed and
-    fsynced, then renamed over the target with ``os.replace``: readers see the old file or the new
-    one, never a partial one. A new file gets the usual permissions (0o666 minus the umask), an
-    existing one keeps its mode. On any failure the temporary file is removed and OutputError is
-    raised; the old file, if any, is left as it was.
+
+# --------------------------------------------------------------------------- signals
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for a few statements (delivered right after).
+
+    Creating a temporary file and remembering its name (or renaming it and forgetting it) must not be
+    split by an exception from a signal handler, or the file would be left behind.
     """
-    if not isinstance(data, (str, bytes)):
-        raise TypeError(f"write_atomic expects str or bytes, got {type(data).__name__}")
-    target = ensure_writable(path)
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class OutputStream(io.RawIOBase):
+    """A write-only, unseekable binary stream on a file descriptor that counts what it writes.
+
+    Writes go straight to the descriptor (an error such as ENOSPC raises OSError at the write that
+    failed, never later or silently); unseekable so writers stream as they would into a pipe
+    (``torch.save``, ``numpy.savez`` and ``zipfile`` all can).
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self.bytes_written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        self.bytes_written += done
+        return done
+
+
+def _new_file_mode(target: Target) -> int:
+    """The mode a plain ``open()`` would give: the old file's mode, else 0o666 & ~umask."""
+    if target.exists:
+        with contextlib.suppress(OSError):
+            return stat.S_IMODE(target.path.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _take_over(tmp_name: str, target: Target) -> None:
+    """Give the temporary file the mode (and, where allowed, owner) of the file it replaces."""
+    os.chmod(tmp_name, _new_file_mode(target))
+    if target.exists and hasattr(os, "chown"):
+        with contextlib.suppress(OSError):
+            st = target.path.stat()
+            mine = os.stat(tmp_name)
+            if (st.st_uid, st.st_gid) != (mine.st_uid, mine.st_gid):
+                os.chown(tmp_name, st.st_uid, st.st_gid)
+
+
+@contextlib.contextmanager
+def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]:
+    """A binary stream to write an output to, committed when the block succeeds.
+
+    For a new path or a regular file the stream is a temporary file renamed over the target at the
+    end; for a FIFO or device it is the target itself, opened in place (a FIFO's open waits for a
+    reader, as the shell's ``>`` does). When the block raises, the temporary file is removed and the
+    old file is left as it was. An OSError (also one behind a writer's own exception) becomes
+    OutputError; other exceptions propagate unchanged.
+    """
+    target = path if isinstance(path, Target) else resolve_target(path)
+    if target.in_place:
+        yield from _in_place(target)
+        return
+    fd = -1
     tmp_name: str | None = None
     try:
-        payload = data.encode("utf-8") if isinstance(data, str) else data
-        mode = _new_file_mode(target)
-        with tempfile.NamedTemporaryFile(
-            mode="wb", delete=False, dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
-        ) as tmp:
-            tmp_name = tmp.name
-            tmp.write(payload)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, target)
-        tmp_name = None
-    except (OSError, UnicodeEncodeError) as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        with _signals_held():
+            fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
+                                            suffix=".tmp")
+        stream = OutputStream(fd)
+        yield stream
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        _take_over(tmp_name, target)
+        with _signals_held():
+            os.replace(tmp_name, target.path)
+            tmp_name = None
+    except Exception as exc:
+        os_exc = os_error_in(exc)
+        if os_exc is None or isinstance(exc, OutputError):
+            raise
+        raise _output_error(target, os_exc) from exc
     finally:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         if tmp_name is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
-    _fsync_dir(target.parent)
-    return target
+    _fsync_dir(target.path.parent)
+
+
+def _in_place(target: Target) -> Iterator[OutputStream]:
+    """Open a FIFO or device for writing (no create, no truncate, no temporary file) and yield it."""
+    try:
+        fd = os.open(target.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _output_error(target, exc) from exc
+    try:
+        yield OutputStream(fd)
+    except Exception as exc:
+        os_exc = os_error_in(exc)
+        if os_exc is None or isinstance(exc, OutputError):
+            raise
+        raise _output_error(target, os_exc) from exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` (str is encoded as UTF-8) to ``path``; return the absolute path written.
+
+    A new or regular file is replaced atomically (temporary file, fsync, rename: readers see the old
+    file or the new one, the new file gets the usual permissions or the old file's mode); a FIFO or
+    device is written in place; a symlink's target is written. On any failure OutputError is raised,
+    no temporary file is left and the old file is as it was. See :func:`open_output`.
+    """
+    if not isinstance(data, (str, bytes)):
+        raise TypeError(f"write_atomic expects str or bytes, got {type(data).__name__}")
+    target = resolve_target(path)
+    try:
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+    except UnicodeEncodeError as exc:
+        raise _output_error(target, exc) from exc
+    with open_output(target) as out:
+        out.write(payload)
+    return target.path
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -120,39 +363,57 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temporary path next to ``path`` for writers that want a file name (``torch.save``,
-    ``safetensors.torch.save_file``); renamed over ``path`` when the block succeeds.
+def atomic_path(path: str | os.PathLike[str] | Target) -> Iterator[Path]:
+    """A temporary path for writers that want a file name (``safetensors.torch.save_file``).
 
     >>> with atomic_path("feats.safetensors") as tmp:
     ...     save_file(tensors, tmp)
 
-    Same guarantees as :func:`write_atomic`: readers see the old file or the complete new one, the
-    new file gets the usual permissions, and when the block raises the temporary file is removed
-    (an OSError becomes OutputError; other exceptions propagate unchanged).
+    For a new or regular file the path is next to the target and renamed over it when the block
+    succeeds (same guarantees as :func:`open_output`). For a FIFO or device, which must never be
+    replaced, the path is in a private temporary directory and its bytes are copied into the target
+    in place. When the block raises, the temporary file is removed; an OSError (also one behind a
+    writer's own exception) becomes OutputError, other exceptions propagate unchanged.
     """
-    target = ensure_writable(path)
+    target = path if isinstance(path, Target) else resolve_target(path)
+    if target.in_place:
+        with tempfile.TemporaryDirectory(prefix="hookcli-") as scratch:
+            tmp = Path(scratch) / target.path.name
+            try:
+                yield tmp
+            except Exception as exc:
+                os_exc = os_error_in(exc)
+                if os_exc is None or isinstance(exc, OutputError):
+                    raise
+                raise _output_error(target, os_exc) from exc
+            with open_output(target) as out, open(tmp, "rb") as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+        return
+    tmp_name: str | None = None
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        os.close(fd)
-    except OSError as exc:
-        raise OutputError(_describe(path, exc)) from exc
-    done = False
-    try:
+        with _signals_held():
+            fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
+                                            suffix=".tmp")
+            os.close(fd)
         yield Path(tmp_name)
-        try:
-            mode = _new_file_mode(target)
-            with open(tmp_name, "rb+") as tmp:
-                os.fsync(tmp.fileno())
-            os.chmod(tmp_name, mode)
-            os.replace(tmp_name, target)
-        except OSError as exc:
-            raise OutputError(_describe(path, exc)) from exc
-        done = True
-    except OSError as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        with open(tmp_name, "rb+") as tmp:
+            os.fsync(tmp.fileno())
+        _take_over(tmp_name, target)
+        with _signals_held():
+            os.replace(tmp_name, target.path)
+            tmp_name = None
+    except Exception as exc:
+        os_exc = os_error_in(exc)
+        if os_exc is None or isinstance(exc, OutputError):
+            raise
+        raise _output_error(target, os_exc) from exc
     finally:
-        if not done:
+        if tmp_name is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
-    _fsync_dir(target.parent)
+    _fsync_dir(target.path.parent)
+
+
+__all__ = ["OutputStream", "Target", "atomic_path", "describe", "ensure_writable", "open_output",
+           "os_error_in", "resolve_target", "write_atomic"]

@@ -134,7 +134,7 @@ def test_permission_denied_messages_simulated(tmp_path: Path, monkeypatch) -> No
     def denied(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(output.tempfile, "NamedTemporaryFile", denied)
+    monkeypatch.setattr(output.tempfile, "mkstemp", denied)
     with pytest.raises(OutputError, match="permission denied"):
         write_atomic(tmp_path / "r.json", "x")
     assert list(tmp_path.iterdir()) == []
