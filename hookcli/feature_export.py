@@ -193,18 +193,33 @@ def _numpy_array(t: torch.Tensor) -> tuple[Any, bool]:
 
 def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, torch.Tensor],
                   metadata: dict[str, str]) -> tuple[int, list[str]]:
-    """Write ``tensors`` and ``metadata`` to ``path`` atomically; return (bytes written, notes)."""
-    from hookcli.output import atomic_path
+    """Write ``tensors`` and ``metadata`` to ``path``; return (bytes written, notes).
 
+    A new or regular file is replaced atomically (temporary file + rename; nothing is left behind
+    when writing fails or the run is interrupted); a FIFO or device is written in place, streamed
+    (see hookcli.output). A full disk or another OSError is OutputError (exit 2).
+    """
+    from hookcli.output import atomic_path, open_output, resolve_target
+
+    if fmt not in ("safetensors", "torch", "numpy"):  # pragma: no cover - check_output rejects it first
+        raise OutputError(f"unknown features format {fmt!r}")
+    target = resolve_target(path)
     notes: list[str] = []
-    with atomic_path(path) as tmp:
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
+    if fmt == "safetensors" and not target.in_place:
+        from safetensors.torch import save_file
 
+        with atomic_path(target) as tmp:  # save_file streams from the tensors: no copy in memory
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+            size = os.path.getsize(tmp)
+        return size, notes
+    with open_output(target) as out:
+        if fmt == "safetensors":  # into a pipe or device: save_file would replace it by a file
+            from safetensors.torch import save
+
+            out.write(save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
         elif fmt == "torch":
-            torch.save({"tensors": tensors, "metadata": metadata}, tmp)
-        elif fmt == "numpy":
+            torch.save({"tensors": tensors, "metadata": metadata}, out)
+        else:
             import numpy as np
 
             arrays: dict[str, Any] = {}
@@ -214,12 +229,8 @@ def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, tor
                     notes.append(f"{label}: {dtype_name(tensor.dtype)} saved as float32 (numpy has no "
                                  f"{dtype_name(tensor.dtype)})")
             arrays["__metadata__"] = np.array(json.dumps(metadata))
-            with open(tmp, "wb") as fh:
-                np.savez(fh, **arrays)
-        else:  # pragma: no cover - check_output rejects it first
-            raise OutputError(f"unknown features format {fmt!r}")
-        size = os.path.getsize(tmp)
-    return size, notes
+            np.savez(out, **arrays)
+    return out.bytes_written, notes
 
 
 def build_metadata(result: FeatureExport, prep: Prepared) -> dict[str, str]:
