@@ -107,6 +107,7 @@ class CheckResult:
             "hookcli": self.version,
             "command": self.command,
             "ok": self.ok,
+            "partial": self.report.partial,
             "model": self.report.model.to_dict(),
             "config": self.config,
             "summary": self.counts(),

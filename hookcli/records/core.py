@@ -25,8 +25,11 @@ GRAD_KEYS: tuple[str, ...] = ("mean", "std", "min", "max", "norm", "nan_count", 
 
 
 def envelope(version: str, command: str, model: ModelInfo, inputs: list[InputInfo], device: str,
-             mode: str) -> dict[str, Any]:
-    """The keys every JSON report of a model run starts with (schema 1)."""
+             mode: str, partial: bool = False) -> dict[str, Any]:
+    """The keys every JSON report of a model run starts with (schema 1).
+
+    ``partial`` is true when the run failed and the report holds only what was gathered before.
+    """
     return {
         "schema": SCHEMA,
         "hookcli": version,
@@ -35,6 +38,7 @@ def envelope(version: str, command: str, model: ModelInfo, inputs: list[InputInf
         "inputs": [i.to_dict() for i in inputs],
         "device": device,
         "mode": mode,
+        "partial": partial,
     }
 
 
@@ -200,8 +204,14 @@ class Report:
     def ok(self) -> bool:
         return self.failure is None
 
+    @property
+    def partial(self) -> bool:
+        """The model raised: the report holds only the rows gathered before the failure."""
+        return self.failure is not None
+
     def to_dict(self) -> dict[str, Any]:
-        data = envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode)
+        data = envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode,
+                        self.partial)
         data["layers"] = [r.to_dict() for r in self.layers]
         if self.params is not None:
             data["params"] = [p.to_dict() for p in self.params]
@@ -252,6 +262,7 @@ class ModuleTree:
             "command": self.command,
             "model": self.model.to_dict(),
             "modules": [m.to_dict() for m in self.modules],
+            "partial": False,
         }
 
 
@@ -271,6 +282,7 @@ class ModelList:
             "command": self.command,
             "pattern": self.pattern,
             "models": self.models,
+            "partial": False,
         }
 
 

@@ -31,16 +31,23 @@ from hookcli.render.formats import (
 SEP = " · "
 
 
+def partial_mark(report: Renderable) -> str:
+    """`` (PARTIAL: ...)`` for a report of a failed run (rows gathered before the failure), else ""."""
+    if not isinstance(report, Report) or report.failure is None:
+        return ""
+    return f" (PARTIAL: the model raised in {report.failure.phase}; rows up to the failure)"
+
+
 def title(report: Renderable) -> str:
-    """The table title: the command name."""
-    return report.command
+    """The table title: the command name (and PARTIAL for a failed run)."""
+    return report.command + partial_mark(report)
 
 
 def heading(report: Renderable) -> str:
-    """``<command>: <spec>`` (markdown heading)."""
+    """``<command>: <spec>`` (markdown heading; and PARTIAL for a failed run)."""
     if isinstance(report, ModelList):
         return f"{report.command}: {report.pattern}" if report.pattern else report.command
-    return f"{report.command}: {report.model.spec}"
+    return f"{report.command}: {report.model.spec}{partial_mark(report)}"
 
 
 def _model_parts(model: ModelInfo) -> list[str]:

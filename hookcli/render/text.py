@@ -48,6 +48,9 @@ def _rows(columns: Sequence[Column[R]], records: Sequence[R]) -> list[dict[str, 
 class CsvRenderer:
     """``--format csv``: a header row and one row per record (layers, then parameters).
 
+    The report of a failed run (rows gathered before the model raised) has a last column
+    ``partial`` holding ``true`` on every row.
+
     Lines end with ``\\n``. Shapes are written ``1x3x224x224`` (several joined by ``;``), numbers at
     full precision, None as an empty cell. A grads report's parameter rows (``kind=param``)
     share the file under the union of columns.
@@ -70,11 +73,15 @@ class CsvRenderer:
             return self._write(_union(cols), _rows(cols, records))
         layer_cols = layer_columns(report)
         rows = _rows(layer_cols, report.layers)
+        fields = _union(layer_cols)
         if report.params:
             param_cols = param_columns(report)
-            return self._write(_union(layer_cols, param_cols),
-                               rows + _rows(param_cols, report.params))
-        return self._write(_union(layer_cols), rows)
+            fields = _union(layer_cols, param_cols)
+            rows += _rows(param_cols, report.params)
+        if report.partial:  # a failed run: a last column says so on every row
+            fields.append("partial")
+            rows = [{**row, "partial": "true"} for row in rows]
+        return self._write(fields, rows)
 
     @staticmethod
     def _write(fieldnames: list[str], rows: list[dict[str, Any]]) -> str:
