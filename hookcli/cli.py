@@ -6,10 +6,14 @@ Option bundles and config defaults live in ``hookcli.cli_options``. No torch at 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -34,8 +38,54 @@ from hookcli.cli_options import (
     selection_options,
 )
 
+class Terminated(BaseException):
+    """SIGTERM turned into an exception (like KeyboardInterrupt for SIGINT), so that it unwinds
+    through every ``finally``: temporary files are removed, the user's model is handed back, an
+    output file is left as it was. Not an Exception: nothing that catches errors may swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: The exit code of a run stopped by SIGTERM: 128 + the signal number, as shells report it
+#: (SIGINT: 130, from ``HookcliGroup.invoke``).
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+def _raise_terminated(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """While the CLI runs, SIGTERM raises :class:`Terminated` (where SIGTERM has its default action,
+    in the main thread); the previous handler is put back afterwards."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class HookcliGroup(click.Group):
     """Translate HookcliError into a message and exit code, in one place."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """The entry point: as click's, with SIGTERM turned into :class:`Terminated` (exit 143)."""
+        try:
+            with _sigterm_as_exception():
+                return super().main(*args, **kwargs)
+        except Terminated:
+            if kwargs.get("standalone_mode", True) is False:
+                raise
+            click.echo("terminated (SIGTERM)", err=True)
+            sys.exit(EXIT_SIGTERM)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -59,7 +109,7 @@ class HookcliGroup(click.Group):
 def _report_error(ctx: click.Context, exc: HookcliError) -> None:
     output = ctx.meta.get(META_OUTPUT)
     if isinstance(exc, ModelRaisedError) and exc.report is not None and output is not None:
-        _emit(exc.report, **output)  # every row gathered before the failure
+        _emit_partial(exc.report, **output)  # every row gathered before the failure, marked partial
     if ctx.meta.get(META_DEBUG):
         cause = exc.__cause__ or exc
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
@@ -68,8 +118,20 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
         click.echo(f"  hint: {exc.hint}", err=True)
 
 
+def _emit_partial(report: Any, *, fmt: str, output: str | None) -> None:
+    """The partial report of a failed run goes to stdout; an ``-o`` FILE is never replaced by it.
+
+    A failed run must not destroy a good report from an earlier run, and a partial report in FILE
+    could pass for a complete one; stderr says the file was left as it was.
+    """
+    _emit(report, fmt=fmt, output=None)
+    if output is not None:
+        state = "left unchanged" if os.path.lexists(output) else "not written"
+        click.echo(f"{output} {state}: the run failed, so its partial report went to stdout", err=True)
+
+
 def _emit(report: Any, *, fmt: str, output: str | None) -> None:
-    """Render a report and write it to stdout or, atomically, to a file."""
+    """Render a report and write it to stdout or to a file (see hookcli.output for how)."""
     from hookcli.render import render
 
     to_terminal = output is None and sys.stdout.isatty()
