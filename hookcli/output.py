@@ -175,13 +175,14 @@ _ERRNO_TEXT: dict[int, tuple[str, str]] = {
 }
 
 
-def describe(path: str | os.PathLike[str], exc: BaseException) -> tuple[str, str]:
-    """One line saying why ``path`` could not be written, and a hint."""
+def describe(path: str | os.PathLike[str], exc: BaseException, directory: Path | None = None) -> tuple[str, str]:
+    """One line saying why ``path`` (in ``directory``) could not be written, and a hint."""
     if isinstance(exc, UnicodeEncodeError):
         return (f"cannot write {path}: the text cannot be encoded as UTF-8 ({exc.reason})",
                 "write --format json, which escapes every character")
     if isinstance(exc, FileNotFoundError):
-        return (f"cannot write {path}: directory {Path(os.fspath(path)).parent} does not exist",
+        parent = directory if directory is not None else Path(os.fspath(path)).parent
+        return (f"cannot write {path}: directory {parent} does not exist",
                 "create it first, or choose another path")
     if isinstance(exc, OSError) and exc.errno in _ERRNO_TEXT:
         text, hint = _ERRNO_TEXT[exc.errno]
@@ -191,7 +192,7 @@ def describe(path: str | os.PathLike[str], exc: BaseException) -> tuple[str, str
 
 
 def _output_error(target: Target, exc: BaseException) -> OutputError:
-    message, hint = describe(_shown(target.given, target.path), exc)
+    message, hint = describe(_shown(target.given, target.path), exc, target.path.parent)
     return OutputError(message, hint=hint)
 
 

@@ -637,12 +637,11 @@ def test_sigterm_after_safetensors_wrote_its_file_leaves_no_temp_file(tmp_path: 
     assert leftovers(out_dir) == [] and target.read_bytes() == b"old features"
 
 
-@pytest.mark.parametrize(("command", "name"), [("stats", "r.json"), ("features", "f.safetensors")])
-def test_sigterm_during_the_model_leaves_the_old_file(tmp_path: Path, command: str, name: str) -> None:
+def test_sigterm_during_the_model_leaves_the_old_file(tmp_path: Path) -> None:
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
-    target = tmp_path / name
+    target = tmp_path / "r.json"
     target.write_bytes(b"old")
-    rc, out, err = run_and_signal(tmp_path, [command, "slow.py:build", "--input-shape", "2x4", "-o", str(target)],
+    rc, out, err = run_and_signal(tmp_path, ["stats", "slow.py:build", "--input-shape", "2x4", "-o", str(target)],
                                   signal.SIGTERM)
     assert rc == 143, err
     assert err.strip().splitlines() == ["terminated (SIGTERM)"]
