@@ -5,8 +5,9 @@ this module, which decides *how* to write from what the path is:
 
 - a new path or a regular file: a temporary file next to it (``.<name>.XXXX.tmp``), flushed and
   fsynced, then renamed over it (``os.replace``): readers see the old file or the complete new one;
-- a FIFO or a character/block device (``/dev/null``, ``/dev/stdout``, a named pipe): opened and
-  written in place; it is never replaced by a regular file;
+- a FIFO or a character/block device (``/dev/null``, a terminal, a named pipe), or an open file
+  named through ``/dev/stdout``, ``/dev/fd/N`` or ``/proc``: opened and written in place; never
+  replaced by a regular file;
 - a symlink (chains and relative links too): followed, and its target written as above (the link
   stays a link);
 - a file the user cannot write: refused before anything runs (OutputError, exit 2). A regular file
@@ -51,6 +52,8 @@ class Target:
     exists: bool
     #: the path as the user gave it (for messages)
     given: str
+    #: an in-place regular file (reached through ``/dev/stdout`` and the like): truncated when opened
+    truncate: bool = False
 
 
 def _shown(text: str, real: Path) -> str:
@@ -94,6 +97,11 @@ def _check_file_writable(text: str, real: Path, st: os.stat_result) -> None:
         raise OutputError(f"cannot write {shown}: permission denied", hint="choose a path you can write to")
 
 
+#: Paths that name an open file of a process (``-o /dev/stdout``): written in place through the
+#: path, as the shell's ``>`` would, never renamed over (the link may not even have a real target).
+_DESCRIPTOR_PATHS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/")
+
+
 def resolve_target(path: str | os.PathLike[str]) -> Target:
     """Decide how ``path`` will be written, and check up front that it can be (before a model runs).
 
@@ -103,32 +111,38 @@ def resolve_target(path: str | os.PathLike[str]) -> Target:
     text = os.fspath(path)
     if not text:
         raise OutputError("output path is empty", hint="give a file name, e.g. -o report.json")
-    real = _follow(text)
-    shown = _shown(text, real)
+    given = Path(text).expanduser().absolute()
     try:
-        st: os.stat_result | None = os.stat(real)
+        st: os.stat_result | None = os.stat(given)  # the kernel follows every link, /proc magic ones too
     except FileNotFoundError:
         st = None
     except NotADirectoryError:
-        raise OutputError(f"cannot write {shown}: {real.parent} is not a directory",
+        raise OutputError(f"cannot write {text}: a part of the path before the file name is not a directory",
                           hint="choose another path") from None
     except OSError as exc:
-        message, hint = describe(shown, exc)
+        if exc.errno == errno.ELOOP:
+            raise OutputError(f"cannot write {text}: the symlink does not lead to a file (a symlink loop)",
+                              hint="fix the link, or choose another path") from None
+        message, hint = describe(text, exc)
         raise OutputError(message, hint=hint) from None
+    if st is not None and (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        _check_file_writable(text, given, st)
+        return Target(given, in_place=True, exists=True, given=text)
+    if st is not None and stat.S_ISREG(st.st_mode) and str(given).startswith(_DESCRIPTOR_PATHS):
+        _check_file_writable(text, given, st)  # e.g. -o /dev/stdout with stdout redirected to a file
+        return Target(given, in_place=True, exists=True, given=text, truncate=True)
+    real = _follow(text)
+    shown = _shown(text, real)
     if st is None:
         _check_parent(text, real)
         return Target(real, in_place=False, exists=False, given=text)
-    mode = st.st_mode
-    if stat.S_ISDIR(mode):
+    if stat.S_ISDIR(st.st_mode):
         raise OutputError(f"cannot write {shown}: it is a directory", hint="give a file name inside it")
-    if stat.S_ISREG(mode):
+    if stat.S_ISREG(st.st_mode):
         _check_file_writable(text, real, st)
         _check_parent(text, real)
         return Target(real, in_place=False, exists=True, given=text)
-    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        _check_file_writable(text, real, st)
-        return Target(real, in_place=True, exists=True, given=text)
-    kind = "a socket" if stat.S_ISSOCK(mode) else "not a regular file, FIFO or device"
+    kind = "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file, FIFO or device"
     raise OutputError(f"cannot write {shown}: it is {kind}", hint="choose another path")
 
 
@@ -310,9 +324,10 @@ def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]
 
 
 def _in_place(target: Target) -> Iterator[OutputStream]:
-    """Open a FIFO or device for writing (no create, no truncate, no temporary file) and yield it."""
+    """Open a FIFO or device for writing (no create, no temporary file) and yield it."""
     try:
-        fd = os.open(target.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_TRUNC if target.truncate else 0)
+        fd = os.open(target.path, flags)
     except OSError as exc:
         raise _output_error(target, exc) from exc
     try:

@@ -153,6 +153,27 @@ def test_fifo_gets_the_bytes_and_stays_a_fifo(fifo: PipeReader) -> None:
     assert leftovers(fifo.path.parent) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="no /dev/fd")
+def test_descriptor_paths_are_written_in_place(tmp_path: Path) -> None:
+    """``-o /dev/stdout`` (here ``/dev/fd/N``): into the open pipe or file, never renamed over."""
+    r, w = os.pipe()
+    try:
+        write_atomic(f"/dev/fd/{w}", "into the pipe")
+        os.close(w)
+        w = -1
+        assert os.read(r, 100) == b"into the pipe"
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    log = tmp_path / "log.txt"
+    log.write_text("old and longer")
+    with open(log, "ab") as fh:  # a shell's `> log.txt`: the file stays the same file
+        inode = os.fstat(fh.fileno()).st_ino
+        write_atomic(f"/dev/fd/{fh.fileno()}", "new")
+    assert log.read_text() == "new" and log.stat().st_ino == inode and leftovers(tmp_path) == []
+
+
 def test_full_device_is_no_space_exit_2_with_hint(full_device: Path) -> None:
     with pytest.raises(OutputError, match="no space left on device") as info:
         write_atomic(full_device, "x" * 10_000)
