@@ -122,12 +122,28 @@ def _emit_partial(report: Any, *, fmt: str, output: str | None) -> None:
     """The partial report of a failed run goes to stdout; an ``-o`` FILE is never replaced by it.
 
     A failed run must not destroy a good report from an earlier run, and a partial report in FILE
-    could pass for a complete one; stderr says the file was left as it was.
+    could pass for a complete one; stderr says the file was left as it was. A FIFO or device
+    (``-o /dev/stdout``, a named pipe a reader waits on) has nothing to lose: it gets the partial
+    report, marked partial, where the user sent the output.
     """
+    if output is not None and _streams_in_place(output):
+        _emit(report, fmt=fmt, output=output)
+        click.echo(f"the run failed: {output} got its partial report", err=True)
+        return
     _emit(report, fmt=fmt, output=None)
     if output is not None:
         state = "left unchanged" if os.path.lexists(output) else "not written"
         click.echo(f"{output} {state}: the run failed, so its partial report went to stdout", err=True)
+
+
+def _streams_in_place(output: str) -> bool:
+    from hookcli.errors import OutputError
+    from hookcli.output import resolve_target
+
+    try:
+        return resolve_target(output).in_place
+    except OutputError:
+        return False
 
 
 def _emit(report: Any, *, fmt: str, output: str | None) -> None:

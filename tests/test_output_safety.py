@@ -482,6 +482,20 @@ def test_failed_run_leaves_the_file_and_prints_the_partial_report(cli, tmp_path:
     assert sum(line.startswith("Error: ") for line in lines) == 1 and "Traceback" not in result.stderr
 
 
+def test_failed_run_into_a_fifo_sends_the_partial_report_there(cli, tmp_path: Path) -> None:
+    """A reader waiting on a FIFO gets the partial report (marked) instead of waiting forever."""
+    reader = PipeReader(tmp_path / "pipe")
+    try:
+        result = cli("stats", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json", "-o", reader.path)
+        data = reader.result()
+    finally:
+        reader.close()
+    assert result.exit_code == 1 and result.stdout == ""
+    report = json.loads(data)
+    assert report["partial"] is True and report["failure"]["module"] == "bad"
+    assert_fifo(reader.path)
+
+
 def test_partial_rows_hold_the_right_numbers(cli) -> None:
     result = cli("stats", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json")
     assert result.exit_code == 1
