@@ -174,6 +174,23 @@ def test_descriptor_paths_are_written_in_place(tmp_path: Path) -> None:
     assert log.read_text() == "new" and log.stat().st_ino == inode and leftovers(tmp_path) == []
 
 
+def test_reader_closing_the_fifo_early_is_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+
+    def read_one_byte() -> None:
+        with open(path, "rb") as fh:
+            fh.read(1)
+
+    thread = threading.Thread(target=read_one_byte, daemon=True)
+    thread.start()
+    with pytest.raises(OutputError, match="the reader closed the pipe") as info:
+        write_atomic(path, b"x" * 10_000_000)
+    thread.join(10)
+    assert info.value.exit_code == 2 and info.value.hint
+    assert_fifo(path) and leftovers(tmp_path) == []
+
+
 def test_full_device_is_no_space_exit_2_with_hint(full_device: Path) -> None:
     with pytest.raises(OutputError, match="no space left on device") as info:
         write_atomic(full_device, "x" * 10_000)
