@@ -38,7 +38,7 @@ from hookcli.records import (
     Report,
 )
 from hookcli.selection import module_depth, select_modules
-from hookcli.state import model_device, preserved
+from hookcli.state import exclusive, meta_copy, model_device, needs_meta_copy, preserved, seeded_rng
 
 
 @dataclass
@@ -56,12 +56,15 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
 
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
-    only) and runs it there.
+    only) and runs it there. A model instance the caller passed in is never moved to meta (its
+    weights could not come back): it runs as ``meta_copy``, a copy without weights.
     """
     opts = options.validate()  # a fresh copy: safe to adjust
     if meta:
         opts.device = "meta"
     loaded = load(opts, meta=meta)
+    if opts.device == "meta" and loaded.kind == "instance" and needs_meta_copy(loaded.model):
+        loaded = dataclasses.replace(loaded, model=meta_copy(loaded.model))
     selection = select_modules(
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
     )
@@ -76,13 +79,13 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
 def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     """Load the model an (already validated) RunOptions names (on the meta device with ``meta``).
 
-    Random initialisation is seeded with ``opts.seed`` (in a forked RNG, so the caller's global RNG
-    is untouched): the same command gives the same numbers on every run, which baselines rely on.
+    Random initialisation is seeded with ``opts.seed`` (``seeded_rng``: the caller's RNG states,
+    CUDA's included, are untouched): the same command gives the same numbers on every run, which
+    baselines rely on.
     """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    with progress.phase(f"building {opts.model}"), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(opts.seed)
+    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed):
         with torch.device("meta") if meta else nullcontext():
             return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
                               trust_pickle=opts.trust_pickle)
@@ -167,11 +170,15 @@ def failure_message(failure: FailureInfo) -> str:
 
 @contextmanager
 def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
-    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards."""
+    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
+
+    The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
+    seed) and the caller's RNG states are restored after (``preserved``).
+    """
     opts = prep.options
     model = prep.loaded.model
     device = torch.device(opts.device) if opts.device else model_device(model)
-    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train):
+    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed):
         args = to_device(prep.inputs.args, device, opts.torch_dtype())
         kwargs = to_device(prep.inputs.kwargs, device, opts.torch_dtype())
         yield model, args, kwargs
@@ -278,12 +285,14 @@ def shapes(model: Any = None, **options: Any) -> Report:
     ``trust_pickle=True`` lets torch.load unpickle arbitrary objects from ``weights``/``inputs``
     .pt/.pth files (it runs code from them; only for files you trust); the other functions take it too.
     """
-    return shapes_report(_options(model, options))
+    with exclusive(model):
+        return shapes_report(_options(model, options))
 
 
 def stats(model: Any = None, **options: Any) -> Report:
     """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
-    return forward_report(prepare(_options(model, options)), "stats", stats=True)
+    with exclusive(model):
+        return forward_report(prepare(_options(model, options)), "stats", stats=True)
 
 
 def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Report:
@@ -297,18 +306,19 @@ def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weig
     opts = _options(model, {"model_args": model_args or {}, "weights": weights, "model_source": model_source,
                             "trust_pickle": trust_pickle})
     opts = opts.validate()
-    loaded = load(opts)
-    rows: list[ModuleRow] = []
-    for name, module in loaded.model.named_modules():
-        rows.append(ModuleRow(
-            name=name,
-            type=type(module).__name__,
-            depth=module_depth(name),
-            params=sum(p.numel() for p in module.parameters()),
-            own_params=sum(p.numel() for p in module.parameters(recurse=False)),
-            children=len(module._modules),
-        ))
-    return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
+    with exclusive(model):
+        loaded = load(opts)
+        rows: list[ModuleRow] = []
+        for name, module in loaded.model.named_modules():
+            rows.append(ModuleRow(
+                name=name,
+                type=type(module).__name__,
+                depth=module_depth(name),
+                params=sum(p.numel() for p in module.parameters()),
+                own_params=sum(p.numel() for p in module.parameters(recurse=False)),
+                children=len(module._modules),
+            ))
+        return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
 
 
 def models(pattern: str | None = None) -> ModelList:
@@ -331,7 +341,8 @@ def grads(model: Any = None, **options: Any) -> Report:
     from hookcli.gradients import backward_report
 
     opts = _options(model, options)
-    return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+    with exclusive(model):
+        return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
 
 
 def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: str | os.PathLike[str] | None = None,
@@ -385,7 +396,8 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
     """
     from hookcli.feature_export import run_features
 
-    return run_features(_options(model, options), output=output, progress=progress)
+    with exclusive(model):
+        return run_features(_options(model, options), output=output, progress=progress)
 
 
 def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
@@ -405,4 +417,5 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
                        scale=scale)
-    return run_fmaps(_options(model, options), spec, output=output)
+    with exclusive(model):
+        return run_fmaps(_options(model, options), spec, output=output)
