@@ -20,7 +20,7 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import HookcliError, ModelRaisedError
+from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError
 from hookcli.hooks import HookOptions, KeepFn, attach
 from hookcli.inputs import ModelInputs, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
@@ -38,7 +38,15 @@ from hookcli.records import (
     Report,
 )
 from hookcli.selection import module_depth, select_modules
-from hookcli.state import exclusive, meta_copy, model_device, needs_meta_copy, preserved, seeded_rng
+from hookcli.state import (
+    exclusive,
+    lazy_tensor,
+    meta_copy,
+    model_device,
+    needs_meta_copy,
+    preserved,
+    seeded_rng,
+)
 
 
 @dataclass
@@ -63,6 +71,12 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     if meta:
         opts.device = "meta"
     loaded = load(opts, meta=meta)
+    lazy = lazy_tensor(loaded.model)
+    if lazy is not None:
+        raise UnsupportedError(
+            f"the model's {lazy} is an uninitialised lazy parameter: a run would initialise it, changing the model",
+            hint="initialise the lazy modules with one forward pass (model(example_input)) before hookcli runs it",
+        )
     if opts.device == "meta" and loaded.kind == "instance" and needs_meta_copy(loaded.model):
         loaded = dataclasses.replace(loaded, model=meta_copy(loaded.model))
     selection = select_modules(
@@ -74,6 +88,14 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         trust_pickle=opts.trust_pickle,
     )
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
+
+
+def require_values(prep: Prepared, command: str) -> None:
+    """UsageError when ``prep`` would run on the meta device: ``command`` needs values it has none of."""
+    device = torch.device(prep.options.device) if prep.options.device else model_device(prep.loaded.model)
+    if device.type == "meta":
+        raise UsageError(f"{command} needs values, and the meta device has none (it gives shapes only)",
+                         hint="run on a real device: --device cpu (or cuda), or use shapes for shapes only")
 
 
 def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:

@@ -128,9 +128,10 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     The model's parameters keep their ``.grad`` and ``requires_grad`` (``autograd.grad`` writes none).
     Raises ModelRaisedError with the partial report when forward or backward raises.
     """
-    from hookcli.api import failure_message, locate_failure, new_report, params_by_module, running
+    from hookcli.api import failure_message, locate_failure, new_report, params_by_module, require_values, running
 
     opts = prep.options
+    require_values(prep, command)
     report = new_report(prep, command)
     failure: FailureInfo | None = None
     cause: BaseException | None = None

@@ -155,8 +155,9 @@ def preserved(
         param_slots = [(m, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
         buffer_slots = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
         params = list({id(p): p for _, _, p in param_slots}.values())
-        param_state = [(p, p.data, p.requires_grad, p.grad, p.grad.data if p.grad is not None else None)
-                       for p in params]
+        convert = device is not None or dtype is not None  # ``.to`` changes the storage of each tensor
+        param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
+                        p.grad.data if convert and p.grad is not None else None) for p in params]
         # train mode may update buffers in place (running statistics); the native batch_norm does so
         # without bumping the version counter, so every buffer's values are kept and copied back
         buffer_values = [(b, b.detach().clone()) for b in {id(b): b for _, _, b in buffer_slots}.values()
@@ -169,7 +170,7 @@ def preserved(
         try:
             with seeded_rng(seed, devices) if seed is not None else nullcontext():
                 try:
-                    if device is not None or dtype is not None:
+                    if convert:
                         model.to(device=device, dtype=dtype)
                     model.train(train)
                     yield model
@@ -179,7 +180,8 @@ def preserved(
                     for m, name, b in buffer_slots:
                         m._buffers[name] = b
                     for p, data, requires_grad, grad, grad_data in param_state:
-                        p.data = data
+                        if data is not None:
+                            p.data = data
                         if grad is not None and grad_data is not None:
                             grad.data = grad_data
                         p.grad = grad
@@ -191,6 +193,22 @@ def preserved(
                         m.training = was_training
         finally:
             running.pop()
+
+
+def lazy_tensor(model: nn.Module) -> str | None:
+    """The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None.
+
+    A forward initialises them in place (and changes the module's class): no run could hand such
+    a model back as it came.
+    """
+    from torch.nn.parameter import is_lazy
+
+    for name, module in model.named_modules():
+        for kind in (module._parameters, module._buffers):
+            for key, tensor in kind.items():
+                if tensor is not None and is_lazy(tensor):
+                    return f"{name}.{key}" if name else key
+    return None
 
 
 def needs_meta_copy(model: nn.Module) -> bool:
