@@ -106,6 +106,7 @@ def global_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "hooks": {h: dict(getattr(module_mod, h)) for h in GLOBAL_HOOKS},
         "grad_enabled": torch.is_grad_enabled(),
+        "default_dtype": torch.get_default_dtype(),
     }
 
 
@@ -147,6 +148,7 @@ def assert_globals_same(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert np_after[0] == np_before[0] and np.array_equal(np_after[1], np_before[1]) and \
         np_after[2:] == np_before[2:], "numpy RNG state changed"
     assert after["hooks"] == before["hooks"] and after["grad_enabled"] == before["grad_enabled"]
+    assert after["default_dtype"] == before["default_dtype"]
 
 
 # --------------------------------------------------------------------------- every API function
@@ -360,12 +362,19 @@ def layers(report: Any) -> list[dict[str, Any]]:
 
 
 def test_threads_on_one_model_are_serialised_and_rows_never_mix() -> None:
+    """4 threads x 3 runs of stats and grads on one model, and stats on a second Dropout model that
+    draws from the same process-wide RNG: each result is what the same run gives on its own."""
     model, _ = user_model()
+    second = dropout_net()
     threads, runs = 4, 3
-    fns = {"stats": hookcli.stats, "grads": lambda m, **o: hookcli.grads(m, params="all", **o)}
+    fns: dict[str, Callable[..., Any]] = {
+        "stats": hookcli.stats,
+        "grads": lambda m, **o: hookcli.grads(m, params="all", **o),
+        "second": lambda m, **o: hookcli.stats(second, **o),
+    }
     expected = {(fn, t, r): layers(fns[fn](model, **run_options(t, r)))
                 for fn in fns for t in range(threads) for r in range(runs)}
-    before, globals_before = snapshot(model), global_state()
+    before, second_before, globals_before = snapshot(model), snapshot(second), global_state()
     got: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(threads)
@@ -389,6 +398,7 @@ def test_threads_on_one_model_are_serialised_and_rows_never_mix() -> None:
     for key in expected:
         assert got[key] == expected[key], key
     assert_same(before, snapshot(model))
+    assert_same(second_before, snapshot(second))
     assert_globals_same(globals_before, global_state())
     # the single-threaded numbers themselves: the first BatchNorm row against plain torch (batch stats)
     x = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
