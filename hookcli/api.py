@@ -328,19 +328,18 @@ def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weig
     opts = _options(model, {"model_args": model_args or {}, "weights": weights, "model_source": model_source,
                             "trust_pickle": trust_pickle})
     opts = opts.validate()
-    with exclusive(model):
-        loaded = load(opts)
-        rows: list[ModuleRow] = []
-        for name, module in loaded.model.named_modules():
-            rows.append(ModuleRow(
-                name=name,
-                type=type(module).__name__,
-                depth=module_depth(name),
-                params=sum(p.numel() for p in module.parameters()),
-                own_params=sum(p.numel() for p in module.parameters(recurse=False)),
-                children=len(module._modules),
-            ))
-        return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
+    loaded = load(opts)
+    rows: list[ModuleRow] = []
+    for name, module in loaded.model.named_modules():
+        rows.append(ModuleRow(
+            name=name,
+            type=type(module).__name__,
+            depth=module_depth(name),
+            params=sum(p.numel() for p in module.parameters()),
+            own_params=sum(p.numel() for p in module.parameters(recurse=False)),
+            children=len(module._modules),
+        ))
+    return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
 
 
 def models(pattern: str | None = None) -> ModelList:

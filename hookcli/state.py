@@ -96,8 +96,18 @@ def seeded_rng(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None
 
     Only the CUDA devices named are touched (``torch.manual_seed`` would also seed, or queue a seed
     for, every other GPU: state the caller would find changed). The run's torch RNG starts as after
-    ``torch.manual_seed(seed)``, so its Dropout masks can be reproduced with plain torch.
+    ``torch.manual_seed(seed)``, so its Dropout masks can be reproduced with plain torch. Holds the
+    run lock: the states are process-wide, and two threads forking them at once would restore each
+    other's.
     """
+    with _RUN_LOCK:
+        with _seeded(seed, devices):
+            yield
+
+
+@contextmanager
+def _seeded(seed: int, devices: Iterable[torch.device]) -> Iterator[None]:
+    """``seeded_rng`` without the lock."""
     cuda, mps = _accelerators(devices)
     np = sys.modules.get("numpy")
     cpu_state = torch.random.default_generator.get_state()
@@ -203,10 +213,11 @@ def lazy_tensor(model: nn.Module) -> str | None:
     """
     from torch.nn.parameter import is_lazy
 
-    for name, module in model.named_modules():
+    for module in model.modules():
         for kind in (module._parameters, module._buffers):
             for key, tensor in kind.items():
                 if tensor is not None and is_lazy(tensor):
+                    name = next(n for n, m in model.named_modules() if m is module)
                     return f"{name}.{key}" if name else key
     return None
 

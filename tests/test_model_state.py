@@ -88,11 +88,12 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
         params = {
             n: (p, p.device, p.dtype, p.requires_grad, p.detach().clone(), p.grad,
                 None if p.grad is None else p.grad.detach().clone(), dict(p._backward_hooks or {}))
-            for n, p in m._parameters.items()
+            for n, p in m._parameters.items() if p is not None
         }
-        buffers = {n: (b, b.device, b.dtype, b.detach().clone()) for n, b in m._buffers.items()}
+        buffers = {n: (b, b.device, b.dtype, b.detach().clone()) for n, b in m._buffers.items() if b is not None}
+        slots = ({n for n, p in m._parameters.items() if p is None}, {n for n, b in m._buffers.items() if b is None})
         hooks = {h: dict(getattr(m, h)) for h in HOOK_DICTS}
-        state[name] = (m, m.training, params, buffers, hooks, set(vars(m)))
+        state[name] = (m, m.training, params, buffers, hooks, (set(vars(m)), slots))
     return state
 
 
@@ -335,6 +336,22 @@ def test_the_python_and_numpy_rngs_a_model_draws_from_are_seeded_and_restored() 
     random.setstate(globals_before["random"])
     np.random.set_state(globals_before["numpy"])
     assert runs[0] == runs[1] and runs[0]["mean"] != runs[2]["mean"]
+
+
+@pytest.mark.parametrize("seed", [0, 11])
+def test_a_model_built_by_spec_is_seeded_and_the_rng_is_left_alone(seed: int) -> None:
+    import tiny_models
+
+    globals_before = global_state()
+    report = hookcli.grads("tiny_models:Reused", input_shapes=["2x4"], seed=seed, params="all")
+    tree = hookcli.modules("tiny_models:Reused")
+    assert_globals_same(globals_before, global_state())
+    assert tree.modules and report.params
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        reference = tiny_models.Reused()
+    norms = {n: float(p.detach().double().norm()) for n, p in reference.named_parameters()}
+    assert {p.name: pytest.approx(p.norm, rel=1e-6) for p in report.params} == norms
 
 
 def test_cli_same_seed_same_numbers(cli) -> None:
