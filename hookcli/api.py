@@ -20,7 +20,7 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import HookcliError, ModelRaisedError
+from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError
 from hookcli.hooks import HookOptions, KeepFn, attach
 from hookcli.inputs import ModelInputs, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
@@ -38,7 +38,15 @@ from hookcli.records import (
     Report,
 )
 from hookcli.selection import module_depth, select_modules
-from hookcli.state import model_device, preserved
+from hookcli.state import (
+    exclusive,
+    lazy_tensor,
+    meta_copy,
+    model_device,
+    needs_meta_copy,
+    preserved,
+    seeded_rng,
+)
 
 
 @dataclass
@@ -56,12 +64,21 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
 
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
-    only) and runs it there.
+    only) and runs it there. A model instance the caller passed in is never moved to meta (its
+    weights could not come back): it runs as ``meta_copy``, a copy without weights.
     """
     opts = options.validate()  # a fresh copy: safe to adjust
     if meta:
         opts.device = "meta"
     loaded = load(opts, meta=meta)
+    lazy = lazy_tensor(loaded.model)
+    if lazy is not None:
+        raise UnsupportedError(
+            f"the model's {lazy} is an uninitialised lazy parameter: a run would initialise it, changing the model",
+            hint="initialise the lazy modules with one forward pass (model(example_input)) before hookcli runs it",
+        )
+    if opts.device == "meta" and loaded.kind == "instance" and needs_meta_copy(loaded.model):
+        loaded = dataclasses.replace(loaded, model=meta_copy(loaded.model))
     selection = select_modules(
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
     )
@@ -73,16 +90,24 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
 
 
+def require_values(prep: Prepared, command: str) -> None:
+    """UsageError when ``prep`` would run on the meta device: ``command`` needs values it has none of."""
+    device = torch.device(prep.options.device) if prep.options.device else model_device(prep.loaded.model)
+    if device.type == "meta":
+        raise UsageError(f"{command} needs values, and the meta device has none (it gives shapes only)",
+                         hint="run on a real device: --device cpu (or cuda), or use shapes for shapes only")
+
+
 def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     """Load the model an (already validated) RunOptions names (on the meta device with ``meta``).
 
-    Random initialisation is seeded with ``opts.seed`` (in a forked RNG, so the caller's global RNG
-    is untouched): the same command gives the same numbers on every run, which baselines rely on.
+    Random initialisation is seeded with ``opts.seed`` (``seeded_rng``: the caller's RNG states,
+    CUDA's included, are untouched): the same command gives the same numbers on every run, which
+    baselines rely on.
     """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    with progress.phase(f"building {opts.model}"), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(opts.seed)
+    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed):
         with torch.device("meta") if meta else nullcontext():
             return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
                               trust_pickle=opts.trust_pickle)
@@ -167,11 +192,15 @@ def failure_message(failure: FailureInfo) -> str:
 
 @contextmanager
 def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
-    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards."""
+    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
+
+    The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
+    seed) and the caller's RNG states are restored after (``preserved``).
+    """
     opts = prep.options
     model = prep.loaded.model
     device = torch.device(opts.device) if opts.device else model_device(model)
-    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train):
+    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed):
         args = to_device(prep.inputs.args, device, opts.torch_dtype())
         kwargs = to_device(prep.inputs.kwargs, device, opts.torch_dtype())
         yield model, args, kwargs
@@ -278,12 +307,14 @@ def shapes(model: Any = None, **options: Any) -> Report:
     ``trust_pickle=True`` lets torch.load unpickle arbitrary objects from ``weights``/``inputs``
     .pt/.pth files (it runs code from them; only for files you trust); the other functions take it too.
     """
-    return shapes_report(_options(model, options))
+    with exclusive(model):
+        return shapes_report(_options(model, options))
 
 
 def stats(model: Any = None, **options: Any) -> Report:
     """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
-    return forward_report(prepare(_options(model, options)), "stats", stats=True)
+    with exclusive(model):
+        return forward_report(prepare(_options(model, options)), "stats", stats=True)
 
 
 def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Report:
@@ -331,7 +362,8 @@ def grads(model: Any = None, **options: Any) -> Report:
     from hookcli.gradients import backward_report
 
     opts = _options(model, options)
-    return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+    with exclusive(model):
+        return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
 
 
 def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: str | os.PathLike[str] | None = None,
@@ -385,7 +417,8 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
     """
     from hookcli.feature_export import run_features
 
-    return run_features(_options(model, options), output=output, progress=progress)
+    with exclusive(model):
+        return run_features(_options(model, options), output=output, progress=progress)
 
 
 def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
@@ -405,4 +438,5 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
                        scale=scale)
-    return run_fmaps(_options(model, options), spec, output=output)
+    with exclusive(model):
+        return run_fmaps(_options(model, options), spec, output=output)

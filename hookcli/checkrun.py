@@ -30,6 +30,7 @@ from hookcli.options import RunOptions
 from hookcli.recorders import dtype_name, iter_tensors, shape_of, to_host
 from hookcli.records import CheckResult
 from hookcli.rules import Observations, evaluate, load_baseline
+from hookcli.state import exclusive
 
 
 class Probe:
@@ -136,25 +137,20 @@ def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tup
         return {n: (v[0] if p.grad is not None else None) for (n, p), v in zip(tracked, values)}, None
 
 
-@contextmanager
-def seeded(prep: api.Prepared) -> Iterator[None]:
-    """Seed dropout & co. with ``--seed`` in a forked RNG: a train-mode check gives the same verdict
-    on every run, and the caller's RNG state is left as it was."""
-    device = torch.device(prep.options.device) if prep.options.device else None
-    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(prep.options.seed)
-        yield
-
-
 def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     """Forward and backward once, the extra measurements, the SGD step on a copy, then the rules.
 
-    Every module is hooked unless ``layers``/``types``/``depth`` choose some; the run is seeded with
-    ``options.seed`` (dropout masks are reproducible). A model that raises
+    Every module is hooked unless ``layers``/``types``/``depth`` choose some; each run (the checked
+    one and the SGD step on the copy) starts its RNGs from ``options.seed`` (``api.running``), so both
+    see the same dropout masks and the verdict is reproducible. A model that raises
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
     or rules raise UsageError/ConfigError before anything runs.
     """
+    with exclusive(options.model):
+        return _run_check(options, rules)
+
+
+def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     opts = options
     if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
         opts = replace(opts, all_modules=True)
@@ -164,7 +160,7 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
     cause: BaseException | None = None
-    with seeded(prep), probe.attached(prep.loaded.model, prep.selection):
+    with probe.attached(prep.loaded.model, prep.selection):
         try:
             report = backward_report(prep, "check", stats=True)
         except ModelRaisedError as exc:
@@ -175,8 +171,7 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     change_rule = rules.get("params_change")
     if report.failure is None and change_rule is not None and report.params is not None:
         names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
-        with seeded(prep):  # the copy sees the same dropout masks as the checked run
-            obs.changes, obs.change_error = params_change(prep, names, change_rule)
+        obs.changes, obs.change_error = params_change(prep, names, change_rule)
     results, notes = evaluate(rules, report, obs)
     source = rules.source if rules.source != "checks" else None
     return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause)

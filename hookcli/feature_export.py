@@ -40,6 +40,7 @@ from hookcli.api import (
     new_report,
     params_by_module,
     prepare,
+    require_values,
     running,
     to_device,
 )
@@ -297,6 +298,7 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     target, fmt = check_output(output) if output is not None else (None, None)
     first_opts, batches, label = _plan(opts)
     prep = prepare(first_opts)
+    require_values(prep, "features")
     if batches and prep.loaded.family in _UNBATCHED_FAMILIES:
         prep.inputs = make_inputs(prep.loaded, files=opts.inputs)  # its images are one input
         batches = []

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hookcli._version import __version__
-from hookcli.api import forward_report, prepare
+from hookcli.api import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
 from hookcli.options import RunOptions
 from hookcli.recorders import dtype_name, shape_of
@@ -260,6 +260,7 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
     opts = replace(options, layers=[spec.layer], types=None, depth=None, all_modules=False).validate()
     target = check_png(output) if output is not None else None
     prep = prepare(opts)
+    require_values(prep, "fmaps")
     if len(prep.selection) != 1:
         names = ", ".join(n for n, _ in prep.selection[:5]) + (", ..." if len(prep.selection) > 5 else "")
         raise UsageError(f"--layer {spec.layer!r} matches {len(prep.selection)} modules ({names})",

@@ -128,13 +128,11 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     The model's parameters keep their ``.grad`` and ``requires_grad`` (``autograd.grad`` writes none).
     Raises ModelRaisedError with the partial report when forward or backward raises.
     """
-    from hookcli.api import failure_message, locate_failure, new_report, params_by_module, running
+    from hookcli.api import failure_message, locate_failure, new_report, params_by_module, require_values, running
 
     opts = prep.options
+    require_values(prep, command)
     report = new_report(prep, command)
-    model: nn.Module = prep.loaded.model
-    all_params = list(model.named_parameters())
-    reported = param_scope(model, prep.selection, opts.params)
     failure: FailureInfo | None = None
     cause: BaseException | None = None
     loss_choice: LossChoice | None = None
@@ -142,7 +140,10 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops)
     forward_flops: FlopCounter | None = None
     backward_flops: FlopCounter | None = None
-    with running(prep) as (model, args, kwargs), clipping(all_params, opts.clip) as clipped:
+    # parameters are read inside ``running``: moving the model may replace its parameter objects
+    with running(prep) as (model, args, kwargs), \
+            clipping(all_params := list(model.named_parameters()), opts.clip) as clipped:
+        reported = param_scope(model, prep.selection, opts.params)
         args, kwargs = require_grad(args), require_grad(kwargs)
         with attach(model, prep.selection, hook_options) as session:
             phase = "forward"

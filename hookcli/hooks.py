@@ -33,6 +33,7 @@ from hookcli.recorders import (
     to_host,
 )
 from hookcli.selection import module_depth
+from hookcli.state import run_lock
 
 #: Called with (record name, call index, output path, tensor) for every output tensor to keep.
 KeepFn = Callable[[str, int, str, torch.Tensor], None]
@@ -267,10 +268,13 @@ def attach(
     >>> with attach(model, select_modules(model), HookOptions(stats=True)) as session:
     ...     model(x)
     >>> records, _ = session.records()
+
+    Holds the process-wide run lock (``state.run_lock``) while attached: hooks of two runs are never
+    on a model at once, so rows never mix (the API takes the lock first, for the whole run).
     """
     session = HookSession(selection, options or HookOptions())
     handles: list[RemovableHandle] = []
-    with gc_paused():
+    with run_lock(), gc_paused():
         try:
             seen: set[int] = set()
             for name, module in selection:

@@ -1,12 +1,142 @@
-"""Hand the user's model back exactly as it came: mode, device, dtype, requires_grad, .grad, buffers."""
+"""Hand the user's model and process back exactly as they came.
+
+- ``preserved``: mode, device, dtype, parameter and buffer objects and values, ``requires_grad``,
+  ``.grad``; the torch (CPU and accelerator), Python ``random`` and numpy RNG states, seeded from
+  ``--seed`` for the run so that Dropout & co. give the same numbers every time.
+- ``meta_copy``: the meta device cannot be undone in place (a tensor moved there has no values),
+  so a caller's model runs there as a copy whose parameters and buffers are meta tensors: no
+  weight is copied, and the caller's model is only read.
+- ``exclusive``: one run at a time in the process (the RNG and the model being run are shared
+  state), and a clear refusal when a run re-enters a model it is running (a hookcli call from
+  inside a hooked forward).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import copy
+import random
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
+
+from hookcli.errors import UsageError
+
+#: Held for every run: the RNG states are process-wide, and so is a model two threads share.
+#: Re-entrant, so a run may call hookcli on *another* model from inside its forward.
+_RUN_LOCK = threading.RLock()
+_local = threading.local()
+
+
+def _running_here() -> list[nn.Module]:
+    """The models this thread is running now (inside ``preserved``), outermost first."""
+    models: list[nn.Module] | None = getattr(_local, "models", None)
+    if models is None:
+        models = _local.models = []
+    return models
+
+
+def _refuse_reentry(model: nn.Module, running: list[nn.Module]) -> None:
+    """UsageError when ``model`` shares a module with a model this thread is running now."""
+    busy = {id(m) for outer in running for m in outer.modules()}
+    for name, module in model.named_modules():
+        if id(module) in busy:
+            where = f" (its module {name!r})" if name else ""
+            raise UsageError(
+                f"hookcli is already running this model{where} in this thread: a hookcli call from inside the "
+                "model's forward or one of its hooks cannot run the same model again",
+                hint="call hookcli after the forward returns, or on a copy of the model (copy.deepcopy(model))",
+            )
+
+
+@contextmanager
+def exclusive(model: Any = None) -> Iterator[None]:
+    """Hold the process-wide run lock for the block: runs from other threads wait their turn.
+
+    Taken by every API call that reads or runs a model, so that no run sees another's half-changed
+    model (train mode, another dtype) and hooks never collect another run's calls. A call from
+    inside a run of the same thread (a user's hook calling hookcli) is refused with UsageError when
+    it would run a model that run is using, instead of deadlocking or mixing rows.
+    """
+    running = _running_here()
+    if running and isinstance(model, nn.Module):
+        _refuse_reentry(model, running)
+    with _RUN_LOCK:
+        yield
+
+
+def run_lock() -> threading.RLock:
+    """The process-wide run lock (re-entrant): held by ``exclusive``, ``preserved`` and ``hooks.attach``."""
+    return _RUN_LOCK
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def _accelerators(devices: Iterable[torch.device]) -> tuple[list[int], bool]:
+    """The CUDA device indices and whether MPS is among ``devices`` (CPU and meta have no state to fork)."""
+    cuda: set[int] = set()
+    mps = False
+    for device in devices:
+        if device.type == "cuda":
+            cuda.add(device.index if device.index is not None else torch.cuda.current_device())
+        elif device.type == "mps":
+            mps = True
+    return sorted(cuda), mps
+
+
+@contextmanager
+def seeded_rng(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None]:
+    """Seed torch's CPU generator, the generators of the accelerator ``devices``, Python's ``random``
+    and (when imported) numpy's global RNG with ``seed`` for the block; restore every state after.
+
+    Only the CUDA devices named are touched (``torch.manual_seed`` would also seed, or queue a seed
+    for, every other GPU: state the caller would find changed). The run's torch RNG starts as after
+    ``torch.manual_seed(seed)``, so its Dropout masks can be reproduced with plain torch. Holds the
+    run lock: the states are process-wide, and two threads forking them at once would restore each
+    other's.
+    """
+    with _RUN_LOCK:
+        with _seeded(seed, devices):
+            yield
+
+
+@contextmanager
+def _seeded(seed: int, devices: Iterable[torch.device]) -> Iterator[None]:
+    """``seeded_rng`` without the lock."""
+    cuda, mps = _accelerators(devices)
+    np = sys.modules.get("numpy")
+    cpu_state = torch.random.default_generator.get_state()
+    cuda_states = [torch.cuda.get_rng_state(i) for i in cuda]
+    mps_state = torch.mps.get_rng_state() if mps else None
+    py_state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        torch.random.default_generator.manual_seed(seed)
+        for i in cuda:
+            torch.cuda.default_generators[i].manual_seed(seed)
+        if mps:
+            torch.mps.manual_seed(seed)
+        random.seed(seed)
+        if np is not None:
+            np.random.seed(seed % 2**32)
+        yield
+    finally:
+        torch.random.default_generator.set_state(cpu_state)
+        for i, state in zip(cuda, cuda_states):
+            torch.cuda.set_rng_state(state, i)
+        if mps_state is not None:
+            torch.mps.set_rng_state(mps_state)
+        random.setstate(py_state)
+        if np is not None and np_state is not None:
+            np.random.set_state(np_state)
+
+
+# --------------------------------------------------------------------------- model state
 
 
 @contextmanager
@@ -16,41 +146,111 @@ def preserved(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     train: bool = False,
+    seed: int | None = None,
 ) -> Iterator[nn.Module]:
     """Put ``model`` on ``device``/``dtype`` in train or eval mode for the block, then restore it.
 
-    Restored in ``finally`` (also when the block raises): each module's ``training`` flag, each
-    parameter's storage (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and each
-    buffer (object, and its values when train mode may have updated running statistics in place).
+    Restored in ``finally`` (also when the block raises): each module's ``training`` flag and the
+    parameter and buffer objects in each module (``.to`` may replace them), each parameter's storage
+    (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
+    buffers the run changed in place (BatchNorm statistics in train mode). With ``seed`` the RNGs
+    are seeded for the block and restored after (``seeded_rng``). One traversal of the modules; the
+    run lock is held and the model is marked as running in this thread (see ``exclusive``).
+
+    The meta device cannot be undone in place: run a caller's model there through ``meta_copy``.
     """
-    modules = list(model.modules())
-    training = [(m, m.training) for m in modules]
-    params = [p for m in modules for p in m._parameters.values() if p is not None]
-    params = list({id(p): p for p in params}.values())
-    param_state = [(p, p.data, p.requires_grad, p.grad, p.grad.data if p.grad is not None else None) for p in params]
-    buffer_state = [
-        (m, name, buf, buf.detach().clone() if train else None)
-        for m in modules for name, buf in m._buffers.items() if buf is not None
-    ]
+    with _RUN_LOCK:
+        modules = list(model.modules())
+        training = [m.training for m in modules]
+        param_slots = [(m, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
+        buffer_slots = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+        params = list({id(p): p for _, _, p in param_slots}.values())
+        convert = device is not None or dtype is not None  # ``.to`` changes the storage of each tensor
+        param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
+                        p.grad.data if convert and p.grad is not None else None) for p in params]
+        # train mode may update buffers in place (running statistics); the native batch_norm does so
+        # without bumping the version counter, so every buffer's values are kept and copied back
+        buffer_values = [(b, b.detach().clone()) for b in {id(b): b for _, _, b in buffer_slots}.values()
+                         ] if train else []
+        devices = {p.device for p in params}
+        if device is not None:
+            devices.add(torch.device(device))
+        running = _running_here()
+        running.append(model)
+        try:
+            with seeded_rng(seed, devices) if seed is not None else nullcontext():
+                try:
+                    if convert:
+                        model.to(device=device, dtype=dtype)
+                    model.train(train)
+                    yield model
+                finally:
+                    for m, name, p in param_slots:
+                        m._parameters[name] = p
+                    for m, name, b in buffer_slots:
+                        m._buffers[name] = b
+                    for p, data, requires_grad, grad, grad_data in param_state:
+                        if data is not None:
+                            p.data = data
+                        if grad is not None and grad_data is not None:
+                            grad.data = grad_data
+                        p.grad = grad
+                        p.requires_grad_(requires_grad)
+                    with torch.no_grad():
+                        for b, snapshot in buffer_values:
+                            b.copy_(snapshot)
+                    for m, was_training in zip(modules, training):
+                        m.training = was_training
+        finally:
+            running.pop()
+
+
+def lazy_tensor(model: nn.Module) -> str | None:
+    """The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None.
+
+    A forward initialises them in place (and changes the module's class): no run could hand such
+    a model back as it came.
+    """
+    from torch.nn.parameter import is_lazy
+
+    for module in model.modules():
+        for kind in (module._parameters, module._buffers):
+            for key, tensor in kind.items():
+                if tensor is not None and is_lazy(tensor):
+                    name = next(n for n, m in model.named_modules() if m is module)
+                    return f"{name}.{key}" if name else key
+    return None
+
+
+def needs_meta_copy(model: nn.Module) -> bool:
+    """True when some parameter or buffer of ``model`` holds values (is not on the meta device)."""
+    return any(t.device.type != "meta" for t in model.parameters()) or any(
+        t.device.type != "meta" for t in model.buffers())
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (same shapes and dtypes).
+
+    ``copy.deepcopy`` with a memo that maps each parameter and buffer to its meta twin, so no weight
+    is copied and shared (tied) tensors stay shared; ``requires_grad`` is kept, ``.grad`` is not
+    copied. The caller's model is only read. UsageError when the model cannot be copied.
+    """
+    memo: dict[int, Any] = {}
     try:
-        if device is not None or dtype is not None:
-            model.to(device=device, dtype=dtype)
-        model.train(train)
-        yield model
-    finally:
-        for p, data, requires_grad, grad, grad_data in param_state:
-            p.data = data
-            if grad is not None and grad_data is not None:
-                grad.data = grad_data
-            p.grad = grad
-            p.requires_grad_(requires_grad)
-        for m, name, buf, snapshot in buffer_state:
-            m._buffers[name] = buf
-            if snapshot is not None:
-                with torch.no_grad():
-                    buf.copy_(snapshot)
-        for m, was_training in training:
-            m.training = was_training
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            for b in module._buffers.values():
+                if b is not None and id(b) not in memo:
+                    memo[id(b)] = b.detach().to("meta")
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - any failure to copy means: cannot run it on meta safely
+        raise UsageError(
+            f"cannot run this model on the meta device without changing it: copying its structure failed "
+            f"({type(exc).__name__}: {exc})",
+            hint="use device='cpu', or give the model by spec (e.g. 'pkg.mod:build') so hookcli builds it on meta",
+        ) from None
 
 
 def model_device(model: nn.Module) -> torch.device:
