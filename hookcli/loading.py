@@ -31,6 +31,7 @@ from torch import nn
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, UsageError, WeightsError, did_you_mean,
 )
+from hookcli.targets import OWN_CODE_HINT, is_stdlib_module
 
 TORCHVISION_PREFIX = "torchvision:"
 WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
@@ -167,61 +168,6 @@ def _on_sys_path(*dirs: str) -> Iterator[None]:
         for d in added:
             if d in sys.path:
                 sys.path.remove(d)
-
-
-#: The hint of every refused MODEL target.
-OWN_CODE_HINT = ("the MODEL import path must name an nn.Module class or a factory function from your own code "
-                 "(package.module:Net or path/to/net.py:build)")
-
-
-@lru_cache(maxsize=1)
-def _stdlib_dirs() -> tuple[str, ...]:
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    return tuple(dict.fromkeys(os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)))
-
-
-@lru_cache(maxsize=1)
-def _site_dirs() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    dirs = [paths.get("purelib"), paths.get("platlib"), *site.getsitepackages(), site.getusersitepackages()]
-    return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs if d))
-
-
-def _inside(path: str, dirs: Sequence[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(real == d or real.startswith(d + os.sep) for d in dirs)
-
-
-def _is_stdlib_file(location: str | None) -> bool:
-    """Whether a module at ``location`` (a file, or None/'built-in'/'frozen') is part of Python."""
-    if not location or location in ("built-in", "frozen"):
-        return True
-    return _inside(location, _stdlib_dirs()) and not _inside(location, _site_dirs())
-
-
-def is_stdlib_module(name: str) -> bool:
-    """Whether the module called ``name`` is Python's own (``sys.stdlib_module_names``, builtins),
-    judged by where it was loaded from: a user's ``test/`` package that shares a standard name is
-    not. Never imports anything."""
-    top = name.partition(".")[0]
-    if top not in sys.stdlib_module_names:
-        return False
-    module = sys.modules.get(top)
-    if module is not None:
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(module, "__file__", None) or getattr(spec, "origin", None)
-        return _is_stdlib_file(origin)
-    try:
-        with _on_sys_path(os.getcwd()):
-            spec = importlib.util.find_spec(top)  # a top-level name: finds, executes nothing
-    except (ImportError, ValueError):
-        return True
-    return spec is None or _is_stdlib_file(spec.origin)
 
 
 def _refuse_stdlib_target(module_name: str, spec: str) -> None:

@@ -501,18 +501,28 @@ def test_model_targets_from_python_itself_are_refused_before_the_call(
     assert not (tmp_path / SENTINEL).exists()
 
 
+@pytest.mark.parametrize("target", ["os:system", "mymod:system"])
 @pytest.mark.parametrize("where", ["config", "pyproject"])
-def test_os_system_from_a_config_runs_nothing(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+def test_os_system_from_a_config_runs_nothing(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str,
+                                              target: str) -> None:
     monkeypatch.chdir(tmp_path)
-    body = f'model = "os:system"\nmodel_args = {{ command = "touch {SENTINEL}" }}\n'
+    _write_mymod(tmp_path)
+    sys.modules.pop("mymod", None)
+    body = f'model = "{target}"\nmodel_args = {{ command = "touch {SENTINEL}" }}\n'
     if where == "config":
         (tmp_path / "cfg.toml").write_text(body)
         out = cli("check", "--config", "cfg.toml")
     else:
         (tmp_path / "pyproject.toml").write_text("[tool.hookcli]\n" + body)
         out = cli("check")  # bare: reads ./pyproject.toml by itself
-    assert out.exit_code == 2 and "refusing model 'os:system'" in out.stderr
-    assert "own code" in out.stderr
+    sys.modules.pop("mymod", None)
+    assert out.exit_code == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and target in lines[0] and "own code" in lines[1]
+    if target == "os:system":  # refused as the file is read, naming it
+        assert lines[0].startswith(f"Error: {tmp_path / ('cfg.toml' if where == 'config' else 'pyproject.toml')}")
+    else:  # a re-export: refused once resolved, before the call
+        assert ".system from Python" in lines[0]
     assert not (tmp_path / SENTINEL).exists()
 
 
