@@ -549,3 +549,42 @@ def test_python_api_refuses_too_and_own_factories_still_work(tmp_path: Path, mon
             sys.modules.pop(k)
         sys.modules.update(saved)
     assert os.listdir(tmp_path) == ["test"]
+
+
+# --------------------------------------------------------------------------- any text, every renderer
+
+
+@settings(max_examples=60, deadline=None)
+@given(names=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=4),
+       text=st.text(max_size=30), command=st.sampled_from(["stats", "grads", "shapes"]))
+def test_any_text_in_a_report_renders_inert(names: list[str], text: str, command: str) -> None:
+    """Records built by hand (renderers never need torch): whatever strings the model supplies, the
+    table and Markdown hold no control character, CSV string cells start no formula, JSON is exact."""
+    from hookcli.records import FailureInfo, LayerRecord, ModelInfo, ParamRecord, Report
+    from hookcli.render import render
+
+    stats = {"mean": -0.5, "std": 1.0, "min": -2.0, "max": 3.0, "norm": 4.0, "zero_fraction": 0.0,
+             "nan_count": 0, "inf_count": 0}
+    layers = [LayerRecord(name=n, call=0, type=text or "T", output=f"[{text!r}]", shape=[2, 3], dtype="float32",
+                          stats=stats if command == "stats" else None, grad=stats if command == "grads" else None)
+              for n in names]
+    params = [ParamRecord(name=f"{names[0]}.weight", shape=[3], requires_grad=True, norm=1.0, grad=stats)]
+    report = Report(command=command, model=ModelInfo(spec=text or "m:N", source="argument", class_name=names[-1]),
+                    layers=layers, params=params if command == "grads" else None, notes=[text],
+                    failure=FailureInfo("forward", names[0], text, [[2, 3]], "RuntimeError", text))
+    for fmt in ("table", "markdown"):
+        out = render(report, fmt, width=100)
+        assert control_chars(out, allow="\n\u00a0" if fmt == "markdown" else "\n") == [], fmt
+    rows = list(csv.reader(io.StringIO(render(report, "csv"))))
+    header, body = rows[0], rows[1:]
+    assert body and all(control_chars(cell, allow="") == [] for row in body for cell in row)
+    numeric = {i for i, key in enumerate(header) if key.startswith(("stat_", "grad_")) and key != "grad_input_norms"}
+    for row in body:
+        for i, cell in enumerate(row):
+            if i in numeric and cell:
+                float(cell)  # numbers stay numbers (negative ones too)
+            elif cell.startswith(("=", "+", "@", "\t", "\r")) or (cell.startswith("-") and not re.fullmatch(
+                    r"-[0-9.e+-]*(?:[x;]-?\d+)*|-inf|-nan", cell)):
+                raise AssertionError(f"formula-like CSV cell {cell!r}")
+    data = json.loads(render(report, "json"))
+    assert [row["name"] for row in data["layers"]] == names and data["model"]["spec"] == (text or "m:N")
