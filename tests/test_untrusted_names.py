@@ -310,7 +310,8 @@ class Colliding(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         for i, name in enumerate(COLLIDING):
-            module = {"act": nn.Tanh(), "split": Split(), "heads": Heads(), "fields": Fields()}.get(name, Scale(i + 2.0))
+            special = {"act": nn.Tanh(), "split": Split(), "heads": Heads(), "fields": Fields()}
+            module = special.get(name, Scale(i + 2.0))
             self.add_module(name, module)
         self.fields.add_module("logits", Scale(-3.0))
         self._modules["fields#0"].add_module("logits", Scale(-4.0))  # full name ``fields#0.logits``

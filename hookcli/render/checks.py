@@ -8,7 +8,6 @@ rule that did not pass, its full message and offenders.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from hookcli.records import CheckResult, RuleResult

@@ -64,7 +64,8 @@ def csv_cell(value: Any) -> Any:
     """
     if not isinstance(value, str):
         return value
-    if value.startswith(FORMULA_STARTS) and not _NUMERIC.fullmatch(value):  # tab/CR/LF first: they would be escaped below
+    # OWASP's list, on the raw text (a leading tab or CR is then also escaped)
+    if value.startswith(FORMULA_STARTS) and not _NUMERIC.fullmatch(value):
         return "'" + escape_control(value)
     return escape_control(value)
 
