@@ -71,7 +71,7 @@ def annotations(result: CheckResult) -> list[str]:
         title = escape_control(f"hookcli check {rule.rule}{where} ({result.model.spec})")
         props = [f"title={escape_property(title)}"]
         if file:
-            props.insert(0, f"file={escape_property(file)}")
+            props.insert(0, f"file={escape_property(escape_control(file))}")
         lines.append(f"::{command} {','.join(props)}::{escape_data(rule_text(rule))}")
     return lines
 

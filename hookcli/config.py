@@ -229,15 +229,15 @@ def _resolve_weights(value: str, base: Path) -> str:
 
 
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
-    """A config's ``model`` naming Python's own module (``os:system``) is refused as the file is
-    read, before anything is imported or called; the error names the file. (The loader checks again
-    what any import path resolves to, for re-exports.)"""
-    from hookcli.targets import OWN_CODE_HINT, import_target_module, is_stdlib_module
+    """A config's ``model`` naming Python's own module or file (``os:system``) is refused as the
+    file is read, before anything is imported or called; the error names the file. (The loader
+    checks again what any import path resolves to, for re-exports.)"""
+    from hookcli.targets import OWN_CODE_HINT, stdlib_target
 
-    module = import_target_module(spec)
-    if module is not None and is_stdlib_module(module):
-        raise ConfigError(f"{path}: key 'model' names {spec!r}, from Python's standard library, not a model; "
-                          "refusing to import or call it", hint=OWN_CODE_HINT)
+    found = stdlib_target(spec)
+    if found is not None:
+        raise ConfigError(f"{path}: key 'model' names {spec!r}, from Python's standard library ({found}), not a "
+                          "model; refusing to import or call it", hint=OWN_CODE_HINT)
 
 
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -275,8 +275,8 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
             ) from None
     base = path.parent
     if "model" in values:
-        _refuse_stdlib_model(values["model"], path)
         values["model"] = _resolve_model(values["model"], base)
+        _refuse_stdlib_model(values["model"], path)
     if "weights" in values:
         values["weights"] = _resolve_weights(values["weights"], base)
     if "output" in values:

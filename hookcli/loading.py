@@ -31,7 +31,7 @@ from torch import nn
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, UsageError, WeightsError, did_you_mean,
 )
-from hookcli.targets import OWN_CODE_HINT, is_stdlib_module
+from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
 TORCHVISION_PREFIX = "torchvision:"
 WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
@@ -170,11 +170,11 @@ def _on_sys_path(*dirs: str) -> Iterator[None]:
                 sys.path.remove(d)
 
 
-def _refuse_stdlib_target(module_name: str, spec: str) -> None:
+def _refuse_stdlib_target(target: str, spec: str, is_file: bool) -> None:
     """Refuse a MODEL import path into the standard library before importing it (``antigravity``
     opens a browser on import): such a target is never a model, and from a config it is an attack."""
-    if is_stdlib_module(module_name):
-        raise UsageError(f"refusing model {spec!r}: {module_name!r} is part of Python's standard library, "
+    if is_stdlib_path(Path(target).expanduser()) if is_file else is_stdlib_module(target):
+        raise UsageError(f"refusing model {spec!r}: {target!r} is part of Python's standard library, "
                          "not a model", hint=OWN_CODE_HINT)
 
 
@@ -324,8 +324,7 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
         example = "path/to/net.py:Net" if is_file else "package.module:Net"
         raise UsageError(f"model spec {spec!r} needs both a module and an attribute",
                          hint=f"e.g. {example}")
-    if not is_file:
-        _refuse_stdlib_target(target, spec)
+    _refuse_stdlib_target(target, spec, is_file)
     module = _import_file(target) if is_file else _import_module(target)
     model = _build(_resolve_attr(module, attr, target), spec, model_args)
     loaded: str | None = None

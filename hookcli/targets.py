@@ -86,6 +86,28 @@ def _cwd_on_sys_path() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
+def is_stdlib_path(path: str | os.PathLike[str]) -> bool:
+    """Whether a ``file.py`` of a MODEL spec is a file of Python's standard library."""
+    try:
+        return os.path.isfile(path) and _is_stdlib_file(os.fspath(path))
+    except (OSError, ValueError):
+        return False
+
+
+def stdlib_target(spec: str) -> str | None:
+    """What in ``spec`` is Python's own: the module of ``pkg.mod:attr`` or the file of
+    ``file.py:attr`` (relative to the working directory); None for anything else."""
+    module = import_target_module(spec)
+    if module is not None:
+        return module if is_stdlib_module(module) else None
+    text = spec.strip()
+    if ":" in text and not text.lower().startswith("torchvision:"):
+        target = text.rpartition(":")[0].strip()
+        if target.endswith(".py") and is_stdlib_path(os.path.expanduser(target)):
+            return target
+    return None
+
+
 def import_target_module(spec: str) -> str | None:
     """The module part of an import-path spec (``pkg.mod`` of ``pkg.mod:Net``); None for a
     torchvision name or a ``file.py:attr`` spec."""
@@ -96,4 +118,4 @@ def import_target_module(spec: str) -> str | None:
     return None if not target or target.endswith(".py") else target
 
 
-__all__ = ["OWN_CODE_HINT", "import_target_module", "is_stdlib_module"]
+__all__ = ["OWN_CODE_HINT", "import_target_module", "is_stdlib_module", "is_stdlib_path", "stdlib_target"]
