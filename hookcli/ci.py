@@ -4,7 +4,10 @@ Never imports torch. Annotations (``::error title=...::message``) go to **stderr
 runner reads workflow commands from both streams, and stdout stays clean for ``--format json``.
 Escaping follows GitHub's toolkit (``@actions/core`` ``command.ts``): in messages ``%``, ``\\r`` and
 ``\\n`` become ``%25``, ``%0D`` and ``%0A``; property values (``title``, ``file``) also escape ``:``
-and ``,`` as ``%3A`` and ``%2C``.
+and ``,`` as ``%3A`` and ``%2C``. Before that, text from the model (module names in messages, the
+model spec) has its control characters written as visible escapes (``\\x1b``, ``\\n``, ``\\u202e``):
+a name can neither colour the log nor start a line (a workflow command) of its own. The same goes
+for the JUnit XML, whose viewers show text as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from hookcli.output import write_atomic
 from hookcli.records import CheckResult, RuleResult
+from hookcli.render.escape import escape_control
 
 #: How many offenders an annotation or a JUnit failure lists (JSON lists them all).
 MAX_LISTED = 10
@@ -34,10 +38,11 @@ def escape_property(text: str) -> str:
 
 
 def rule_text(rule: RuleResult, limit: int = MAX_LISTED) -> str:
-    """The rule's message, then one line per offender (at most ``limit``)."""
-    lines = [rule.message]
+    """The rule's message, then one line per offender (at most ``limit``); each line escaped
+    (:func:`~hookcli.render.escape.escape_control`), so only these line breaks remain."""
+    lines = [escape_control(rule.message)]
     if len(rule.violations) > 1:
-        lines += [f"- {v.get('message') or v.get('where')}" for v in rule.violations[:limit]]
+        lines += [f"- {escape_control(v.get('message') or v.get('where'))}" for v in rule.violations[:limit]]
         if len(rule.violations) > limit:
             lines.append(f"- ... {len(rule.violations) - limit} more")
     return "\n".join(lines)
@@ -63,15 +68,18 @@ def annotations(result: CheckResult) -> list[str]:
         if command is None:
             continue
         where = f" at {rule.offender}" if rule.offender else ""
-        props = [f"title={escape_property(f'hookcli check {rule.rule}{where} ({result.model.spec})')}"]
+        title = escape_control(f"hookcli check {rule.rule}{where} ({result.model.spec})")
+        props = [f"title={escape_property(title)}"]
         if file:
-            props.insert(0, f"file={escape_property(file)}")
+            props.insert(0, f"file={escape_property(escape_control(file))}")
         lines.append(f"::{command} {','.join(props)}::{escape_data(rule_text(rule))}")
     return lines
 
 
 def _xml(text: str) -> str:
-    return _XML_INVALID.sub("\ufffd", text)
+    """Text for an XML attribute or element: control characters escaped (which leaves none that
+    XML 1.0 forbids; the substitution is a second guard)."""
+    return _XML_INVALID.sub("\ufffd", escape_control(text))
 
 
 def junit_xml(result: CheckResult) -> str:
@@ -92,7 +100,7 @@ def junit_xml(result: CheckResult) -> str:
         summary = f"{rule.status} ({rule.severity}): {rule.message}"
         if rule.status == "FAIL":
             failure = ET.SubElement(case, "failure", message=_xml(rule.message), type=rule.rule)
-            failure.text = _xml(rule_text(rule))
+            failure.text = _XML_INVALID.sub("\ufffd", rule_text(rule))  # escaped line by line
         elif rule.status == "SKIP":
             ET.SubElement(case, "skipped", message=_xml(rule.message))
         ET.SubElement(case, "system-out").text = _xml(summary)

@@ -101,7 +101,9 @@ class HookcliGroup(click.Group):
         except Exception as exc:  # a bug in hookcli (or torch): say so, exit 1
             if ctx.meta.get(META_DEBUG):
                 raise
-            click.echo(f"Error: internal error: {type(exc).__name__}: {exc}", err=True)
+            from hookcli.render.escape import escape_control
+
+            click.echo(f"Error: internal error: {type(exc).__name__}: {escape_control(exc)}", err=True)
             click.echo("  hint: run again with --debug for the traceback, and please report it", err=True)
             ctx.exit(1)
 
@@ -113,9 +115,11 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
     if ctx.meta.get(META_DEBUG):
         cause = exc.__cause__ or exc
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
-    click.secho(f"Error: {exc.message}", err=True, fg="red")
+    from hookcli.render.escape import escape_control  # names and messages from the model are data
+
+    click.secho(f"Error: {escape_control(exc.message)}", err=True, fg="red")
     if exc.hint:
-        click.echo(f"  hint: {exc.hint}", err=True)
+        click.echo(f"  hint: {escape_control(exc.hint)}", err=True)
 
 
 def _emit_partial(report: Any, *, fmt: str, output: str | None) -> None:

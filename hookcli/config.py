@@ -228,6 +228,18 @@ def _resolve_weights(value: str, base: Path) -> str:
     return _resolve(value, base) if looks_like_file else value
 
 
+def _refuse_stdlib_model(spec: str, path: Path) -> None:
+    """A config's ``model`` naming Python's own module or file (``os:system``) is refused as the
+    file is read, before anything is imported or called; the error names the file. (The loader
+    checks again what any import path resolves to, for re-exports.)"""
+    from hookcli.targets import OWN_CODE_HINT, stdlib_target
+
+    found = stdlib_target(spec)
+    if found is not None:
+        raise ConfigError(f"{path}: key 'model' names {spec!r}, from Python's standard library ({found}), not a "
+                          "model; refusing to import or call it", hint=OWN_CODE_HINT)
+
+
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     values: dict[str, Any] = {}
     checks: dict[str, Any] = {}
@@ -264,6 +276,7 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
+        _refuse_stdlib_model(values["model"], path)
     if "weights" in values:
         values["weights"] = _resolve_weights(values["weights"], base)
     if "output" in values:

@@ -4,7 +4,10 @@ The seeds' FeatureExtractor, through the hook engine: ``attach`` with a ``keep``
 every output tensor of every selected call; only those are kept (detached, copied to CPU), so
 memory grows with what is selected, not with the model. Entries are named like the JSON report's
 rows (``LayerRecord.label``): ``layer4``, ``layer1.0.relu#1`` for the second call of a reused
-module, ``split[0]`` / ``heads['out']`` for tensors inside tuple or dict outputs.
+module, ``split[0]`` / ``heads['out']`` for tensors inside tuple or dict outputs, ``(model)`` for
+the root. Names are unique by construction (:func:`feature_key`): where a module's own name could
+read as one of these (``act#1``, ``split[0]``, ``(model)``, ``__metadata__``) its characters are
+percent-encoded (``act%231``), so no module name can produce another entry's key.
 
 A folder of images runs in batches of ``batch_size`` (default 32) images; each entry is copied into
 one tensor preallocated for all images after the first batch, so the result equals one run over
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -44,7 +47,7 @@ from hookcli.api import (
     running,
     to_device,
 )
-from hookcli.errors import InputError, ModelRaisedError, OutputError
+from hookcli.errors import InputError, InternalError, ModelRaisedError, OutputError, UnsupportedError
 from hookcli.hooks import HookOptions, attach
 from hookcli.input_files import list_input_files
 from hookcli.inputs import make_inputs
@@ -69,6 +72,42 @@ _UNBATCHED_FAMILIES = ("video", "optical_flow", "detection")
 METADATA_FORMAT = "hookcli.features/1"
 
 Key = tuple[str, int, str]  # (module name, call index, output path)
+
+#: Characters of a module name percent-encoded in an entry key: ``%`` (the escape itself), ``#``
+#: (starts the call index), ``[`` (starts an output path), ``/`` and ``\\`` (folders inside an .npz).
+_KEY_SPECIAL = frozenset("%#[/\\")
+#: The key the root module gets; a module name starting with ``(`` has its ``(`` encoded.
+ROOT_KEY = "(model)"
+#: Keys the file formats reserve (safetensors' header and hookcli's .npz metadata array).
+RESERVED_KEYS = frozenset({"__metadata__"})
+
+
+def _encode_name(name: str) -> str:
+    """A module name as the first part of a key: ``%#[/\\``, a leading ``(``, every non-printable
+    character and the first ``_`` of a reserved key percent-encoded (UTF-8 bytes)."""
+    if not name:
+        return ROOT_KEY
+    out = []
+    for index, ch in enumerate(name):
+        if ch in _KEY_SPECIAL or not ch.isprintable() or (index == 0 and (ch == "(" or name in RESERVED_KEYS)):
+            out.append("".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def feature_key(name: str, call: int, calls: int, path: str) -> str:
+    """The entry name of one output tensor in a features file; unique by construction.
+
+    ``<name>[#<call>]<path>``: the module name (:func:`_encode_name`: it holds no ``#`` and no
+    ``[``), then ``#call`` when the module ran more than once *or* the path is a field (``.x``, which
+    a dotted module name could otherwise end with), then the output path as the report writes it
+    (``""``, ``[0]``, ``['out']``, ``.logits``). Reading a key back: the name is everything before
+    the first ``#`` or ``[``, and a call index is digits, so two different (name, call, path)
+    never share a key, and no key is ``__metadata__``.
+    """
+    shown_call = calls > 1 or path.startswith(".")
+    return _encode_name(name) + (f"#{call}" if shown_call else "") + path
 
 
 def check_output(path: str | os.PathLike[str]) -> tuple[Path, str]:
@@ -123,14 +162,24 @@ class FeatureStore:
         self._batch: dict[Key, torch.Tensor] = {}
         self._offset = 0
         self._first = True
+        self._same_path: list[Key] = []
 
     def keep(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
-        self._batch[(name, call, path)] = tensor.detach().to(
+        key = (name, call, path)
+        if key in self._batch:  # two dict keys with one repr: said after the run, never in the hook
+            self._same_path.append(key)
+        self._batch[key] = tensor.detach().to(
             device="cpu", copy=True, memory_format=torch.contiguous_format)
 
     def end_batch(self, records: Sequence[LayerRecord], size: int) -> None:
         """Take the batch of ``size`` items whose calls ``records`` describes."""
         batch, self._batch = self._batch, {}
+        if self._same_path:
+            name, call, path = self._same_path[0]
+            raise UnsupportedError(
+                f"two output tensors of {name or '(model)'} (call {call}) have the same path {path}: "
+                "a dict output whose keys print the same", hint="give the output dict keys that print "
+                "differently (strings, ints), or select other modules with --layers")
         keys: list[Key] = []
         labels: dict[Key, tuple[str, str]] = {}
         not_called: list[str] = []
@@ -141,7 +190,7 @@ class FeatureStore:
             key = (rec.name, rec.call, rec.output)
             if key in batch:
                 keys.append(key)
-                labels[key] = (rec.label, rec.type)
+                labels[key] = (feature_key(rec.name, rec.call, rec.calls, rec.output), rec.type)
             elif self._first and rec.shape is None:
                 self.no_tensor.append(rec.label)
         if self._first:
@@ -192,6 +241,19 @@ def _numpy_array(t: torch.Tensor) -> tuple[Any, bool]:
         return t.float().numpy(), True
 
 
+def _write_npz(path: str | os.PathLike[str] | IO[bytes], arrays: dict[str, Any]) -> None:
+    """``numpy.savez`` without its keyword arguments: an entry named ``file`` or ``allow_pickle``
+    is an array like any other (``np.savez(fh, **arrays)`` fails on one and drops the other)."""
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, array in arrays.items():
+            with zf.open(key + ".npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
 def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, torch.Tensor],
                   metadata: dict[str, str]) -> tuple[int, list[str]]:
     """Write ``tensors`` and ``metadata`` to ``path``; return (bytes written, notes).
@@ -230,7 +292,7 @@ def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, tor
                     notes.append(f"{label}: {dtype_name(tensor.dtype)} saved as float32 (numpy has no "
                                  f"{dtype_name(tensor.dtype)})")
             arrays["__metadata__"] = np.array(json.dumps(metadata))
-            np.savez(out, **arrays)
+            _write_npz(out, arrays)
     return out.bytes_written, notes
 
 
@@ -351,6 +413,9 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
             shape=list(entry.tensor.shape), dtype=dtype_name(entry.dtype),
             nbytes=entry.tensor.numel() * entry.tensor.element_size()))
         result.tensors[entry.label] = entry.tensor
+    if len(result.tensors) != len(result.entries):  # feature_key is injective; this guards it
+        raise InternalError("internal error: two features entries got the same name",
+                            hint="run again with --debug for the traceback, and please report it")
     result.notes += [f"{name} was not called; nothing saved for it" for name in store.not_called]
     result.notes += [f"{label} returned no tensor; nothing saved for it" for label in store.no_tensor]
     if not result.entries:

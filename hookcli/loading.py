@@ -31,6 +31,7 @@ from torch import nn
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, UsageError, WeightsError, did_you_mean,
 )
+from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
 TORCHVISION_PREFIX = "torchvision:"
 WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
@@ -169,6 +170,61 @@ def _on_sys_path(*dirs: str) -> Iterator[None]:
                 sys.path.remove(d)
 
 
+def _refuse_stdlib_target(target: str, spec: str, is_file: bool) -> None:
+    """Refuse a MODEL import path into the standard library before importing it (``antigravity``
+    opens a browser on import): such a target is never a model, and from a config it is an attack."""
+    if is_stdlib_path(Path(target).expanduser()) if is_file else is_stdlib_module(target):
+        raise UsageError(f"refusing model {spec!r}: {target!r} is part of Python's standard library, "
+                         "not a model", hint=OWN_CODE_HINT)
+
+
+def _origin(obj: Any) -> tuple[str, str]:
+    """(module, qualified name) of what callable ``obj`` runs: through ``functools.partial`` to
+    what it wraps, through a bound built-in method to its owner; else its ``__module__``."""
+    import functools
+
+    for _ in range(100):
+        if not isinstance(obj, functools.partial):
+            break
+        obj = obj.func
+    what = getattr(obj, "__qualname__", None)
+    what = what if isinstance(what, str) else type(obj).__qualname__
+    if isinstance(obj, type):
+        return obj.__module__, what
+    name = getattr(obj, "__module__", None)
+    if isinstance(name, str):
+        return name, what
+    owner = getattr(obj, "__self__", None)
+    if inspect.ismodule(owner):
+        return owner.__name__, what
+    return (type(owner).__module__ if owner is not None else type(obj).__module__), what
+
+
+def check_target(obj: Any, label: str) -> None:
+    """Refuse, before anything is called, a MODEL target that cannot be the user's model builder.
+
+    Refused (UsageError, exit 2): a class that is not an ``nn.Module`` subclass (instantiating it
+    cannot give a model), and a callable defined in Python's standard library or builtins
+    (``os:system``, ``subprocess:run``, ``builtins:eval``, ``functools:partial``, also re-exported by
+    a user module: ``mymod:system`` after ``from os import system``, or wrapped in a
+    ``functools.partial``) or a function of PyTorch itself (``torch:load`` would unpickle a file
+    without ``--trust-pickle``; ``torch.hub:load`` downloads and runs code). ``nn.Module`` classes
+    from anywhere and factories from any other package stay allowed.
+    """
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return
+        raise UsageError(f"{label!r} is the class {obj.__module__}.{obj.__qualname__}, not an nn.Module "
+                         "subclass; refusing to instantiate it", hint=OWN_CODE_HINT)
+    origin, what = _origin(obj)
+    if origin == "builtins" or is_stdlib_module(origin):
+        raise UsageError(f"refusing model {label!r}: it names {origin}.{what} from Python's standard "
+                         "library or builtins, not a model class or factory", hint=OWN_CODE_HINT)
+    if origin.partition(".")[0] == "torch":
+        raise UsageError(f"refusing model {label!r}: it names the PyTorch function {origin}.{what}, not "
+                         "a model class or factory (load weights with --weights FILE)", hint=OWN_CODE_HINT)
+
+
 def _import_module(module_name: str) -> Any:
     with _on_sys_path(os.getcwd()):
         try:
@@ -240,7 +296,9 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
         return obj
     if not callable(obj):
         raise ModelImportError(
-            f"{label!r} is a {type(obj).__name__}, not an nn.Module class, factory or instance")
+            f"{label!r} is a {type(obj).__name__}, not an nn.Module class, factory or instance",
+            hint=OWN_CODE_HINT)
+    check_target(obj, label)  # before the call: the call is what would run a shell command
     try:
         result = obj(**model_args)
     except Exception as exc:
@@ -254,7 +312,8 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
         raise ModelImportError(f"building {label!r} failed: {type(exc).__name__}: {exc}",
                                hint=hint) from exc
     if not isinstance(result, nn.Module):
-        raise ModelImportError(f"{label!r} returned a {type(result).__name__}, not an nn.Module")
+        raise ModelImportError(f"{label!r} returned an object of type {type(result).__name__}, not an nn.Module",
+                               hint=OWN_CODE_HINT)
     return result
 
 
@@ -265,6 +324,7 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
         example = "path/to/net.py:Net" if is_file else "package.module:Net"
         raise UsageError(f"model spec {spec!r} needs both a module and an attribute",
                          hint=f"e.g. {example}")
+    _refuse_stdlib_target(target, spec, is_file)
     module = _import_file(target) if is_file else _import_module(target)
     model = _build(_resolve_attr(module, attr, target), spec, model_args)
     loaded: str | None = None

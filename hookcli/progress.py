@@ -30,6 +30,9 @@ def phase(description: str) -> Iterator[None]:
         yield
         return
     from rich.console import Console
+    from rich.text import Text
+
+    from hookcli.render.escape import escape_control  # "building <spec>": text from the user
 
     console = Console(stderr=True)
     status: list[Any] = []
@@ -39,7 +42,7 @@ def phase(description: str) -> Iterator[None]:
     def start() -> None:
         with lock:
             if not done.is_set():
-                live = console.status(f"{description}…", spinner="dots")
+                live = console.status(Text(f"{escape_control(description)}…"), spinner="dots")
                 live.start()
                 status.append(live)
 

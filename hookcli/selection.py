@@ -103,7 +103,8 @@ def select_modules(
             selected = [""]
     else:
         selected = [n for n, _ in model.named_children()] or [""]
-    return [(n, by_name[n]) for n in selected]
+    wanted = set(selected)  # from ``named``, not ``by_name``: two modules may share a name (``_modules["a.b"]``)
+    return [(n, m) for n, m in named if n in wanted]
 
 
 def _within(name: str, root: str) -> bool:

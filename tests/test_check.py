@@ -421,4 +421,5 @@ def test_annotations_point_at_the_config_file(tmp_path: Path, monkeypatch: pytes
     report = Report(command="check", model=ModelInfo(spec="a:b", source="config", class_name="B"))
     result = CheckResult(report, [RuleResult("finite", "WARN", "warn", "50%,\na:b", "x")],
                          config=str(tmp_path / "ci" / "gate.toml"))
-    assert annotations(result) == ["::warning file=ci/gate.toml,title=hookcli check finite at x (a%3Ab)::50%25,%0Aa:b"]
+    # a newline inside one message (from a name or an exception) is shown as \n, not a line break
+    assert annotations(result) == ["::warning file=ci/gate.toml,title=hookcli check finite at x (a%3Ab)::50%25,\\na:b"]

@@ -8,12 +8,12 @@ rule that did not pass, its full message and offenders.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from hookcli.records import CheckResult, RuleResult
 from hookcli.render import summary
 from hookcli.render.columns import Cell, Column
+from hookcli.render.escape import csv_cell
 from hookcli.render.formats import format_number, format_shape, plain
 
 STATUS_STYLES = {"PASS": "green", "FAIL": "bold red", "WARN": "yellow", "SKIP": "dim"}
@@ -50,8 +50,6 @@ def csv_value(value: Any) -> Any:
     """Raw CSV value: numbers as they are, shapes ``1x1000``, other structures as JSON."""
     if value is None:
         return ""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     if isinstance(value, list) and all(_is_int(v) for v in value):
         return "x".join(str(v) for v in value)
     if isinstance(value, (list, dict)):
@@ -135,23 +133,21 @@ __all__ = ["check_columns", "csv_value", "details", "footer", "format_value", "h
 
 def render_table(result: CheckResult, *, width: int | None = None, color: bool = False) -> str:
     """Header, the rules table, counts, the verdict and the details of every FAIL/WARN rule."""
-    from rich.text import Text
-
-    from hookcli.render.table import build_table, make_console
+    from hookcli.render.table import build_table, line_text, make_console
 
     console = make_console(width, color)
     for parts in header_lines(result):
         for line in summary.pack(parts, console.width):
-            console.print(Text(line))
+            console.print(line_text(line))
     for note in notes(result):
-        console.print(Text(note, style="dim"))
+        console.print(line_text(note, "dim"))
     console.print()
     console.print(build_table("check", check_columns(), result.rules, width=console.width))
     console.print()
-    console.print(Text(summary.SEP.join(footer(result))))
-    console.print(Text(verdict(result), style="bold green" if result.ok else "bold red"))
+    console.print(line_text(summary.SEP.join(footer(result))))
+    console.print(line_text(verdict(result), "bold green" if result.ok else "bold red"))
     for line in details(result):
-        console.print(Text(line, style=STATUS_STYLES.get(line.split(" ", 1)[0])))
+        console.print(line_text(line, STATUS_STYLES.get(line.split(" ", 1)[0]) or ""))
     out = console.file
     text = "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))  # type: ignore[attr-defined]
     if result.report.failure is not None:  # the rows gathered before the model raised
@@ -163,18 +159,19 @@ def render_table(result: CheckResult, *, width: int | None = None, color: bool =
 
 def render_markdown(result: CheckResult) -> str:
     """A heading with the verdict, the header lines, the rules as a pipe table, then the details."""
-    from hookcli.render.text import md_table
+    from hookcli.render.text import md_inline, md_table
 
     mark = "PASSED" if result.ok else "FAILED"
-    blocks: list[list[str]] = [[f"### hookcli check: {result.model.spec}: {mark}"]]
-    blocks += [[summary.SEP.join(line)] for line in header_lines(result)]
+    blocks: list[list[str]] = [[f"### hookcli check: {md_inline(result.model.spec)}: {mark}"]]
+    blocks += [[md_inline(summary.SEP.join(line))] for line in header_lines(result)]
     if notes(result):
-        blocks.append([f"- {n}" for n in notes(result)])
+        blocks.append([f"- {md_inline(n)}" for n in notes(result)])
     blocks.append(md_table(check_columns(), result.rules))
-    blocks.append([summary.SEP.join(footer(result))])
-    blocks.append([f"**{verdict(result)}**"])
+    blocks.append([md_inline(summary.SEP.join(footer(result)))])
+    blocks.append([f"**{md_inline(verdict(result))}**"])
     if details(result):
-        blocks.append([line if line.startswith("  ") else f"- {line}" for line in details(result)])
+        blocks.append([f"  - {md_inline(line[4:])}" if line.startswith("  - ") else f"- {md_inline(line)}"
+                       for line in details(result)])
     text = "\n\n".join("\n".join(b) for b in blocks) + "\n"
     if result.report.failure is not None:  # the rows gathered before the model raised
         from hookcli.render.text import MarkdownRenderer
@@ -195,5 +192,5 @@ def render_csv(result: CheckResult) -> str:
     writer = csv.DictWriter(buf, fieldnames=[c.key for c in cols], lineterminator="\n")
     writer.writeheader()
     for rule in result.rules:
-        writer.writerow({c.key: "" if c.raw(rule) is None else c.raw(rule) for c in cols})
+        writer.writerow({c.key: "" if c.raw(rule) is None else csv_cell(c.raw(rule)) for c in cols})
     return buf.getvalue()

@@ -16,6 +16,7 @@ from hookcli.records import (
 )
 from hookcli.render import exports
 from hookcli.render.columns import report_kind
+from hookcli.render.escape import escape_control
 from hookcli.render.formats import (
     Renderable,
     format_count,
@@ -101,7 +102,7 @@ def pack(parts: Line, width: int) -> list[str]:
     """
     lines: list[str] = []
     current = ""
-    for part in parts:
+    for part in map(escape_control, parts):  # escaped first: the width is the width shown
         candidate = f"{current}{SEP}{part}" if current else part
         if current and len(candidate) > width:
             lines.append(current)

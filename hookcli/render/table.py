@@ -26,6 +26,7 @@ from hookcli.render.columns import (
     param_row_style,
     table_columns,
 )
+from hookcli.render.escape import escape_control
 from hookcli.render.formats import Renderable
 
 R = TypeVar("R")
@@ -119,6 +120,17 @@ def fit_widths(
     return widths, gap
 
 
+def _escaped(cell: Cell) -> Cell:
+    """``cell`` with control characters made visible (names come from the model)."""
+    text = escape_control(cell.text)
+    return cell if text is cell.text else Cell(text, cell.style)
+
+
+def line_text(text: str, style: str = "") -> Text:
+    """A line outside the tables (header, notes, footer, failure), control characters escaped."""
+    return Text(escape_control(text), style=style)
+
+
 def build_table(
     title: str,
     columns: Sequence[Column[R]],
@@ -134,10 +146,10 @@ def build_table(
     resort numbers are cropped, widest first.
     """
     shown = table_columns(columns)
-    cells = [[col.display(row) for col in shown] for row in rows]
+    cells = [[_escaped(col.display(row)) for col in shown] for row in rows]
     widths, gap = fit_widths(shown, cells, width)
     table = Table(
-        title=Text(title, style="bold"),
+        title=line_text(title, "bold"),
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -170,20 +182,20 @@ class TableRenderer:
         console = make_console(width, color)
         for parts in summary.header_lines(report):
             for line in summary.pack(parts, console.width):
-                console.print(Text(line))
+                console.print(line_text(line))
         for note in summary.notes(report):
-            console.print(Text(note, style="dim"))
+            console.print(line_text(note, "dim"))
         console.print()
         for table in self._tables(report, console.width):
             console.print(table)
             console.print()
         for parts in summary.footer_lines(report):
             for line in summary.pack(parts, console.width):
-                console.print(Text(line))
+                console.print(line_text(line))
         if isinstance(report, Report):
             failure = summary.failure_line(report.failure)
             if failure:
-                console.print(Text(failure, style="bold red"))
+                console.print(line_text(failure, "bold red"))
         out = console.file
         assert isinstance(out, io.StringIO)
         return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))

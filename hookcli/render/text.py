@@ -18,18 +18,20 @@ from hookcli.render.columns import (
     param_columns,
     table_columns,
 )
+from hookcli.render.escape import csv_cell, escape_control
 from hookcli.render.formats import Renderable
 
 R = TypeVar("R")
 
 
 def csv_value(value: Any) -> Any:
-    """A raw value for CSV: empty for None, ``true``/``false`` for booleans, floats in repr."""
+    """A raw value for CSV: empty for None, ``true``/``false`` for booleans, floats in repr,
+    strings escaped and guarded against spreadsheet formulas (:func:`~hookcli.render.escape.csv_cell`)."""
     if value is None:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return value
+    return csv_cell(value)
 
 
 def _union(*groups: Sequence[Column[Any]]) -> list[str]:
@@ -92,11 +94,25 @@ class CsvRenderer:
         return buf.getvalue()
 
 
+#: Markdown that text from the model must not start: HTML tags, entities (``&#x202e;``), code spans,
+#: inline links and images (``](``), table cells (``|``); backslashes first.
+_MD_ESCAPES = (("\\", "\\\\"), ("|", "\\|"), ("<", "\\<"), (">", "\\>"), ("&", "\\&"),
+               ("`", "\\`"), ("](", "]\\("))
+
+
+def md_inline(text: str) -> str:
+    """Free text for Markdown: control characters escaped (one line), and the characters that
+    would start HTML, an entity, a code span, a link or a table cell backslash-escaped."""
+    text = escape_control(text)
+    for char, escaped in _MD_ESCAPES:
+        text = text.replace(char, escaped)
+    return text
+
+
 def md_escape(text: str) -> str:
-    """A table cell: ``|`` escaped, newlines folded, indentation kept as non-breaking spaces."""
-    text = " ".join(text.splitlines()).replace("\\", "\\\\").replace("|", "\\|")
+    """A table cell: as :func:`md_inline`, indentation kept as non-breaking spaces."""
     stripped = text.lstrip(" ")
-    return "\u00a0" * (len(text) - len(stripped)) + stripped
+    return "\u00a0" * (len(text) - len(stripped)) + md_inline(stripped)
 
 
 _ALIGN = {"left": ":---", "right": "---:", "center": ":---:"}
@@ -121,11 +137,11 @@ class MarkdownRenderer:
         """The report as GitHub-flavoured Markdown."""
         if isinstance(report, CheckResult):
             return checks.render_markdown(report)
-        blocks: list[list[str]] = [[f"### {summary.heading(report)}"]]
-        blocks += [[summary.SEP.join(line)] for line in summary.header_lines(report)]
+        blocks: list[list[str]] = [[f"### {md_inline(summary.heading(report))}"]]
+        blocks += [[md_inline(summary.SEP.join(line))] for line in summary.header_lines(report)]
         note_lines = summary.notes(report)
         if note_lines:
-            blocks.append([f"- {n}" for n in note_lines])
+            blocks.append([f"- {md_inline(n)}" for n in note_lines])
         if isinstance(report, ModelList):
             blocks.append(md_table(model_list_columns(), report.models))
         elif isinstance(report, ModuleTree):
@@ -133,16 +149,16 @@ class MarkdownRenderer:
         elif isinstance(report, (FeatureExport, FeatureMaps)):
             for title, cols, records in exports.table_sections(report):
                 if title != report.command:
-                    blocks.append([f"#### {title}"])
+                    blocks.append([f"#### {md_inline(title)}"])
                 blocks.append(md_table(cols, records))
         else:
             blocks.append(md_table(layer_columns(report), report.layers))
             if report.params:
                 blocks.append(["#### Parameters"])
                 blocks.append(md_table(param_columns(report), report.params))
-        blocks += [[summary.SEP.join(line)] for line in summary.footer_lines(report)]
+        blocks += [[md_inline(summary.SEP.join(line))] for line in summary.footer_lines(report)]
         if isinstance(report, Report):
             failure = summary.failure_line(report.failure)
             if failure:
-                blocks.append([f"**{failure}**"])
+                blocks.append([f"**{md_inline(failure)}**"])
         return "\n\n".join("\n".join(b) for b in blocks) + "\n"
