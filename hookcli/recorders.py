@@ -94,8 +94,11 @@ class Reducer:
 
     def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> Vector:
         """``t``'s statistics vector: host floats for a CPU tensor, else a tensor on ``t``'s device."""
-        key = (id(t), t._version, zeros)
-        hit = self._seen.get(key)
+        try:
+            key: tuple[int, int, bool] | None = (id(t), t._version, zeros)
+        except RuntimeError:  # an inference tensor keeps no version counter: never reused
+            key = None
+        hit = self._seen.get(key) if key is not None else None
         if hit is not None and hit[0]() is t:
             return hit[1]
         x = t.detach()
@@ -115,7 +118,8 @@ class Reducer:
         else:
             vector = self._reduce_device(flat_view(x), zeros)
         try:
-            self._seen[key] = (weakref.ref(t), vector)
+            if key is not None:
+                self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
         return vector
