@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sysconfig
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -171,15 +172,22 @@ def failure_message(failure: FailureInfo) -> str:
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _is_library(filename: str) -> bool:
+    """torch or the standard library: code that raises on behalf of its caller, never the culprit."""
+    return filename.startswith(_TORCH_DIR) or (filename.startswith(_STDLIB_DIR) and "-packages" not in filename)
 
 
 def raised_in_hookcli(exc: BaseException) -> str | None:
     """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
 
     The traceback below the call into the model decides: its innermost frame that is neither
-    torch's library code nor a ``__torch_dispatch__`` mode running the model's op (FLOP counting)
-    is the code that failed. A hook or reducer of hookcli there is hookcli's failure, not the
-    model's; the user's forward (or torchvision's, timm's...) there, or only torch, is the model's.
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
+    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
+    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
+    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
     frames = []
     tb: TracebackType | None = exc.__traceback__
@@ -193,7 +201,7 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
         return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
     for frame in reversed(frames[start:]):
         filename = frame.f_code.co_filename
-        if filename.startswith(_TORCH_DIR) or frame.f_code.co_name == "__torch_dispatch__":
+        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
             continue
         return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
     return None
