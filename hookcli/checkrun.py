@@ -28,7 +28,7 @@ from hookcli.errors import ConfigError, ModelRaisedError, exit_status, internal_
 from hookcli.gradients import backward_report, build_loss
 from hookcli.loading import refuse_torchscript
 from hookcli.options import RunOptions
-from hookcli.recorders import dtype_name, iter_tensors, shape_of, to_host
+from hookcli.recorders import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.rules import Observations, evaluate, load_baseline
 
@@ -66,12 +66,12 @@ class Probe:
 
     def _dead_channels(self, name: str, call: int, output: Any, dim: int) -> None:
         for path, t in iter_tensors(output):
-            if not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
-                continue
+            if t.is_nested or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
+                continue  # (a nested tensor has no channel dimension to speak of)
             d = dim + t.dim() if dim < 0 else dim
             if not 0 <= d < t.dim() or t.shape[d] == 0:
                 continue
-            x = t.detach()
+            x = t.detach() if t.layout == torch.strided else t.detach().to_dense()
             others = [i for i in range(x.dim()) if i != d]
             # a channel is dead when its max and min are both 0: two reductions on the device, no
             # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
@@ -90,7 +90,9 @@ class Probe:
         for path, t in iter_tensors(output):
             bad = None
             if t.is_floating_point() and t.device.type != "meta":
-                bad = t.numel() - torch.isfinite(t.detach()).sum()
+                x = nested_values(t.detach()) if t.is_nested else t.detach()
+                x = x if x.layout == torch.strided else x.to_dense()  # sparse: implicit zeros are finite
+                bad = x.numel() - torch.isfinite(x).sum()
             self._outputs.append((path, shape_of(t), dtype_name(t.dtype), bad))
 
     @contextmanager

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookcli.errors import HookcliError, internal_error
+from hookcli.errors import HookcliError, UnsupportedError, internal_error
 from hookcli.records import LayerRecord
 from hookcli.recorders import (
     activation_stats,
@@ -183,7 +183,7 @@ class HookSession:
                 entry.wants_grad = True
                 tensor.register_hook(self._output_grad_hook(call, entry))
             if options.keep is not None:
-                options.keep(call.name, call.call, path, tensor if tensor.layout == torch.strided else tensor.to_dense())
+                options.keep(call.name, call.call, path, _keepable(call, path, tensor))
             call.outputs.append(entry)
 
     def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
@@ -279,6 +279,15 @@ class HookSession:
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
                 ))
         return records, extra_values
+
+
+def _keepable(call: _Call, path: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a ``keep`` callback gets: a sparse one densified; a nested (ragged) one refused."""
+    if tensor.is_nested:
+        raise UnsupportedError(
+            f"{call.name or '(model)'}{path} returned a nested (ragged) tensor, which cannot be kept as one array",
+            hint="select other modules with --layers (hookcli stats shows which return nested tensors)")
+    return tensor if tensor.layout == torch.strided else tensor.to_dense()
 
 
 @contextmanager

@@ -449,6 +449,14 @@ def test_fmaps_draws_a_sparse_output(cli, tmp_path: Path) -> None:
     assert out.exit_code == 0, out.stderr
 
 
+def test_check_of_a_sparse_output_passes(cli) -> None:
+    """A sparse output's implicit zeros are finite values, not NaN/Inf; its channels are read dense."""
+    result = cli("check", "test_blame:SparseMaps", "--input-shape", "2x3x6x6", "--params", "selected", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    statuses = {r["rule"]: r["status"] for r in json.loads(result.stdout)["rules"]}
+    assert statuses["runs"] == "PASS" and statuses["finite"] == "PASS"
+
+
 def test_grads_of_a_sparse_output_match_autograd(tmp_path: Path) -> None:
     model = SparseOut()
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
@@ -462,6 +470,46 @@ def test_grads_of_a_sparse_output_match_autograd(tmp_path: Path) -> None:
     weight = next(p for p in report.params if p.name == "fc.weight")
     assert weight.grad["norm"] == pytest.approx(g_w.norm().item(), rel=1e-5)
     assert report.loss["value"] == pytest.approx(loss.item(), rel=1e-6)
+
+
+class PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder with a padding mask: in eval its layers take the nested-tensor fast path
+    (their inputs and outputs are ragged nested tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+        mask[0, -2:] = True  # sample 0 has 3 tokens, sample 1 has 4
+        mask[1, -1:] = True
+        return self.enc(x, src_key_padding_mask=mask)
+
+
+def test_nested_tensor_outputs_are_reported_not_blamed(cli, tmp_path: Path) -> None:
+    """Nested (ragged) outputs get statistics of their values and a shape with -1 where ragged;
+    keeping them as one array (features) is unsupported (exit 2), never 'the model raised'."""
+    model = PaddedEncoder().eval()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
+    captured: list[torch.Tensor] = []
+    handle = model.enc.layers[0].register_forward_hook(lambda m, a, o: captured.append(o.detach()))
+    report = hookcli.stats(model, inputs=[save_input(tmp_path, x)], layers="enc.layers.0")
+    handle.remove()
+    (out,) = captured
+    assert out.is_nested
+    values = torch.cat([c.reshape(-1) for c in out.unbind()]).double()
+    (row,) = report.layers
+    assert row.shape == [2, -1, 8]
+    assert row.stats["mean"] == pytest.approx(values.mean().item(), rel=1e-5, abs=1e-7)
+    assert row.stats["std"] == pytest.approx(values.std(correction=0).item(), rel=1e-5)
+    assert row.stats["max"] == pytest.approx(values.max().item(), rel=1e-6)
+    result = cli("features", "test_blame:PaddedEncoder", "--input-shape", "2x5x8", "--layers", "enc.layers.0",
+                 "-o", tmp_path / "f.pt")
+    assert_one_error(result, 2, "enc.layers.0 returned a nested (ragged) tensor", hint="--layers")
+    assert not (tmp_path / "f.pt").exists()
 
 
 # --------------------------------------------------------------------------- inference_mode / no_grad
