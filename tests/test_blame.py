@@ -260,8 +260,8 @@ def test_a_failing_reducer_is_an_internal_error_not_the_model(cli, monkeypatch: 
     monkeypatch.setattr(Reducer, "reduce", broken)
     before = snapshot(SHARED_MLP)
     result = cli("stats", "test_blame:SHARED_MLP", "--input-shape", "2x8")
-    message = assert_one_error(result, 3, "internal error: hookcli's forward hook on fc1 raised RuntimeError: reducer bug",
-                               hint="--debug")
+    message = assert_one_error(result, 3, "internal error: hookcli's forward hook on fc1 raised RuntimeError: "
+                               "reducer bug", hint="--debug")
     assert "model raised" not in message
     assert result.stdout == ""
     assert_restored(SHARED_MLP, before)
@@ -698,6 +698,18 @@ def test_sys_exit_api_raises_model_raised_and_restores() -> None:
     with pytest.raises(ModelRaisedError, match="exited with code 9"):
         hookcli.features(model, input_shapes=["2x8"])
     assert_restored(model, before)
+
+
+def test_a_stray_sys_exit_is_said_not_silent(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model code that exits outside the guarded run (here: in place of the run) still gets one
+    line and exit 1 from the CLI's one place, never a silent end with the model's code."""
+    def exits(*args: Any, **kwargs: Any) -> Any:
+        sys.exit(6)
+
+    monkeypatch.setattr(api, "forward_report", exits)
+    result = cli("stats", "test_blame:SHARED_MLP", "--input-shape", "2x8")
+    assert_one_error(result, 1, "the model exited with code 6", hint="sys.exit")
+    assert result.stdout == ""
 
 
 def test_keyboard_interrupt_stays_130(cli) -> None:
