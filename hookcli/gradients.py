@@ -7,6 +7,7 @@ gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -247,7 +248,10 @@ def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
                     if not loss_choice.value.requires_grad:
                         raise no_gradients(prep)
                     phase = "backward"
-                    with backward_flops or nullcontext(), progress.phase("backward"):
+                    with backward_flops or nullcontext(), progress.phase("backward"), warnings.catch_warnings():
+                        # ops without a backward (quantized ones) give no gradient: said by the report
+                        # (a note, or UnsupportedError when nothing got one), not by torch's warning
+                        warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
                         results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)
                 session.raise_error()
                 for counter in (forward_flops, backward_flops):
