@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sysconfig
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -20,10 +21,10 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError
+from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
 from hookcli.hooks import HookOptions, KeepFn, attach
 from hookcli.inputs import ModelInputs, make_inputs
-from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
+from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.recorders import iter_tensors, shape_of
 from hookcli.records import (
@@ -154,7 +155,8 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
     """Name the innermost module of ``model`` that was running when ``exc`` was raised.
 
     Read from the traceback (``Module._call_impl`` frames), so it costs nothing when nothing fails
-    and finds the failing module even when it was not selected for hooks.
+    and finds the failing module even when it was not selected for hooks. A ``SystemExit`` (the
+    model called ``sys.exit``) is recorded with its exit status as the message.
     """
     names = {id(m): n for n, m in model.named_modules()}
     module_name: str | None = None
@@ -172,22 +174,70 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
                 kwargs = frame.f_locals.get("kwargs", {})
                 input_shapes = [shape_of(t) for _, t in iter_tensors((args, kwargs))]
         tb = tb.tb_next
+    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else str(exc).strip()
     return FailureInfo(
         phase=phase,
         module=module_name,
         module_type=module_type,
         input_shapes=input_shapes,
         exception=type(exc).__name__,
-        message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+        message=text.splitlines()[0] if text else "",
     )
 
 
 def failure_message(failure: FailureInfo) -> str:
-    """One line: where the model raised and why."""
-    where = f"at {failure.module or '(model)'} ({failure.module_type})" if failure.module_type else ""
+    """One line: where the model raised (or exited) and why."""
+    where = f" at {failure.module or '(model)'} ({failure.module_type})" if failure.module_type else ""
     shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in failure.input_shapes)
     with_inputs = f" with input shape(s) {shapes}" if failure.input_shapes else ""
-    return f"the model raised in {failure.phase} {where}{with_inputs}: {failure.exception}: {failure.message}"
+    if failure.exception == "SystemExit":  # message: "exited with code N"
+        return f"the model {failure.message} in {failure.phase}{where}{with_inputs} (it called sys.exit)"
+    return f"the model raised in {failure.phase}{where}{with_inputs}: {failure.exception}: {failure.message}"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _is_library(filename: str) -> bool:
+    """torch or the standard library: code that raises on behalf of its caller, never the culprit."""
+    return filename.startswith(_TORCH_DIR) or (filename.startswith(_STDLIB_DIR) and "-packages" not in filename)
+
+
+def raised_in_hookcli(exc: BaseException) -> str | None:
+    """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
+
+    The traceback below the call into the model decides: its innermost frame that is neither
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
+    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
+    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
+    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
+    """
+    frames = []
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    start = 0
+    while start < len(frames) and frames[start].f_code.co_filename.startswith(_PACKAGE_DIR):
+        start += 1  # the run itself, down to the call into the model
+    if frames and start == len(frames):
+        return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
+    for frame in reversed(frames[start:]):
+        filename = frame.f_code.co_filename
+        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
+            continue
+        return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
+    return None
+
+
+def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
+    """The model's failure in ``phase`` (see ``locate_failure``), or, when hookcli's own code raised
+    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself."""
+    if not isinstance(exc, SystemExit) and (where := raised_in_hookcli(exc)) is not None:
+        raise internal_error(exc, f"hookcli's {where} (during the model's {phase})") from exc
+    return locate_failure(exc, model, phase)
 
 
 @contextmanager
@@ -231,11 +281,13 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     """Run one forward pass with hooks on the selected modules and return the report.
 
     ``flops`` counts forward FLOPs per call (``torch.utils.flop_counter`` formulas); ``keep`` is
-    called with every selected output tensor (features, fmaps). Raises ModelRaisedError (carrying
-    the partial report) when the model raises.
+    called with every selected output tensor (features, fmaps; a sparse one densified). Raises
+    ModelRaisedError (carrying the partial report) when the model raises or calls ``sys.exit``,
+    InternalError when hookcli's own hook code fails, UnsupportedError for a TorchScript model.
     """
     from hookcli.flops import FlopCounter
 
+    refuse_torchscript(prep.loaded.model, prep.selection)
     report = new_report(prep, command)
     failure: FailureInfo | None = None
     counter: FlopCounter | None = None
@@ -245,11 +297,15 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
             try:
                 with torch.no_grad(), counter or nullcontext(), progress.phase("forward"):
                     model(*args, **kwargs)
-            except Exception as exc:  # the user's model raised: keep what we have
-                failure = locate_failure(exc, model, "forward")
+            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+                session.raise_error()  # unless one of hookcli's hooks failed first
+                failure = blame(exc, model, "forward")
                 cause: BaseException | None = exc
             else:
                 cause = None
+            session.raise_error()
+            if counter is not None:
+                counter.raise_error()
         report.layers, _ = session.records(params_by_module(prep.selection))
     if counter is not None:
         report.flops = counter.summary()
@@ -362,7 +418,8 @@ def grads(model: Any = None, **options: Any) -> Report:
     from hookcli.gradients import backward_report
 
     opts = _options(model, options)
-    with exclusive(model):
+    # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
+    with exclusive(model), torch.inference_mode(False):
         return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
 
 

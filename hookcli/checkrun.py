@@ -22,13 +22,14 @@ from torch import nn
 
 from hookcli import api
 from hookcli._version import __version__
-from hookcli.checks import CheckRules, RuleConfig, parse_checks
+from hookcli.checks import RUNS, CheckRules, RuleConfig, parse_checks
 from hookcli.config import Config, load_config
-from hookcli.errors import ConfigError, ModelRaisedError
+from hookcli.errors import ConfigError, ModelRaisedError, exit_status, internal_error
 from hookcli.gradients import backward_report, build_loss
+from hookcli.loading import refuse_torchscript
 from hookcli.options import RunOptions
-from hookcli.recorders import dtype_name, iter_tensors, shape_of, to_host
-from hookcli.records import CheckResult
+from hookcli.recorders import dtype_name, iter_tensors, nested_values, shape_of, to_host
+from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.rules import Observations, evaluate, load_baseline
 from hookcli.state import exclusive
 
@@ -42,25 +43,36 @@ class Probe:
         self._calls: dict[str, int] = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
+        #: The first exception the probe's own hooks raised (caught there: never the model's).
+        self.error: tuple[Exception, str] | None = None
 
     def layer_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            self.order[(name, call)] = len(self.order)
-            if self.channel_dim is not None:
-                self._dead_channels(name, call, output, self.channel_dim(name))
+            try:
+                call = self._calls.get(name, 0)
+                self._calls[name] = call + 1
+                self.order[(name, call)] = len(self.order)
+                if self.channel_dim is not None:
+                    self._dead_channels(name, call, output, self.channel_dim(name))
+            except Exception as exc:  # hookcli's own failure: stored, raised after the run
+                self.error = self.error or (exc, f"check probe on {name or '(model)'}")
 
         return hook
 
+    def raise_error(self) -> None:
+        """An InternalError for what the probe's hooks raised during the run, if anything."""
+        if self.error is not None:
+            exc, where = self.error
+            raise internal_error(exc, f"hookcli's {where}") from exc
+
     def _dead_channels(self, name: str, call: int, output: Any, dim: int) -> None:
         for path, t in iter_tensors(output):
-            if not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
-                continue
+            if t.is_nested or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
+                continue  # (a nested tensor has no channel dimension to speak of)
             d = dim + t.dim() if dim < 0 else dim
             if not 0 <= d < t.dim() or t.shape[d] == 0:
                 continue
-            x = t.detach()
+            x = t.detach() if t.layout == torch.strided else t.detach().to_dense()
             others = [i for i in range(x.dim()) if i != d]
             # a channel is dead when its max and min are both 0: two reductions on the device, no
             # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
@@ -69,11 +81,19 @@ class Probe:
             self._channels.append(((name, call, path), channels, t.numel() // channels, dead.sum()))
 
     def root_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        try:
+            self._root(output)
+        except Exception as exc:  # hookcli's own failure: stored, raised after the run
+            self.error = self.error or (exc, "check probe on the model output")
+
+    def _root(self, output: Any) -> None:
         self._outputs = []
         for path, t in iter_tensors(output):
             bad = None
             if t.is_floating_point() and t.device.type != "meta":
-                bad = t.numel() - torch.isfinite(t.detach()).sum()
+                x = nested_values(t.detach()) if t.is_nested else t.detach()
+                x = x if x.layout == torch.strided else x.to_dense()  # sparse: implicit zeros are finite
+                bad = x.numel() - torch.isfinite(x).sum()
             self._outputs.append((path, shape_of(t), dtype_name(t.dtype), bad))
 
     @contextmanager
@@ -131,6 +151,8 @@ def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tup
                 optimizer.step()
         except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
             return None, f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
+        except SystemExit as exc:  # the model's code called sys.exit on the copy's step
+            return None, f"the model exited with {exit_status(exc.code)} during the SGD step on the copy"
         with torch.no_grad():
             deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) for (_, p), b in zip(tracked, before)]
         values = to_host(deltas)
@@ -146,7 +168,8 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
     or rules raise UsageError/ConfigError before anything runs.
     """
-    with exclusive(options.model):
+    # inference_mode(False): gradients, also when called under torch.inference_mode
+    with exclusive(options.model), torch.inference_mode(False):
         return _run_check(options, rules)
 
 
@@ -157,6 +180,7 @@ def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     base_rule = rules.get("baseline")
     obs = Observations(baseline=load_baseline(base_rule["file"], rules.source) if base_rule else None)
     prep = api.prepare(opts, default_batch=2)
+    refuse_torchscript(prep.loaded.model, prep.selection)  # before the probe hooks it
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
     cause: BaseException | None = None
@@ -167,14 +191,37 @@ def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
             if exc.report is None:
                 raise
             report, cause = exc.report, exc
+    probe.raise_error()
     probe.fill(obs)
     change_rule = rules.get("params_change")
     if report.failure is None and change_rule is not None and report.params is not None:
         names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
         obs.changes, obs.change_error = params_change(prep, names, change_rule)
     results, notes = evaluate(rules, report, obs)
+    if report.failure is not None and report.failure.exception == "SystemExit":  # exited, not raised
+        results = [replace(r, message=api.failure_message(report.failure)) if r.rule == RUNS else r for r in results]
+    if report.failure is None and not any(r.called for r in report.layers):
+        results = nothing_observed(report, results)
     source = rules.source if rules.source != "checks" else None
     return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause)
+
+
+def nothing_observed(report: Report, results: list[RuleResult]) -> list[RuleResult]:
+    """The rules when the model ran but no selected module was called: ``runs`` FAILs, the rest SKIP.
+
+    Rules over layers would pass on no data; a gate that saw nothing must not pass. (A selection is
+    never empty: ``select_modules`` falls back to the model itself or raises for a pattern that
+    matches nothing, so "nothing observed" is never the user's choice.)
+    """
+    names = [r.name or "(model)" for r in report.layers]
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    message = (f"the model ran, but none of the {len(names)} selected module(s) was called ({shown}): "
+               "nothing was checked; select modules its forward calls (hookcli shapes shows them)")
+    failed = RuleResult(RUNS, "FAIL", "error", message, "(selection)", 0, None,
+                        [{"where": "(selection)", "value": 0, "limit": None, "message": message}])
+    return [failed] + [r if r.rule == RUNS else RuleResult(r.rule, "SKIP", r.severity,
+                                                            "not evaluated: no selected module was called")
+                       for r in results if r.rule != RUNS]
 
 
 # --------------------------------------------------------------------------- setup (CLI and API)

@@ -19,7 +19,9 @@ from typing import Any
 import click
 
 from hookcli._version import __version__
-from hookcli.errors import CheckFailedError, HookcliError, ModelRaisedError
+from hookcli.errors import (
+    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status,
+)
 
 from hookcli.cli_options import (
     META_DEBUG,
@@ -74,7 +76,12 @@ def _sigterm_as_exception() -> Iterator[None]:
 
 
 class HookcliGroup(click.Group):
-    """Translate HookcliError into a message and exit code, in one place."""
+    """Translate HookcliError into a message and exit code, in one place.
+
+    Anything else is hookcli's own bug (exit 3, "internal error"), never the model's: the model's
+    failures reach here as ModelRaisedError. A ``sys.exit`` from code hookcli ran for the model that
+    no run caught is said as such (exit 1), never a silent end.
+    """
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         """The entry point: as click's, with SIGTERM turned into :class:`Terminated` (exit 143)."""
@@ -98,14 +105,20 @@ class HookcliGroup(click.Group):
             ctx.exit(130)
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
             raise
-        except Exception as exc:  # a bug in hookcli (or torch): say so, exit 1
+        except SystemExit as exc:  # the model's code (or code it ran) called sys.exit outside a run
+            _report_error(ctx, ModelRaisedError(f"the model exited with {exit_status(exc.code)} (it called sys.exit)",
+                                                hint="the model's code ended the process; remove the sys.exit call"))
+            ctx.exit(EXIT_FAILED)
+        except Exception as exc:  # a bug in hookcli: say so, exit 3
             if ctx.meta.get(META_DEBUG):
                 raise
             from hookcli.render.escape import escape_control
 
-            click.echo(f"Error: internal error: {type(exc).__name__}: {escape_control(exc)}", err=True)
-            click.echo("  hint: run again with --debug for the traceback, and please report it", err=True)
-            ctx.exit(1)
+            text = str(exc).strip()
+            detail = f": {escape_control(text.splitlines()[0])}" if text else ""
+            click.echo(f"Error: internal error: {type(exc).__name__}{detail}", err=True)
+            click.echo(f"  hint: {INTERNAL_HINT}", err=True)
+            ctx.exit(EXIT_INTERNAL)
 
 
 def _report_error(ctx: click.Context, exc: HookcliError) -> None:
@@ -208,7 +221,8 @@ def main() -> None:
     without it: --config FILE, then [tool.hookcli] in ./pyproject.toml, then resnet50.
 
     \b
-    Exit codes: 0 ok, 1 the model raised (or a check failed), 2 bad usage or input.
+    Exit codes: 0 ok, 1 the model raised or exited (or a check failed), 2 bad usage or input or
+    something hookcli does not support, 3 a bug in hookcli.
     """
 
 

@@ -110,6 +110,27 @@ class InternalError(HookcliError):
     exit_code = 3
 
 
+def exit_status(code: object) -> str:
+    """How a ``SystemExit`` code reads in a message: ``code 3``, ``code 0`` (``sys.exit()``), or the
+    message that ``sys.exit("text")`` would print (Python exits 1 then)."""
+    if code is None:
+        return "code 0"
+    if isinstance(code, int):
+        return f"code {code}"
+    return f"code 1 ({str(code).strip().splitlines()[0] if str(code).strip() else ''!r})"
+
+
+#: The hint every internal error carries.
+INTERNAL_HINT = "run again with --debug for the traceback, and please report it"
+
+
+def internal_error(exc: BaseException, where: str) -> InternalError:
+    """An InternalError saying that hookcli's own code ``where`` raised ``exc`` (chain it: ``from exc``)."""
+    text = str(exc).strip()
+    detail = f": {text.splitlines()[0]}" if text else ""
+    return InternalError(f"internal error: {where} raised {type(exc).__name__}{detail}", hint=INTERNAL_HINT)
+
+
 #: The CLI's exit codes, in one place (README "Exit codes" documents them).
 EXIT_OK = 0
 EXIT_FAILED = 1  # the model raised or exited, or a check failed

@@ -38,8 +38,8 @@ import torch
 from hookcli._version import __version__
 from hookcli.api import (
     Prepared,
+    blame,
     failure_message,
-    locate_failure,
     new_report,
     params_by_module,
     prepare,
@@ -51,6 +51,7 @@ from hookcli.errors import InputError, InternalError, ModelRaisedError, OutputEr
 from hookcli.hooks import HookOptions, attach
 from hookcli.input_files import list_input_files
 from hookcli.inputs import make_inputs
+from hookcli.loading import refuse_torchscript
 from hookcli.options import RunOptions
 from hookcli.recorders import dtype_name
 from hookcli.records import FailureInfo, FeatureExport, InputInfo, LayerRecord, SavedTensor
@@ -354,13 +355,16 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
 
     ``output`` is checked (extension, writable directory) before the model is built. The result
     lists every saved entry; its ``tensors`` dict holds the tensors (CPU) for Python callers.
-    Raises ModelRaisedError (with the partial report) when the model raises; nothing is written.
+    Raises ModelRaisedError (with the partial report) when the model raises or exits, InternalError
+    when hookcli's hooks fail, UnsupportedError for TorchScript; nothing is written then. Sparse
+    outputs are saved as dense tensors.
     """
     opts = options.validate()
     target, fmt = check_output(output) if output is not None else (None, None)
     first_opts, batches, label = _plan(opts)
     prep = prepare(first_opts)
     require_values(prep, "features")
+    refuse_torchscript(prep.loaded.model, prep.selection)
     if batches and prep.loaded.family in _UNBATCHED_FAMILIES:
         prep.inputs = make_inputs(prep.loaded, files=opts.inputs)  # its images are one input
         batches = []
@@ -381,11 +385,13 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
                 try:
                     with torch.no_grad():
                         model(*args, **kwargs)
-                except Exception as exc:  # the user's model raised: nothing is saved
-                    failure = locate_failure(exc, model, "forward")
+                except (Exception, SystemExit) as exc:  # the user's model raised or exited: nothing is saved
+                    session.raise_error()  # unless hookcli's hook (or the keep callback) failed first
+                    failure = blame(exc, model, "forward")
                     cause: BaseException | None = exc
                 else:
                     cause = None
+                session.raise_error()
             records, _ = session.records(params)
             if failure is not None:
                 report.layers, report.failure = records, failure

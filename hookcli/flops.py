@@ -15,6 +15,8 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from hookcli.errors import internal_error
+
 #: Op names with real arithmetic that FlopCounterMode has no formula for mark a count as partial.
 _HEAVY_HINTS = ("conv", "mm", "matmul", "linear", "lstm", "gru", "rnn", "attention", "einsum", "bilinear")
 
@@ -27,10 +29,19 @@ class FlopCounter(TorchDispatchMode):
         self.total = 0
         self.on_flops = on_flops
         self.missing: set[str] = set()
+        self.error: Exception | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs)  # the model's op: what it raises is the model's
+        try:
+            self._count(func, args, kwargs, out)
+        except Exception as exc:  # hookcli's counting failed: stored (raise_error), never the model's
+            if self.error is None:
+                self.error = exc
+        return out
+
+    def _count(self, func: Any, args: tuple[Any, ...], kwargs: Any, out: Any) -> None:
         packet = func._overloadpacket
         formula = flop_registry.get(packet)
         if formula is not None:
@@ -42,7 +53,11 @@ class FlopCounter(TorchDispatchMode):
             name = str(packet).removeprefix("aten.")
             if any(hint in name for hint in _HEAVY_HINTS):
                 self.missing.add(name)
-        return out
+
+    def raise_error(self) -> None:
+        """Raise an InternalError for what the counting code raised during the run, if anything."""
+        if self.error is not None:
+            raise internal_error(self.error, "hookcli's FLOP counter") from self.error
 
     @property
     def partial(self) -> bool:

@@ -7,6 +7,7 @@ gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -17,13 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookcli import progress
-from hookcli.errors import ModelRaisedError, UsageError
+from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, internal_error
 from hookcli.flops import FlopCounter
 from hookcli.hooks import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.recorders import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
+#: Modules of these packages compute on quantized tensors: no backward.
+_QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized",
+                       "torch.nn.intrinsic.quantized")
 
 
 @dataclass
@@ -39,9 +43,11 @@ class LossChoice:
 
 def pick_output(output: Any, key: str | None) -> tuple[str, torch.Tensor]:
     """The tensor the loss is built from: the output itself, ``--output-key``, or the first float tensor."""
-    tensors = [(path, t) for path, t in iter_tensors(output) if t.is_floating_point()]
+    tensors = [(path, t if t.layout == torch.strided else t.to_dense())  # a sparse output: its dense values
+               for path, t in iter_tensors(output) if t.is_floating_point()]
     if not tensors:
-        raise UsageError("the model output holds no floating-point tensor to build a loss from")
+        raise UnsupportedError("the model output holds no floating-point tensor to build a loss from",
+                               hint="gradients need a float output; run hookcli stats or shapes on this model")
     if key is None:
         return tensors[0]
     wanted = {key, f"[{key}]", f"[{key!r}]", f".{key}"}
@@ -74,8 +80,11 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -
 
 
 def require_grad(obj: Any) -> Any:
-    """Fresh leaf copies of the floating tensors in a nested input, with ``requires_grad``."""
+    """Fresh leaf copies of the floating tensors in a nested input, with ``requires_grad`` (an
+    inference tensor, made under the caller's ``torch.inference_mode``, is copied out of it)."""
     if isinstance(obj, torch.Tensor):
+        if obj.is_inference():
+            obj = obj.clone()  # outside inference mode (backward_report's), a normal tensor
         return obj.detach().requires_grad_(True) if obj.is_floating_point() else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(require_grad(v) for v in obj))
@@ -92,11 +101,18 @@ def clipping(params: list[tuple[str, nn.Parameter]], clip: float | None) -> Iter
     counts: dict[str, torch.Tensor] = {}
     handles = []
 
+    errors: list[Exception] = []
+
     def hook_for(name: str):  # noqa: ANN202 - small closure factory
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            assert clip is not None
-            counts[name] = (grad.abs() > clip).sum()
-            return grad.clamp(-clip, clip)
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+            if grad is None or clip is None:
+                return None
+            try:
+                counts[name] = (grad.abs() > clip).sum()
+                return grad.clamp(-clip, clip)
+            except Exception as exc:  # hookcli's own failure: stored, raised after the run
+                errors.append(exc)
+                return None
 
         return hook
 
@@ -109,6 +125,24 @@ def clipping(params: list[tuple[str, nn.Parameter]], clip: float | None) -> Iter
     finally:
         for handle in handles:
             handle.remove()
+    if errors:
+        raise internal_error(errors[0], "hookcli's --clip gradient hook") from errors[0]
+
+
+def _loss(output: Any, opts: Any) -> LossChoice:
+    """``build_loss`` on the model's output; a failure there is hookcli's (it cannot build a loss from
+    that output: UnsupportedError), never the model's."""
+    try:
+        return build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
+    except HookcliError:
+        raise
+    except Exception as exc:
+        kinds = ", ".join(sorted({f"{t.dtype} {t.layout}".replace("torch.", "") for _, t in iter_tensors(output)}))
+        raise UnsupportedError(
+            f"cannot build a loss from the model output ({kinds or 'no tensors'}): {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            hint="choose the tensor with --output-key and the loss with --loss sum or mean; "
+            "stats and shapes need no loss") from exc
 
 
 def param_scope(model: nn.Module, selection: list[tuple[str, nn.Module]], scope: str) -> list[tuple[str, nn.Parameter]]:
@@ -122,16 +156,71 @@ def param_scope(model: nn.Module, selection: list[tuple[str, nn.Module]], scope:
     return [(n, p) for n, p in named if id(p) in wanted]
 
 
+def quantized_modules(model: nn.Module) -> list[str]:
+    """``name (Type)`` of every module that computes on quantized tensors (they have no backward)."""
+    found: list[str] = []
+    inside: list[str] = []
+    for name, m in model.named_modules():
+        package = type(m).__module__
+        if package.startswith(_QUANTIZED_PACKAGES) and not any(name.startswith(p + ".") for p in inside):
+            inside.append(name)
+            found.append(f"{name or '(model)'} ({package.split('.modules')[0]}.{type(m).__name__})")
+    return found
+
+
+def no_gradients(prep: Any) -> UnsupportedError:
+    """The error for a model whose loss reaches no parameter or input: quantized, or all frozen."""
+    model = prep.loaded.model
+    quantized = quantized_modules(model)
+    if quantized:
+        shown = ", ".join(quantized[:3]) + (f", ... ({len(quantized)} in all)" if len(quantized) > 3 else "")
+        return UnsupportedError(
+            f"{prep.info.spec} has no gradients: it is quantized ({shown}), and quantized ops and "
+            "integer outputs have no backward",
+            hint="run hookcli stats or shapes on it, or grads on the float model before quantization")
+    return UnsupportedError(
+        f"{prep.info.spec} has no gradients: the loss does not depend on any parameter or input that requires grad",
+        hint="set requires_grad on the parameters (or pick a float output with --output-key); "
+        "stats and shapes need no gradients")
+
+
+def _refuse_inference_tensors(model: nn.Module) -> None:
+    """Parameters/buffers made under ``torch.inference_mode`` cannot take part in a backward pass."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    inference = [name for name, t in named if t.is_inference()]
+    if inference:
+        raise UnsupportedError(
+            f"the model's tensors ({', '.join(inference[:3])}{', ...' if len(inference) > 3 else ''}) are "
+            "inference tensors: it was built or loaded under torch.inference_mode, and those cannot be used "
+            "in a backward pass",
+            hint="build or load the model outside torch.inference_mode (and call hookcli.grads/check outside it); "
+            "stats and shapes work on it as it is")
+
+
 def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
     """Forward with gradients, build the loss, backward once; report output and parameter gradients.
 
     The model's parameters keep their ``.grad`` and ``requires_grad`` (``autograd.grad`` writes none).
-    Raises ModelRaisedError with the partial report when forward or backward raises.
+    Gradients are enabled for the run, also under the caller's ``torch.no_grad`` or
+    ``torch.inference_mode``. Raises ModelRaisedError with the partial report when forward or
+    backward raises (or the model calls ``sys.exit``); UnsupportedError when the model has no
+    gradients (quantized, or nothing requires grad), is TorchScript, or holds inference tensors;
+    InternalError when hookcli's own hooks fail.
     """
-    from hookcli.api import failure_message, locate_failure, new_report, params_by_module, require_values, running
+    from hookcli.api import require_values
+    from hookcli.loading import refuse_torchscript
+
+    require_values(prep, command)
+    refuse_torchscript(prep.loaded.model, prep.selection)
+    _refuse_inference_tensors(prep.loaded.model)
+    with torch.inference_mode(False):
+        return _backward_report(prep, command, stats=stats)
+
+
+def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
+    from hookcli.api import blame, failure_message, new_report, params_by_module, running
 
     opts = prep.options
-    require_values(prep, command)
     report = new_report(prep, command)
     failure: FailureInfo | None = None
     cause: BaseException | None = None
@@ -153,21 +242,32 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                 with torch.enable_grad():
                     with forward_flops or nullcontext(), progress.phase("forward"):
                         output = model(*args, **kwargs)
-                    loss_choice = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
+                    session.raise_error()
+                    loss_choice = _loss(output, opts)
                     del output
                     leaves = [p for _, p in all_params if p.requires_grad]
                     leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
                     if not loss_choice.value.requires_grad:
-                        raise UsageError("the loss does not depend on any parameter or input that requires grad")
+                        raise no_gradients(prep)
                     phase = "backward"
-                    with backward_flops or nullcontext(), progress.phase("backward"):
+                    with backward_flops or nullcontext(), progress.phase("backward"), warnings.catch_warnings():
+                        # ops without a backward (quantized ones) give no gradient: said by the report
+                        # (a note, or UnsupportedError when nothing got one), not by torch's warning
+                        warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
                         results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)
+                session.raise_error()
+                for counter in (forward_flops, backward_flops):
+                    if counter is not None:
+                        counter.raise_error()
+                if all(g is None for g in results):  # e.g. quantized ops: backward reached nothing
+                    raise no_gradients(prep)
                 grads = {id(leaf): g for leaf, g in zip(leaves, results)}
-            except UsageError:
+            except HookcliError:
                 raise
-            except Exception as exc:  # the user's model raised: keep what we have
+            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+                session.raise_error()  # unless one of hookcli's hooks failed first
                 cause = exc
-                failure = locate_failure(exc, model, phase)
+                failure = blame(exc, model, phase)
                 if phase == "backward" and session.last_grad_call is not None:
                     failure.module = session.last_grad_call.name or None
                     failure.module_type = session.last_grad_call.type
@@ -209,6 +309,10 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
         report.flops = forward_flops.summary(backward=backward_flops.total)
         report.flops["partial"] = forward_flops.partial or backward_flops.partial
         report.flops["missing_ops"] = sorted(forward_flops.missing | backward_flops.missing)
+    quantized = quantized_modules(model)
+    if quantized:
+        report.notes.append("no gradient flows back through quantized modules: " + ", ".join(quantized[:5])
+                            + (", ..." if len(quantized) > 5 else ""))
     if opts.clip is not None:
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if failure is not None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookcli.errors import HookcliError, UnsupportedError, internal_error
 from hookcli.records import LayerRecord
 from hookcli.recorders import (
     activation_stats,
@@ -87,6 +88,25 @@ class HookSession:
         #: Calls whose forward is running now, outermost first (for FLOP attribution).
         self.active: list[_Call] = []
         self.reducer = Reducer()
+        #: The first exception hookcli's own hook code raised (the hooks catch their own exceptions, so
+        #: the model's run is never aborted or blamed for them); ``raise_error`` raises it after the run.
+        self.error: Exception | None = None
+        self.error_where = ""
+
+    def failed(self, exc: Exception, where: str) -> None:
+        """Remember the first exception of hookcli's hook code (``where``: which hook, on what)."""
+        if self.error is None:
+            self.error, self.error_where = exc, where
+
+    def raise_error(self) -> None:
+        """Raise what a hook raised during the run: a HookcliError as it is (an unsupported output,
+        say), anything else as an InternalError. Nothing when the hooks ran cleanly."""
+        exc = self.error
+        if exc is None:
+            return
+        if isinstance(exc, HookcliError):
+            raise exc
+        raise internal_error(exc, f"hookcli's {self.error_where}") from exc
 
     def add_flops(self, flops: int) -> None:
         """Attribute ``flops`` to every selected call that is running (parents include children)."""
@@ -98,46 +118,59 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            index = self._counts.get(name, 0)
-            self._counts[name] = index + 1
-            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                inputs = [("[0]", args[0])]  # the common case, without the generic walk
-            else:
-                inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
-            call = _Call(
-                name=name,
-                call=index,
-                type=type_name_cache.setdefault(name, type(module).__name__),
-                input_shapes=[shape_of(t) for _, t in inputs],
-            )
-            if self.options.input_grads:
-                call.input_grads = [None] * len(inputs)
-                for position, (_, tensor) in enumerate(inputs):
-                    if tensor.requires_grad and is_float(tensor):
-                        tensor.register_hook(self._input_grad_hook(call, position))
-            self.calls.append(call)
-            self._open.setdefault(name, []).append(call)
-            self.active.append(call)
+            try:
+                self._pre(name, module, args, kwargs, type_name_cache)
+            except Exception as exc:  # hookcli's own failure: stored, never the model's
+                self.failed(exc, f"forward pre-hook on {name or '(model)'}")
 
         return hook
+
+    def _pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             type_name_cache: dict[str, str]) -> None:
+        index = self._counts.get(name, 0)
+        self._counts[name] = index + 1
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            inputs = [("[0]", args[0])]  # the common case, without the generic walk
+        else:
+            inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
+        call = _Call(
+            name=name,
+            call=index,
+            type=type_name_cache.setdefault(name, type(module).__name__),
+            input_shapes=[shape_of(t) for _, t in inputs],
+        )
+        if self.options.input_grads:
+            call.input_grads = [None] * len(inputs)
+            for position, (_, tensor) in enumerate(inputs):
+                if tensor.requires_grad and is_float(tensor):
+                    tensor.register_hook(self._input_grad_hook(call, position))
+        self.calls.append(call)
+        self._open.setdefault(name, []).append(call)
+        self.active.append(call)
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            stack = self._open.get(name)
-            if not stack:  # hooks attached mid-call; nothing to pair with
-                return
-            call = stack.pop()
-            call.finished = True
-            if self.active and self.active[-1] is call:
-                self.active.pop()
-            elif call in self.active:
-                self.active.remove(call)
-            if output is None and sys.exc_info()[1] is not None:
-                call.raised = True  # always_call path: forward raised
-                return
-            self._record_outputs(call, output)
+            try:
+                self._post(name, output)
+            except Exception as exc:  # hookcli's own failure (a reducer, a keep callback): stored
+                self.failed(exc, f"forward hook on {name or '(model)'}")
 
         return hook
+
+    def _post(self, name: str, output: Any) -> None:
+        stack = self._open.get(name)
+        if not stack:  # hooks attached mid-call; nothing to pair with
+            return
+        call = stack.pop()
+        call.finished = True
+        if self.active and self.active[-1] is call:
+            self.active.pop()
+        elif call in self.active:
+            self.active.remove(call)
+        if output is None and sys.exc_info()[1] is not None:
+            call.raised = True  # always_call path: forward raised
+            return
+        self._record_outputs(call, output)
 
     def _record_outputs(self, call: _Call, output: Any) -> None:
         options = self.options
@@ -151,20 +184,29 @@ class HookSession:
                 entry.wants_grad = True
                 tensor.register_hook(self._output_grad_hook(call, entry))
             if options.keep is not None:
-                options.keep(call.name, call.call, path, tensor)
+                options.keep(call.name, call.call, path, _keepable(call, path, tensor))
             call.outputs.append(entry)
 
     def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            entry.grad = self.reducer.reduce(grad, zeros=False)
+        def hook(grad: torch.Tensor | None) -> None:
+            if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
+                return
+            try:
+                entry.grad = self.reducer.reduce(grad, zeros=False)
+            except Exception as exc:
+                self.failed(exc, f"gradient hook on an output of {call.name or '(model)'}")
             self.last_grad_call = call
 
         return hook
 
     def _input_grad_hook(self, call: _Call, position: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            assert call.input_grads is not None
-            call.input_grads[position] = self.reducer.reduce(grad, zeros=False)
+        def hook(grad: torch.Tensor | None) -> None:
+            if grad is None or call.input_grads is None:
+                return
+            try:
+                call.input_grads[position] = self.reducer.reduce(grad, zeros=False)
+            except Exception as exc:
+                self.failed(exc, f"gradient hook on an input of {call.name or '(model)'}")
 
         return hook
 
@@ -238,6 +280,15 @@ class HookSession:
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
                 ))
         return records, extra_values
+
+
+def _keepable(call: _Call, path: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a ``keep`` callback gets: a sparse one densified; a nested (ragged) one refused."""
+    if tensor.is_nested:
+        raise UnsupportedError(
+            f"{call.name or '(model)'}{path} returned a nested (ragged) tensor, which cannot be kept as one array",
+            hint="select other modules with --layers (hookcli stats shows which return nested tensors)")
+    return tensor if tensor.layout == torch.strided else tensor.to_dense()
 
 
 @contextmanager

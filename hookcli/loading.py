@@ -18,6 +18,7 @@ import inspect
 import os
 import pickle
 import sys
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ import torch
 from torch import nn
 
 from hookcli.errors import (
-    ModelImportError, ModelNotFoundError, UsageError, WeightsError, did_you_mean,
+    ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
+    did_you_mean, exit_status,
 )
 from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
@@ -38,6 +40,14 @@ WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", 
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
 TRUST_PICKLE_HINT = "pass --trust-pickle if you trust the file (unpickling runs code from it)"
 UNPICKLE_IMPORT_HINT = "unpickling imports the classes the file names: run where their modules are importable"
+TORCHSCRIPT_HINT = ("use the eager nn.Module the TorchScript was made from (the Python class or factory: "
+                    "pkg.mod:Net or net.py:build), with its weights via --weights")
+
+
+def model_exited(exc: SystemExit, what: str) -> ModelRaisedError:
+    """The error for user model code that called ``sys.exit`` while ``what`` (exit 1, never silent)."""
+    return ModelRaisedError(f"the model exited with {exit_status(exc.code)} while {what} (it called sys.exit)",
+                            phase="build", hint="the model's code ended the process; remove the sys.exit call")
 
 
 @dataclass
@@ -240,6 +250,8 @@ def _import_module(module_name: str) -> Any:
                                    hint="a module it imports is missing; install it") from exc
         except Exception as exc:
             raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+        except SystemExit as exc:
+            raise model_exited(exc, f"importing {module_name!r}") from exc
 
 
 def _import_file(path_text: str) -> Any:
@@ -262,6 +274,9 @@ def _import_file(path_text: str) -> Any:
     except Exception as exc:
         sys.modules.pop(module_name, None)
         raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:
+        sys.modules.pop(module_name, None)
+        raise model_exited(exc, f"importing {path_text!r}") from exc
     return module
 
 
@@ -301,6 +316,8 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
     check_target(obj, label)  # before the call: the call is what would run a shell command
     try:
         result = obj(**model_args)
+    except SystemExit as exc:
+        raise model_exited(exc, f"building {label!r}") from exc
     except Exception as exc:
         hint = None
         if isinstance(exc, TypeError):
@@ -373,6 +390,16 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
             return dict(load_file(str(path), device="cpu"))
         except Exception as exc:
             raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+    if is_torchscript_archive(path):
+        if not trust_pickle:
+            raise WeightsError(
+                f"{path} is a TorchScript archive, not a state dict",
+                hint="save its weights with torch.save(torch.jit.load(FILE).state_dict(), 'weights.pt'), or "
+                "pass --trust-pickle to let hookcli read them (loading TorchScript runs code from the file)")
+        try:
+            return dict(torch.jit.load(str(path), map_location="cpu").state_dict())
+        except Exception as exc:
+            raise WeightsError(f"could not read the TorchScript archive {path}: {type(exc).__name__}: {exc}") from exc
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
@@ -444,12 +471,58 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
     if text.lower().startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
     if ":" not in text and not text.endswith(".py"):
+        if os.path.isfile(text):
+            _refuse_model_file(Path(text))
         return _load_torchvision(spec, text, args, weights, trust_pickle)
     if ":" not in text:
         raise UsageError(f"model spec {spec!r} names a file but no attribute",
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
     return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle)
+
+
+# --------------------------------------------------------------------------- TorchScript
+
+
+def is_torchscript_archive(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (``torch.jit.save``): a zip with compiled code."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    return any(n.endswith("/constants.pkl") or "/code/__torch__" in n for n in names)
+
+
+def _refuse_model_file(path: Path) -> None:
+    """A MODEL spec naming a file that is not Python: a TorchScript archive or a weights file."""
+    if is_torchscript_archive(path):
+        raise UnsupportedError(
+            f"{path} is a TorchScript archive: hookcli cannot hook modules inside TorchScript (its "
+            "submodules run in the TorchScript interpreter, where Python hooks never fire)", hint=TORCHSCRIPT_HINT)
+    if path.suffix.lower() in WEIGHT_FILE_SUFFIXES:
+        raise UsageError(f"{path} is a weights file, not a model",
+                         hint="name the model (resnet18, pkg.mod:Net, net.py:build) and pass the file with --weights")
+
+
+def refuse_torchscript(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> None:
+    """Raise UnsupportedError when ``model`` or a selected module is TorchScript (scripted or traced).
+
+    Python hooks cannot be registered on a scripted module, and on a traced one they never fire for
+    its submodules (the graph runs in the TorchScript interpreter): every module would be reported
+    "not called" and a check would see nothing. Refusing says so instead.
+    """
+    script = torch.jit.ScriptModule
+    if isinstance(model, script):
+        raise UnsupportedError(
+            f"the model is TorchScript ({type(model).__name__}): hookcli cannot hook modules inside TorchScript "
+            "(they run in the TorchScript interpreter, where Python hooks never fire)", hint=TORCHSCRIPT_HINT)
+    inside = [name for name, module in selection if isinstance(module, script)]
+    if inside:
+        shown = ", ".join(inside[:5]) + (f", ... ({len(inside)} in all)" if len(inside) > 5 else "")
+        raise UnsupportedError(
+            f"selected modules are TorchScript ({shown}): hookcli cannot hook modules inside TorchScript",
+            hint="select modules outside them with --layers/--types, or use the eager nn.Module they were made from")
 
 
 def _torchvision_family_of(model: nn.Module) -> str | None:

@@ -94,11 +94,16 @@ class Reducer:
 
     def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> Vector:
         """``t``'s statistics vector: host floats for a CPU tensor, else a tensor on ``t``'s device."""
-        key = (id(t), t._version, zeros)
-        hit = self._seen.get(key)
+        try:
+            key: tuple[int, int, bool] | None = (id(t), t._version, zeros)
+        except RuntimeError:  # an inference tensor keeps no version counter: never reused
+            key = None
+        hit = self._seen.get(key) if key is not None else None
         if hit is not None and hit[0]() is t:
             return hit[1]
         x = t.detach()
+        if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
+            x = nested_values(x)
         if x.layout != torch.strided:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
         if x.dtype not in (torch.float32, torch.float64) and not (x.device.type == "cpu" and self._kernel_reads(x)):
@@ -115,7 +120,8 @@ class Reducer:
         else:
             vector = self._reduce_device(flat_view(x), zeros)
         try:
-            self._seen[key] = (weakref.ref(t), vector)
+            if key is not None:
+                self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
         return vector
@@ -344,4 +350,16 @@ def iter_tensors(obj: Any, path: str = "", _level: int = 0) -> Iterator[tuple[st
 
 
 def shape_of(t: torch.Tensor) -> list[int]:
+    """The shape as ints; for a nested (ragged) tensor ``[components, ...]`` with -1 where they differ."""
+    if t.is_nested:
+        sizes = [c.shape for c in t.unbind()]
+        if not sizes:
+            return [0]
+        return [len(sizes)] + [int(d) if all(s[i] == d for s in sizes) else -1 for i, d in enumerate(sizes[0])]
     return [int(d) for d in t.shape]
+
+
+def nested_values(t: torch.Tensor) -> torch.Tensor:
+    """Every value of a nested tensor's components, as one 1-D tensor (no padding)."""
+    parts = [c.reshape(-1) for c in t.unbind()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype, device=t.device)

@@ -195,7 +195,8 @@ def preserved(
                         if grad is not None and grad_data is not None:
                             grad.data = grad_data
                         p.grad = grad
-                        p.requires_grad_(requires_grad)
+                        if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
+                            p.requires_grad_(requires_grad)
                     with torch.no_grad():
                         for b, snapshot in buffer_values:
                             b.copy_(snapshot)
