@@ -22,7 +22,7 @@ from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import HookcliError, ModelRaisedError
 from hookcli.hooks import HookOptions, KeepFn, attach
-from hookcli.inputs import ModelInputs, make_inputs
+from hookcli.inputs import ModelInputs, check_signature, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.recorders import iter_tensors, shape_of
@@ -70,6 +70,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
         trust_pickle=opts.trust_pickle,
     )
+    check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
 
 

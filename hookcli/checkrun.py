@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -155,6 +156,7 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
     or rules raise UsageError/ConfigError before anything runs.
     """
+    started = time.perf_counter()
     opts = options
     if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
         opts = replace(opts, all_modules=True)
@@ -164,6 +166,7 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
     cause: BaseException | None = None
+    run_started = time.perf_counter()
     with seeded(prep), probe.attached(prep.loaded.model, prep.selection):
         try:
             report = backward_report(prep, "check", stats=True)
@@ -172,14 +175,24 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
                 raise
             report, cause = exc.report, exc
     probe.fill(obs)
+    run_seconds = time.perf_counter() - run_started
+    step_seconds: float | None = None
     change_rule = rules.get("params_change")
     if report.failure is None and change_rule is not None and report.params is not None:
         names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
+        step_started = time.perf_counter()
         with seeded(prep):  # the copy sees the same dropout masks as the checked run
             obs.changes, obs.change_error = params_change(prep, names, change_rule)
+        step_seconds = time.perf_counter() - step_started
     results, notes = evaluate(rules, report, obs)
+    for result in results:  # the rule's share of the time: its evaluation plus what it alone ran
+        if result.rule == "runs":
+            result.seconds = run_seconds
+        elif result.rule == "params_change" and step_seconds is not None:
+            result.seconds = (result.seconds or 0.0) + step_seconds
     source = rules.source if rules.source != "checks" else None
-    return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause)
+    return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause,
+                       seconds=time.perf_counter() - started)
 
 
 # --------------------------------------------------------------------------- setup (CLI and API)
@@ -219,7 +232,8 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
         config.path.name == "pyproject.toml") else "checks"
     if checks is not None:
         if not isinstance(checks, Mapping):
-            raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}")
+            raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}",
+                              hint="e.g. checks={'output_shape': [2, 10], 'grad_norm': {'max': 1e3}}")
         parse_checks(checks, source="checks")  # errors name the dict, not the file
         table.update(checks)
     if baseline is not None:

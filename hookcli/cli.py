@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from hookcli._version import __version__
-from hookcli.errors import CheckFailedError, HookcliError, ModelRaisedError
+from hookcli.errors import CheckFailedError, HookcliError, ModelRaisedError, one_line
 
 from hookcli.cli_options import (
     META_DEBUG,
@@ -34,12 +34,37 @@ from hookcli.cli_options import (
     selection_options,
 )
 
+class OneLineUsageError(click.UsageError):
+    """Click's own usage errors (a bad --fill choice, --seed -1, an unknown option) in hookcli's
+    format: one ``Error:`` line and one ``  hint:`` line, not Click's usage block."""
+
+    def __init__(self, exc: click.UsageError) -> None:
+        super().__init__(exc.format_message(), exc.ctx)
+        self.exit_code = exc.exit_code
+
+    def show(self, file: Any = None) -> None:
+        command = self.ctx.command_path if self.ctx is not None else "hookcli"
+        click.echo(f"Error: {one_line(self.format_message())}", err=True)
+        click.echo(f"  hint: run '{command} --help' for the options and their values", err=True)
+
+
 class HookcliGroup(click.Group):
     """Translate HookcliError into a message and exit code, in one place."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc) from exc
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            if isinstance(exc, OneLineUsageError):
+                raise
+            raise OneLineUsageError(exc) from exc
         except HookcliError as exc:
             _report_error(ctx, exc)
             ctx.exit(exc.exit_code)
@@ -51,7 +76,7 @@ class HookcliGroup(click.Group):
         except Exception as exc:  # a bug in hookcli (or torch): say so, exit 1
             if ctx.meta.get(META_DEBUG):
                 raise
-            click.echo(f"Error: internal error: {type(exc).__name__}: {exc}", err=True)
+            click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {exc}"), err=True)
             click.echo("  hint: run again with --debug for the traceback, and please report it", err=True)
             ctx.exit(1)
 
@@ -63,9 +88,9 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
     if ctx.meta.get(META_DEBUG):
         cause = exc.__cause__ or exc
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
-    click.secho(f"Error: {exc.message}", err=True, fg="red")
+    click.secho(f"Error: {one_line(exc.message)}", err=True, fg="red")
     if exc.hint:
-        click.echo(f"  hint: {exc.hint}", err=True)
+        click.echo(f"  hint: {one_line(exc.hint)}", err=True)
 
 
 def _emit(report: Any, *, fmt: str, output: str | None) -> None:

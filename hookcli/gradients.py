@@ -41,7 +41,8 @@ def pick_output(output: Any, key: str | None) -> tuple[str, torch.Tensor]:
     """The tensor the loss is built from: the output itself, ``--output-key``, or the first float tensor."""
     tensors = [(path, t) for path, t in iter_tensors(output) if t.is_floating_point()]
     if not tensors:
-        raise UsageError("the model output holds no floating-point tensor to build a loss from")
+        raise UsageError("the model output holds no floating-point tensor to build a loss from",
+                         hint="grads needs a float output; use stats or shapes for this model")
     if key is None:
         return tensors[0]
     wanted = {key, f"[{key}]", f"[{key!r}]", f".{key}"}
@@ -64,7 +65,8 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -
             raise UsageError(f"--loss {loss} needs (batch, classes) output, got shape {shape_of(out)}",
                              hint="use --loss sum or --loss mean")
         if target >= out.shape[1]:
-            raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes")
+            raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes",
+                             hint=f"give --target 0 to {out.shape[1] - 1}")
         labels = torch.full((out.shape[0],), target, dtype=torch.long, device=out.device)
         fn = F.cross_entropy if loss == "ce" else F.nll_loss
         value = fn(out.float(), labels)
@@ -157,7 +159,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
                     leaves = [p for _, p in all_params if p.requires_grad]
                     leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
                     if not loss_choice.value.requires_grad:
-                        raise UsageError("the loss does not depend on any parameter or input that requires grad")
+                        raise UsageError("the loss does not depend on any parameter or input that requires grad",
+                                         hint="does the model freeze every parameter (requires_grad=False)?")
                     phase = "backward"
                     with backward_flops or nullcontext(), progress.phase("backward"):
                         results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)

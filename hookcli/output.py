@@ -24,22 +24,33 @@ def _target(path: str | os.PathLike[str]) -> Path:
 def ensure_writable(path: str | os.PathLike[str]) -> Path:
     """Check up front that ``path`` can be written (so a command fails before running a model).
 
-    Raises OutputError when the path is empty or a directory, or its parent directory is missing,
-    not a directory or not writable. Returns the absolute target path.
+    Missing parent directories are fine (the writers create them, only when they write, so a
+    failed run leaves none behind) as long as the nearest existing one is a writable directory.
+    Raises OutputError when the path is empty or a directory, or that directory is not a
+    directory or not writable. Returns the absolute target path.
     """
     if not os.fspath(path):
-        raise OutputError("output path is empty")
+        raise OutputError("output path is empty", hint="give a file name, e.g. -o report.json")
     target = _target(path)
     if target.is_dir():
-        raise OutputError(f"cannot write {path}: it is a directory")
+        raise OutputError(f"cannot write {path}: it is a directory", hint="give a file name inside it")
     parent = target.parent
-    if not parent.exists():
-        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
     if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: {parent} is not a directory")
+        raise OutputError(f"cannot write {path}: {parent} is not a directory", hint="choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {path}: permission denied for directory {parent}")
+        raise OutputError(f"cannot write {path}: permission denied for directory {parent}",
+                          hint="choose a directory you can write to")
     return target
+
+
+def _make_parents(target: Path, path: str | os.PathLike[str]) -> None:
+    """Create the missing parent directories of ``target`` (``-o`` and ``--junit`` alike)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(_describe(path, exc)) from exc
 
 
 def _new_file_mode(target: Path) -> int:
@@ -79,6 +90,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
     if not isinstance(data, (str, bytes)):
         raise TypeError(f"write_atomic expects str or bytes, got {type(data).__name__}")
     target = ensure_writable(path)
+    _make_parents(target, path)
     tmp_name: str | None = None
     try:
         payload = data.encode("utf-8") if isinstance(data, str) else data
@@ -132,6 +144,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     (an OSError becomes OutputError; other exceptions propagate unchanged).
     """
     target = ensure_writable(path)
+    _make_parents(target, path)
     try:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
