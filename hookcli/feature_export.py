@@ -217,7 +217,7 @@ def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, tor
             with open(tmp, "wb") as fh:
                 np.savez(fh, **arrays)
         else:  # pragma: no cover - check_output rejects it first
-            raise OutputError(f"unknown features format {fmt!r}")
+            raise OutputError(f"unknown features format {fmt!r}", hint="save to .safetensors, .pt or .npz")
         size = os.path.getsize(tmp)
     return size, notes
 

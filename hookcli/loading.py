@@ -216,7 +216,8 @@ def _import_module(module_name: str) -> Any:
             raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
                                    hint="a module it imports is missing; install it") from exc
         except Exception as exc:
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+                                   hint="the module raised while importing: run again with --debug for its traceback") from exc
 
 
 def _import_file(path_text: str) -> Any:
@@ -230,7 +231,7 @@ def _import_file(path_text: str) -> Any:
     module_name = f"_hookcli_file_{stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
-        raise ModelImportError(f"cannot import {path_text!r} as a Python file")
+        raise ModelImportError(f"cannot import {path_text!r} as a Python file", hint="give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses, pickling and typing look the module up
     try:
@@ -238,7 +239,8 @@ def _import_file(path_text: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}",
+                               hint="the file raised while importing: run again with --debug for its traceback") from exc
     return module
 
 

@@ -91,6 +91,9 @@ class RunOptions:
         opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
         opts.inputs = [os.fspath(p) for p in opts.inputs]
         opts.model_args = _check_model_args(opts.model_args)
+        if opts.model_args and model_is_instance(opts.model):
+            raise UsageError("model_args apply when hookcli builds the model; this model is already built",
+                             hint="pass the arguments to your model's constructor, or give a spec string")
         if not isinstance(opts.trust_pickle, bool):
             raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
                              hint="pass trust_pickle=True only for files you trust")

@@ -50,7 +50,7 @@ def _make_parents(target: Path, path: str | os.PathLike[str]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        raise OutputError(_describe(path, exc), hint=_hint(exc)) from exc
 
 
 def _new_file_mode(target: Path) -> int:
@@ -61,6 +61,15 @@ def _new_file_mode(target: Path) -> int:
         umask = os.umask(0)
         os.umask(umask)
         return 0o666 & ~umask
+
+
+def _hint(exc: BaseException) -> str:
+    """What to do about a failed write."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "free some space, or write to another disk"
+    if isinstance(exc, PermissionError):
+        return "choose a file you can write, in a directory you can write to"
+    return "choose another output file"
 
 
 def _describe(path: str | os.PathLike[str], exc: BaseException) -> str:
@@ -106,7 +115,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
         os.replace(tmp_name, target)
         tmp_name = None
     except (OSError, UnicodeEncodeError) as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        raise OutputError(_describe(path, exc), hint=_hint(exc)) from exc
     finally:
         if tmp_name is not None:
             with contextlib.suppress(OSError):
@@ -149,7 +158,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
     except OSError as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        raise OutputError(_describe(path, exc), hint=_hint(exc)) from exc
     done = False
     try:
         yield Path(tmp_name)
@@ -160,10 +169,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.chmod(tmp_name, mode)
             os.replace(tmp_name, target)
         except OSError as exc:
-            raise OutputError(_describe(path, exc)) from exc
+            raise OutputError(_describe(path, exc), hint=_hint(exc)) from exc
         done = True
     except OSError as exc:
-        raise OutputError(_describe(path, exc)) from exc
+        raise OutputError(_describe(path, exc), hint=_hint(exc)) from exc
     finally:
         if not done:
             with contextlib.suppress(OSError):
