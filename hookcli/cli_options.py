@@ -42,7 +42,8 @@ def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool
 model_options = _compose(
     click.argument("model", required=False),
     click.option("--model-arg", "model_arg", multiple=True, metavar="KEY=VALUE",
-                 help="Argument for the model class/factory (Python literal); repeatable."),
+                 help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) "
+                 "or a plain word taken as a string (relu); repeatable."),
     click.option("--weights", metavar="FILE|NAME",
                  help="State dict file (.pt/.pth/.safetensors) or torchvision weights name (DEFAULT; downloads)."),
     click.option("--trust-pickle", "trust_pickle", is_flag=True,
@@ -87,7 +88,7 @@ output_options = _compose(
     click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                  help="Output format (with --output, .json/.csv/.md imply it)."),
     click.option("--output", "-o", "output", type=click.Path(dir_okay=False), metavar="FILE",
-                 help="Write the output to FILE (atomically) instead of stdout."),
+                 help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
     click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                  help="Show tracebacks of errors."),
 )
@@ -109,7 +110,8 @@ grad_options = _compose(
 
 check_options = _compose(
     click.option("--junit", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Also write a JUnit XML report (one testcase per rule) to FILE, atomically."),
+                 help="Also write a JUnit XML report (one testcase per rule, with its time) to FILE, atomically; "
+                 "missing directories are created."),
     click.option("--github/--no-github", "github", default=None,
                  help="GitHub Actions annotations on stderr (default: on when GITHUB_ACTIONS=true)."),
     click.option("--baseline", metavar="FILE", type=click.Path(dir_okay=False),
