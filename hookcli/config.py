@@ -131,7 +131,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
     "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
     "batch_size": _spec("integer > 0", "batch size of dummy inputs", _int(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
-    "seed": _spec("integer", "random seed for dummy inputs", _int()),
+    "seed": _spec("integer >= 0", "random seed for dummy inputs", _int(0)),
     "layers": _spec(STRS, "layer name patterns to hook", _str_list),
     "types": _spec(STRS, "module type names to hook", _str_list),
     "depth": _spec("integer >= 0", "maximum module depth to hook", _int(0)),

@@ -79,6 +79,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "unknown.toml").write_text('fil = "ones"\n')
     (tmp_path / "wrongtype.toml").write_text('seed = "zero"\n')
     (tmp_path / "pickle.toml").write_text("trust_pickle = true\n")
+    (tmp_path / "negseed.toml").write_text("seed = -1\n")
     (tmp_path / "badrule.toml").write_text("[checks]\nfinit = true\n")
     (tmp_path / "folder").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -150,6 +151,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("bad config TOML", ["stats", LIN, "--config", "syntax.toml"], 2, "not valid TOML"),
     ("unknown config key", ["stats", LIN, "--config", "unknown.toml"], 2, "fil"),
     ("wrong type in config", ["stats", LIN, "--config", "wrongtype.toml"], 2, "seed"),
+    ("negative seed in config", ["stats", LIN, "--config", "negseed.toml"], 2, "seed"),
     ("trust_pickle in config", ["stats", LIN, "--config", "pickle.toml"], 2, "trust_pickle"),
     ("unknown check rule", ["check", LIN, "--config", "badrule.toml"], 2, "finit"),
     # check baselines and CI outputs
