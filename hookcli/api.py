@@ -24,7 +24,7 @@ from hookcli.errors import HookcliError, ModelRaisedError
 from hookcli.hooks import HookOptions, KeepFn, attach
 from hookcli.inputs import ModelInputs, check_signature, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model
-from hookcli.options import RunOptions, model_is_instance
+from hookcli.options import RunOptions, check_option_names, model_is_instance
 from hookcli.recorders import iter_tensors, shape_of
 from hookcli.records import (
     CheckResult,
@@ -235,6 +235,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
     source = kwargs.pop("model_source", None) or ("python" if model_is_instance(model) else "argument")
+    check_option_names(kwargs)
     return RunOptions(model=model, model_source=source, **kwargs)
 
 

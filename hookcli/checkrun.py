@@ -27,7 +27,7 @@ from hookcli.checks import CheckRules, RuleConfig, parse_checks
 from hookcli.config import Config, load_config
 from hookcli.errors import ConfigError, ModelRaisedError
 from hookcli.gradients import backward_report, build_loss
-from hookcli.options import RunOptions
+from hookcli.options import RunOptions, check_option_names
 from hookcli.recorders import dtype_name, iter_tensors, shape_of, to_host
 from hookcli.records import CheckResult
 from hookcli.rules import Observations, evaluate, load_baseline
@@ -258,4 +258,5 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.
     source = fields.pop("model_source", None) or ("python" if not isinstance(fields.get("model"), (str, type(None)))
                                                   else "argument")
     rules = check_rules(cfg, checks=checks, baseline=baseline)
+    check_option_names(fields)
     return run_check(RunOptions(model_source=source, **fields), rules)

@@ -10,7 +10,7 @@ import math
 import operator
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from hookcli.errors import InputError, UsageError, did_you_mean
@@ -88,6 +88,19 @@ class RunOptions:
             opts.input_shapes = [opts.input_shapes]
         if isinstance(opts.inputs, (str, os.PathLike)):
             opts.inputs = [opts.inputs]
+        opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
+        opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
+        for name in ("layers", "types"):
+            value = getattr(opts, name)
+            if value is not None and not isinstance(value, str) and not (
+                    isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
+                raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                                 hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
+        if opts.weights is not None:
+            if not isinstance(opts.weights, (str, os.PathLike)):
+                raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
+                                 hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
+            opts.weights = os.fspath(opts.weights)
         opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
         opts.inputs = [os.fspath(p) for p in opts.inputs]
         opts.model_args = _check_model_args(opts.model_args)
@@ -156,6 +169,25 @@ def _check_int(flag: str, value: Any, low: int, high: int | None = None, *, opti
     return number
 
 
+def check_option_names(options: Mapping[str, Any]) -> None:
+    """Refuse keyword options that are not RunOptions fields (``input_shape=`` for
+    ``input_shapes=``): a UsageError with close matches, not a TypeError from the constructor."""
+    names = [f.name for f in fields(RunOptions) if f.init]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise UsageError(f"unknown option {unknown[0]!r}",
+                         hint=did_you_mean(unknown[0], names) or "options: " + ", ".join(names))
+
+
+def _sequence(name: str, value: Any, example: str) -> Sequence[Any]:
+    """A list-valued option: None means none; anything not a list or tuple is a UsageError."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"{name} must be a list, got {type(value).__name__}", hint=f"e.g. {name}={example}")
+    return value
+
+
 def _check_model_args(value: Any) -> dict[str, Any]:
     """Model arguments as a dict of keyword names (the API may pass any mapping)."""
     if not isinstance(value, Mapping):
@@ -202,7 +234,7 @@ def model_is_instance(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-__all__ = ["RunOptions", "DEFAULT_MODEL", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
+__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
 
 if TYPE_CHECKING:  # keep type checkers aware of the nn import used in annotations
     _ = nn
