@@ -355,7 +355,7 @@ def check_signature(model: nn.Module, inputs: ModelInputs) -> None:
     except TypeError as exc:
         count = len(inputs.args) + len(inputs.kwargs)
         raise InputError(
-            f"{type(model).__name__}.forward{_short(str(signature), 120)} cannot take the "
-            f"{plural(count, 'input')} given ({_describe_inputs(inputs)}): {exc}",
-            hint="give one --input-shape (or tensor in an --input file) per forward argument, "
-            "keyword arguments by name in an .npz/.safetensors/.pt dict") from None
+            f"{type(model).__name__}.forward cannot take the {plural(count, 'input')} given "
+            f"({_describe_inputs(inputs)}): {exc}",
+            hint=f"forward{_short(str(signature), 160)}: give one --input-shape (or tensor of an --input "
+            "file) per argument; keyword arguments by name in an .npz/.safetensors/.pt dict") from None

@@ -365,7 +365,9 @@ def test_inputs_bind_to_forward_before_running(cli, workdir: Path) -> None:
     ok = cli("stats", "lin.py:Two", "--input-shape", "2x16", "--input-shape", "2x4", "-f", "json")
     assert ok.exit_code == 0, ok.stderr
     too_few = cli("stats", "lin.py:Two", "--input-shape", "2x16")
-    assert "Two.forward(x, mask)" in too_few.stderr and "--input-shape" in too_few.stderr
+    error, hint = too_few.stderr.splitlines()
+    assert "Two.forward" in error and "'mask'" in error
+    assert hint.startswith("  hint: forward(x, mask):") and "--input-shape" in hint
 
 
 def test_seed_bounds_are_inclusive() -> None:
