@@ -23,9 +23,9 @@ from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
 from hookcli.hooks import HookOptions, KeepFn, attach
-from hookcli.inputs import ModelInputs, make_inputs
+from hookcli.inputs import ModelInputs, check_signature, make_inputs
 from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
-from hookcli.options import RunOptions, model_is_instance
+from hookcli.options import RunOptions, check_option_names, model_is_instance
 from hookcli.recorders import iter_tensors, shape_of
 from hookcli.records import (
     CheckResult,
@@ -88,6 +88,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
         trust_pickle=opts.trust_pickle,
     )
+    check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
 
 
@@ -319,6 +320,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
     source = kwargs.pop("model_source", None) or ("python" if model_is_instance(model) else "argument")
+    check_option_names(kwargs)
     return RunOptions(model=model, model_source=source, **kwargs)
 
 

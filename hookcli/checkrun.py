@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,7 +28,7 @@ from hookcli.config import Config, load_config
 from hookcli.errors import ConfigError, ModelRaisedError, exit_status, internal_error
 from hookcli.gradients import backward_report, build_loss
 from hookcli.loading import refuse_torchscript
-from hookcli.options import RunOptions
+from hookcli.options import RunOptions, check_option_names
 from hookcli.recorders import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.rules import Observations, evaluate, load_baseline
@@ -168,12 +169,13 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
     or rules raise UsageError/ConfigError before anything runs.
     """
+    started = time.perf_counter()
     # inference_mode(False): gradients, also when called under torch.inference_mode
     with exclusive(options.model), torch.inference_mode(False):
-        return _run_check(options, rules)
+        return _run_check(options, rules, started)
 
 
-def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
+def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckResult:
     opts = options
     if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
         opts = replace(opts, all_modules=True)
@@ -184,6 +186,7 @@ def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
     cause: BaseException | None = None
+    run_started = time.perf_counter()
     with probe.attached(prep.loaded.model, prep.selection):
         try:
             report = backward_report(prep, "check", stats=True)
@@ -193,17 +196,27 @@ def _run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
             report, cause = exc.report, exc
     probe.raise_error()
     probe.fill(obs)
+    run_seconds = time.perf_counter() - run_started
+    step_seconds: float | None = None
     change_rule = rules.get("params_change")
     if report.failure is None and change_rule is not None and report.params is not None:
         names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
+        step_started = time.perf_counter()
         obs.changes, obs.change_error = params_change(prep, names, change_rule)
+        step_seconds = time.perf_counter() - step_started
     results, notes = evaluate(rules, report, obs)
     if report.failure is not None and report.failure.exception == "SystemExit":  # exited, not raised
         results = [replace(r, message=api.failure_message(report.failure)) if r.rule == RUNS else r for r in results]
     if report.failure is None and not any(r.called for r in report.layers):
         results = nothing_observed(report, results)
+    for result in results:  # the rule's share of the time: its evaluation plus what it alone ran
+        if result.rule == RUNS:
+            result.seconds = run_seconds
+        elif result.rule == "params_change" and step_seconds is not None:
+            result.seconds = (result.seconds or 0.0) + step_seconds
     source = rules.source if rules.source != "checks" else None
-    return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause)
+    return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause,
+                       seconds=time.perf_counter() - started)
 
 
 def nothing_observed(report: Report, results: list[RuleResult]) -> list[RuleResult]:
@@ -261,7 +274,8 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
         config.path.name == "pyproject.toml") else "checks"
     if checks is not None:
         if not isinstance(checks, Mapping):
-            raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}")
+            raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}",
+                              hint="e.g. checks={'output_shape': [2, 10], 'grad_norm': {'max': 1e3}}")
         parse_checks(checks, source="checks")  # errors name the dict, not the file
         table.update(checks)
     if baseline is not None:
@@ -286,4 +300,5 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.
     source = fields.pop("model_source", None) or ("python" if not isinstance(fields.get("model"), (str, type(None)))
                                                   else "argument")
     rules = check_rules(cfg, checks=checks, baseline=baseline)
+    check_option_names(fields)
     return run_check(RunOptions(model_source=source, **fields), rules)

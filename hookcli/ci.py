@@ -82,11 +82,16 @@ def _xml(text: str) -> str:
     return _XML_INVALID.sub("\ufffd", escape_control(text))
 
 
+def _seconds(value: float | None) -> str:
+    """JUnit's ``time`` (seconds, millisecond precision); 0 for what did not run."""
+    return f"{max(value or 0.0, 0.0):.3f}"
+
+
 def junit_xml(result: CheckResult) -> str:
     """A JUnit XML document: one ``testcase`` per rule; FAIL -> ``failure``, SKIP -> ``skipped``."""
     counts = result.counts()
     totals = {"tests": str(len(result.rules)), "failures": str(counts["failed"]), "errors": "0",
-              "skipped": str(counts["skipped"])}
+              "skipped": str(counts["skipped"]), "time": _seconds(result.seconds)}
     spec = result.model.spec
     suites = ET.Element("testsuites", name="hookcli check", **totals)
     suite = ET.SubElement(suites, "testsuite", name=_xml(f"hookcli check {spec}"), **totals)
@@ -96,7 +101,7 @@ def junit_xml(result: CheckResult) -> str:
         ET.SubElement(props, "property", name=name, value=_xml(str(value)))
     classname = "hookcli.check." + re.sub(r"[^A-Za-z0-9_]+", "_", result.model.class_name)
     for rule in result.rules:
-        case = ET.SubElement(suite, "testcase", name=rule.rule, classname=classname, time="0")
+        case = ET.SubElement(suite, "testcase", name=rule.rule, classname=classname, time=_seconds(rule.seconds))
         summary = f"{rule.status} ({rule.severity}): {rule.message}"
         if rule.status == "FAIL":
             failure = ET.SubElement(case, "failure", message=_xml(rule.message), type=rule.rule)

@@ -20,7 +20,7 @@ import click
 
 from hookcli._version import __version__
 from hookcli.errors import (
-    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status,
+    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
 )
 
 from hookcli.cli_options import (
@@ -73,6 +73,18 @@ def _sigterm_as_exception() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+class OneLineUsageError(click.UsageError):
+    """Click's own usage errors (a bad --fill choice, --seed -1, an unknown option) in hookcli's
+    format: one ``Error:`` line and one ``  hint:`` line, not Click's usage block."""
+
+    def __init__(self, exc: click.UsageError) -> None:
+        super().__init__(exc.format_message(), exc.ctx)
+        self.exit_code = exc.exit_code
+
+    def show(self, file: Any = None) -> None:
+        command = self.ctx.command_path if self.ctx is not None else "hookcli"
+        click.echo(f"Error: {one_line(self.format_message())}", err=True)
+        click.echo(f"  hint: run '{command} --help' for the options and their values", err=True)
 
 
 class HookcliGroup(click.Group):
@@ -94,9 +106,20 @@ class HookcliGroup(click.Group):
             click.echo("terminated (SIGTERM)", err=True)
             sys.exit(EXIT_SIGTERM)
 
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc) from exc
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            if isinstance(exc, OneLineUsageError):
+                raise
+            raise OneLineUsageError(exc) from exc
         except HookcliError as exc:
             _report_error(ctx, exc)
             ctx.exit(exc.exit_code)
@@ -114,9 +137,7 @@ class HookcliGroup(click.Group):
                 raise
             from hookcli.render.escape import escape_control
 
-            text = str(exc).strip()
-            detail = f": {escape_control(text.splitlines()[0])}" if text else ""
-            click.echo(f"Error: internal error: {type(exc).__name__}{detail}", err=True)
+            click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(exc)}"), err=True)
             click.echo(f"  hint: {INTERNAL_HINT}", err=True)
             ctx.exit(EXIT_INTERNAL)
 
@@ -130,9 +151,9 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
     from hookcli.render.escape import escape_control  # names and messages from the model are data
 
-    click.secho(f"Error: {escape_control(exc.message)}", err=True, fg="red")
+    click.secho(f"Error: {one_line(escape_control(exc.message))}", err=True, fg="red")
     if exc.hint:
-        click.echo(f"  hint: {escape_control(exc.hint)}", err=True)
+        click.echo(f"  hint: {one_line(escape_control(exc.hint))}", err=True)
 
 
 def _emit_partial(report: Any, *, fmt: str, output: str | None) -> None:

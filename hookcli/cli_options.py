@@ -16,7 +16,8 @@ import click
 from click.core import ParameterSource
 
 from hookcli.config import CLI_ONLY_KEYS, FORMATS
-from hookcli.errors import UsageError
+from hookcli.errors import OutputError, UsageError
+from hookcli.options import MAX_FMAP_SCALE, MAX_SEED
 
 META_OUTPUT = "hookcli.output"
 META_DEBUG = "hookcli.debug"
@@ -41,7 +42,8 @@ def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool
 model_options = _compose(
     click.argument("model", required=False),
     click.option("--model-arg", "model_arg", multiple=True, metavar="KEY=VALUE",
-                 help="Argument for the model class/factory (Python literal); repeatable."),
+                 help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) "
+                 "or a plain word taken as a string (relu); repeatable."),
     click.option("--weights", metavar="FILE|NAME",
                  help="State dict file (.pt/.pth/.safetensors) or torchvision weights name (DEFAULT; downloads)."),
     click.option("--trust-pickle", "trust_pickle", is_flag=True,
@@ -61,7 +63,8 @@ input_options = _compose(
                  help="Batch size of the dummy input (features: images per batch from --input, default 32)."),
     click.option("--fill", type=click.Choice(["randn", "rand", "ones", "zeros"]), default="randn",
                  show_default=True, help="How the dummy input is filled."),
-    click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the dummy input."),
+    click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                 help="Random seed of the dummy input (0 to 2**64-1)."),
 )
 """What goes into the model."""
 
@@ -85,7 +88,7 @@ output_options = _compose(
     click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                  help="Output format (with --output, .json/.csv/.md imply it)."),
     click.option("--output", "-o", "output", type=click.Path(dir_okay=False), metavar="FILE",
-                 help="Write the output to FILE (atomically) instead of stdout."),
+                 help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
     click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                  help="Show tracebacks of errors."),
 )
@@ -107,7 +110,8 @@ grad_options = _compose(
 
 check_options = _compose(
     click.option("--junit", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Also write a JUnit XML report (one testcase per rule) to FILE, atomically."),
+                 help="Also write a JUnit XML report (one testcase per rule, with its time) to FILE, atomically; "
+                 "missing directories are created."),
     click.option("--github/--no-github", "github", default=None,
                  help="GitHub Actions annotations on stderr (default: on when GITHUB_ACTIONS=true)."),
     click.option("--baseline", metavar="FILE", type=click.Path(dir_okay=False),
@@ -139,8 +143,8 @@ fmap_options = _compose(
                  help="Which call of a module the forward pass calls more than once."),
     click.option("--output-key", "tensor_key", metavar="KEY",
                  help="Which tensor of a tuple/dict output, e.g. 0 or out."),
-    click.option("--scale", type=click.IntRange(min=1), metavar="N",
-                 help="Upscale each tile N times (default: so tiles are at least 32 px)."),
+    click.option("--scale", type=click.IntRange(1, MAX_FMAP_SCALE), metavar="N",
+                 help=f"Upscale each tile N times, 1 to {MAX_FMAP_SCALE} (default: so tiles are at least 32 px)."),
 )
 """Which output of which module ``fmaps`` draws, and how."""
 
@@ -159,6 +163,10 @@ def prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
         implied = format_for_path(values["output"])
         if implied is not None and ctx.get_parameter_source("fmt") == ParameterSource.DEFAULT:
             values["fmt"] = implied.value
+        elif implied is not None and implied.value != values["fmt"]:
+            raise OutputError(f"--output {values['output']} names a {implied.value} file but --format is {values['fmt']}",
+                              hint=f"drop --format (the extension chooses {implied.value}), or give the file "
+                              "the extension of the format: .json, .csv, .md or .txt")
     ctx.meta[META_OUTPUT] = {"fmt": values["fmt"], "output": values.get("output")}
 
 
@@ -182,7 +190,8 @@ def apply_config(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
         try:
             values[name] = param.type_cast_value(ctx, raw)
         except click.BadParameter as exc:
-            raise UsageError(f"{config.path}: bad value for {key!r}: {exc.message}") from None
+            raise UsageError(f"{config.path}: bad value for {key!r}: {exc.message}",
+                             hint=f"fix {key} in the config, or override it on the command line") from None
     if "train" in params and ctx.get_parameter_source("train") == ParameterSource.DEFAULT and "mode" in config.values:
         values["train"] = config.values["mode"] == "train"
     return values

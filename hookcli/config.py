@@ -131,7 +131,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
     "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
     "batch_size": _spec("integer > 0", "batch size of dummy inputs", _int(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
-    "seed": _spec("integer", "random seed for dummy inputs", _int()),
+    "seed": _spec("integer >= 0", "random seed for dummy inputs", _int(0)),
     "layers": _spec(STRS, "layer name patterns to hook", _str_list),
     "types": _spec(STRS, "module type names to hook", _str_list),
     "depth": _spec("integer >= 0", "maximum module depth to hook", _int(0)),
@@ -177,17 +177,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"config file {path} does not exist",
+                          hint="check the --config path (relative paths start at the current directory)") from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory") from None
+        raise ConfigError(f"config file {path} is a directory", hint="give the TOML file inside it") from None
     except PermissionError:
-        raise ConfigError(f"config file {path}: permission denied") from None
+        raise ConfigError(f"config file {path}: permission denied", hint="make the file readable") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}",
+                          hint="fix the syntax at that line (strings need quotes: fill = \"ones\")") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid UTF-8: {exc.reason}") from None
+        raise ConfigError(f"config file {path} is not valid UTF-8: {exc.reason}",
+                          hint="save the file as UTF-8") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}",
+                          hint="check that the file exists and is readable") from None
 
 
 def _is_pyproject(path: Path, data: dict[str, Any]) -> bool:
@@ -248,11 +252,13 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
     for raw_key, value in table.items():
         key = normalize_key(raw_key)
         if key in seen:
-            raise ConfigError(f"{path}: key {raw_key!r} given twice (also as {seen[key]!r})")
+            raise ConfigError(f"{path}: key {raw_key!r} given twice (also as {seen[key]!r})",
+                              hint="keep one spelling: '-' and '_' in keys mean the same")
         seen[key] = raw_key
         if key in RAW_TABLES:
             if not isinstance(value, dict):
-                raise ConfigError(f"{path}: [{raw_key}] must be a table, got {_type_name(value)}")
+                raise ConfigError(f"{path}: [{raw_key}] must be a table, got {_type_name(value)}",
+                                  hint=f"write it as a [{raw_key}] section with one key per rule")
             checks = value
             continue
         if key in CLI_ONLY_KEYS:
@@ -271,8 +277,8 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
         except _Invalid:
             got = _describe_value(value)
             raise ConfigError(
-                f"{path}: key {raw_key!r} expects {spec.expected}, got {got}"
-            ) from None
+                f"{path}: key {raw_key!r} expects {spec.expected}, got {got}",
+                hint=f"{raw_key}: {spec.description}") from None
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
@@ -307,7 +313,8 @@ def load_config(
             tool = data.get("tool", {})
             table = tool.get("hookcli") if isinstance(tool, dict) else None
             if not isinstance(table, dict):
-                raise ConfigError(f"{file} has no [tool.hookcli] table")
+                raise ConfigError(f"{file} has no [tool.hookcli] table",
+                                  hint="add a [tool.hookcli] table, or give a hookcli TOML file")
             data = table
         values, checks = _validate(data, file)
         return Config(values, file, "config", checks)
@@ -320,6 +327,7 @@ def load_config(
     if table is None:
         return Config({}, None, "none", {})
     if not isinstance(table, dict):
-        raise ConfigError(f"{file}: [tool.hookcli] must be a table")
+        raise ConfigError(f"{file}: [tool.hookcli] must be a table",
+                          hint="write it as a [tool.hookcli] section")
     values, checks = _validate(table, file)
     return Config(values, file, "pyproject", checks)

@@ -16,14 +16,19 @@ if TYPE_CHECKING:
 
 
 class HookcliError(Exception):
-    """Base class of every error hookcli raises on purpose."""
+    """Base class of every error hookcli raises on purpose.
+
+    Every error carries a hint (what to do next): the one given where it is raised, else its
+    class's ``default_hint``, so no message reaches the user without one.
+    """
 
     exit_code: int = 2
+    default_hint: str = "run the command with --help to see its options"
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = hint or self.default_hint
 
     def __str__(self) -> str:
         return self.message
@@ -32,33 +37,49 @@ class HookcliError(Exception):
 class UsageError(HookcliError):
     """A bad option value or combination (exit 2)."""
 
+    default_hint = 'run the command with --help to see its options and their values'
+
 
 class ModelNotFoundError(UsageError):
     """The model spec names no known torchvision model or importable attribute."""
+
+    default_hint = "a MODEL is a torchvision name ('hookcli models' lists them), package.module:attr or path/to/file.py:attr"
 
 
 class ModelImportError(UsageError):
     """A user model's module or file failed to import or build."""
 
+    default_hint = "run again with --debug to see the traceback from the model's code"
+
 
 class WeightsError(UsageError):
     """Weights could not be loaded (missing file, mismatched keys, download impossible)."""
+
+    default_hint = 'pass a state dict saved with torch.save(model.state_dict(), PATH), or leave --weights out for random weights'
 
 
 class LayerNotFoundError(UsageError):
     """A --layers pattern or --types name matches no module of the model."""
 
+    default_hint = "run 'hookcli modules MODEL' to list the module names and types"
+
 
 class InputError(UsageError):
     """An input file or input option could not be turned into tensors."""
+
+    default_hint = "check --input / --input-shape (see the command's --help)"
 
 
 class ConfigError(UsageError):
     """A config file is unreadable or has unknown keys / wrong types."""
 
+    default_hint = 'fix the config file; every key it may set is listed in the README (Configuration)'
+
 
 class OutputError(UsageError):
     """An output file cannot be written (bad extension, unwritable path)."""
+
+    default_hint = 'choose another output file, in a directory you can write to'
 
 
 class UnsupportedError(UsageError):
@@ -67,6 +88,8 @@ class UnsupportedError(UsageError):
     Never "the model raised": the model may be fine, hookcli cannot inspect it this way.
     """
 
+    default_hint = 'run again with --debug for details, and see the README for what hookcli supports'
+
 
 class ModelRaisedError(HookcliError):
     """The model raised during forward or backward (exit 1).
@@ -74,6 +97,8 @@ class ModelRaisedError(HookcliError):
     Carries the partial report (every row gathered before the failure), the dotted name of the
     innermost module that was running and that module's input shapes, so nothing is lost.
     """
+
+    default_hint = "run again with --debug for the model's traceback"
 
     exit_code = 1
 
@@ -97,6 +122,8 @@ class ModelRaisedError(HookcliError):
 class CheckFailedError(HookcliError):
     """One or more sanity-check rules failed (exit 1)."""
 
+    default_hint = 'see the FAIL rows above; thresholds come from [checks] in the config'
+
     exit_code = 1
 
     def __init__(self, message: str, *, result: Any = None, hint: str | None = None) -> None:
@@ -106,6 +133,8 @@ class CheckFailedError(HookcliError):
 
 class InternalError(HookcliError):
     """A bug in hookcli itself (exit 3): never blamed on the model or the user's input."""
+
+    default_hint = 'run again with --debug for the traceback, and please report it'
 
     exit_code = 3
 
@@ -154,3 +183,24 @@ def did_you_mean(word: str, candidates: Iterable[str], n: int = 5) -> str | None
     if not matches:
         return None
     return "did you mean: " + ", ".join(matches) + "?"
+
+
+#: The longest message or hint the CLI prints (a message must never flood a terminal).
+MAX_MESSAGE = 500
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` as one line of at most ``limit`` characters: line breaks and runs of whitespace
+    become one space, and a long text is cut with ``...`` (errors are one line on stderr)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3].rstrip() + "..."
+
+
+def describe_exception(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message``, short: for errors that quote a library's exception
+    (torch's C++ errors carry stack dumps and ``[enforce fail at ...]`` prefixes)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if first.startswith("[enforce fail at") and "] " in first:
+        first = first.split("] ", 1)[1].removeprefix("err == 0. ")
+    return one_line(f"{type(exc).__name__}: {first}" if first else type(exc).__name__, limit)

@@ -266,7 +266,7 @@ def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, tor
     from hookcli.output import atomic_path, open_output, resolve_target
 
     if fmt not in ("safetensors", "torch", "numpy"):  # pragma: no cover - check_output rejects it first
-        raise OutputError(f"unknown features format {fmt!r}")
+        raise OutputError(f"unknown features format {fmt!r}", hint="save to .safetensors, .pt or .npz")
     target = resolve_target(path)
     notes: list[str] = []
     if fmt == "safetensors" and not target.in_place:

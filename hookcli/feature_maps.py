@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+import operator
 import os
 import re
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ import torch
 from hookcli._version import __version__
 from hookcli.api import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
-from hookcli.options import RunOptions
+from hookcli.options import MAX_FMAP_SCALE, RunOptions
 from hookcli.recorders import dtype_name, shape_of
 from hookcli.records import ChannelRecord, FeatureMaps
 
@@ -41,6 +42,12 @@ MIN_TILE = 32  # px: smaller maps are upscaled so each tile is at least this big
 PADDING = 2  # px between tiles (make_grid's default)
 PAD_VALUE = 0.5  # mid grey, so black (min) and white (max) tiles stay distinct
 BAR_HEIGHT, BAR_WIDTH = 64, 8  # px of one bar before scaling
+#: The largest image fmaps draws (a side of 65535 px is the limit of most image tools; 2**28
+#: pixels, 256 MiB of grey, is past what a viewer opens): bigger is refused before drawing.
+MAX_SIDE, MAX_PIXELS = 65535, 2**28
+#: The most channel indices --channels may list (no layer has more channels than this).
+MAX_CHANNEL_INDICES = 2**20
+CHANNELS_HINT = "a count (16), indices (0,5,7), ranges (0-3,8), a single index (5,) or all"
 
 
 @dataclass
@@ -70,9 +77,12 @@ class FmapOptions:
         for name in ("sample", "call"):
             value = getattr(opts, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise UsageError(f"--{name} must be an integer >= 0, got {value!r}")
-        if opts.scale is not None and (not isinstance(opts.scale, int) or opts.scale < 1):
-            raise UsageError(f"--scale must be an integer >= 1, got {opts.scale!r}")
+                raise UsageError(f"--{name} must be an integer >= 0, got {_short(repr(value))}",
+                                 hint=f"e.g. --{name} 0")
+        if opts.scale is not None and (not isinstance(opts.scale, int) or isinstance(opts.scale, bool)
+                                       or not 1 <= opts.scale <= MAX_FMAP_SCALE):
+            raise UsageError(f"--scale must be an integer from 1 to {MAX_FMAP_SCALE}, got {_short(repr(opts.scale))}",
+                             hint="leave --scale out: tiles are then scaled to at least 32 px")
         return opts
 
 
@@ -81,34 +91,57 @@ def parse_channels(value: int | str | Sequence[int] | None) -> int | list[int] |
     if value is None:
         return DEFAULT_CHANNELS
     if isinstance(value, bool):
-        raise UsageError(f"bad --channels {value!r}")
+        raise UsageError(f"bad --channels {value!r}", hint=CHANNELS_HINT)
     if isinstance(value, int):
         if value < 1:
-            raise UsageError(f"--channels must be at least 1, got {value}")
+            raise UsageError(f"--channels must be at least 1, got {value}", hint=CHANNELS_HINT)
         return value
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "all":
             return None
-        if text.isdigit():
+        if text.isdigit() and len(text) <= 19:
             return parse_channels(int(text))
         indices: list[int] = []
         for part in (p.strip() for p in text.split(",")):
             if not part:
                 continue
-            match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            match = re.fullmatch(r"(\d{1,19})(?:-(\d{1,19}))?", part)
             if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
-                raise UsageError(f"bad --channels {value!r}",
-                                 hint="a count (16), indices (0,5,7), ranges (0-3,8), a single index (5,) or all")
+                raise UsageError(f"bad --channels {_short(value)!r}", hint=CHANNELS_HINT)
             lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
+            if len(indices) + hi - lo + 1 > MAX_CHANNEL_INDICES:
+                raise UsageError(f"--channels {_short(value)!r} lists more than {MAX_CHANNEL_INDICES} channels",
+                                 hint="give the channels the layer has (hookcli shapes MODEL shows them), or all")
             indices.extend(range(lo, hi + 1))
         if not indices:
-            raise UsageError(f"bad --channels {value!r}: no channel given")
+            raise UsageError(f"bad --channels {_short(value)!r}: no channel given", hint=CHANNELS_HINT)
         return indices
-    indices = [int(i) for i in value]
-    if not indices or any(i < 0 for i in indices):
-        raise UsageError(f"bad --channels {list(value)!r}: give indices >= 0")
+    try:
+        indices = [operator.index(i) for i in value]
+    except TypeError:
+        raise UsageError(f"bad --channels {_short(repr(value))}: give integer indices", hint=CHANNELS_HINT) from None
+    if not indices or any(i < 0 for i in indices) or len(indices) > MAX_CHANNEL_INDICES:
+        raise UsageError(f"bad --channels {_short(repr(value))}: give 1 to {MAX_CHANNEL_INDICES} indices >= 0",
+                         hint=CHANNELS_HINT)
     return indices
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def compact_ranges(indices: Sequence[int], limit: int = 8) -> str:
+    """``[1, 2, 3, 7, 9, 10]`` -> ``"1-3,7,9-10"``, at most ``limit`` runs (then ``...``): error
+    messages name any number of channels in one short line."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    parts = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:limit]]
+    return ",".join(parts) + (",..." if len(runs) > limit else "")
 
 
 def check_png(path: str | os.PathLike[str]) -> Path:
@@ -245,7 +278,8 @@ def _channel_list(spec: int | list[int] | None, count: int, label: str, unit: st
         return list(range(min(spec, count)))
     bad = [i for i in spec if i >= count]
     if bad:
-        raise UsageError(f"--channels {','.join(map(str, bad))}: {label} has {count} {unit}s (0-{count - 1})")
+        raise UsageError(f"--channels {compact_ranges(bad)}: {label} has {count} {unit}s (0-{count - 1})",
+                         hint=f"give indices from 0 to {count - 1}, a count, or all")
     return list(dict.fromkeys(spec))
 
 
@@ -283,9 +317,10 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
         raise UsageError(f"{label} was not called by the model's forward", hint="choose a module that runs")
     if spec.call >= calls:
         raise UsageError(f"--call {spec.call}: {label} was called {calls} time{'s' if calls > 1 else ''}"
-                         f" (calls 0-{calls - 1})")
+                         f" (calls 0-{calls - 1})", hint=f"give --call 0 to {calls - 1}")
     if not captured:
-        raise UsageError(f"{label} returned no tensor on call {spec.call}")
+        raise UsageError(f"{label} returned no tensor on call {spec.call}",
+                         hint="choose a module that returns a tensor (hookcli shapes MODEL --all shows them)")
     path, got = _pick(captured, spec.output_key, label)
     shown_label = (f"{label}#{spec.call}" if calls > 1 else label) + path
     result = FeatureMaps(model=prep.info, layer=name, type=type(module).__name__, inputs=list(prep.inputs.infos),
@@ -309,6 +344,7 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
                       shown=i in wanted)
         for i in range(count)
     ]
+    _check_image_size(kind, x.shape, len(chosen), spec.scale)
     selected = x[chosen]
     if kind == "bars":
         scale = spec.scale or 1
@@ -331,6 +367,28 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
         write_atomic(target, data)
         result.path, result.file_bytes = os.fspath(output), len(data)  # type: ignore[arg-type]
     return result
+
+
+def _image_size(kind: str, shape: Sequence[int], n: int, scale: int) -> tuple[int, int]:
+    """(height, width) in px of the image fmaps would draw (as make_grid lays it out)."""
+    if kind == "bars":
+        return BAR_HEIGHT * scale + 2 * PADDING, n * (BAR_WIDTH * scale + PADDING) + PADDING
+    cols = min(math.ceil(math.sqrt(n)), n)
+    rows = math.ceil(n / cols)
+    return (rows * (shape[1] * scale + PADDING) + PADDING, cols * (shape[2] * scale + PADDING) + PADDING)
+
+
+def _check_image_size(kind: str, shape: Sequence[int], n: int, scale: int | None) -> None:
+    """Refuse an image too big to draw or open, before drawing it (UsageError, exit 2)."""
+    used = scale or (1 if kind == "bars" else auto_scale(int(shape[1]), int(shape[2])))
+    height, width = _image_size(kind, shape, n, used)
+    if max(height, width) > MAX_SIDE or height * width > MAX_PIXELS:
+        fits = [s for s in range(1, used) if (lambda h, w: max(h, w) <= MAX_SIDE and h * w <= MAX_PIXELS)(
+            *_image_size(kind, shape, n, s))]
+        what = f"--scale {fits[-1]} or less" if fits else "fewer --channels"
+        raise UsageError(f"the image would be {width}x{height} px ({n} tiles at scale {used}); "
+                         f"fmaps draws at most {MAX_SIDE} px a side and {MAX_PIXELS:,} px in all",
+                         hint=f"use {what}")
 
 
 def _finite(value: torch.Tensor) -> float | None:

@@ -70,7 +70,8 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -
             raise UsageError(f"--loss {loss} needs (batch, classes) output, got shape {shape_of(out)}",
                              hint="use --loss sum or --loss mean")
         if target >= out.shape[1]:
-            raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes")
+            raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes",
+                             hint=f"give --target 0 to {out.shape[1] - 1}")
         labels = torch.full((out.shape[0],), target, dtype=torch.long, device=out.device)
         fn = F.cross_entropy if loss == "ce" else F.nll_loss
         value = fn(out.float(), labels)

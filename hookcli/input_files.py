@@ -7,7 +7,6 @@ torchvision.io (PIL as fallback) and preprocessed with the model's weights trans
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hookcli.errors import InputError, UsageError
+from hookcli.errors import InputError, UsageError, describe_exception
 from hookcli.inputs import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
@@ -25,7 +24,7 @@ from hookcli.inputs import (
     plural,
     transform_size,
 )
-from hookcli.loading import TRUST_PICKLE_HINT, UNPICKLE_IMPORT_HINT, LoadedModel
+from hookcli.loading import UNPICKLE_IMPORT_HINT, LoadedModel, torch_load_failure
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -51,7 +50,8 @@ def expand_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list[Pat
             labels.append(f"{text.rstrip('/' + os.sep)}/ ({plural(len(images), 'file')})")
             continue
         if not path.exists():
-            raise InputError(f"input file not found: {text}")
+            raise InputError(f"input file not found: {text}",
+                             hint="check the path (relative paths start at the current directory)")
         suffix = path.suffix.lower()
         if suffix not in IMAGE_SUFFIXES + TENSOR_SUFFIXES:
             raise InputError(f"unsupported input file {text!r}",
@@ -97,7 +97,7 @@ def _decode(path: Path) -> torch.Tensor:
         with Image.open(path) as im:
             return pil_to_tensor(im.convert("RGB"))
     except Exception as exc:
-        raise InputError(f"could not decode image {str(path)!r}: {type(exc).__name__}: {exc}",
+        raise InputError(f"could not decode image {str(path)!r}: {describe_exception(exc)}",
                          hint="is it a valid, complete image file?") from exc
 
 
@@ -123,7 +123,8 @@ def image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInp
     if family == "optical_flow":  # two frames, [0, 1] mapped to [-1, 1] as RAFT expects
         if len(raw) != 2 or raw[0].shape != raw[1].shape:
             got = ", ".join(f"{p.name} {list(r.shape)}" for p, r in zip(paths, raw))
-            raise InputError(f"optical flow models take exactly two images of one size (got {got})")
+            raise InputError(f"optical flow models take exactly two images of one size (got {got})",
+                             hint="give two frames of one size: --input a.png --input b.png")
         pair = tf(*raw) if tf is not None else [
             F.normalize(F.to_dtype(r, torch.float32, scale=True), [0.5] * 3, [0.5] * 3) for r in raw]
         return pack_inputs([(t.unsqueeze(0), f"image: {p}") for t, p in zip(pair, paths)])
@@ -155,7 +156,8 @@ def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
         keys = sorted(data, key=lambda k: int(index[k].group(1)))  # type: ignore[union-attr]
         return [(None, data[k], f"file: {label}[{k}]") for k in keys]
     if bad := [k for k in data if not isinstance(k, str) or not k.isidentifier()]:
-        raise InputError(f"{label}: keys {bad[:5]!r} are neither positions nor argument names")
+        raise InputError(f"{label}: keys {bad[:5]!r} are neither positions nor argument names",
+                         hint="name tensors 0, 1, ... (positional) or after forward's arguments (keywords)")
     return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
 
 
@@ -179,20 +181,19 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except ImportError as exc:
         if suffix in (".pt", ".pth"):  # unpickling imports the module of a class the file names
-            raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}",
+            raise InputError(f"could not read input file {label}: {describe_exception(exc)}",
                              hint=UNPICKLE_IMPORT_HINT) from exc
         raise InputError(f"reading {label} needs the {exc.name} package",
                          hint=f"pip install {exc.name}") from exc
     except InputError:
         raise
-    except pickle.UnpicklingError as exc:
-        if trust_pickle:  # a plain unpickling failure: a corrupt file
-            raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}") from exc
-        raise InputError(f"{label} holds non-tensor Python objects that weights_only loading refuses",
-                         hint=f"save plain tensors (or tuples/dicts of them), or {TRUST_PICKLE_HINT}") from exc
     except Exception as exc:
-        hint = UNPICKLE_IMPORT_HINT if trust_pickle and isinstance(exc, AttributeError) else None
-        raise InputError(f"could not read input file {label}: {type(exc).__name__}: {exc}", hint=hint) from exc
+        if suffix in (".pt", ".pth"):
+            message, hint = torch_load_failure(exc, f"input file {label}", trust_pickle,
+                                               resave="torch.save(tensor_or_tuple_or_dict, PATH)")
+            raise InputError(message, hint=hint) from exc
+        raise InputError(f"could not read input file {label}: {describe_exception(exc)}",
+                         hint=f"is it a complete {suffix} file of plain tensors?") from exc
     if isinstance(obj, torch.Tensor):
         return [(None, obj, f"file: {label}")]
     if isinstance(obj, (list, tuple)):
@@ -202,7 +203,8 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
         return [(None, v, f"file: {label}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         return _split_keyed(obj, label)
-    raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict")
+    raise InputError(f"{label} holds a {type(obj).__name__}, not a tensor, tuple or dict",
+                     hint="save the inputs with torch.save(tensor_or_tuple_or_dict, PATH)")
 
 
 def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]], *,
@@ -212,5 +214,6 @@ def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]], 
     keyword = [(k, v, src) for k, v, src in entries if k is not None]
     names = [k for k, _, _ in keyword]
     if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise InputError(f"keyword inputs given by more than one file: {', '.join(twice)}")
+        raise InputError(f"keyword inputs given by more than one file: {', '.join(twice)}",
+                         hint="give each keyword input in one file only")
     return pack_inputs([(v, src) for k, v, src in entries if k is None], keyword)

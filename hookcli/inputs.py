@@ -7,6 +7,7 @@ gets an ``InputInfo`` that says where it came from, including when its shape was
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import InputError, UsageError, did_you_mean
+import math
+
+from hookcli.errors import InputError, UsageError, describe_exception, did_you_mean
 from hookcli.loading import LoadedModel
 from hookcli.records import InputInfo
 
@@ -57,10 +60,47 @@ def parse_input_shape(text: str) -> InputSpec:
             raise UsageError(f"unknown dtype {dtype_text!r} in input shape {text!r}",
                              hint=f"valid dtypes: {', '.join(_CANONICAL)}; {_SHAPE_EXAMPLE}")
     parts = re.split(r"[xX,*]", body.strip().strip("()[]").replace(" ", ""))
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise UsageError(f"bad input shape {text!r}: dimensions must be positive integers",
+    if not all(p.isdigit() and len(p) <= 19 and int(p) > 0 for p in parts):
+        raise UsageError(f"bad input shape {_short(text)!r}: dimensions must be positive integers",
                          hint=_SHAPE_EXAMPLE)
-    return InputSpec(tuple(int(p) for p in parts), dtype)
+    shape = tuple(int(p) for p in parts)
+    if math.prod(shape) > MAX_NUMEL:
+        raise UsageError(f"input shape {_short(text)!r} has {math.prod(shape):.3g} elements, more than a tensor can hold",
+                         hint=_SHAPE_EXAMPLE)
+    return InputSpec(shape, dtype)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: The most elements a torch tensor may have (its sizes and strides are int64).
+MAX_NUMEL = 2**63 - 1
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_input_size(shape: Sequence[int], dtype: torch.dtype) -> None:
+    """Refuse (InputError, exit 2) a generated input that cannot fit in memory, before allocating it
+    (with memory overcommit a huge allocation can succeed and the filling then kills the process)."""
+    numel = math.prod(shape)
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    memory = _memory_bytes()
+    if numel > MAX_NUMEL or (memory is not None and size > memory):
+        dims = "x".join(map(str, shape))
+        have = f"this machine has {_gb(memory)}" if memory is not None else "more than a tensor can hold"
+        raise InputError(f"input shape {_short(dims)} ({str(dtype).removeprefix('torch.')}) needs {_gb(size)}; {have}",
+                         hint="use a smaller --input-shape or --batch-size")
 
 
 def _info(name: str, value: Any, source: str) -> InputInfo:
@@ -101,6 +141,17 @@ def _fill(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Genera
           model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
     """One tensor of ``fill`` kind and its source text. Integer dtypes get randint in [0, high):
     2 for bool, the vocabulary size when ``model`` starts with an embedding, else 10."""
+    check_input_size(shape, dtype)
+    try:
+        return _fill_unchecked(shape, dtype, fill, gen, seed, model)
+    except RuntimeError as exc:  # allocation failed (the size check passed: memory is in use)
+        dims = "x".join(map(str, shape))
+        raise InputError(f"cannot make an input of shape {_short(dims)}: {describe_exception(exc)}",
+                         hint="use a smaller --input-shape or --batch-size") from exc
+
+
+def _fill_unchecked(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Generator, seed: int,
+                    model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
     if fill in ("ones", "zeros"):
         return (torch.ones if fill == "ones" else torch.zeros)(tuple(shape), dtype=dtype), fill
     if not (dtype.is_floating_point or dtype.is_complex):
@@ -168,7 +219,8 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
             try:
                 value = value()
             except Exception as exc:
-                raise InputError(f"model.{attr}() raised {type(exc).__name__}: {exc}") from exc
+                raise InputError(f"model.{attr}() raised {describe_exception(exc)}",
+                                 hint=f"fix the model's {attr}, or give inputs with --input-shape / --input") from exc
 
         def clone(v: Any) -> Any:  # in-place layers must not change the model's own examples
             return v.clone() if isinstance(v, torch.Tensor) else v
@@ -184,9 +236,10 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
     found = _example_inputs(loaded.model)
     if found is not None:
         return found
-    family, name, f32 = loaded.family, loaded.tv_name or "", torch.float32
+    family, name, f32 = loaded.family, loaded.tv_name or "", model_float_dtype(loaded.model)
     if family is None:
         shape, dtype, note = _guess_user_shape(loaded.model, b)
+        dtype = f32 if dtype.is_floating_point else dtype
         t, src = _fill(shape, dtype, fill, gen, seed, loaded.model)
         return pack_inputs([(t, f"{src}, {note}")])
     if family == "detection":  # a list of CHW images, as torchvision detection models take
@@ -223,7 +276,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         raise UsageError(f"unknown fill {fill!r}",
                          hint=did_you_mean(fill, FILLS) or f"choose one of: {', '.join(FILLS)}")
     if batch_size is not None and batch_size < 1:
-        raise UsageError(f"batch size must be a positive integer, got {batch_size}")
+        raise UsageError(f"batch size must be a positive integer, got {batch_size}", hint="e.g. --batch-size 2")
     if shapes and files:
         raise UsageError("give input shapes or input files, not both",
                          hint="--input-shape makes random tensors; --input reads files")
@@ -233,14 +286,76 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
 
         kind, paths, label = expand_files(files)
         if kind == "images":
-            return image_inputs(loaded, paths, label)
-        return tensor_inputs(loaded, files, trust_pickle=trust_pickle)
-    if not shapes:
-        return _default_inputs(loaded, batch_size or 1, fill, gen, seed)
-    guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else torch.float32
-    made = []
-    for spec in shapes:
-        shape = (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape
-        dtype = getattr(torch, spec.dtype) if spec.dtype else guessed
-        made.append(_fill(shape, dtype, fill, gen, seed, loaded.model))
-    return pack_inputs(made)
+            made = image_inputs(loaded, paths, label)
+            made = _cast_floats(made, model_float_dtype(loaded.model))
+        else:
+            made = tensor_inputs(loaded, files, trust_pickle=trust_pickle)
+    elif not shapes:
+        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed)
+    else:
+        fdt = model_float_dtype(loaded.model)
+        guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else fdt
+        guessed = fdt if guessed.is_floating_point else guessed
+        made = pack_inputs([
+            _fill((batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
+                  getattr(torch, spec.dtype) if spec.dtype else guessed, fill, gen, seed, loaded.model)
+            for spec in shapes])
+    return made
+
+
+def model_float_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype the model computes in: that of the first parametrised leaf's first
+    floating parameter (the layer that receives the input), else any floating parameter or
+    buffer, else float32. Generated float inputs get it, so a float16/bfloat16 model runs."""
+    leaf = _first_leaf(model)
+    tensors = list(leaf[1].parameters(False)) if leaf is not None else []
+    tensors += list(model.parameters()) + list(model.buffers())
+    return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+
+
+def _cast_floats(inputs: ModelInputs, dtype: torch.dtype) -> ModelInputs:
+    """Cast the floating tensors of generated inputs (decoded images) to the model's dtype."""
+    if dtype == torch.float32:
+        return inputs
+
+    def cast(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(dtype) if v.is_floating_point() else v
+        if isinstance(v, list):
+            return [cast(x) for x in v]
+        return v
+
+    return pack_inputs([(cast(v), info.source) for v, info in zip(inputs.args, inputs.infos)],
+                       [(k, cast(v), info.source) for (k, v), info in
+                        zip(inputs.kwargs.items(), inputs.infos[len(inputs.args):])])
+
+
+def _describe_inputs(inputs: ModelInputs) -> str:
+    shown = [("x".join(map(str, i.shape)) if i.shape is not None else i.dtype) for i in inputs.infos]
+    positional = ", ".join(shown[: len(inputs.args)])
+    named = ", ".join(f"{k}={v}" for k, v in zip(inputs.kwargs, shown[len(inputs.args):]))
+    return _short(", ".join(p for p in (positional, named) if p), 200)
+
+
+def check_signature(model: nn.Module, inputs: ModelInputs) -> None:
+    """Bind the inputs to ``model.forward``'s signature before running: too many, too few or
+    unknown keyword inputs are a usage error (exit 2) with the signature, never "the model raised".
+
+    Skipped where the signature cannot be read (TorchScript, builtins) or a forward pre-hook may
+    rewrite the arguments.
+    """
+    if model._forward_pre_hooks or getattr(nn.modules.module, "_global_forward_pre_hooks", None):
+        return
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as exc:
+        count = len(inputs.args) + len(inputs.kwargs)
+        raise InputError(
+            f"{type(model).__name__}.forward cannot take the {plural(count, 'input')} given "
+            f"({_describe_inputs(inputs)}): {exc}",
+            hint=f"forward{_short(str(signature), 160)}: give one --input-shape (or tensor of an --input "
+            "file) per argument; keyword arguments by name in an .npz/.safetensors/.pt dict") from None

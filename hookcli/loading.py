@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import os
 import pickle
+import re
 import sys
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,7 +32,7 @@ from torch import nn
 
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
-    did_you_mean, exit_status,
+    describe_exception, did_you_mean, exit_status, one_line,
 )
 from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
@@ -63,20 +64,50 @@ class LoadedModel:
     weights: str | None  # what was loaded: None, "DEFAULT", "IMAGENET1K_V2", "file: PATH"
 
 
+#: A ``--model-arg`` value that is not a Python literal but still a string: a plain word or path
+#: (``relu``, ``gelu_new``, ``bert-base-uncased``, ``weights/x.pt``), never something that looks
+#: like a broken literal (``[1,2``, ``3x``, ``{a: 1}``).
+_BARE_WORD = re.compile(r"[A-Za-z_./~][A-Za-z0-9_.+:/~=@%-]*")
+MODEL_ARG_HINT = ("VALUE is a Python literal (10, 0.2, True, None, 'text', [1, 2], {'a': 1}) or a plain word "
+                  "taken as a string (relu); quote other strings: --model-arg \"name='a b'\"")
+
+
 def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` items; values are Python literals when they parse, else strings."""
+    """Parse ``KEY=VALUE`` items (``--model-arg``, a config's ``model_args`` array).
+
+    A value is a Python literal (``ast.literal_eval``: numbers, ``True``/``None``, quoted strings,
+    lists, tuples, dicts). A value that is not a literal is a string only when it is a plain word
+    or path (letters, digits, ``_ . - + : / ~ = @ %``, not starting with a digit); anything else, such
+    as ``[1,2`` or ``3x``, is a UsageError: a typo never silently becomes a string.
+    """
     result: dict[str, Any] = {}
     for item in items:
-        key, sep, raw = item.partition("=")
+        key, sep, raw = str(item).partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
-            raise UsageError(f"bad model argument {item!r}: expected KEY=VALUE with KEY a name",
+            raise UsageError(f"bad model argument {_short(str(item))!r}: expected KEY=VALUE with KEY a name",
                              hint="e.g. --model-arg num_classes=10 --model-arg dropout=0.2")
+        if key in result:
+            raise UsageError(f"model argument {key!r} given twice", hint="give each --model-arg KEY once")
+        text = raw.strip()
         try:
-            result[key] = ast.literal_eval(raw.strip())
+            result[key] = ast.literal_eval(text)
+            continue
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            result[key] = raw
+            pass
+        if not _BARE_WORD.fullmatch(text):
+            why = "an empty value" if not text else f"{_short(text)!r} is not a Python literal"
+            raise UsageError(f"bad model argument {key}: {why}", hint=MODEL_ARG_HINT)
+        result[key] = text
     return result
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown_args(model_args: Mapping[str, Any]) -> str:
+    return _short(", ".join(f"{k}={v!r}" for k, v in model_args.items()), 120)
 
 
 # --------------------------------------------------------------------------- torchvision
@@ -148,16 +179,17 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
             kwargs.setdefault("quantize", True)
     try:
         model = tvm.get_model(tv_name, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"could not build {tv_name!r}: {type(exc).__name__}: {exc}",
-                         hint=f"check --model-arg values against torchvision.models.{tv_name}()") from exc
-    except (OSError, RuntimeError) as exc:  # urllib's URLError is an OSError
-        if named is None:
-            raise
-        raise WeightsError(f"could not download {tv_name} weights {named!r}; offline? "
-                           f"({type(exc).__name__}: {exc})",
-                           hint="download the file elsewhere and pass it with --weights FILE, "
-                           "or leave --weights out for random weights") from exc
+    except Exception as exc:
+        if named is not None and (isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and not model_args)):
+            raise WeightsError(f"could not download {tv_name} weights {named!r}; offline? "
+                               f"({describe_exception(exc)})",
+                               hint="download the file elsewhere and pass it with --weights FILE, "
+                               "or leave --weights out for random weights") from exc
+        if not model_args and not isinstance(exc, (TypeError, ValueError)):
+            raise  # torchvision failed on its own defaults: not the user's input
+        with_args = f" with {_shown_args(model_args)}" if model_args else ""
+        raise UsageError(f"could not build {tv_name!r}{with_args}: {describe_exception(exc)}",
+                         hint=f"check the --model-arg values against torchvision.models.{tv_name}()") from exc
     loaded = named
     if weights is not None and named is None:
         loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle)
@@ -249,7 +281,8 @@ def _import_module(module_name: str) -> Any:
             raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
                                    hint="a module it imports is missing; install it") from exc
         except Exception as exc:
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+                                   hint="the module raised while importing: run again with --debug for its traceback") from exc
         except SystemExit as exc:
             raise model_exited(exc, f"importing {module_name!r}") from exc
 
@@ -265,7 +298,7 @@ def _import_file(path_text: str) -> Any:
     module_name = f"_hookcli_file_{stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
-        raise ModelImportError(f"cannot import {path_text!r} as a Python file")
+        raise ModelImportError(f"cannot import {path_text!r} as a Python file", hint="give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses, pickling and typing look the module up
     try:
@@ -273,7 +306,8 @@ def _import_file(path_text: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}",
+                               hint="the file raised while importing: run again with --debug for its traceback") from exc
     except SystemExit as exc:
         sys.modules.pop(module_name, None)
         raise model_exited(exc, f"importing {path_text!r}") from exc
@@ -319,14 +353,15 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
     except SystemExit as exc:
         raise model_exited(exc, f"building {label!r}") from exc
     except Exception as exc:
-        hint = None
-        if isinstance(exc, TypeError):
+        hint = "the model's own code raised: run again with --debug for its traceback"
+        if isinstance(exc, TypeError) or model_args:
             hint = "pass arguments with --model-arg KEY=VALUE"
             try:
-                hint = f"signature: {getattr(obj, '__name__', label)}{inspect.signature(obj)}; {hint}"
+                hint = f"signature: {getattr(obj, '__name__', label)}{_short(str(inspect.signature(obj)), 200)}; {hint}"
             except (TypeError, ValueError):
                 pass
-        raise ModelImportError(f"building {label!r} failed: {type(exc).__name__}: {exc}",
+        with_args = f" with {_shown_args(model_args)}" if model_args else ""
+        raise ModelImportError(f"building {label!r}{with_args} failed: {describe_exception(exc)}",
                                hint=hint) from exc
     if not isinstance(result, nn.Module):
         raise ModelImportError(f"{label!r} returned an object of type {type(result).__name__}, not an nn.Module",
@@ -379,7 +414,7 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
     """Read a state dict from a file: safetensors, or torch.load with weights_only unless
     ``trust_pickle`` (then a whole pickled ``nn.Module`` gives its ``state_dict()``)."""
     if not path.is_file():
-        raise WeightsError(f"weights file not found: {path}")
+        raise WeightsError(f"weights file not found: {path}", hint="give an existing state-dict file")
     if path.suffix.lower() == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -389,7 +424,8 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
         try:
             return dict(load_file(str(path), device="cpu"))
         except Exception as exc:
-            raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+            raise WeightsError(f"could not read {path}: {describe_exception(exc)}",
+                               hint="is it a complete .safetensors file? re-save it with safetensors.torch.save_file") from exc
     if is_torchscript_archive(path):
         if not trust_pickle:
             raise WeightsError(
@@ -399,18 +435,14 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
         try:
             return dict(torch.jit.load(str(path), map_location="cpu").state_dict())
         except Exception as exc:
-            raise WeightsError(f"could not read the TorchScript archive {path}: {type(exc).__name__}: {exc}") from exc
+            raise WeightsError(f"could not read the TorchScript archive {path}: {describe_exception(exc)}",
+                               hint="is the archive complete? re-save it with torch.jit.save") from exc
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except pickle.UnpicklingError as exc:
-        if trust_pickle:  # a plain unpickling failure: a corrupt file
-            raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
-        raise WeightsError(f"{path} holds non-tensor Python objects that weights_only loading refuses",
-                           hint=f"re-save it with torch.save(model.state_dict(), PATH), or {TRUST_PICKLE_HINT}",
-                           ) from exc
     except Exception as exc:
-        hint = UNPICKLE_IMPORT_HINT if trust_pickle and isinstance(exc, (AttributeError, ImportError)) else None
-        raise WeightsError(f"could not read {path}: {type(exc).__name__}: {exc}", hint=hint) from exc
+        message, hint = torch_load_failure(exc, str(path), trust_pickle,
+                                           resave="torch.save(model.state_dict(), PATH)")
+        raise WeightsError(message, hint=hint) from exc
     if (state := _state_dict_of(obj)) is not None:
         return state
     if isinstance(obj, Mapping):
@@ -422,6 +454,31 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
             hint="expected name -> tensor, or a checkpoint with a 'state_dict' or 'model' entry")
     raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict",
                        hint="save weights with torch.save(model.state_dict(), PATH)")
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_WEIGHTS_ONLY_REASON = re.compile(r"WeightsUnpickler error:\s*(.+)")
+
+
+def torch_load_failure(exc: BaseException, label: str, trust_pickle: bool, resave: str) -> tuple[str, str]:
+    """Message and hint for a failed ``torch.load`` of ``label``: a file weights_only loading
+    refuses (naming the object it holds) is told apart from a corrupt or truncated file."""
+    text = str(exc)
+    found = _GLOBAL.search(text)
+    if not trust_pickle and isinstance(exc, pickle.UnpicklingError) and found:
+        return (f"{label} holds non-tensor Python objects ({found.group(1)}) that weights_only loading refuses",
+                f"re-save it with {resave}, or {TRUST_PICKLE_HINT}")
+    reason = _WEIGHTS_ONLY_REASON.search(text)
+    detail = one_line(reason.group(1), 120) if reason else describe_exception(exc, 120)
+    if "PytorchStreamReader" in text or isinstance(exc, (EOFError, pickle.UnpicklingError)) or reason:
+        if "PytorchStreamReader" in text:
+            detail = "not a complete zip archive"
+        return (f"could not read {label}: not a PyTorch file, or corrupt or truncated ({detail})",
+                f"a .pt/.pth file must be written by torch.save; re-save it with {resave}")
+    if trust_pickle and isinstance(exc, (AttributeError, ImportError)):
+        return f"could not read {label}: {describe_exception(exc)}", UNPICKLE_IMPORT_HINT
+    return (f"could not read {label}: {describe_exception(exc)}",
+            f"a .pt/.pth file must be written by torch.save; re-save it with {resave}")
 
 
 def _few(keys: Sequence[str], n: int = 5) -> str:
@@ -448,7 +505,8 @@ def _load_state_dict_file(model: nn.Module, path: Path, *, trust_pickle: bool = 
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as exc:
-        raise WeightsError(f"loading {path} failed: {exc}") from exc
+        raise WeightsError(f"loading {path} failed: {describe_exception(exc)}",
+                           hint="are these weights for this model (and the same --model-arg values)?") from exc
     return f"file: {path}"
 
 
@@ -540,6 +598,7 @@ def from_instance(model: nn.Module, spec: str | None = None) -> LoadedModel:
     model, say); ``tv_name`` and ``weights_enum`` stay None because one class covers many names.
     """
     if not isinstance(model, nn.Module):
-        raise UsageError(f"expected an nn.Module, got {type(model).__name__}")
+        raise UsageError(f"expected an nn.Module, got {type(model).__name__}",
+                         hint="pass a model instance, or a spec string such as 'resnet18' or 'net.py:Net'")
     return LoadedModel(model, spec if spec is not None else type(model).__name__, "instance",
                        _torchvision_family_of(model), None, None, None)

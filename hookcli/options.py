@@ -6,9 +6,11 @@ The CLI and the Python API both build a ``RunOptions`` and call ``validate()``: 
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from hookcli.errors import InputError, UsageError, did_you_mean
@@ -29,6 +31,11 @@ DTYPES = {
 }
 LOSSES = ("auto", "ce", "nll", "sum", "mean")
 PARAM_SCOPES = ("selected", "all", "none")
+#: Seeds torch's generators take as given (``torch.Generator.manual_seed`` reads them as uint64).
+MAX_SEED = 2**64 - 1
+#: The largest ``fmaps --scale`` (a tile of N x N px per value; the image size is checked as well).
+MAX_FMAP_SCALE = 256
+SEED_HINT = f"a seed is an integer from 0 to {MAX_SEED} (2**64-1), e.g. --seed 0"
 
 
 @dataclass
@@ -77,21 +84,46 @@ class RunOptions:
             opts.model, opts.model_source = DEFAULT_MODEL, "default"
         if isinstance(opts.model, str) and not opts.model.strip():
             raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
+        if isinstance(opts.input_shapes, (str, InputSpec)):
+            opts.input_shapes = [opts.input_shapes]
+        if isinstance(opts.inputs, (str, os.PathLike)):
+            opts.inputs = [opts.inputs]
+        opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
+        opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
+        for name in ("layers", "types"):
+            value = getattr(opts, name)
+            if value is not None and not isinstance(value, str) and not (
+                    isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
+                raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                                 hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
+        if opts.weights is not None:
+            if not isinstance(opts.weights, (str, os.PathLike)):
+                raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
+                                 hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
+            opts.weights = os.fspath(opts.weights)
         opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
         opts.inputs = [os.fspath(p) for p in opts.inputs]
+        opts.model_args = _check_model_args(opts.model_args)
+        if opts.model_args and model_is_instance(opts.model):
+            raise UsageError("model_args apply when hookcli builds the model; this model is already built",
+                             hint="pass the arguments to your model's constructor, or give a spec string")
         if not isinstance(opts.trust_pickle, bool):
-            raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}")
+            raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
+                             hint="pass trust_pickle=True only for files you trust")
         if opts.specs and opts.inputs:
             raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
         for path in opts.inputs:
             if not os.path.exists(path):
-                raise InputError(f"input file not found: {path}")
-        if opts.batch_size is not None and opts.batch_size < 1:
-            raise UsageError(f"--batch-size must be at least 1, got {opts.batch_size}")
+                raise InputError(f"input file not found: {path}",
+                                 hint="check the path (relative paths start at the current directory)")
+        opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
+        opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
+        opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
         if opts.fill not in FILLS:
-            raise UsageError(f"unknown --fill {opts.fill!r}", hint=f"choose one of: {', '.join(FILLS)}")
-        if opts.depth is not None and opts.depth < 0:
-            raise UsageError(f"--depth must be 0 or more, got {opts.depth}")
+            raise UsageError(f"unknown --fill {opts.fill!r}",
+                             hint=did_you_mean(str(opts.fill), FILLS) or f"choose one of: {', '.join(FILLS)}")
+        opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
+                                hint="--depth N hooks every module down to depth N (0: the model itself)")
         if opts.dtype is not None:
             key = str(opts.dtype).removeprefix("torch.").lower()
             if key not in DTYPES:
@@ -104,20 +136,68 @@ class RunOptions:
             raise UsageError(f"unknown --loss {opts.loss!r}", hint=f"choose one of: {', '.join(LOSSES)}")
         if opts.params not in PARAM_SCOPES:
             raise UsageError(f"unknown --params {opts.params!r}", hint=f"choose one of: {', '.join(PARAM_SCOPES)}")
-        if opts.clip is not None and not opts.clip > 0:
-            raise UsageError(f"--clip must be a positive number, got {opts.clip}")
-        if opts.target < 0:
-            raise UsageError(f"--target must be a class index (0 or more), got {opts.target}")
+        if opts.clip is not None:
+            if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
+                raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
+                                 hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
         if opts.weights is not None and _looks_like_path(opts.weights) and not os.path.exists(opts.weights):
             from hookcli.errors import WeightsError
 
-            raise WeightsError(f"weights file not found: {opts.weights}")
+            raise WeightsError(f"weights file not found: {opts.weights}",
+                               hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
         return opts
 
     def torch_dtype(self) -> torch.dtype | None:
         import torch
 
         return getattr(torch, self.dtype) if self.dtype else None
+
+
+def _check_int(flag: str, value: Any, low: int, high: int | None = None, *, optional: bool = False,
+               hint: str | None = None) -> Any:
+    """``value`` as an int in [low, high] (None allowed when ``optional``), else UsageError."""
+    if value is None and optional:
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # int, numpy ints
+    except TypeError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        bound = f"from {low} to {high}" if high is not None else f"{low} or more"
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise UsageError(f"{flag} must be an integer {bound}, got {shown}", hint=hint or f"e.g. {flag} {low}")
+    return number
+
+
+def check_option_names(options: Mapping[str, Any]) -> None:
+    """Refuse keyword options that are not RunOptions fields (``input_shape=`` for
+    ``input_shapes=``): a UsageError with close matches, not a TypeError from the constructor."""
+    names = [f.name for f in fields(RunOptions) if f.init]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise UsageError(f"unknown option {unknown[0]!r}",
+                         hint=did_you_mean(unknown[0], names) or "options: " + ", ".join(names))
+
+
+def _sequence(name: str, value: Any, example: str) -> Sequence[Any]:
+    """A list-valued option: None means none; anything not a list or tuple is a UsageError."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"{name} must be a list, got {type(value).__name__}", hint=f"e.g. {name}={example}")
+    return value
+
+
+def _check_model_args(value: Any) -> dict[str, Any]:
+    """Model arguments as a dict of keyword names (the API may pass any mapping)."""
+    if not isinstance(value, Mapping):
+        raise UsageError(f"model_args must be a dict of keyword arguments, got {type(value).__name__}",
+                         hint="e.g. model_args={'num_classes': 10}")
+    bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise UsageError(f"model_args keys must be argument names, got {', '.join(map(repr, bad[:5]))}",
+                         hint="e.g. model_args={'num_classes': 10}")
+    return dict(value)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -130,12 +210,13 @@ def _check_device(text: str) -> str:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError) as exc:
-        raise UsageError(f"unknown --device {text!r}: {exc}", hint="e.g. cpu, cuda, cuda:1, mps") from None
+        raise UsageError(f"unknown --device {text!r}", hint="e.g. cpu, cuda, cuda:1, mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {text}: CUDA is not available on this machine", hint="use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here",
+                             hint=f"use --device cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     elif device.type == "mps":
         if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
             raise UsageError(f"--device {text}: MPS is not available on this machine", hint="use --device cpu")
@@ -153,7 +234,7 @@ def model_is_instance(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-__all__ = ["RunOptions", "DEFAULT_MODEL", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
+__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
 
 if TYPE_CHECKING:  # keep type checkers aware of the nn import used in annotations
     _ = nn

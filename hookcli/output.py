@@ -74,12 +74,15 @@ def _follow(text: str) -> Path:
 
 
 def _check_parent(text: str, real: Path) -> None:
-    """A new file or a replaced one needs a writable directory (the temporary file and the rename)."""
+    """A new file or a replaced one needs a writable directory (the temporary file and the rename).
+
+    Missing directories are fine when the nearest existing one is writable: they are created when
+    the output is written (``_make_parents``), so a run that fails first creates nothing.
+    """
     shown = _shown(text, real)
     parent = real.parent
-    if not parent.exists():
-        raise OutputError(f"cannot write {shown}: directory {parent} does not exist",
-                          hint=f"create it first (mkdir -p {shlex.quote(str(parent))}), or choose another path")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
     if not parent.is_dir():
         raise OutputError(f"cannot write {shown}: {parent} is not a directory", hint="choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -279,6 +282,14 @@ def _take_over(tmp_name: str, target: Target) -> None:
                 os.chown(tmp_name, st.st_uid, st.st_gid)
 
 
+def _make_parents(target: Target) -> None:
+    """Create the missing directories above a new output file (``-o`` and ``--junit`` alike)."""
+    try:
+        target.path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(target, exc) from exc
+
+
 @contextlib.contextmanager
 def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]:
     """A binary stream to write an output to, committed when the block succeeds.
@@ -295,6 +306,7 @@ def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]
         return
     fd = -1
     tmp_name: str | None = None
+    _make_parents(target)
     try:
         with _signals_held():
             fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
@@ -407,6 +419,7 @@ def atomic_path(path: str | os.PathLike[str] | Target) -> Iterator[Path]:
                     out.write(chunk)
         return
     tmp_name: str | None = None
+    _make_parents(target)
     try:
         with _signals_held():
             fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",

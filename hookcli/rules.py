@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hookcli.checks import RUNS, CheckRules, RuleConfig
-from hookcli.errors import ConfigError
+from hookcli.errors import ConfigError, one_line
 from hookcli.records import LayerRecord, Report, RuleResult
 
 LayerKey = tuple[str, int]
@@ -287,13 +288,39 @@ def load_baseline(path: str, source: str | None = None) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"{where}baseline file {path} does not exist",
                           hint="make one with: hookcli shapes MODEL --format json --output FILE") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{where}baseline file {path} is not a readable JSON report: {exc}") from None
-    layers = data.get("layers") if isinstance(data, dict) else None
-    ok = isinstance(layers, list) and all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in layers)
-    if not ok:
-        raise ConfigError(f"{where}baseline file {path} is not a hookcli JSON report (no 'layers' list)")
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{where}baseline file {path} is not a readable JSON report: {one_line(str(exc), 120)}",
+                          hint=BASELINE_HINT) from None
+    problem = baseline_problem(data)
+    if problem is not None:
+        raise ConfigError(f"{where}baseline file {path} is not a hookcli JSON report: {problem}", hint=BASELINE_HINT)
     return data
+
+
+BASELINE_HINT = "make the baseline with: hookcli shapes MODEL --format json --output FILE"
+
+
+def baseline_problem(data: Any) -> str | None:
+    """What makes ``data`` unusable as a baseline report (the fields the rule reads), or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    layers = data.get("layers")
+    if not isinstance(layers, list):
+        return "no 'layers' list"
+    for key, kind in (("model", dict), ("inputs", list)):
+        if key in data and not isinstance(data[key], kind):
+            return f"'{key}' is not a JSON {'object' if kind is dict else 'array'}"
+    if any(not isinstance(i, dict) for i in data.get("inputs", [])):
+        return "an entry of 'inputs' is not an object"
+    for n, row in enumerate(layers):
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str):
+            return f"layers[{n}] has no 'name' string"
+        for key, ok in (("call", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                        ("depth", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+                        ("output", lambda v: isinstance(v, str))):
+            if key in row and not ok(row[key]):
+                return f"layers[{n}].{key} is {one_line(repr(row[key]), 40)}"
+    return None
 
 
 def baseline(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
@@ -364,7 +391,10 @@ def evaluate(rules: CheckRules, report: Report, obs: Observations) -> tuple[list
         if report.failure is not None:
             results.append(RuleResult(rule.name, "SKIP", rule.severity, "not evaluated: the model raised"))
             continue
-        results.append(EVALUATORS[rule.name](rule, report, obs))
+        start = time.perf_counter()
+        result = EVALUATORS[rule.name](rule, report, obs)
+        result.seconds = time.perf_counter() - start
+        results.append(result)
         notes += [f"[checks.{rule.name}] {kind} {pattern!r} matches nothing" for kind, pattern in
                   (u.split(":", 1) for u in rule.unused_patterns())]
     return results, notes

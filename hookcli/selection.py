@@ -64,7 +64,7 @@ def select_modules(
     layer_patterns = split_patterns(layers)
     type_names = split_patterns(types)
     if depth is not None and depth < 0:
-        raise UsageError(f"--depth must be 0 or more, got {depth}")
+        raise UsageError(f"--depth must be 0 or more, got {depth}", hint="--depth 0 is the model itself")
 
     if layer_patterns:
         chosen: list[str] = []
@@ -86,7 +86,8 @@ def select_modules(
             ]
             if not selected:
                 raise LayerNotFoundError(
-                    f"no module of type {', '.join(type_names)} inside {', '.join(layer_patterns)}"
+                    f"no module of type {', '.join(type_names)} inside {', '.join(layer_patterns)}",
+                    hint="run 'hookcli modules MODEL' to see the types inside each layer",
                 )
         else:
             selected = [n for n in names if n in chosen_set]

@@ -233,10 +233,9 @@ def assert_one_error(result: Any, code: int, *needles: str, hint: str | None = N
         assert needle in message, (needle, message)
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     rest = lines[errors[0] + 1:]
+    assert len(rest) == 1 and rest[0].startswith("  hint: "), rest  # every error says what to do
     if hint is not None:
-        assert rest and rest[0].startswith("  hint: ") and hint in rest[0], rest
-        rest = rest[1:]
-    assert rest == [], rest
+        assert hint in rest[0], rest
     return message
 
 

@@ -157,8 +157,8 @@ def test_output_file_is_written_atomically(cli, tmp_path: Path) -> None:
     assert result.stdout == "" and str(target) in result.stderr
     assert json.loads(target.read_text())["command"] == "shapes"
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temp files left
-    bad = cli("shapes", "tiny_models:Reused", "-o", tmp_path / "missing" / "x.json")
-    assert bad.exit_code == 2 and "missing" in bad.stderr
+    bad = cli("shapes", "tiny_models:Reused", "-o", tmp_path / "report.json" / "x.json")  # under a file
+    assert bad.exit_code == 2 and "not a directory" in bad.stderr
 
 
 def test_config_file_and_pyproject_defaults(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

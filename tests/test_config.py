@@ -22,7 +22,7 @@ model = "resnet18"
 input_shape = "1,3,64,64"
 batch_size = 2
 fill = "zeros"
-seed = -3
+seed = 3
 layers = ["layer1", "layer4"]
 types = "Conv2d"
 depth = 0
@@ -39,7 +39,7 @@ model_args = {num_classes = 10, dropout = 0.5}
     assert config.origin == "config" and config.path == cfg.resolve()
     assert config.values == {
         "model": "resnet18", "input_shape": ["1,3,64,64"], "batch_size": 2, "fill": "zeros",
-        "seed": -3, "layers": ["layer1", "layer4"], "types": ["Conv2d"], "depth": 0,
+        "seed": 3, "layers": ["layer1", "layer4"], "types": ["Conv2d"], "depth": 0,
         "all": True, "device": "cpu", "dtype": "float16", "mode": "train", "format": "json",
         "width": 100, "model_args": {"num_classes": 10, "dropout": 0.5},
     }

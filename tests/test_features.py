@@ -242,7 +242,7 @@ def test_not_called_module_is_reported_not_dropped(tmp_path: Path) -> None:
     (["--layers", "layer5"], "layer5"),
     (["--output-name", "feats.txt"], "unsupported file type"),
     (["--output-name", "feats"], "unsupported file type"),
-    (["--output-name", "missing/feats.pt"], "does not exist"),
+    (["--output-name", "afile/sub/feats.pt"], "not a directory"),
     (["--output-name", "afile/feats.pt"], "not a directory"),
 ])
 def test_bad_layer_or_output_exits_2_and_writes_nothing(cli, tmp_path: Path, args: list[str], needle: str) -> None:

@@ -180,7 +180,7 @@ def test_outputs_that_cannot_be_drawn_exit_2_and_write_nothing(cli, tmp_path: Pa
 
 
 @pytest.mark.parametrize("name, needle", [
-    ("x.jpg", "PNG"), ("missing/x.png", "does not exist"), ("afile/x.png", "not a directory")])
+    ("x.jpg", "PNG"), ("afile/sub/x.png", "not a directory"), ("afile/x.png", "not a directory")])
 def test_bad_output_path_exits_2_before_running(cli, tmp_path: Path, name: str, needle: str) -> None:
     (tmp_path / "afile").write_text("x")
     result = cli("fmaps", "tiny_models:Reused", "--layer", "head", "-o", tmp_path / name)

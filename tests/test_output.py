@@ -46,10 +46,13 @@ def test_existing_file_replaced_and_mode_kept(tmp_path: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
 
 
-def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(OutputError, match="does not exist"):
-        write_atomic(tmp_path / "nope" / "r.json", "x")
-    assert leftovers(tmp_path) == [] and list(tmp_path.iterdir()) == []
+def test_missing_directories_are_created(tmp_path: Path) -> None:
+    write_atomic(tmp_path / "nope" / "deeper" / "r.json", "x")  # as --junit and -o both do
+    assert (tmp_path / "nope" / "deeper" / "r.json").read_text() == "x"
+    assert leftovers(tmp_path / "nope" / "deeper") == []
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(OutputError, match="not a directory"):
+        write_atomic(tmp_path / "afile" / "sub" / "r.json", "x")
 
 
 def test_directory_target(tmp_path: Path) -> None:
@@ -99,8 +102,8 @@ def test_symlink_target_is_followed(tmp_path: Path) -> None:
 
 def test_ensure_writable(tmp_path: Path) -> None:
     assert ensure_writable(tmp_path / "r.json") == tmp_path / "r.json"
-    with pytest.raises(OutputError, match="does not exist"):
-        ensure_writable(tmp_path / "missing" / "r.json")
+    assert ensure_writable(tmp_path / "missing" / "r.json") == tmp_path / "missing" / "r.json"
+    assert not (tmp_path / "missing").exists()  # created only when something is written
     with pytest.raises(OutputError, match="is a directory"):
         ensure_writable(tmp_path)
     (tmp_path / "file").write_text("")

@@ -24,6 +24,8 @@ class RuleResult:
     value: Any = None
     limit: Any = None
     violations: list[dict[str, Any]] = field(default_factory=list)
+    #: Wall-clock seconds this rule took (``runs``: the model run); JUnit's ``time``. Not in JSON.
+    seconds: float | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +56,8 @@ class CheckResult:
     command: str = "check"
     #: The exception the model raised (for ``--debug`` tracebacks); never serialised.
     cause: BaseException | None = field(default=None, repr=False, compare=False)
+    #: Wall-clock seconds of the whole check (build, run, rules); JUnit's ``time``. Not in JSON.
+    seconds: float | None = field(default=None, compare=False)
 
     @property
     def model(self) -> ModelInfo:
