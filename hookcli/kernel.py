@@ -11,7 +11,7 @@ import os
 from types import ModuleType
 
 #: The interface version of ``_fastreduce.c`` this package speaks (its ``HK_ABI``).
-ABI = 2
+ABI = 3
 #: Set to 1 to compute CPU statistics with torch reductions even where the kernel is built.
 NO_KERNEL_ENV = "HOOKCLI_NO_KERNEL"
 
