@@ -109,28 +109,37 @@ class Reducer:
             # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
             vector = torch.full((len(_VECTOR),), math.nan, dtype=device_float(x.device), device=x.device)
             vector[4:] = 0.0
+        elif x.device.type == "cpu":
+            vector = self._reduce_host(x, zeros)
         else:
-            # an expanded (stride-0) tensor repeats each value of a smaller one equally often: reduce
-            # that one, without materialising the repeats, and scale the counts
-            x, repeats = unbroadcast(x)
-            if x.device.type == "cpu":
-                flat = flat_view(x)
-                if flat.dtype not in (torch.float32, torch.float64) and not self._kernel_reads(flat):
-                    flat = flat.float()  # float16/bfloat16 in float32 (the C kernel widens as it reads)
-                vector = self._reduce_cpu(flat, zeros)
-                if repeats != 1:
-                    vector = (*vector[:4], *(c * repeats for c in vector[4:7]), float(n))
-            else:
-                if x.dtype not in (torch.float32, torch.float64):
-                    x = x.float()
-                vector = self._reduce_device(flat_view(x), zeros)
-                if repeats != 1:
-                    vector[4:7] *= repeats  # Python scalars: no host synchronisation
-                    vector[7] = n
+            vector = self._reduce_accelerator(x, zeros)
         try:
             self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
+        return vector
+
+    # An expanded (stride-0) tensor repeats each value of a smaller one equally often: both paths reduce
+    # that one (``unbroadcast``), without materialising the repeats, and scale the counts.
+    def _reduce_host(self, x: torch.Tensor, zeros: bool) -> tuple[float, ...]:
+        """The vector of a non-empty, strided CPU tensor, as host floats."""
+        x, repeats = unbroadcast(x)
+        flat = flat_view(x)
+        if flat.dtype not in (torch.float32, torch.float64) and not self._kernel_reads(flat):
+            flat = flat.float()  # float16/bfloat16 in float32 (the C kernel widens as it reads)
+        vector = self._reduce_cpu(flat, zeros)
+        if repeats == 1:
+            return vector
+        return (*vector[:4], *(count * repeats for count in vector[4:7]), vector[7] * repeats)
+
+    def _reduce_accelerator(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
+        """The vector of a non-empty, strided tensor, as a tensor on its device (no host synchronisation)."""
+        x, repeats = unbroadcast(x)
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        vector = self._reduce_device(flat_view(x), zeros)
+        if repeats != 1:
+            vector[4:] *= repeats  # the counts and numel; a Python scalar: no host synchronisation
         return vector
 
     # -- CPU: cheap passes, exact checks on the host decide what else is needed ---------------------
@@ -301,7 +310,7 @@ def _norm(v: dict[str, float]) -> float:
     if v["inf_count"]:
         return math.inf
     if not v["numel"]:
-        return math.nan
+        return 0.0  # an empty sum of squares, as torch.linalg.vector_norm of an empty tensor
     return math.sqrt(v["numel"] * (v["std"] ** 2 + v["mean"] ** 2))
 
 
