@@ -57,7 +57,11 @@ class Reducer:
 
     * CPU, where reading a scalar costs no device synchronisation: float32, bfloat16 and float16
       go through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of squares (both
-      float64), min, max and zero count in one pass, without a widened copy. Without it (and for
+      float64), min, max and zero count in one pass, without a widened copy. The kernel gets memory
+      only as a buffer-protocol object (``kernel_buffer``) and refuses any that is not one dense
+      block of the declared item format; this side hands it only stride-1 views of tensors that are
+      dense in some dimension order (``dense_view``). Other layouts (stepped slices, overlapping
+      views) are copied by ``reshape`` or read by the torch reductions, which follow strides. Without it (and for
       float64), ``sum``, ``aminmax`` and ``dot`` take three passes and zeros are counted in
       cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
       finite exactly when the tensor holds neither: both propagate), and the exact centred
@@ -66,7 +70,8 @@ class Reducer:
       through a reusable scratch buffer, so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
-    ReLU's output, a Sequential's *is* its last child's) reuses its vector.
+    ReLU's output, a Sequential's *is* its last child's) reuses its vector. An expanded tensor
+    (stride 0: a broadcast mask, the gradient of ``sum``) is reduced without its repeats.
     """
 
     CHUNK = 1 << 20  # elements per counting pass on CPU: 4 MB of float32, stays in cache
