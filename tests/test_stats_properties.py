@@ -317,3 +317,52 @@ def test_integer_bool_and_complex_outputs_get_shape_and_dtype_only(tmp_path: Pat
     assert_matches(dict(rows["['f']"].stats), reference(x), x)
     neg_half = torch._neg_view(x.half())
     assert_matches(dict(rows["['h']"].stats), reference(neg_half), neg_half)
+
+
+# -- what is read, and what is copied ---------------------------------------------------------------
+
+
+def copies_made(fn: Callable[[], object]) -> set[str]:
+    """The aten ops among those ``fn`` runs that copy tensor data."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with OpLog() as log:
+        fn()
+    return log.ops & {"aten.clone", "aten._to_copy", "aten.copy_", "aten.contiguous", "aten._reshape_copy"}
+
+
+@pytest.mark.parametrize("layout", ["transposed", "permuted", "channels-last", "channels-last-3d", "offset"])
+def test_dense_layouts_go_to_the_kernel_in_memory_order_without_a_copy(layout: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    reducer = reducer_for("kernel", monkeypatch)
+    base = torch.randn(2, 6, 5, 4, 3, generator=torch.Generator().manual_seed(2)).relu()
+    make = {"transposed": lambda: base[0, 0, 0].t(), "permuted": lambda: base.permute(3, 1, 4, 0, 2),
+            "channels-last": lambda: base[0].contiguous(memory_format=torch.channels_last),
+            "channels-last-3d": lambda: base.contiguous(memory_format=torch.channels_last_3d),
+            "offset": lambda: garbage_around(base, 5, 3)}
+    t = make[layout]()
+    assert not t.is_contiguous() or t.storage_offset()
+    assert not copies_made(lambda: reducer.reduce(t))
+    assert_matches(activation_stats(to_host([reducer.reduce(t)])[0]), reference(t), t)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_an_expanded_tensor_is_never_materialised(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2^40 repeats of one value (8 TB if copied): reduced from the one value, counts scaled."""
+    reducer = reducer_for(path, monkeypatch)
+    t = torch.tensor(-4.5).expand(1 << 20, 1 << 20)
+    got = activation_stats(to_host([reducer.reduce(t)])[0])
+    assert (got["mean"], got["std"], got["min"], got["max"], got["zero_fraction"]) == (-4.5, 0.0, -4.5, -4.5, 0.0)
+    assert got["norm"] == pytest.approx(4.5 * (1 << 20), rel=1e-12)  # sqrt(2^40 * 4.5^2)
+    rows = torch.tensor([0.0, math.nan, 2.0]).unsqueeze(1).expand(3, 1 << 30)  # a broadcast column
+    got = activation_stats(to_host([reducer.reduce(rows)])[0])
+    assert (got["nan_count"], got["inf_count"], got["zero_fraction"]) == (1 << 30, 0, pytest.approx(1 / 3))
