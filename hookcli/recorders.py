@@ -61,11 +61,12 @@ class Reducer:
       only as a buffer-protocol object (``kernel_buffer``) and refuses any that is not one dense
       block of the declared item format; this side hands it only stride-1 views of tensors that are
       dense in some dimension order (``dense_view``). Other layouts (stepped slices, overlapping
-      views) are copied by ``reshape`` or read by the torch reductions, which follow strides. Without it (and for
-      float64), ``sum``, ``aminmax`` and ``dot`` take three passes and zeros are counted in
-      cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
-      finite exactly when the tensor holds neither: both propagate), and the exact centred
-      two-pass variance runs only where ``E[x^2] - mean^2`` would lose digits (a large offset).
+      views) are copied by ``reshape`` or read by the torch reductions, which follow strides.
+      Without the kernel (and for float64), ``sum``, ``aminmax`` and ``dot`` take three passes and
+      zeros are counted in cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf
+      are counted only when a sum is not finite (a sum is finite exactly when the tensor holds
+      neither: both propagate), and the exact centred two-pass variance runs only where
+      ``E[x^2] - mean^2`` would lose digits (a large offset).
     * Other devices: one branch-free path (centred variance of data scaled into [-1, 1], all counts)
       through a reusable scratch buffer, so nothing waits for the device.
 
