@@ -284,17 +284,75 @@ def bench_scaling(repeats: int) -> list[dict[str, Any]]:
              "detail": f"{per_module[1_000] * 1e6:.0f} vs {per_module[10_000] * 1e6:.0f} us/module"}]
 
 
+def bench_kernel(repeats: int) -> list[dict[str, Any]]:
+    """Does the C kernel earn its place? ``hookcli.stats(..., all_modules=True)`` through the public
+    API with the kernel and with ``HOOKCLI_NO_KERNEL=1``, alternating with a bare forward (bare, kernel,
+    no kernel, bare, ...), on resnet50 at batch 8 and on two small models at batch 1. Then the kernel
+    and the torch reductions on one activation, and the per-call cost on a small one.
+
+    The API run includes what the bare forward does not: making the randn input, snapshotting and
+    restoring the model's state, the report. The kernel/no-kernel ratio is the number that decides.
+    """
+    import torch
+    from torchvision import models
+
+    import hookcli
+    from hookcli.kernel import NO_KERNEL_ENV
+    from hookcli.recorders import Reducer
+
+    def api(model: Any, shape: str, kernel: bool) -> None:
+        if kernel:
+            os.environ.pop(NO_KERNEL_ENV, None)
+        else:
+            os.environ[NO_KERNEL_ENV] = "1"
+        try:
+            hookcli.stats(model, input_shapes=[shape], all_modules=True)
+        finally:
+            os.environ.pop(NO_KERNEL_ENV, None)
+
+    rows: list[dict[str, Any]] = []
+    cases = [("resnet50", 8, 224), ("resnet18", 1, 224), ("mobilenet_v3_small", 1, 224)]
+    for name, batch, size in cases:
+        torch.manual_seed(0)
+        model = getattr(models, name)(weights=None).eval()
+        x = torch.randn(batch, 3, size, size)
+        shape = f"{batch}x3x{size}x{size}"
+        times = alternate({"bare": lambda: run_bare(model, x),
+                           "kernel": lambda: api(model, shape, True),
+                           "torch": lambda: api(model, shape, False)}, repeats)
+        target = f"kernel: stats API, {name} b{batch} {size}"
+        for variant, key in (("bare forward", "bare"), ("with the C kernel", "kernel"),
+                             ("HOOKCLI_NO_KERNEL=1", "torch")):
+            rows.append({"target": target, "variant": variant, "seconds": round(times[key], 4),
+                         "ratio": round(times[key] / times["bare"], 2), "goal": "",
+                         "detail": "" if key == "bare" else f"vs kernel {times[key] / times['kernel']:.2f}x"})
+
+    # one activation of resnet50 at batch 8 (layer1's ReLU: 8x256x56x56 float32, 25.7 MB), and a small one
+    for label, t in (("one 25.7 MB activation", torch.randn(8, 256, 56, 56).relu()),
+                     ("one 4 KB activation", torch.randn(1000).relu())):
+        fns = {"kernel": lambda t=t: Reducer(kernel=True).reduce(t),
+               "torch": lambda t=t: Reducer(kernel=False).reduce(t)}
+        inner = 20 if t.numel() > 10_000 else 2000
+        per = alternate({k: (lambda fn=fn: [fn() for _ in range(inner)]) for k, fn in fns.items()}, repeats)
+        for variant, key in (("C kernel", "kernel"), ("torch reductions", "torch")):
+            rows.append({"target": f"kernel: {label}", "variant": variant,
+                         "seconds": round(per[key] / inner, 7), "ratio": round(per[key] / per["kernel"], 2),
+                         "goal": "", "detail": f"{per[key] / inner * 1e6:.1f} us per reduce"})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling"], action="append")
+    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling", "kernel"], action="append")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    benches = {"overhead": bench_overhead, "help": bench_help, "meta": bench_meta, "scaling": bench_scaling}
+    benches = {"overhead": bench_overhead, "help": bench_help, "meta": bench_meta, "scaling": bench_scaling,
+               "kernel": bench_kernel}
     rows: list[dict[str, Any]] = []
     for name, fn in benches.items():
         if args.only and name not in args.only:
@@ -304,7 +362,7 @@ def main() -> None:
           f"Python {platform.python_version()}, torch {torch.__version__}")
     print(f"{'target':42s} {'variant':22s} {'seconds':>8s} {'ratio':>7s}  goal / detail")
     for r in rows:
-        seconds = "" if r["seconds"] is None else f"{r['seconds']:.3f}"
+        seconds = "" if r["seconds"] is None else f"{r['seconds']:.3f}" if r["seconds"] >= 0.01 else f"{r['seconds']:.2e}"
         print(f"{r['target']:42s} {r['variant']:22s} {seconds:>8s} {r['ratio']:>7.2f}  {r['goal']} {r.get('detail', '')}")
     if args.json:
         with open(args.json, "w") as fh:

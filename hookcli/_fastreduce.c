@@ -10,6 +10,10 @@
  * the torch reductions when it is missing. Plain C and the CPython API only (no torch headers),
  * so it builds in a second and does not depend on the torch version.
  *
+ * Memory: the kernel is handed a buffer-protocol object, never an address. It asks the exporter for
+ * C-contiguous memory and checks the item format, size and alignment itself, so a strided view or a
+ * wrong dtype raises instead of being read past its end.
+ *
  * Numerics: sums and sums of squares are accumulated in float64 in 16 independent lanes per thread
  * (float32 squares cannot overflow a double; bfloat16 and float16 widen to float32 exactly); min/max ignore NaN (the caller counts NaN/Inf with
  * torch when the sum is not finite, which happens exactly when the buffer holds one).
@@ -144,13 +148,14 @@ typedef void (*range_fn)(const void *x, int64_t n, partial_t *out);
 typedef struct {
     const char *name;
     range_fn range;
-    int64_t itemsize;
+    Py_ssize_t itemsize;
+    const char *formats; /* the buffer-protocol item formats (struct module codes) accepted */
 } kind_t;
 
 static const kind_t KINDS[] = {
-    {"float32", reduce_range_float32, 4},
-    {"bfloat16", reduce_range_bfloat16, 2},
-    {"float16", reduce_range_float16, 2},
+    {"float32", reduce_range_float32, 4, "f"},
+    {"bfloat16", reduce_range_bfloat16, 2, "hH"},
+    {"float16", reduce_range_float16, 2, "e"},
 };
 #define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
@@ -182,18 +187,34 @@ static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int th
 }
 
 PyDoc_STRVAR(reduce_doc,
-             "reduce(dtype, address, numel, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
-             "One pass over `numel` values of `dtype` (a name in DTYPES) at `address` (a dense buffer:\n"
-             "Tensor.data_ptr()), on up to `threads` OpenMP threads, without holding the GIL. Sums are\n"
-             "float64; min and max ignore NaN (inf and -inf for an empty buffer).");
+             "reduce(buffer, dtype, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
+             "One pass over the values of `buffer`, any object with the buffer protocol that can give\n"
+             "C-contiguous memory (a NumPy array: Tensor.numpy()), on up to `threads` OpenMP threads,\n"
+             "without holding the GIL. `dtype` (a name in DTYPES) says how to read the items and must\n"
+             "agree with the buffer's format: float32 'f', float16 'e', bfloat16 the raw 16-bit\n"
+             "integers 'h' or 'H' (the buffer protocol has no bfloat16). A strided, misaligned or\n"
+             "mistyped buffer raises (BufferError / ValueError) instead of being read. Sums are float64;\n"
+             "min and max ignore NaN (inf and -inf for an empty buffer).");
+
+/* The item format a buffer must declare for each kind: native order, optionally spelled '@'/'='. */
+static int format_matches(const kind_t *kind, const char *format) {
+    if (format == NULL) format = "B"; /* the buffer protocol's default: unsigned bytes */
+    if (format[0] == '@' || format[0] == '=') format++;
+#if PY_LITTLE_ENDIAN
+    else if (format[0] == '<') format++;
+#else
+    else if (format[0] == '>' || format[0] == '!') format++;
+#endif
+    if (format[0] == '\0' || format[1] != '\0') return 0;
+    return strchr(kind->formats, format[0]) != NULL;
+}
 
 static PyObject *reduce(PyObject *self, PyObject *args) {
+    PyObject *obj;
     const char *dtype;
-    unsigned long long address;
-    long long numel;
     int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "sKLi", &dtype, &address, &numel, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "Osi", &obj, &dtype, &threads)) return NULL;
     const kind_t *kind = NULL;
     for (int k = 0; k < N_KINDS; k++) {
         if (strcmp(KINDS[k].name, dtype) == 0) kind = &KINDS[k];
@@ -202,20 +223,32 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "unsupported dtype %s", dtype);
         return NULL;
     }
-    if (numel < 0) {
-        PyErr_SetString(PyExc_ValueError, "numel must not be negative");
+    /* The exporter refuses (BufferError/ValueError) when its memory is not one C-contiguous block:
+     * a stride-0 (expanded), sliced-with-step or transposed array never reaches the loop below. */
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    const char *problem = NULL;
+    if (!PyBuffer_IsContiguous(&view, 'C')) problem = "buffer is not C-contiguous";
+    else if (view.itemsize != kind->itemsize || !format_matches(kind, view.format))
+        problem = "buffer's item format does not match dtype";
+    else if (view.len % kind->itemsize != 0) problem = "buffer length is not a whole number of items";
+    else if (view.len > 0 && (view.buf == NULL || (uintptr_t)view.buf % (uintptr_t)kind->itemsize != 0))
+        problem = "buffer is not aligned to its item size";
+    if (problem != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s (dtype %s, format '%s', itemsize %zd)", problem, dtype,
+                     view.format ? view.format : "B", view.itemsize);
+        PyBuffer_Release(&view);
         return NULL;
     }
-    if (numel > 0 && address == 0) {
-        PyErr_SetString(PyExc_ValueError, "null address");
-        return NULL;
-    }
+    const int64_t numel = (int64_t)(view.len / kind->itemsize);
     partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
     if (numel > 0) {
+        /* the buffer stays exported (its owner alive and its memory in place) until released */
         Py_BEGIN_ALLOW_THREADS
-        reduce_parallel(kind, (const char *)(uintptr_t)address, (int64_t)numel, threads, &total);
+        reduce_parallel(kind, (const char *)view.buf, numel, threads, &total);
         Py_END_ALLOW_THREADS
     }
+    PyBuffer_Release(&view);
     return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
                          (long long)total.zeros);
 }
@@ -243,7 +276,7 @@ static struct PyModuleDef module = {
 
 /* Bump with every change to the functions' signatures or results: hookcli.recorders ignores a
  * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
-#define HK_ABI 2
+#define HK_ABI 3
 
 PyMODINIT_FUNC PyInit__fastreduce(void) {
     PyObject *m = PyModule_Create(&module);

@@ -57,16 +57,22 @@ class Reducer:
 
     * CPU, where reading a scalar costs no device synchronisation: float32, bfloat16 and float16
       go through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of squares (both
-      float64), min, max and zero count in one pass, without a widened copy. Without it (and for
-      float64), ``sum``, ``aminmax`` and ``dot`` take three passes and zeros are counted in
-      cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf are counted only when a sum is not finite (a sum is
-      finite exactly when the tensor holds neither: both propagate), and the exact centred
-      two-pass variance runs only where ``E[x^2] - mean^2`` would lose digits (a large offset).
+      float64), min, max and zero count in one pass, without a widened copy. The kernel gets memory
+      only as a buffer-protocol object (``kernel_buffer``) and refuses any that is not one dense
+      block of the declared item format; this side hands it only stride-1 views of tensors that are
+      dense in some dimension order (``dense_view``). Other layouts (stepped slices, overlapping
+      views) are copied by ``reshape`` or read by the torch reductions, which follow strides.
+      Without the kernel (and for float64), ``sum``, ``aminmax`` and ``dot`` take three passes and
+      zeros are counted in cache-sized chunks, only when ``min <= 0 <= max``. Either way NaN/Inf
+      are counted only when a sum is not finite (a sum is finite exactly when the tensor holds
+      neither: both propagate), and the exact centred two-pass variance runs only where
+      ``E[x^2] - mean^2`` would lose digits (a large offset).
     * Other devices: one branch-free path (centred variance of data scaled into [-1, 1], all counts)
       through a reusable scratch buffer, so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
-    ReLU's output, a Sequential's *is* its last child's) reuses its vector.
+    ReLU's output, a Sequential's *is* its last child's) reuses its vector. An expanded tensor
+    (stride 0: a broadcast mask, the gradient of ``sum``) is reduced without its repeats.
     """
 
     CHUNK = 1 << 20  # elements per counting pass on CPU: 4 MB of float32, stays in cache
@@ -106,24 +112,46 @@ class Reducer:
             x = nested_values(x)
         if x.layout != torch.strided:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
-        if x.dtype not in (torch.float32, torch.float64) and not (x.device.type == "cpu" and self._kernel_reads(x)):
-            x = x.float()  # float16/bfloat16 are reduced in float32 (the C kernel widens as it reads)
+        n = x.numel()
         vector: Vector
-        if x.numel() == 0 and x.device.type == "cpu":
+        if n == 0 and x.device.type == "cpu":
             vector = (math.nan,) * 4 + (0.0,) * 4
-        elif x.numel() == 0:
+        elif n == 0:
             # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
             vector = torch.full((len(_VECTOR),), math.nan, dtype=device_float(x.device), device=x.device)
             vector[4:] = 0.0
         elif x.device.type == "cpu":
-            vector = self._reduce_cpu(flat_view(x), zeros)
+            vector = self._reduce_host(x, zeros)
         else:
-            vector = self._reduce_device(flat_view(x), zeros)
+            vector = self._reduce_accelerator(x, zeros)
         try:
             if key is not None:
                 self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
+        return vector
+
+    # An expanded (stride-0) tensor repeats each value of a smaller one equally often: both paths reduce
+    # that one (``unbroadcast``), without materialising the repeats, and scale the counts.
+    def _reduce_host(self, x: torch.Tensor, zeros: bool) -> tuple[float, ...]:
+        """The vector of a non-empty, strided CPU tensor, as host floats."""
+        x, repeats = unbroadcast(x)
+        flat = flat_view(x)
+        if flat.dtype not in (torch.float32, torch.float64) and not self._kernel_reads(flat):
+            flat = flat.float()  # float16/bfloat16 in float32 (the C kernel widens as it reads)
+        vector = self._reduce_cpu(flat, zeros)
+        if repeats == 1:
+            return vector
+        return (*vector[:4], *(count * repeats for count in vector[4:7]), vector[7] * repeats)
+
+    def _reduce_accelerator(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
+        """The vector of a non-empty, strided tensor, as a tensor on its device (no host synchronisation)."""
+        x, repeats = unbroadcast(x)
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        vector = self._reduce_device(flat_view(x), zeros)
+        if repeats != 1:
+            vector[4:] *= repeats  # the counts and numel; a Python scalar: no host synchronisation
         return vector
 
     # -- CPU: cheap passes, exact checks on the host decide what else is needed ---------------------
@@ -155,21 +183,22 @@ class Reducer:
             m2 += float(torch.dot(centred, centred))
         return mean, m2
 
-    def _kernel_reads(self, x: torch.Tensor) -> bool:
-        """Whether the C kernel takes ``x`` (a CPU tensor): it reads raw memory, so only plain tensors
-        of its dtypes, without a lazy negation bit (their memory holds ``-x``)."""
-        return (self.kernel and dtype_name(x.dtype) in _fastreduce.DTYPES and type(x) is torch.Tensor
-                and not x.is_neg())
+    def _kernel_reads(self, flat: torch.Tensor) -> bool:
+        """Whether the C kernel takes ``flat`` (a 1-D CPU tensor): a plain tensor of its dtypes whose
+        memory is exactly its values, one dense block (stride 1, no lazy negation bit: a negative
+        view's memory holds ``-x``). The kernel checks the layout again where it reads."""
+        return (self.kernel and type(flat) is torch.Tensor and dtype_name(flat.dtype) in _fastreduce.DTYPES
+                and flat.dim() == 1 and flat.is_contiguous() and not flat.is_neg())
 
     def _cpu_passes(self, flat: torch.Tensor) -> tuple[float, float, float, float, int | None, float]:
-        """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a dense 1-D tensor.
+        """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a 1-D tensor.
 
         min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
         of None means "not counted yet".
         """
         if self._kernel_reads(flat):
-            total, squares, lo, hi, zero_count = _fastreduce.reduce(
-                dtype_name(flat.dtype), flat.data_ptr(), flat.numel(), self.threads)
+            total, squares, lo, hi, zero_count = _fastreduce.reduce(kernel_buffer(flat), dtype_name(flat.dtype),
+                                                                    self.threads)
             return total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
@@ -234,19 +263,47 @@ def device_float(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def flat_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a 1-D tensor, without a copy when its memory is dense (contiguous or channels-last).
+def unbroadcast(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(base, repeats)``: ``x`` with every stride-0 (expanded) dimension cut to size 1, a view, and
+    how many times ``x`` repeats each of its values. Mean, std, min and max of ``x`` are those of
+    ``base``; counts are ``repeats`` times ``base``'s. ``x`` must not be empty."""
+    strides = x.stride()
+    if 0 not in strides:
+        return x, 1
+    base = x.as_strided([1 if st == 0 else size for size, st in zip(x.shape, strides)], strides)
+    return base, x.numel() // base.numel()
 
-    Every statistic is independent of element order, so a channels-last activation is reduced in
-    its memory order instead of being copied into the logical one.
+
+def dense_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x``'s values as a 1-D view with stride 1, or None when they are not one dense block of memory.
+
+    Dense in any dimension order counts (contiguous, channels-last, transposed, permuted): every
+    statistic is independent of element order, so such a tensor is reduced in memory order instead of
+    being copied into the logical one. Stride-0, overlapping and stepped views are not dense.
     """
     if x.is_contiguous():
         return x.view(-1)
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) or (
-        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
-    ):
-        return x.permute(0, *range(2, x.dim()), 1).reshape(-1)  # a view: this order is contiguous
-    return x.reshape(-1)
+    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return x.as_strided((x.numel(),), (1,))  # at x's storage offset; x covers exactly these elements
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 1-D tensor: a stride-1 view when its memory is dense (``dense_view``), else
+    ``reshape(-1)``, which may still be a *strided* view (a stepped slice of a 1-D tensor, an expanded
+    one): only the torch reductions may read that; the C kernel takes stride-1 tensors only."""
+    view = dense_view(x)
+    return x.reshape(-1) if view is None else view
+
+
+def kernel_buffer(flat: torch.Tensor) -> Any:
+    """A dense 1-D CPU tensor's memory as a buffer-protocol object (a NumPy array sharing it, no copy)
+    for the C kernel. bfloat16 has no buffer format: its 16-bit patterns go as int16."""
+    return (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
 
 
 def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> Vector:
@@ -265,7 +322,7 @@ def _norm(v: dict[str, float]) -> float:
     if v["inf_count"]:
         return math.inf
     if not v["numel"]:
-        return math.nan
+        return 0.0  # an empty sum of squares, as torch.linalg.vector_norm of an empty tensor
     return math.sqrt(v["numel"] * (v["std"] ** 2 + v["mean"] ** 2))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,7 +138,7 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
     """Lengths around the 16-lane blocks and the per-thread minimum; thread ranges must tile exactly."""
     x = seeded(numel) * 2 + 0.5
     x[:: max(numel // 7, 1)] = 0.0  # zeros scattered over every thread's range
-    total, squares, lo, hi, zeros = _fastreduce.reduce("float32", x.data_ptr(), numel, threads)
+    total, squares, lo, hi, zeros = _fastreduce.reduce(x.numpy(), "float32", threads)
     d = x.double()
     assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-9)
     assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
@@ -159,23 +160,40 @@ def test_nan_and_inf_in_a_large_tensor_are_counted_across_threads(path: str) -> 
 
 @needs_kernel
 def test_kernel_reads_only_the_given_range() -> None:
-    """A view's data_ptr starts at its offset; values around it (here huge ones) must not leak in."""
+    """A view starts at its storage offset; values around it (here huge ones) must not leak in."""
     base = torch.full((100,), 1e30)
     base[10:60] = torch.arange(50, dtype=torch.float32)
-    view = base[10:60]
-    total, _squares, lo, hi, zeros = _fastreduce.reduce("float32", view.data_ptr(), view.numel(), 2)
+    total, _squares, lo, hi, zeros = _fastreduce.reduce(base[10:60].numpy(), "float32", 2)
     assert (total, lo, hi, zeros) == (float(sum(range(50))), 0.0, 49.0, 1)
 
 
 @needs_kernel
-def test_kernel_rejects_bad_arguments_instead_of_reading_memory() -> None:
-    with pytest.raises(ValueError):
-        _fastreduce.reduce("float32", 0, 10, 1)
-    with pytest.raises(ValueError):
-        _fastreduce.reduce("float32", torch.zeros(1).data_ptr(), -1, 1)
+def test_kernel_takes_no_address_and_refuses_memory_that_is_not_one_dense_block() -> None:
+    """The kernel reads only what a buffer's exporter vouches for: C-contiguous, of the declared
+    format, aligned. Every other layout raises before a byte is read."""
+    x = torch.arange(12, dtype=torch.float32)
+    with pytest.raises(TypeError):  # an integer address is not a buffer
+        _fastreduce.reduce(x.data_ptr(), "float32", 1)
+    not_dense = {
+        "expanded (stride 0)": torch.tensor(4.5).expand(4096),
+        "stepped slice": x[::2],
+        "transposed": x.reshape(3, 4).t(),
+        "expanded rows": x[:4].expand(3, 4),
+    }
+    for name, t in not_dense.items():
+        with pytest.raises((ValueError, BufferError), match="contiguous"):
+            _fastreduce.reduce(t.numpy(), "float32", 1)
+    with pytest.raises(ValueError, match="format"):  # float64 memory read as float32
+        _fastreduce.reduce(x.double().numpy(), "float32", 1)
+    with pytest.raises(ValueError, match="format"):  # float32 memory read as bfloat16
+        _fastreduce.reduce(x.numpy(), "bfloat16", 1)
+    with pytest.raises(ValueError, match="format"):  # bytes are no float32 values
+        _fastreduce.reduce(b"\0" * 16, "float32", 1)
+    with pytest.raises(ValueError, match="aligned"):
+        _fastreduce.reduce(np.zeros(9, dtype=np.uint8)[1:].view(np.float32), "float32", 1)
     with pytest.raises(ValueError, match="unsupported dtype"):
-        _fastreduce.reduce("float64", torch.zeros(1, dtype=torch.float64).data_ptr(), 1, 1)
-    assert _fastreduce.reduce("float32", 0, 0, 1)[4] == 0
+        _fastreduce.reduce(x.double().numpy(), "float64", 1)
+    assert _fastreduce.reduce(torch.empty(0).numpy(), "float32", 1)[4] == 0
 
 
 @needs_kernel
@@ -189,7 +207,8 @@ def test_kernel_widens_every_half_precision_value_exactly(dtype: torch.dtype) ->
     wrong = []
     for i, expected in enumerate(widened):
         one = patterns[i:i + 1]
-        total, squares, lo, hi, zeros = _fastreduce.reduce(name, one.data_ptr(), 1, 1)
+        raw = one.view(torch.int16) if dtype == torch.bfloat16 else one
+        total, squares, lo, hi, zeros = _fastreduce.reduce(raw.numpy(), name, 1)
         if math.isnan(expected):
             ok = math.isnan(total)  # min/max ignore NaN; the sum carries it
         else:
