@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import pytest
 
-from transcripts import ROOT, Sandbox, fences, format_transcript, parse_command, parse_transcript, run
+from transcripts import ROOT, Fence, Sandbox, fences, format_transcript, parse_command, parse_transcript, run
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
@@ -61,19 +61,35 @@ def _report(diffs: list[str], update: bool, what: str) -> None:
 # --------------------------------------------------------------------------- commands shown in the docs
 
 
-@pytest.mark.parametrize("path", [p for p in DOCS if any(f.lang == "console" for f in fences(p.read_text().splitlines()))],
-                         ids=rel)
-def test_console_blocks_show_what_hookcli_prints(path: Path, tmp_path: Path, update: bool) -> None:
+def _has_code(path: Path) -> bool:
+    return any(f.lang in ("console", "python") for f in fences(path.read_text().splitlines()))
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if _has_code(p)], ids=rel)
+def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, update: bool) -> None:
+    """A page is a script, run top to bottom in one sandbox: each ```console block's commands run and
+    their output must be the text shown; each ```python block runs (its asserts hold), in one namespace,
+    and zero-argument ``test_*`` functions it defines are called, as pytest would. A snippet may read a
+    file a command above it wrote."""
     lines = path.read_text().splitlines()
     sandbox = Sandbox(tmp_path)
     diffs: list[str] = []
-    new = list(lines)
-    for fence in reversed([f for f in fences(lines) if f.lang == "console"]):  # bottom-up: indexes stay valid
-        body, found = _run_transcript(fence.body, sandbox, f"{rel(path)}:{fence.line_no}")
-        diffs[:0] = found
-        new[fence.start:fence.end] = [fence.indent + line if line else "" for line in body]
+    regenerated: list[tuple[Fence, list[str]]] = []
+    namespace: dict[str, object] = {"__name__": "docs_snippet"}
+    for fence in fences(lines):
+        where = f"{rel(path)}:{fence.line_no}"
+        if fence.lang == "console":
+            body, found = _run_transcript(fence.body, sandbox, where)
+            diffs += found
+            regenerated.append((fence, body))
+        elif fence.lang == "python":
+            with sandbox.cwd():
+                _exec_snippet(fence.body, where, namespace)
     written = sandbox.changed_files()  # e.g. the feature-map PNG a command draws for the docs
     if update:
+        new = list(lines)
+        for fence, body in reversed(regenerated):  # bottom-up: line indexes stay valid
+            new[fence.start:fence.end] = [fence.indent + line if line else "" for line in body]
         if new != lines:
             path.write_text("\n".join(new) + "\n")
         for name in written:
@@ -81,6 +97,16 @@ def test_console_blocks_show_what_hookcli_prints(path: Path, tmp_path: Path, upd
     else:
         diffs += [f"{name}: the file a documented command writes differs from the repository's" for name in written]
     _report(diffs, update, "documented outputs")
+
+
+def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> None:
+    before = set(namespace)
+    exec(compile("\n".join(body), where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+    for name in sorted(set(namespace) - before):
+        func = namespace[name]
+        if name.startswith("test_") and callable(func) and getattr(func, "__code__", None) \
+                and func.__code__.co_argcount == 0:
+            func()
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=rel)
@@ -129,12 +155,12 @@ def test_commands_without_output_parse() -> None:
             for line in _shell_hookcli_commands("\n".join(fence.body)):
                 args = shlex.split(line, comments=True)[1:]
                 try:
-                    ctx = main.make_context("hookcli", list(args))
-                    if ctx.protected_args or ctx.args:
-                        name, *rest = [*ctx.protected_args, *ctx.args]
-                        command = main.get_command(ctx, name)
+                    if args and not args[0].startswith("-"):
+                        command = main.get_command(click.Context(main), args[0])
                         assert command is not None, f"{rel(path)}: unknown command in {line!r}"
-                        command.make_context(name, rest, parent=ctx)
+                        command.make_context(args[0], list(args[1:]))
+                    else:
+                        main.make_context("hookcli", list(args))
                 except click.exceptions.Exit:
                     pass
                 except click.UsageError as exc:
@@ -154,8 +180,8 @@ def _all_option_names() -> set[str]:
     return names
 
 
-# Flags the docs name that belong to other tools.
-OTHER_TOOLS_FLAGS = {"--index-url", "--update-docs", "--upgrade", "--quiet", "--disable-pip-version-check"}
+# Flags the docs name that are not parameters: --help (Click's), and other tools' flags.
+OTHER_TOOLS_FLAGS = {"--help", "--index-url", "--update-docs", "--upgrade", "--quiet", "--disable-pip-version-check"}
 
 
 def test_every_flag_named_in_the_docs_exists() -> None:
@@ -167,27 +193,7 @@ def test_every_flag_named_in_the_docs_exists() -> None:
         assert not unknown, f"{rel(path)} names options hookcli does not have: {unknown}"
 
 
-# --------------------------------------------------------------------------- Python snippets
-
-
-@pytest.mark.parametrize("path", [p for p in DOCS if any(f.lang == "python" for f in fences(p.read_text().splitlines()))],
-                         ids=rel)
-def test_python_snippets_run(path: Path, tmp_path: Path) -> None:
-    """Every ```python block of a page runs, in order, in one namespace (its asserts hold); zero-argument
-    ``test_*`` functions a block defines are called, as pytest would."""
-    sandbox = Sandbox(tmp_path)
-    namespace: dict[str, object] = {"__name__": "docs_snippet"}
-    with sandbox.cwd():
-        for fence in fences(path.read_text().splitlines()):
-            if fence.lang != "python":
-                continue
-            before = set(namespace)
-            code = compile("\n".join(fence.body), f"{rel(path)}:{fence.line_no}", "exec")
-            exec(code, namespace)  # noqa: S102 - the docs' own examples
-            for name in sorted(set(namespace) - before):
-                func = namespace[name]
-                if name.startswith("test_") and callable(func) and func.__code__.co_argcount == 0:
-                    func()
+# --------------------------------------------------------------------------- other snippets
 
 
 def test_toml_snippets_parse_and_shown_configs_match_their_files() -> None:
@@ -200,7 +206,7 @@ def test_toml_snippets_parse_and_shown_configs_match_their_files() -> None:
             first = fence.body[0] if fence.body else ""
             shown = re.fullmatch(r"# (configs/[\w.-]+\.toml)", first.strip())
             if shown:  # a block that says it is a config file shows that file, verbatim
-                assert text.strip() == (ROOT / shown[1]).read_text().strip(), \
+                assert "\n".join(fence.body[1:]).strip() == (ROOT / shown[1]).read_text().strip(), \
                     f"{rel(path)}:{fence.line_no}: differs from {shown[1]}"
 
 

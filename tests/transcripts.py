@@ -8,7 +8,7 @@ compares (or, with ``pytest --update-docs``, rewrites) the output shown, like co
 What a command may be, shell-compatibly, so a reader can paste it:
 
     $ hookcli ARGS                     output as on a terminal: stdout and stderr interleaved
-    $ hookcli ARGS | head -n N         the first N lines of stdout (then stderr); also tail -n N
+    $ hookcli ARGS | head -n N         stderr, then the first N lines of stdout; also tail -n N
     $ hookcli ARGS; echo $?            the output, then the exit code on a line of its own
 
 Every run is made the same: width 100 (``COLUMNS``), no colour, no GitHub or debug environment, in a
@@ -230,7 +230,7 @@ def run(line: str, sandbox: Path) -> list[str]:
         out = result.stdout.splitlines()
         out = out[: pipe.head] if pipe.head is not None else out
         out = out[-pipe.tail:] if pipe.tail is not None else out
-        text = "\n".join(out) + "\n" + result.stderr
+        text = result.stderr + "\n".join(out)  # a pipe's reader prints after the writer's stderr
     lines = _trim(normalise(text, sandbox).splitlines())
     if pipe.echo_status:
         lines.append(str(result.exit_code))
