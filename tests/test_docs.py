@@ -100,8 +100,11 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
 
 
 def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> None:
+    import torch
+
     before = set(namespace)
-    exec(compile("\n".join(body), where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+    with torch.random.fork_rng(devices=[]):  # a snippet may seed torch: the suite's RNG stays as it was
+        exec(compile("\n".join(body), where, "exec"), namespace)  # noqa: S102 - the docs' own examples
     for name in sorted(set(namespace) - before):
         func = namespace[name]
         if name.startswith("test_") and callable(func) and getattr(func, "__code__", None) \
@@ -143,30 +146,41 @@ def _shell_hookcli_commands(text: str) -> list[str]:
     return found
 
 
-def test_commands_without_output_parse() -> None:
-    """Commands in bash/yaml blocks are not run (they need your files), but their options exist."""
+def _parse_cli(line: str, where: str) -> None:
+    """Parse a ``hookcli ...`` line with hookcli's own Click commands (options and values), without running it."""
     from hookcli.cli import main
 
+    args = shlex.split(line, comments=True)[1:]
+    try:
+        if args and not args[0].startswith("-"):
+            command = main.get_command(click.Context(main), args[0])
+            assert command is not None, f"{where}: unknown command in {line!r}"
+            command.make_context(args[0], list(args[1:]))
+        else:
+            main.make_context("hookcli", list(args))
+    except click.exceptions.Exit:
+        pass  # --version, --help
+    except click.UsageError as exc:
+        pytest.fail(f"{where}: {line!r}: {exc.format_message()}")
+
+
+def test_commands_without_output_parse() -> None:
+    """Commands in bash/yaml blocks and in the configs' comments are not run (they need your files or
+    take long), but their commands, options and option values are hookcli's."""
     checked = 0
     for path in DOCS:
         for fence in fences(path.read_text().splitlines()):
-            if fence.lang not in ("bash", "sh", "yaml", "yml"):
-                continue
-            for line in _shell_hookcli_commands("\n".join(fence.body)):
-                args = shlex.split(line, comments=True)[1:]
-                try:
-                    if args and not args[0].startswith("-"):
-                        command = main.get_command(click.Context(main), args[0])
-                        assert command is not None, f"{rel(path)}: unknown command in {line!r}"
-                        command.make_context(args[0], list(args[1:]))
-                    else:
-                        main.make_context("hookcli", list(args))
-                except click.exceptions.Exit:
-                    pass
-                except click.UsageError as exc:
-                    pytest.fail(f"{rel(path)}:{fence.line_no}: {line!r}: {exc.format_message()}")
+            if fence.lang in ("bash", "sh", "yaml", "yml"):
+                for line in _shell_hookcli_commands("\n".join(fence.body)):
+                    _parse_cli(line, f"{rel(path)}:{fence.line_no}")
+                    checked += 1
+    for config in CONFIGS:
+        for line in config.read_text().splitlines():
+            comment = line.partition("#")[2].strip()
+            if comment.startswith("hookcli "):
+                _parse_cli(comment, rel(config))
                 checked += 1
-    assert checked >= 5
+    assert checked >= 10
 
 
 def _all_option_names() -> set[str]:
@@ -257,7 +271,7 @@ def test_every_relative_link_resolves() -> None:
     assert checked >= 20
 
 
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:configs|docs|benchmarks|tests|hookcli|\.ci)/[\w./-]*[\w])")
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:configs|docs|benchmarks|tests|hookcli|\.ci)/[\w./-]*[\w])(?:#([\w-]+))?")
 
 
 def test_every_path_the_docs_and_configs_name_exists() -> None:
@@ -265,10 +279,12 @@ def test_every_path_the_docs_and_configs_name_exists() -> None:
     written_by_examples = {"docs/images/conv1_fmaps.png"}
     sources = [*DOCS, *CONFIGS, ROOT / "configs" / "example_model.py"]
     for source in sources:
-        for name in REPO_PATH.findall(source.read_text()):
-            if "*" in name or name in written_by_examples:
+        for name, anchor in REPO_PATH.findall(source.read_text()):
+            if name in written_by_examples:
                 continue
             assert (ROOT / name).exists(), f"{rel(source)} names {name}, which does not exist"
+            if anchor and name.endswith(".md"):
+                assert anchor in _anchors(ROOT / name), f"{rel(source)} names {name}#{anchor}: no such heading"
 
 
 def test_every_config_is_documented_and_points_at_existing_docs() -> None:
@@ -285,3 +301,27 @@ def test_there_is_a_page_per_command_and_the_readme_links_them() -> None:
         assert f"(docs/{name}.md" in readme, f"README.md does not link docs/{name}.md"
     for name in COMMAND_PAGES:
         assert f"$ hookcli {name}" in readme, f"README.md shows no example of hookcli {name}"
+
+
+def test_ci_runs_the_readme_set_up_commands() -> None:
+    """The README's two set-up commands are what .ci/run runs on a clean clone (keep them in sync)."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    setup = next(f for f in fences(readme) if f.lang == "bash")
+    commands = [part.strip() for line in setup.body for part in line.split("#")[0].split("&&") if part.strip()]
+    assert commands[0].startswith("pip install -e") and "hookcli shapes resnet50" in commands
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for command in commands:
+        words = shlex.split(command)
+        assert any(_same_command(words, line) for line in ci_lines), f".ci/run does not run {command!r}"
+
+
+def _same_command(words: list[str], line: str) -> bool:
+    """``pip install -e ".[test]"`` in the README is .ci/run's line, give or take pip's output flags."""
+    try:
+        ci = shlex.split(line, comments=True)
+    except ValueError:
+        return False
+    quiet = {"--quiet", "-q", "--disable-pip-version-check"}
+    ci = [w for w in ci if w not in quiet]
+    ci = ci[2:] if ci[:2] == ["python", "-m"] and words[0] != "python" else ci
+    return ci == words
