@@ -325,3 +325,9 @@ def _same_command(words: list[str], line: str) -> bool:
     ci = [w for w in ci if w not in quiet]
     ci = ci[2:] if ci[:2] == ["python", "-m"] and words[0] != "python" else ci
     return ci == words
+
+
+def test_readme_stays_a_front_door() -> None:
+    """About 10 KB: what hookcli is, set-up, one example per command, exit codes, CI, links. Reference
+    material belongs in docs/ (the README was a 56 KB manual once)."""
+    assert len((ROOT / "README.md").read_bytes()) < 16_000
