@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import tomllib
+import traceback
 from pathlib import Path
 
 import click
@@ -37,14 +38,22 @@ def update(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-docs"))
 
 
-def _run_transcript(body: list[str], sandbox: Sandbox, where: str) -> tuple[list[str], list[str]]:
-    """Run a transcript; returns (its regenerated lines, a diff per command whose output changed)."""
+def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
+                    errors: list[str]) -> tuple[list[str], list[str]]:
+    """Run a transcript; returns (its regenerated lines, a diff per command whose output changed).
+
+    A command that lets an exception escape (a bug, not an error message) keeps the text shown and is
+    added to ``errors``, so that the other blocks are still regenerated."""
     head, commands = parse_transcript(body)
     assert commands, f"{where}: a console transcript without a '$ hookcli ...' line"
     outputs, diffs = [], []
     with sandbox.cwd():
         for command in commands:
-            actual = run(command.line, sandbox.path)
+            try:
+                actual = run(command.line, sandbox.path)
+            except Exception:  # noqa: BLE001 - reported below with its traceback
+                errors.append(f"{where}: $ {command.line}\n{traceback.format_exc()}")
+                actual = command.expected
             outputs.append(actual)
             if actual != command.expected:
                 diffs.append(f"{where}: $ {command.line}\n" + "\n".join(
@@ -52,7 +61,10 @@ def _run_transcript(body: list[str], sandbox: Sandbox, where: str) -> tuple[list
     return format_transcript(head, commands, outputs), diffs
 
 
-def _report(diffs: list[str], update: bool, what: str) -> None:
+def _report(diffs: list[str], update: bool, what: str, errors: list[str]) -> None:
+    """Fail on changed outputs (unless regenerating) and, always, on commands or snippets that raised."""
+    if errors:
+        pytest.fail(f"{len(errors)} documented commands or snippets raised\n\n" + "\n\n".join(errors))
     if diffs and not update:
         pytest.fail(f"{len(diffs)} {what} differ from what hookcli prints now "
                     "(regenerate: python -m pytest tests/test_docs.py --update-docs)\n\n" + "\n\n".join(diffs))
@@ -75,16 +87,22 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
     sandbox = Sandbox(tmp_path)
     diffs: list[str] = []
     regenerated: list[tuple[Fence, list[str]]] = []
+    errors: list[str] = []
+    snippets_ok = True  # after a snippet fails, later ones (which build on it) are not run
     namespace: dict[str, object] = {"__name__": "docs_snippet"}
     for fence in fences(lines):
         where = f"{rel(path)}:{fence.line_no}"
         if fence.lang == "console":
-            body, found = _run_transcript(fence.body, sandbox, where)
+            body, found = _run_transcript(fence.body, sandbox, where, errors)
             diffs += found
             regenerated.append((fence, body))
-        elif fence.lang == "python":
-            with sandbox.cwd():
-                _exec_snippet(fence.body, where, namespace)
+        elif fence.lang == "python" and snippets_ok:
+            try:
+                with sandbox.cwd():
+                    _exec_snippet(fence.body, where, namespace)
+            except Exception:  # noqa: BLE001 - reported with its traceback, after regenerating the rest
+                errors.append(f"{where}: python snippet\n{traceback.format_exc()}")
+                snippets_ok = False
     written = sandbox.changed_files()  # e.g. the feature-map PNG a command draws for the docs
     if update:
         new = list(lines)
@@ -96,7 +114,7 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
             shutil.copyfile(sandbox.path / name, ROOT / name)
     else:
         diffs += [f"{name}: the file a documented command writes differs from the repository's" for name in written]
-    _report(diffs, update, "documented outputs")
+    _report(diffs, update, "documented outputs", errors)
 
 
 def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> None:
@@ -116,10 +134,11 @@ def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> 
 def test_golden_transcripts(path: Path, tmp_path: Path, update: bool) -> None:
     """Each tests/golden/*.txt: commands with their full output at width 100, colour off."""
     lines = path.read_text().splitlines()
-    body, diffs = _run_transcript(lines, Sandbox(tmp_path), rel(path))
+    errors: list[str] = []
+    body, diffs = _run_transcript(lines, Sandbox(tmp_path), rel(path), errors)
     if update and body != lines:
         path.write_text("\n".join(body) + "\n")
-    _report(diffs, update, "golden outputs")
+    _report(diffs, update, "golden outputs", errors)
 
 
 def test_every_example_command_is_tested() -> None:

@@ -223,7 +223,7 @@ def run(line: str, sandbox: Path) -> list[str]:
     from hookcli.cli import main
 
     pipe = parse_command(line)
-    result = CliRunner().invoke(main, pipe.args, env=ENV, catch_exceptions=False)
+    result = CliRunner().invoke(main, pipe.args, env=ENV, catch_exceptions=False, prog_name="hookcli")
     if pipe.head is None and pipe.tail is None:
         text = result.output  # stdout and stderr, interleaved as written
     else:
