@@ -16,12 +16,14 @@ import shlex
 import shutil
 import tomllib
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 import pytest
 
-from transcripts import ROOT, Fence, Sandbox, fences, format_transcript, parse_command, parse_transcript, run
+from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_thread, parse_command, parse_transcript,
+                         run)
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
@@ -34,8 +36,10 @@ def rel(path: Path) -> str:
 
 
 @pytest.fixture
-def update(request: pytest.FixtureRequest) -> bool:
-    return bool(request.config.getoption("--update-docs"))
+def update(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """True under ``pytest --update-docs``: rewrite what is shown instead of comparing."""
+    with one_thread():  # every test that runs documented commands asks for this fixture
+        yield bool(request.config.getoption("--update-docs"))
 
 
 def _run_transcript(body: list[str], sandbox: Sandbox, where: str,

@@ -11,8 +11,8 @@ What a command may be, shell-compatibly, so a reader can paste it:
     $ hookcli ARGS | head -n N         stderr, then the first N lines of stdout; also tail -n N
     $ hookcli ARGS; echo $?            the output, then the exit code on a line of its own
 
-Every run is made the same: width 100 (``COLUMNS``), no colour, no GitHub or debug environment, in a
-sandbox folder (see ``Sandbox``) where the paths the docs use (``configs/``, ``docs/images/``,
+Every run is made the same: width 100 (``COLUMNS``), no colour, no GitHub or debug environment, torch
+on one thread (``one_thread``), in a sandbox folder (see ``Sandbox``) where the paths the docs use (``configs/``, ``docs/images/``,
 ``tests/``) exist and files the commands write do not touch the repository. The one place where
 output is normalised is ``normalise``.
 """
@@ -206,6 +206,20 @@ class Sandbox:
             if path.is_file() and (not (ROOT / rel).exists() or (ROOT / rel).read_bytes() != path.read_bytes()):
                 changed.append(str(rel))
         return changed
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one CPU thread: the docs' numbers then do not depend on the machine's core count
+    (parallel reductions may round differently), and the runs are fast on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def normalise(text: str, sandbox: Path) -> str:
