@@ -12,9 +12,9 @@ What a command may be, shell-compatibly, so a reader can paste it:
     $ hookcli ARGS; echo $?            the output, then the exit code on a line of its own
 
 Every run is made the same: width 100 (``COLUMNS``), no colour, no GitHub or debug environment, torch
-on one thread (``one_thread``), in a sandbox folder (see ``Sandbox``) where the paths the docs use (``configs/``, ``docs/images/``,
-``tests/``) exist and files the commands write do not touch the repository. The one place where
-output is normalised is ``normalise``.
+on one thread (``one_thread``), in a sandbox folder (``Sandbox``) where the paths the docs use
+(``configs/``, ``docs/images/``, ``tests/``) exist and files the commands write do not touch the
+repository. The one place where output is normalised is ``normalise``.
 """
 
 from __future__ import annotations
