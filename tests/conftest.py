@@ -32,3 +32,9 @@ def cli(monkeypatch: pytest.MonkeyPatch):
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False, **kwargs)
 
     return invoke
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--update-docs``: rewrite the outputs shown in README.md, docs/ and tests/golden/ (tests/test_docs.py)."""
+    parser.addoption("--update-docs", action="store_true", default=False,
+                     help="regenerate the console blocks of README.md and docs/ and the golden files")

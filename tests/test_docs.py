@@ -1,0 +1,356 @@
+"""Docs that cannot rot: every command, snippet, link and config reference in README.md and docs/ is run
+or resolved here, and the golden transcripts in tests/golden/ pin every command's output.
+
+Regenerate everything (console blocks in place, golden files, images the docs' commands write) with
+
+    python -m pytest tests/test_docs.py --update-docs
+
+then review the diff. See tests/transcripts.py for what a documented command may be.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shlex
+import shutil
+import tomllib
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+
+from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_thread, parse_command, parse_transcript,
+                         run)
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+COMMAND_PAGES = ("shapes", "stats", "grads", "check", "features", "fmaps", "modules", "models")
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.fixture
+def update(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """True under ``pytest --update-docs``: rewrite what is shown instead of comparing."""
+    with one_thread():  # every test that runs documented commands asks for this fixture
+        yield bool(request.config.getoption("--update-docs"))
+
+
+def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
+                    errors: list[str]) -> tuple[list[str], list[str]]:
+    """Run a transcript; returns (its regenerated lines, a diff per command whose output changed).
+
+    A command that lets an exception escape (a bug, not an error message) keeps the text shown and is
+    added to ``errors``, so that the other blocks are still regenerated."""
+    head, commands = parse_transcript(body)
+    assert commands, f"{where}: a console transcript without a '$ hookcli ...' line"
+    outputs, diffs = [], []
+    with sandbox.cwd():
+        for command in commands:
+            try:
+                actual = run(command.line, sandbox.path)
+            except Exception:  # noqa: BLE001 - reported below with its traceback
+                errors.append(f"{where}: $ {command.line}\n{traceback.format_exc()}")
+                actual = command.expected
+            outputs.append(actual)
+            if actual != command.expected:
+                diffs.append(f"{where}: $ {command.line}\n" + "\n".join(
+                    difflib.unified_diff(command.expected, actual, "shown", "actual", lineterm="")))
+    return format_transcript(head, commands, outputs), diffs
+
+
+def _report(diffs: list[str], update: bool, what: str, errors: list[str]) -> None:
+    """Fail on changed outputs (unless regenerating) and, always, on commands or snippets that raised."""
+    if errors:
+        pytest.fail(f"{len(errors)} documented commands or snippets raised\n\n" + "\n\n".join(errors))
+    if diffs and not update:
+        pytest.fail(f"{len(diffs)} {what} differ from what hookcli prints now "
+                    "(regenerate: python -m pytest tests/test_docs.py --update-docs)\n\n" + "\n\n".join(diffs))
+
+
+# --------------------------------------------------------------------------- commands shown in the docs
+
+
+def _has_code(path: Path) -> bool:
+    return any(f.lang in ("console", "python") for f in fences(path.read_text().splitlines()))
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if _has_code(p)], ids=rel)
+def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, update: bool) -> None:
+    """A page is a script, run top to bottom in one sandbox: each ```console block's commands run and
+    their output must be the text shown; each ```python block runs (its asserts hold), in one namespace,
+    and zero-argument ``test_*`` functions it defines are called, as pytest would. A snippet may read a
+    file a command above it wrote."""
+    lines = path.read_text().splitlines()
+    sandbox = Sandbox(tmp_path)
+    diffs: list[str] = []
+    regenerated: list[tuple[Fence, list[str]]] = []
+    errors: list[str] = []
+    snippets_ok = True  # after a snippet fails, later ones (which build on it) are not run
+    namespace: dict[str, object] = {"__name__": "docs_snippet"}
+    for fence in fences(lines):
+        where = f"{rel(path)}:{fence.line_no}"
+        if fence.lang == "console":
+            body, found = _run_transcript(fence.body, sandbox, where, errors)
+            diffs += found
+            regenerated.append((fence, body))
+        elif fence.lang == "python" and snippets_ok:
+            try:
+                with sandbox.cwd():
+                    _exec_snippet(fence.body, where, namespace)
+            except Exception:  # noqa: BLE001 - reported with its traceback, after regenerating the rest
+                errors.append(f"{where}: python snippet\n{traceback.format_exc()}")
+                snippets_ok = False
+    written = sandbox.changed_files()  # e.g. the feature-map PNG a command draws for the docs
+    if update:
+        new = list(lines)
+        for fence, body in reversed(regenerated):  # bottom-up: line indexes stay valid
+            new[fence.start:fence.end] = [fence.indent + line if line else "" for line in body]
+        if new != lines:
+            path.write_text("\n".join(new) + "\n")
+        for name in written:
+            shutil.copyfile(sandbox.path / name, ROOT / name)
+    else:
+        diffs += [f"{name}: the file a documented command writes differs from the repository's" for name in written]
+    _report(diffs, update, "documented outputs", errors)
+
+
+def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> None:
+    import torch
+
+    before = set(namespace)
+    with torch.random.fork_rng(devices=[]):  # a snippet may seed torch: the suite's RNG stays as it was
+        exec(compile("\n".join(body), where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+    for name in sorted(set(namespace) - before):
+        func = namespace[name]
+        if name.startswith("test_") and callable(func) and getattr(func, "__code__", None) \
+                and func.__code__.co_argcount == 0:
+            func()
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=rel)
+def test_golden_transcripts(path: Path, tmp_path: Path, update: bool) -> None:
+    """Each tests/golden/*.txt: commands with their full output at width 100, colour off."""
+    lines = path.read_text().splitlines()
+    errors: list[str] = []
+    body, diffs = _run_transcript(lines, Sandbox(tmp_path), rel(path), errors)
+    if update and body != lines:
+        path.write_text("\n".join(body) + "\n")
+    _report(diffs, update, "golden outputs", errors)
+
+
+def test_every_example_command_is_tested() -> None:
+    """A ``$ hookcli`` line outside a console block would never run: there are none."""
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        in_console = {i for f in fences(lines) if f.lang == "console" for i in range(f.start, f.end)}
+        stray = [i + 1 for i, line in enumerate(lines) if line.lstrip().startswith("$ ") and i not in in_console]
+        assert not stray, f"{rel(path)}: lines {stray} show a command outside a ```console block"
+        for fence in fences(lines):
+            if fence.lang == "console":
+                for command in parse_transcript(fence.body)[1]:
+                    parse_command(command.line)  # only hookcli, with the shell the runner knows
+
+
+def _shell_hookcli_commands(text: str) -> list[str]:
+    """``hookcli ...`` invocations in shell/yaml blocks (commands shown without output)."""
+    found = []
+    for line in text.splitlines():
+        for part in re.split(r"&&|\|\||;|\brun:", line):
+            part = part.strip()
+            if part.startswith("hookcli "):
+                found.append(part)
+    return found
+
+
+def _parse_cli(line: str, where: str) -> None:
+    """Parse a ``hookcli ...`` line with hookcli's own Click commands (options and values), without running it."""
+    from hookcli.cli import main
+
+    args = shlex.split(line, comments=True)[1:]
+    try:
+        if args and not args[0].startswith("-"):
+            command = main.get_command(click.Context(main), args[0])
+            assert command is not None, f"{where}: unknown command in {line!r}"
+            command.make_context(args[0], list(args[1:]))
+        else:
+            main.make_context("hookcli", list(args))
+    except click.exceptions.Exit:
+        pass  # --version, --help
+    except click.UsageError as exc:
+        pytest.fail(f"{where}: {line!r}: {exc.format_message()}")
+
+
+def test_commands_without_output_parse() -> None:
+    """Commands in bash/yaml blocks and in the configs' comments are not run (they need your files or
+    take long), but their commands, options and option values are hookcli's."""
+    checked = 0
+    for path in DOCS:
+        for fence in fences(path.read_text().splitlines()):
+            if fence.lang in ("bash", "sh", "yaml", "yml"):
+                for line in _shell_hookcli_commands("\n".join(fence.body)):
+                    _parse_cli(line, f"{rel(path)}:{fence.line_no}")
+                    checked += 1
+    for config in CONFIGS:
+        for line in config.read_text().splitlines():
+            comment = line.partition("#")[2].strip()
+            if comment.startswith("hookcli "):
+                _parse_cli(comment, rel(config))
+                checked += 1
+    assert checked >= 10
+
+
+def _all_option_names() -> set[str]:
+    from hookcli.cli import main
+
+    names: set[str] = set()
+    commands = [main, *main.commands.values()]
+    for command in commands:
+        for param in command.params:
+            names.update(o for o in [*param.opts, *getattr(param, "secondary_opts", [])] if o.startswith("--"))
+    return names
+
+
+# Flags the docs name that are not parameters: --help (Click's), and other tools' flags.
+OTHER_TOOLS_FLAGS = {"--help", "--index-url", "--update-docs", "--upgrade", "--quiet", "--disable-pip-version-check"}
+
+
+def test_every_flag_named_in_the_docs_exists() -> None:
+    known = _all_option_names() | OTHER_TOOLS_FLAGS
+    for path in DOCS:
+        text = path.read_text()
+        code = " ".join(re.findall(r"`([^`\n]+)`", text))
+        unknown = sorted({flag for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code)} - known)
+        assert not unknown, f"{rel(path)} names options hookcli does not have: {unknown}"
+
+
+# --------------------------------------------------------------------------- other snippets
+
+
+def test_toml_snippets_parse_and_shown_configs_match_their_files() -> None:
+    for path in DOCS:
+        for fence in fences(path.read_text().splitlines()):
+            if fence.lang != "toml":
+                continue
+            text = "\n".join(fence.body)
+            tomllib.loads(text)
+            first = fence.body[0] if fence.body else ""
+            shown = re.fullmatch(r"# (configs/[\w.-]+\.toml)", first.strip())
+            if shown:  # a block that says it is a config file shows that file, verbatim
+                assert "\n".join(fence.body[1:]).strip() == (ROOT / shown[1]).read_text().strip(), \
+                    f"{rel(path)}:{fence.line_no}: differs from {shown[1]}"
+
+
+# --------------------------------------------------------------------------- links and references
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]|<[^>]+>", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    lines = path.read_text().splitlines()
+    code = {i for f in fences(lines) for i in range(f.start - 1, f.end + 1)}
+    slugs: set[str] = set()
+    seen: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"#{1,6} (.+)", line)
+        if m and i not in code:
+            slug = _slug(m[1])
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            slugs.add(slug if n == 0 else f"{slug}-{n}")
+    return slugs
+
+
+def _prose(path: Path) -> str:
+    """The page without its code blocks (links inside code are not links)."""
+    lines = path.read_text().splitlines()
+    code = {i for f in fences(lines) for i in range(f.start - 1, f.end + 1)}
+    return "\n".join(line for i, line in enumerate(lines) if i not in code)
+
+
+def test_every_relative_link_resolves() -> None:
+    checked = 0
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(path)):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            assert dest.exists(), f"{rel(path)}: link to {target!r}: no such file"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest), f"{rel(path)}: link to {target!r}: no heading with that anchor"
+            checked += 1
+    assert checked >= 20
+
+
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:configs|docs|benchmarks|tests|hookcli|\.ci)/[\w./-]*[\w])(?:#([\w-]+))?")
+
+
+def test_every_path_the_docs_and_configs_name_exists() -> None:
+    """Paths like configs/resnet18.toml or docs/check.md named in README.md, docs/ and the configs' comments."""
+    written_by_examples = {"docs/images/conv1_fmaps.png"}
+    sources = [*DOCS, *CONFIGS, ROOT / "configs" / "example_model.py"]
+    for source in sources:
+        for name, anchor in REPO_PATH.findall(source.read_text()):
+            if name in written_by_examples:
+                continue
+            assert (ROOT / name).exists(), f"{rel(source)} names {name}, which does not exist"
+            if anchor and name.endswith(".md"):
+                assert anchor in _anchors(ROOT / name), f"{rel(source)} names {name}#{anchor}: no such heading"
+
+
+def test_every_config_is_documented_and_points_at_existing_docs() -> None:
+    everything = "\n".join(p.read_text() for p in DOCS)
+    for config in CONFIGS:
+        assert rel(config) in everything, f"{rel(config)} is not mentioned in README.md or docs/"
+    assert "docs/check.md" in (ROOT / "configs" / "resnet18.toml").read_text()
+
+
+def test_there_is_a_page_per_command_and_the_readme_links_them() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in [*COMMAND_PAGES, "json-format", "ci", "python-api", "performance"]:
+        assert (ROOT / "docs" / f"{name}.md").exists(), f"docs/{name}.md is missing"
+        assert f"(docs/{name}.md" in readme, f"README.md does not link docs/{name}.md"
+    for name in COMMAND_PAGES:
+        assert f"$ hookcli {name}" in readme, f"README.md shows no example of hookcli {name}"
+
+
+def test_ci_runs_the_readme_set_up_commands() -> None:
+    """The README's two set-up commands are what .ci/run runs on a clean clone (keep them in sync)."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    setup = next(f for f in fences(readme) if f.lang == "bash")
+    commands = [part.strip() for line in setup.body for part in line.split("#")[0].split("&&") if part.strip()]
+    assert commands[0].startswith("pip install -e") and "hookcli shapes resnet50" in commands
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for command in commands:
+        words = shlex.split(command)
+        assert any(_same_command(words, line) for line in ci_lines), f".ci/run does not run {command!r}"
+
+
+def _same_command(words: list[str], line: str) -> bool:
+    """``pip install -e ".[test]"`` in the README is .ci/run's line, give or take pip's output flags."""
+    try:
+        ci = shlex.split(line, comments=True)
+    except ValueError:
+        return False
+    quiet = {"--quiet", "-q", "--disable-pip-version-check"}
+    ci = [w for w in ci if w not in quiet]
+    ci = ci[2:] if ci[:2] == ["python", "-m"] and words[0] != "python" else ci
+    return ci == words
+
+
+def test_readme_stays_a_front_door() -> None:
+    """About 10 KB: what hookcli is, set-up, one example per command, exit codes, CI, links. Reference
+    material belongs in docs/ (the README was a 56 KB manual once)."""
+    assert len((ROOT / "README.md").read_bytes()) < 16_000
