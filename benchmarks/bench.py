@@ -47,8 +47,8 @@ def run_hookcli(model: Any, x: Any) -> None:
     """What `hookcli stats --all` does around the forward: hooks, on-device stats, one transfer."""
     import torch
 
-    from hookcli.hooks import HookOptions, attach
-    from hookcli.selection import select_modules
+    from hookcli.engine.session import HookOptions, attach
+    from hookcli.engine.selection import select_modules
 
     with attach(model, select_modules(model, all_modules=True), HookOptions(stats=True)) as session:
         with torch.no_grad():
@@ -58,7 +58,7 @@ def run_hookcli(model: Any, x: Any) -> None:
 
 def run_hookcli_torch_reductions(model: Any, x: Any) -> None:
     """The same without the C kernel (HOOKCLI_NO_KERNEL=1): what an install without a C compiler gets."""
-    from hookcli.kernel import NO_KERNEL_ENV
+    from hookcli.engine.kernel import NO_KERNEL_ENV
 
     os.environ[NO_KERNEL_ENV] = "1"
     try:
@@ -297,8 +297,8 @@ def bench_kernel(repeats: int) -> list[dict[str, Any]]:
     from torchvision import models
 
     import hookcli
-    from hookcli.kernel import NO_KERNEL_ENV
-    from hookcli.recorders import Reducer
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+    from hookcli.engine.stats import Reducer
 
     def api(model: Any, shape: str, kernel: bool) -> None:
         if kernel:

@@ -22,11 +22,11 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
-from hookcli.hooks import HookOptions, KeepFn, attach
-from hookcli.inputs import ModelInputs, check_signature, make_inputs
-from hookcli.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
+from hookcli.engine.session import HookOptions, KeepFn, attach
+from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
+from hookcli.engine.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
 from hookcli.options import RunOptions, check_option_names, model_is_instance
-from hookcli.recorders import iter_tensors, shape_of
+from hookcli.engine.stats import iter_tensors, shape_of
 from hookcli.records import (
     CheckResult,
     FailureInfo,
@@ -38,8 +38,8 @@ from hookcli.records import (
     ModuleTree,
     Report,
 )
-from hookcli.selection import module_depth, select_modules
-from hookcli.state import (
+from hookcli.engine.selection import module_depth, select_modules
+from hookcli.engine.state import (
     exclusive,
     lazy_tensor,
     meta_copy,
@@ -286,7 +286,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     ModelRaisedError (carrying the partial report) when the model raises or calls ``sys.exit``,
     InternalError when hookcli's own hook code fails, UnsupportedError for a TorchScript model.
     """
-    from hookcli.flops import FlopCounter
+    from hookcli.engine.flops import FlopCounter
 
     refuse_torchscript(prep.loaded.model, prep.selection)
     report = new_report(prep, command)
@@ -417,7 +417,7 @@ def grads(model: Any = None, **options: Any) -> Report:
     ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
     defaults to 2 (BatchNorm needs more than one value per channel).
     """
-    from hookcli.gradients import backward_report
+    from hookcli.commands.grads import backward_report
 
     opts = _options(model, options)
     # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
@@ -442,21 +442,21 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     >>> result = hookcli.check(model, input_shapes=["2x3x32x32"], checks={"output_shape": [2, 10]})
     >>> assert result.ok, result
     """
-    from hookcli.checkrun import api_check
+    from hookcli.commands.check.run import api_check
 
     return api_check(model, checks=checks, config=config, baseline=baseline, options=options)
 
 
 def run_check(options: RunOptions, rules: Any) -> CheckResult:
-    """``check`` with validated pieces (the CLI): RunOptions and ``hookcli.checkrun.check_rules(...)``."""
-    from hookcli.checkrun import run_check as run
+    """``check`` with validated pieces (the CLI): RunOptions and ``hookcli.commands.check.run.check_rules(...)``."""
+    from hookcli.commands.check.run import run_check as run
 
     return run(options, rules)
 
 
 def check_rules(config: Any, *, baseline: str | os.PathLike[str] | None = None) -> Any:
     """The validated rules of a loaded Config (its ``[checks]`` table) plus a ``baseline`` file."""
-    from hookcli.checkrun import check_rules as rules
+    from hookcli.commands.check.run import check_rules as rules
 
     return rules(config, baseline=baseline)
 
@@ -474,7 +474,7 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
 
     >>> hookcli.features("resnet18", layers="layer4,avgpool", output="feats.safetensors")
     """
-    from hookcli.feature_export import run_features
+    from hookcli.commands.features import run_features
 
     with exclusive(model):
         return run_features(_options(model, options), output=output, progress=progress)
@@ -493,7 +493,7 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
 
     >>> hookcli.fmaps("resnet18", layer="conv1", inputs=["photo.jpg"], output="conv1.png")
     """
-    from hookcli.feature_maps import FmapOptions, run_fmaps
+    from hookcli.commands.fmaps import FmapOptions, run_fmaps
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
                        scale=scale)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from hookcli.inputs import InputSpec
+    from hookcli.engine.inputs import InputSpec
 
 DEFAULT_MODEL = "resnet50"
 FILLS = ("randn", "rand", "ones", "zeros")
@@ -77,7 +77,7 @@ class RunOptions:
 
     def validate(self) -> RunOptions:
         """Check and normalise every option; return a new, validated copy."""
-        from hookcli.inputs import InputSpec, parse_input_shape
+        from hookcli.engine.inputs import InputSpec, parse_input_shape
 
         opts = replace(self)
         if opts.model is None:

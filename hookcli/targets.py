@@ -4,7 +4,7 @@ Torch-free (the config reader uses it too). A MODEL import path runs code: impor
 its top level, and the target is called with ``model_args``. A config file may come from someone
 else's repository (bare ``hookcli check`` reads ``[tool.hookcli]`` of ./pyproject.toml by itself), so
 a target in the standard library (``os:system``, ``subprocess:run``, ``builtins:eval``) is refused
-before it is imported or called. The loader (``hookcli.loading.check_target``) also checks what an
+before it is imported or called. The loader (``hookcli.engine.loading.check_target``) also checks what an
 import path resolves to, which catches re-exports (``mymod:system`` after ``from os import system``).
 """
 

@@ -25,9 +25,9 @@ from torch import nn
 import hookcli
 from hookcli import errors
 from hookcli.errors import HookcliError, UsageError
-from hookcli.feature_maps import compact_ranges, parse_channels
-from hookcli.inputs import make_inputs, parse_input_shape
-from hookcli.loading import from_instance, parse_model_args
+from hookcli.commands.fmaps import compact_ranges, parse_channels
+from hookcli.engine.inputs import make_inputs, parse_input_shape
+from hookcli.engine.loading import from_instance, parse_model_args
 
 MODEL_FILE = '''
 import torch

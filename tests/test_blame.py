@@ -27,7 +27,7 @@ from torch import nn
 import hookcli
 from hookcli import api
 from hookcli.errors import InternalError, ModelRaisedError, UnsupportedError
-from hookcli.loading import load_model
+from hookcli.engine.loading import load_model
 
 warnings.filterwarnings("ignore", message=r".*torch\.jit\.(script|trace|trace_method|save|load)` is deprecated.*")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning")
@@ -175,7 +175,7 @@ class CallsHookcli(nn.Module):
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from hookcli.selection import split_patterns
+        from hookcli.engine.selection import split_patterns
 
         split_patterns(5)  # type: ignore[arg-type]  # TypeError inside hookcli's own code
         return self.fc(x)
@@ -251,7 +251,7 @@ def save_input(tmp_path: Path, x: torch.Tensor, name: str = "x.pt") -> str:
 def test_a_failing_reducer_is_an_internal_error_not_the_model(cli, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in hookcli's statistics (inside a forward hook) is exit 3 'internal error', never 'the
     model raised'; the model's forward was not aborted and the model comes back unchanged."""
-    from hookcli.recorders import Reducer
+    from hookcli.engine.stats import Reducer
 
     def broken(self: Reducer, t: torch.Tensor, *, zeros: bool = True) -> Any:
         raise RuntimeError("reducer bug")
@@ -271,7 +271,7 @@ def test_a_failing_reducer_is_an_internal_error_not_the_model(cli, monkeypatch: 
 
 def test_a_failing_gradient_hook_is_an_internal_error(cli, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same in backward: hookcli's tensor hook on an output gradient fails -> exit 3."""
-    from hookcli.recorders import Reducer
+    from hookcli.engine.stats import Reducer
 
     original = Reducer.reduce
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import hookcli
-from hookcli.ci import annotations, escape_data, escape_property
+from hookcli.commands.check.ci import annotations, escape_data, escape_property
 from hookcli.errors import ConfigError
 
 DEFAULT_RULES = ["runs", "finite", "max_abs_activation", "max_zero_fraction", "dead_channels", "grad_norm",

@@ -23,7 +23,7 @@ def test_help_and_version_do_not_import_torch() -> None:
             result = CliRunner().invoke(main, args)
             assert result.exit_code == 0, result.output
             if args != ["--version"]:  # the C kernel loads an OpenMP runtime: only after torch, or for --version
-                assert "hookcli._fastreduce" not in sys.modules, args
+                assert "hookcli.engine._fastreduce" not in sys.modules, args
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
         print("ok")
     """)
@@ -32,7 +32,7 @@ def test_help_and_version_do_not_import_torch() -> None:
 
 
 def test_version(cli) -> None:
-    from hookcli.recorders import _fastreduce
+    from hookcli.engine.stats import _fastreduce
 
     result = cli("--version")
     assert result.exit_code == 0 and result.stdout.startswith("hookcli 0.1.0 (C statistics kernel: ")

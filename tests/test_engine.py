@@ -11,8 +11,8 @@ from torch import nn
 import hookcli
 import tiny_models as tm
 from hookcli.errors import LayerNotFoundError, ModelRaisedError
-from hookcli.hooks import HookOptions, attach
-from hookcli.selection import select_modules
+from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.selection import select_modules
 
 
 def expected_stats(t: torch.Tensor) -> dict[str, float]:
@@ -214,11 +214,11 @@ def test_every_call_of_every_resnet18_module_matches_plain_torch(kernel: str, mo
     HOOKCLI_NO_KERNEL=1), against outputs captured by plain forward hooks in the test."""
     from torchvision.models import resnet18
 
-    from hookcli.kernel import NO_KERNEL_ENV
-    from hookcli.recorders import _fastreduce
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+    from hookcli.engine.stats import _fastreduce
 
     if kernel == "kernel" and _fastreduce is None:
-        pytest.skip("hookcli._fastreduce was not built here")
+        pytest.skip("hookcli.engine._fastreduce was not built here")
     monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
     torch.manual_seed(0)
     model = resnet18(weights=None).eval()

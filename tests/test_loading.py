@@ -20,7 +20,7 @@ from hookcli.errors import (
     UsageError,
     WeightsError,
 )
-from hookcli.loading import (
+from hookcli.engine.loading import (
     LoadedModel,
     from_instance,
     list_torchvision_models,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hookcli.kernel import NO_KERNEL_ENV
-from hookcli.recorders import (
+from hookcli.engine.kernel import NO_KERNEL_ENV
+from hookcli.engine.stats import (
     Reducer,
     _fastreduce,
     activation_stats,
@@ -42,12 +42,12 @@ def seeded(*shape: int) -> torch.Tensor:
 PATHS = ["kernel", "torch", "device", "device-float32"]
 #: Relative tolerance per path: float32 accumulation of a mean loses digits on offset data.
 REL = {"kernel": 2e-5, "torch": 2e-5, "device": 2e-5, "device-float32": 2e-4}
-needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli._fastreduce was not built here")
+needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli.engine._fastreduce was not built here")
 
 
 def stats_of(t: torch.Tensor, path: str = "torch") -> dict:
     if path == "kernel" and _fastreduce is None:
-        pytest.skip("hookcli._fastreduce was not built here")
+        pytest.skip("hookcli.engine._fastreduce was not built here")
     if path.startswith("device"):  # the branch-free accelerator path, exercised on CPU tensors
         acc = torch.float32 if path == "device-float32" else None
         vec = Reducer(kernel=False)._reduce_device(t.detach().float().reshape(-1), True, acc)
@@ -248,7 +248,7 @@ def test_kernel_is_built_wherever_a_c_compiler_is() -> None:
     """setup.py builds the kernel optionally; with a compiler on the machine a missing build is a bug."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: the torch reductions are used")
-    assert _fastreduce is not None, "hookcli._fastreduce failed to build; see the pip install log"
+    assert _fastreduce is not None, "hookcli.engine._fastreduce failed to build; see the pip install log"
 
 
 def test_environment_switches_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,7 +261,7 @@ def test_environment_switches_the_kernel_off(monkeypatch: pytest.MonkeyPatch) ->
 @needs_kernel
 def test_a_stale_kernel_build_is_ignored_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """An editable install keeps an old .so after a checkout changes _fastreduce.c: never call it."""
-    from hookcli import kernel
+    from hookcli.engine import kernel
 
     monkeypatch.setattr(_fastreduce, "ABI", kernel.ABI - 1)
     assert kernel.load.__wrapped__() is None
@@ -269,7 +269,7 @@ def test_a_stale_kernel_build_is_ignored_and_reported(monkeypatch: pytest.Monkey
 
 
 def test_version_status_says_when_the_kernel_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookcli import kernel
+    from hookcli.engine import kernel
 
     monkeypatch.setenv(NO_KERNEL_ENV, "1")
     expected = "built, switched off by HOOKCLI_NO_KERNEL" if _fastreduce else "not built, CPU statistics use torch reductions"

@@ -113,9 +113,9 @@ def test_7b_parameter_model_is_inspected_on_meta_without_allocating_weights(tmp_
 def test_no_host_synchronisation_per_layer_on_cuda() -> None:
     from torchvision.models import resnet18
 
-    from hookcli.gradients import build_loss
-    from hookcli.hooks import HookOptions, attach
-    from hookcli.selection import select_modules
+    from hookcli.commands.grads import build_loss
+    from hookcli.engine.session import HookOptions, attach
+    from hookcli.engine.selection import select_modules
 
     model = resnet18().cuda().eval()
     x = torch.randn(2, 3, 64, 64, device="cuda", requires_grad=True)

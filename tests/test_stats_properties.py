@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import hookcli
-from hookcli.kernel import NO_KERNEL_ENV
-from hookcli.recorders import Reducer, _fastreduce, activation_stats, to_host
+from hookcli.engine.kernel import NO_KERNEL_ENV
+from hookcli.engine.stats import Reducer, _fastreduce, activation_stats, to_host
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0)
@@ -40,7 +40,7 @@ PATHS = ["kernel", "torch", "device", "cuda"]
 def reducer_for(path: str, monkeypatch: pytest.MonkeyPatch) -> Reducer:
     if path == "kernel":
         if _fastreduce is None:
-            pytest.skip("hookcli._fastreduce was not built here")
+            pytest.skip("hookcli.engine._fastreduce was not built here")
         monkeypatch.delenv(NO_KERNEL_ENV, raising=False)
         reducer = Reducer()
         assert reducer.kernel

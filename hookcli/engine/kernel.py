@@ -1,4 +1,4 @@
-"""The optional C statistics kernel (``hookcli/_fastreduce.c``): finding it, checking it, switching it off.
+"""The optional C statistics kernel (``hookcli/engine/_fastreduce.c``): finding it, checking it, switching it off.
 
 Torch-free, so that ``hookcli --version`` can say whether it is usable. Code that computes statistics
 imports torch before calling ``load()``: the kernel then shares the OpenMP runtime torch loaded.
@@ -21,7 +21,7 @@ NO_KERNEL_ENV = "HOOKCLI_NO_KERNEL"
 def load() -> ModuleType | None:
     """The built kernel module, or None when it was not built or is stale."""
     try:
-        from hookcli import _fastreduce
+        from hookcli.engine import _fastreduce
     except ImportError:  # no C compiler at install time: torch reductions give the same numbers
         return None
     if getattr(_fastreduce, "ABI", None) != ABI:
@@ -41,7 +41,7 @@ def enabled() -> bool:
 def status() -> str:
     """One phrase for ``--version``."""
     try:
-        from hookcli import _fastreduce
+        from hookcli.engine import _fastreduce
     except ImportError:
         return "not built, CPU statistics use torch reductions"
     if getattr(_fastreduce, "ABI", None) != ABI:

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookcli.errors import HookcliError, UnsupportedError, internal_error
 from hookcli.records import LayerRecord
-from hookcli.recorders import (
+from hookcli.engine.stats import (
     activation_stats,
     dtype_name,
     gradient_stats,
@@ -33,8 +33,8 @@ from hookcli.recorders import (
     shape_of,
     to_host,
 )
-from hookcli.selection import module_depth
-from hookcli.state import run_lock
+from hookcli.engine.selection import module_depth
+from hookcli.engine.state import run_lock
 
 #: Called with (record name, call index, output path, tensor) for every output tensor to keep.
 KeepFn = Callable[[str, int, str, torch.Tensor], None]

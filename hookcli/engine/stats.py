@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookcli import kernel
+from hookcli.engine import kernel
 from hookcli.records import GRAD_KEYS, STAT_KEYS
 
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
@@ -56,7 +56,7 @@ class Reducer:
     cost 10-50x a plain sum on CPU and are avoided.
 
     * CPU, where reading a scalar costs no device synchronisation: float32, bfloat16 and float16
-      go through the C kernel ``hookcli._fastreduce`` when it is built: sum, sum of squares (both
+      go through the C kernel ``hookcli.engine._fastreduce`` when it is built: sum, sum of squares (both
       float64), min, max and zero count in one pass, without a widened copy. The kernel gets memory
       only as a buffer-protocol object (``kernel_buffer``) and refuses any that is not one dense
       block of the declared item format; this side hands it only stride-1 views of tensors that are
@@ -84,7 +84,7 @@ class Reducer:
         """``kernel``: use the C kernel on CPU (default: where it is built and not switched off)."""
         self.kernel = kernel_available() if kernel is None else kernel
         if self.kernel and _fastreduce is None:
-            raise RuntimeError("hookcli._fastreduce is not built (a C compiler was missing at install time)")
+            raise RuntimeError("hookcli.engine._fastreduce is not built (a C compiler was missing at install time)")
         self.threads = torch.get_num_threads()
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}

@@ -19,10 +19,10 @@ from torch import nn
 
 from hookcli import progress
 from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, internal_error
-from hookcli.flops import FlopCounter
-from hookcli.hooks import HookOptions, attach
+from hookcli.engine.flops import FlopCounter
+from hookcli.engine.session import HookOptions, attach
 from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.recorders import Vector, device_float, gradient_stats, iter_tensors, shape_of
+from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
 #: Modules of these packages compute on quantized tensors: no backward.
@@ -209,7 +209,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     InternalError when hookcli's own hooks fail.
     """
     from hookcli.api import require_values
-    from hookcli.loading import refuse_torchscript
+    from hookcli.engine.loading import refuse_torchscript
 
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)

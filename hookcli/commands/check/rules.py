@@ -1,6 +1,6 @@
 """Evaluate ``hookcli check`` rules on plain data: the run's Report plus a few extra measurements.
 
-Never imports torch: ``hookcli.checkrun`` runs the model and hands over a :class:`Observations`;
+Never imports torch: ``hookcli.commands.check.run`` runs the model and hands over a :class:`Observations`;
 every rule here reads only records and Python values, so rules are easy to test and to reason about.
 Each rule returns a RuleResult naming its worst offender (or, when it passes, the layer/parameter
 closest to its limit) and every violation.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookcli.checks import RUNS, CheckRules, RuleConfig
+from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
 from hookcli.records import LayerRecord, Report, RuleResult
 

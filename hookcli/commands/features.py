@@ -48,14 +48,14 @@ from hookcli.api import (
     to_device,
 )
 from hookcli.errors import InputError, InternalError, ModelRaisedError, OutputError, UnsupportedError
-from hookcli.hooks import HookOptions, attach
-from hookcli.input_files import list_input_files
-from hookcli.inputs import make_inputs
-from hookcli.loading import refuse_torchscript
+from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.input_files import list_input_files
+from hookcli.engine.inputs import make_inputs
+from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import RunOptions
-from hookcli.recorders import dtype_name
+from hookcli.engine.stats import dtype_name
 from hookcli.records import FailureInfo, FeatureExport, InputInfo, LayerRecord, SavedTensor
-from hookcli.state import model_device
+from hookcli.engine.state import model_device
 
 #: Extension -> format name.
 FEATURE_FORMATS: dict[str, str] = {

@@ -34,7 +34,7 @@ from hookcli._version import __version__
 from hookcli.api import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
 from hookcli.options import MAX_FMAP_SCALE, RunOptions
-from hookcli.recorders import dtype_name, shape_of
+from hookcli.engine.stats import dtype_name, shape_of
 from hookcli.records import ChannelRecord, FeatureMaps
 
 DEFAULT_CHANNELS = 64

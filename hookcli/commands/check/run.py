@@ -4,7 +4,7 @@ What the engine's Report does not hold is measured here, on the device, with one
 the order in which module calls *finish* (so the finite rule can name the first layer that made a
 NaN), the model's output shapes, and per-channel dead counts for the ``dead_channels`` rule. The
 ``params_change`` rule steps a ``copy.deepcopy`` of the model with SGD: the user's model is never
-stepped. Rules themselves are evaluated on plain data in ``hookcli.rules``.
+stepped. Rules themselves are evaluated on plain data in ``hookcli.commands.check.rules``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from torch import nn
 
 from hookcli import api
 from hookcli._version import __version__
-from hookcli.checks import RUNS, CheckRules, RuleConfig, parse_checks
+from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig, parse_checks
 from hookcli.config import Config, load_config
 from hookcli.errors import ConfigError, ModelRaisedError, exit_status, internal_error
-from hookcli.gradients import backward_report, build_loss
-from hookcli.loading import refuse_torchscript
+from hookcli.commands.grads import backward_report, build_loss
+from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import RunOptions, check_option_names
-from hookcli.recorders import dtype_name, iter_tensors, nested_values, shape_of, to_host
+from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
-from hookcli.rules import Observations, evaluate, load_baseline
-from hookcli.state import exclusive
+from hookcli.commands.check.rules import Observations, evaluate, load_baseline
+from hookcli.engine.state import exclusive
 
 
 class Probe:
@@ -249,7 +249,7 @@ _CONFIG_FIELDS = {
 
 def options_from_config(config: Config) -> dict[str, Any]:
     """RunOptions fields from a config's option keys (``mode`` -> ``train``)."""
-    from hookcli.loading import parse_model_args
+    from hookcli.engine.loading import parse_model_args
 
     fields: dict[str, Any] = {}
     for key, value in config.values.items():

@@ -20,7 +20,7 @@ from torch import nn
 import math
 
 from hookcli.errors import InputError, UsageError, describe_exception, did_you_mean
-from hookcli.loading import LoadedModel
+from hookcli.engine.loading import LoadedModel
 from hookcli.records import InputInfo
 
 FILLS: tuple[str, ...] = ("randn", "rand", "ones", "zeros")
@@ -282,7 +282,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
     if files:
-        from hookcli.input_files import expand_files, image_inputs, tensor_inputs  # decoders only when needed
+        from hookcli.engine.input_files import expand_files, image_inputs, tensor_inputs  # decoders only when needed
 
         kind, paths, label = expand_files(files)
         if kind == "images":

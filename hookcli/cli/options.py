@@ -199,7 +199,7 @@ def apply_config(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
 
 def run_options_from(ctx: click.Context, values: dict[str, Any]) -> Any:
     """Build the API's RunOptions from the command line and the config (validated by the API)."""
-    from hookcli.loading import parse_model_args
+    from hookcli.engine.loading import parse_model_args
     from hookcli.options import RunOptions
 
     config = values["_config"]

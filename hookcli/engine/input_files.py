@@ -1,6 +1,6 @@
 """Inputs read from files: images (or folders of them) and tensor files (.pt/.npy/.npz/.safetensors).
 
-``hookcli.inputs.make_inputs`` calls in here when ``--input`` is given; images are decoded with
+``hookcli.engine.inputs.make_inputs`` calls in here when ``--input`` is given; images are decoded with
 torchvision.io (PIL as fallback) and preprocessed with the model's weights transforms when known.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hookcli.errors import InputError, UsageError, describe_exception
-from hookcli.inputs import (
+from hookcli.engine.inputs import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
     ModelInputs,
@@ -24,7 +24,7 @@ from hookcli.inputs import (
     plural,
     transform_size,
 )
-from hookcli.loading import UNPICKLE_IMPORT_HINT, LoadedModel, torch_load_failure
+from hookcli.engine.loading import UNPICKLE_IMPORT_HINT, LoadedModel, torch_load_failure
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 

@@ -1,6 +1,6 @@
 """The command line: one API call per command, rendering, and errors mapped to exit codes at the edge.
 
-Option bundles and config defaults live in ``hookcli.cli_options``. No torch at import time
+Option bundles and config defaults live in ``hookcli.cli.options``. No torch at import time
 (``hookcli --help`` stays fast): commands import the API inside their bodies.
 """
 
@@ -23,7 +23,7 @@ from hookcli.errors import (
     EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
 )
 
-from hookcli.cli_options import (
+from hookcli.cli.options import (
     META_DEBUG,
     META_OUTPUT,
     apply_config,
@@ -224,7 +224,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     """
     if not value or ctx.resilient_parsing:
         return
-    from hookcli import kernel
+    from hookcli.engine import kernel
 
     click.echo(f"hookcli {__version__} (C statistics kernel: {kernel.status()})")
     ctx.exit()
@@ -293,7 +293,7 @@ def grads(**values: Any) -> None:
     """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
     from hookcli import api
-    from hookcli.gradients import backward_report
+    from hookcli.commands.grads import backward_report
 
     opts = run_options_from(ctx, values)
     prep = api.prepare(opts, default_batch=2 if opts.train else None)
@@ -318,7 +318,8 @@ def check(**values: Any) -> None:
     --depth or --params narrow it; the model runs in train mode (as in training) unless --eval.
     """
     ctx, values = _start(values)
-    from hookcli import api, ci
+    from hookcli import api
+    from hookcli.commands.check import ci
     from hookcli.output import ensure_writable
 
     rules = api.check_rules(values["_config"], baseline=values["baseline"])
@@ -382,7 +383,7 @@ def models(pattern: str | None, **values: Any) -> None:
 def features(**values: Any) -> None:
     """Save the outputs of the selected modules (every call, every tensor) to a tensor file."""
     ctx, values = _start(values)
-    from hookcli.feature_export import run_features
+    from hookcli.commands.features import run_features
 
     _emit(run_features(run_options_from(ctx, values), output=values["save_to"]), fmt=values["fmt"], output=None)
 
@@ -396,7 +397,7 @@ def features(**values: Any) -> None:
 def fmaps(**values: Any) -> None:
     """Draw one module's output channels as a grid of feature maps (PNG)."""
     ctx, values = _start(values)
-    from hookcli.feature_maps import FmapOptions, run_fmaps
+    from hookcli.commands.fmaps import FmapOptions, run_fmaps
 
     fmap = FmapOptions(layer=values["layer"], channels=values["channels"], sample=values["sample"],
                        call=values["call"], output_key=values["tensor_key"], scale=values["scale"])

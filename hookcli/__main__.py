@@ -1,0 +1,5 @@
+"""``python -m hookcli``."""
+
+from hookcli.cli.main import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m hookcli.cli``."""
+
+from hookcli.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""``check``: the rules' schema, running the gate, evaluating the rules, and CI outputs (JUnit, GitHub)."""
