@@ -6,9 +6,11 @@ The CLI and the Python API both build a ``RunOptions`` and call ``validate()``: 
 
 from __future__ import annotations
 
+import ast
 import math
 import operator
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -19,7 +21,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from hookcli.engine.inputs import InputSpec
 
 DEFAULT_MODEL = "resnet50"
 FILLS = ("randn", "rand", "ones", "zeros")
@@ -36,6 +37,89 @@ MAX_SEED = 2**64 - 1
 #: The largest ``fmaps --scale`` (a tile of N x N px per value; the image size is checked as well).
 MAX_FMAP_SCALE = 256
 SEED_HINT = f"a seed is an integer from 0 to {MAX_SEED} (2**64-1), e.g. --seed 0"
+
+
+
+#: A ``--model-arg`` value that is not a Python literal but still a string: a plain word or path
+#: (``relu``, ``gelu_new``, ``bert-base-uncased``, ``weights/x.pt``), never something that looks
+#: like a broken literal (``[1,2``, ``3x``, ``{a: 1}``).
+_BARE_WORD = re.compile(r"[A-Za-z_./~][A-Za-z0-9_.+:/~=@%-]*")
+MODEL_ARG_HINT = ("VALUE is a Python literal (10, 0.2, True, None, 'text', [1, 2], {'a': 1}) or a plain word "
+                  "taken as a string (relu); quote other strings: --model-arg \"name='a b'\"")
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` items (``--model-arg``, a config's ``model_args`` array).
+
+    A value is a Python literal (``ast.literal_eval``: numbers, ``True``/``None``, quoted strings,
+    lists, tuples, dicts). A value that is not a literal is a string only when it is a plain word
+    or path (letters, digits, ``_ . - + : / ~ = @ %``, not starting with a digit); anything else, such
+    as ``[1,2`` or ``3x``, is a UsageError: a typo never silently becomes a string.
+    """
+    result: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"bad model argument {short(str(item))!r}: expected KEY=VALUE with KEY a name",
+                             hint="e.g. --model-arg num_classes=10 --model-arg dropout=0.2")
+        if key in result:
+            raise UsageError(f"model argument {key!r} given twice", hint="give each --model-arg KEY once")
+        text = raw.strip()
+        try:
+            result[key] = ast.literal_eval(text)
+            continue
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            pass
+        if not _BARE_WORD.fullmatch(text):
+            why = "an empty value" if not text else f"{short(text)!r} is not a Python literal"
+            raise UsageError(f"bad model argument {key}: {why}", hint=MODEL_ARG_HINT)
+        result[key] = text
+    return result
+
+
+def short(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters with ``...`` (values quoted in messages)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+DTYPE_ALIASES: dict[str, str] = {**{n: n for n in INPUT_DTYPES}, "float": "float32", "fp32": "float32",
+                                 "half": "float16", "fp16": "float16", "bf16": "bfloat16",
+                                 "double": "float64", "long": "int64", "int": "int32"}
+SHAPE_EXAMPLE = "e.g. 2x3x224x224, 2,3,224,224 or 1x16:int64"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input given by shape (and optionally dtype) on the command line."""
+
+    shape: tuple[int, ...]
+    dtype: str | None  # canonical torch dtype name; None = the model's default
+
+
+def parse_input_shape(text: str) -> InputSpec:
+    """Parse ``2x3x224x224``, ``2,3,224,224`` or ``1x16:int64`` into an InputSpec."""
+    body, sep, dtype_text = text.strip().partition(":")
+    dtype: str | None = None
+    if sep:
+        dtype = DTYPE_ALIASES.get(dtype_text.strip().lower().removeprefix("torch."))
+        if dtype is None:
+            raise UsageError(f"unknown dtype {dtype_text!r} in input shape {text!r}",
+                             hint=f"valid dtypes: {', '.join(INPUT_DTYPES)}; {SHAPE_EXAMPLE}")
+    parts = re.split(r"[xX,*]", body.strip().strip("()[]").replace(" ", ""))
+    if not all(p.isdigit() and len(p) <= 19 and int(p) > 0 for p in parts):
+        raise UsageError(f"bad input shape {short(text)!r}: dimensions must be positive integers",
+                         hint=SHAPE_EXAMPLE)
+    shape = tuple(int(p) for p in parts)
+    if math.prod(shape) > MAX_NUMEL:
+        raise UsageError(f"input shape {short(text)!r} has {math.prod(shape):.3g} elements, more than a tensor can hold",
+                         hint=SHAPE_EXAMPLE)
+    return InputSpec(shape, dtype)
+
+
+#: The most elements a torch tensor may have (its sizes and strides are int64).
+MAX_NUMEL = 2**63 - 1
 
 
 @dataclass
@@ -77,7 +161,6 @@ class RunOptions:
 
     def validate(self) -> RunOptions:
         """Check and normalise every option; return a new, validated copy."""
-        from hookcli.engine.inputs import InputSpec, parse_input_shape
 
         opts = replace(self)
         if opts.model is None:

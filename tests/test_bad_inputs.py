@@ -27,7 +27,8 @@ from hookcli import errors
 from hookcli.errors import HookcliError, UsageError
 from hookcli.commands.fmaps import compact_ranges, parse_channels
 from hookcli.engine.inputs import make_inputs, parse_input_shape
-from hookcli.engine.loading import from_instance, parse_model_args
+from hookcli.engine.loading import from_instance
+from hookcli.options import parse_model_args
 
 MODEL_FILE = '''
 import torch

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli import api
+from hookcli.engine import run as api  # the run machinery (prepare, forward_report, blame)
 from hookcli.errors import InternalError, ModelRaisedError, UnsupportedError
 from hookcli.engine.loading import load_model
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from hookcli import api
 from hookcli._version import __version__
 from hookcli.errors import (
     EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
@@ -36,7 +37,7 @@ from hookcli.cli.options import (
     output_options,
     prepare_output,
     run_options,
-    run_options_from,
+    run_fields,
     selection_options,
 )
 
@@ -224,9 +225,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     """
     if not value or ctx.resilient_parsing:
         return
-    from hookcli.engine import kernel
-
-    click.echo(f"hookcli {__version__} (C statistics kernel: {kernel.status()})")
+    click.echo(f"hookcli {__version__} (C statistics kernel: {api.kernel_status()})")
     ctx.exit()
 
 
@@ -261,9 +260,7 @@ def shapes(**values: Any) -> None:
     for weights or activations, so models of any size work (a real run is the fallback).
     """
     ctx, values = _start(values)
-    from hookcli import api
-
-    _emit(api.shapes_report(run_options_from(ctx, values)), fmt=values["fmt"], output=values["output"])
+    _emit(api.shapes(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
 
 
 @main.command()
@@ -275,10 +272,7 @@ def shapes(**values: Any) -> None:
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""
     ctx, values = _start(values)
-    from hookcli import api
-
-    _emit(api.forward_report(api.prepare(run_options_from(ctx, values)), "stats", stats=True),
-          fmt=values["fmt"], output=values["output"])
+    _emit(api.stats(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
 
 
 @main.command()
@@ -292,12 +286,7 @@ def stats(**values: Any) -> None:
 def grads(**values: Any) -> None:
     """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
-    from hookcli import api
-    from hookcli.commands.grads import backward_report
-
-    opts = run_options_from(ctx, values)
-    prep = api.prepare(opts, default_batch=2 if opts.train else None)
-    _emit(backward_report(prep, "grads"), fmt=values["fmt"], output=values["output"])
+    _emit(api.grads(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
 
 
 @main.command()
@@ -318,16 +307,14 @@ def check(**values: Any) -> None:
     --depth or --params narrow it; the model runs in train mode (as in training) unless --eval.
     """
     ctx, values = _start(values)
-    from hookcli import api
-    from hookcli.commands.check import ci
     from hookcli.output import ensure_writable
 
     rules = api.check_rules(values["_config"], baseline=values["baseline"])
     if values["junit"]:
         ensure_writable(values["junit"])
-    result = api.run_check(run_options_from(ctx, values), rules)
+    result = api.run_check(rules, **run_fields(ctx, values))
     _emit(result, fmt=values["fmt"], output=values["output"])
-    ci.publish(result, junit=values["junit"], github=values["github"])
+    api.publish_check(result, junit=values["junit"], github=values["github"])
     if not result.ok:
         raise CheckFailedError(result.headline(), result=result) from result.cause
 
@@ -354,11 +341,9 @@ _command_defaults(check, {
 def modules(**values: Any) -> None:
     """The model's module tree (names, types, parameters) to choose --layers from."""
     ctx, values = _start(values)
-    from hookcli import api
-
-    opts = run_options_from(ctx, values)
-    tree = api.modules(opts.model, model_args=dict(opts.model_args), weights=opts.weights,
-                       model_source=opts.model_source, trust_pickle=opts.trust_pickle)
+    fields = run_fields(ctx, values)
+    tree = api.modules(fields["model"], model_args=fields["model_args"], weights=fields["weights"],
+                       model_source=fields["model_source"], trust_pickle=fields["trust_pickle"])
     _emit(tree, fmt=values["fmt"], output=values["output"])
 
 
@@ -369,8 +354,6 @@ def models(pattern: str | None, **values: Any) -> None:
     """torchvision model names, optionally filtered by a glob such as 'resnet*'."""
     ctx = click.get_current_context()
     prepare_output(ctx, values)
-    from hookcli import api
-
     _emit(api.models(pattern), fmt=values["fmt"], output=values["output"])
 
 
@@ -383,9 +366,7 @@ def models(pattern: str | None, **values: Any) -> None:
 def features(**values: Any) -> None:
     """Save the outputs of the selected modules (every call, every tensor) to a tensor file."""
     ctx, values = _start(values)
-    from hookcli.commands.features import run_features
-
-    _emit(run_features(run_options_from(ctx, values), output=values["save_to"]), fmt=values["fmt"], output=None)
+    _emit(api.features(output=values["save_to"], **run_fields(ctx, values)), fmt=values["fmt"], output=None)
 
 
 @main.command()
@@ -397,11 +378,10 @@ def features(**values: Any) -> None:
 def fmaps(**values: Any) -> None:
     """Draw one module's output channels as a grid of feature maps (PNG)."""
     ctx, values = _start(values)
-    from hookcli.commands.fmaps import FmapOptions, run_fmaps
-
-    fmap = FmapOptions(layer=values["layer"], channels=values["channels"], sample=values["sample"],
-                       call=values["call"], output_key=values["tensor_key"], scale=values["scale"])
-    _emit(run_fmaps(run_options_from(ctx, values), fmap, output=values["save_to"]), fmt=values["fmt"], output=None)
+    result = api.fmaps(layer=values["layer"], channels=values["channels"], sample=values["sample"],
+                       call=values["call"], output_key=values["tensor_key"], scale=values["scale"],
+                       output=values["save_to"], **run_fields(ctx, values))
+    _emit(result, fmt=values["fmt"], output=None)
 
 
 if __name__ == "__main__":  # pragma: no cover

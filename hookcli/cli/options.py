@@ -2,8 +2,8 @@
 
 The option bundles (``model_options``, ``input_options``, ``selection_options``, ``run_options``,
 ``output_options``, ...) decorate the commands in ``hookcli.cli``; ``apply_config`` fills options the
-user did not give from ``--config FILE`` or ``[tool.hookcli]``; ``run_options_from`` builds the API's
-validated ``RunOptions``. No torch at import time.
+user did not give from ``--config FILE`` or ``[tool.hookcli]``; ``run_fields`` gives the API's keyword
+options. No torch at import time.
 """
 
 from __future__ import annotations
@@ -197,10 +197,12 @@ def apply_config(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def run_options_from(ctx: click.Context, values: dict[str, Any]) -> Any:
-    """Build the API's RunOptions from the command line and the config (validated by the API)."""
-    from hookcli.engine.loading import parse_model_args
-    from hookcli.options import RunOptions
+def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
+    """The API's keyword options (``RunOptions`` fields) from the command line and the config.
+
+    Not validated here: the API validates them, one way for the command line and for Python.
+    """
+    from hookcli.options import parse_model_args
 
     config = values["_config"]
     model, source = values.get("model"), "argument"
@@ -234,4 +236,4 @@ def run_options_from(ctx: click.Context, values: dict[str, Any]) -> Any:
     for extra in ("loss", "target", "output_key", "params", "clip", "input_grads", "flops"):
         if extra in values and values[extra] is not None:
             fields[extra] = values[extra]
-    return RunOptions(**fields).validate()
+    return fields

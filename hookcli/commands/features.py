@@ -36,7 +36,7 @@ from typing import IO, Any
 import torch
 
 from hookcli._version import __version__
-from hookcli.api import (
+from hookcli.engine.run import (
     Prepared,
     blame,
     failure_message,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hookcli._version import __version__
-from hookcli.api import forward_report, prepare, require_values
+from hookcli.engine.run import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
 from hookcli.options import MAX_FMAP_SCALE, RunOptions
 from hookcli.engine.stats import dtype_name, shape_of

@@ -208,7 +208,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     gradients (quantized, or nothing requires grad), is TorchScript, or holds inference tensors;
     InternalError when hookcli's own hooks fail.
     """
-    from hookcli.api import require_values
+    from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
 
     require_values(prep, command)
@@ -219,7 +219,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
 
 
 def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
-    from hookcli.api import blame, failure_message, new_report, params_by_module, running
+    from hookcli.engine.run import blame, failure_message, new_report, params_by_module, running
 
     opts = prep.options
     report = new_report(prep, command)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hookcli.errors import InputError, UsageError, describe_exception
-from hookcli.engine.inputs import (
+from hookcli.engine.model_inputs import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
     ModelInputs,

@@ -20,62 +20,17 @@ from torch import nn
 import math
 
 from hookcli.errors import InputError, UsageError, describe_exception, did_you_mean
+from hookcli.options import (
+    DTYPE_ALIASES, FILLS, INPUT_DTYPES, MAX_NUMEL, SHAPE_EXAMPLE, InputSpec, parse_input_shape,
+)
 from hookcli.engine.loading import LoadedModel
+from hookcli.engine.model_inputs import (
+    IMAGE_SUFFIXES, TENSOR_SUFFIXES, ModelInputs, info_of, pack_inputs, plural, transform_size,
+)
 from hookcli.records import InputInfo
-
-FILLS: tuple[str, ...] = ("randn", "rand", "ones", "zeros")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors")
-_CANONICAL = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-DTYPE_ALIASES: dict[str, str] = {**{n: n for n in _CANONICAL}, "float": "float32", "fp32": "float32",
-                                 "half": "float16", "fp16": "float16", "bf16": "bfloat16",
-                                 "double": "float64", "long": "int64", "int": "int32"}
-_SHAPE_EXAMPLE = "e.g. 2x3x224x224, 2,3,224,224 or 1x16:int64"
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One input given by shape (and optionally dtype) on the command line."""
-
-    shape: tuple[int, ...]
-    dtype: str | None  # canonical torch dtype name; None = the model's default
-
-
-@dataclass
-class ModelInputs:
-    """Positional and keyword inputs, plus one InputInfo per input for the report."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    infos: list[InputInfo]
-
-
-def parse_input_shape(text: str) -> InputSpec:
-    """Parse ``2x3x224x224``, ``2,3,224,224`` or ``1x16:int64`` into an InputSpec."""
-    body, sep, dtype_text = text.strip().partition(":")
-    dtype: str | None = None
-    if sep:
-        dtype = DTYPE_ALIASES.get(dtype_text.strip().lower().removeprefix("torch."))
-        if dtype is None:
-            raise UsageError(f"unknown dtype {dtype_text!r} in input shape {text!r}",
-                             hint=f"valid dtypes: {', '.join(_CANONICAL)}; {_SHAPE_EXAMPLE}")
-    parts = re.split(r"[xX,*]", body.strip().strip("()[]").replace(" ", ""))
-    if not all(p.isdigit() and len(p) <= 19 and int(p) > 0 for p in parts):
-        raise UsageError(f"bad input shape {_short(text)!r}: dimensions must be positive integers",
-                         hint=_SHAPE_EXAMPLE)
-    shape = tuple(int(p) for p in parts)
-    if math.prod(shape) > MAX_NUMEL:
-        raise UsageError(f"input shape {_short(text)!r} has {math.prod(shape):.3g} elements, more than a tensor can hold",
-                         hint=_SHAPE_EXAMPLE)
-    return InputSpec(shape, dtype)
-
 
 def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-#: The most elements a torch tensor may have (its sizes and strides are int64).
-MAX_NUMEL = 2**63 - 1
 
 
 def _memory_bytes() -> int | None:
@@ -101,29 +56,6 @@ def check_input_size(shape: Sequence[int], dtype: torch.dtype) -> None:
         have = f"this machine has {_gb(memory)}" if memory is not None else "more than a tensor can hold"
         raise InputError(f"input shape {_short(dims)} ({str(dtype).removeprefix('torch.')}) needs {_gb(size)}; {have}",
                          hint="use a smaller --input-shape or --batch-size")
-
-
-def _info(name: str, value: Any, source: str) -> InputInfo:
-    """InputInfo of a tensor, a list of same-dtype tensors (shape as if stacked), or a value."""
-    if isinstance(value, torch.Tensor):
-        return InputInfo(name, list(value.shape), str(value.dtype).removeprefix("torch."), source)
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        same = all(v.shape == value[0].shape for v in value)
-        return InputInfo(name, [len(value), *value[0].shape] if same else None,
-                         str(value[0].dtype).removeprefix("torch."), source)
-    return InputInfo(name, None, type(value).__name__, source)
-
-
-def pack_inputs(args: Sequence[tuple[Any, str]], kwargs: Sequence[tuple[str, Any, str]] = ()
-          ) -> ModelInputs:
-    """ModelInputs from (value, source) positional and (name, value, source) keyword entries."""
-    infos = [_info(str(i), v, src) for i, (v, src) in enumerate(args)]
-    infos += [_info(k, v, src) for k, v, src in kwargs]
-    return ModelInputs(tuple(v for v, _ in args), {k: v for k, v, _ in kwargs}, infos)
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 # --------------------------------------------------------------------------- generated inputs
@@ -193,20 +125,6 @@ def _guess_user_shape(model: nn.Module, b: int) -> tuple[tuple[int, ...], torch.
                 return guess(m, b), dtype, f"shape guessed from {name} ({type(m).__name__})"
     note = f"shape guessed (default; first layer {name} is {type(m).__name__})"
     return (b, 3, 224, 224), torch.float32, note
-
-
-def transform_size(loaded: LoadedModel, attr: str, fallback: int) -> int:
-    """The model's own ``image_size`` (ViT: vit_h_14 without weights is 224, its weights 518), else
-    ``crop_size``/``resize_size`` of the weights' preset transforms, else ``fallback``."""
-    own = getattr(loaded.model, "image_size", None)
-    if isinstance(own, int) and attr == "crop_size":
-        return own
-    enum = loaded.weights_enum
-    try:
-        value = getattr(enum.transforms(), attr, None) if enum is not None else None
-    except Exception:  # preset transforms that cannot be built: fall back
-        return fallback
-    return int(value[0]) if value else fallback
 
 
 def _example_inputs(model: nn.Module) -> ModelInputs | None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookcli.options import MODEL_ARG_HINT, parse_model_args, short as _short
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
     describe_exception, did_you_mean, exit_status, one_line,
@@ -62,48 +63,6 @@ class LoadedModel:
     tv_name: str | None  # canonical torchvision name
     weights_enum: Any | None  # WeightsEnum entry for metadata/transforms only (no download)
     weights: str | None  # what was loaded: None, "DEFAULT", "IMAGENET1K_V2", "file: PATH"
-
-
-#: A ``--model-arg`` value that is not a Python literal but still a string: a plain word or path
-#: (``relu``, ``gelu_new``, ``bert-base-uncased``, ``weights/x.pt``), never something that looks
-#: like a broken literal (``[1,2``, ``3x``, ``{a: 1}``).
-_BARE_WORD = re.compile(r"[A-Za-z_./~][A-Za-z0-9_.+:/~=@%-]*")
-MODEL_ARG_HINT = ("VALUE is a Python literal (10, 0.2, True, None, 'text', [1, 2], {'a': 1}) or a plain word "
-                  "taken as a string (relu); quote other strings: --model-arg \"name='a b'\"")
-
-
-def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` items (``--model-arg``, a config's ``model_args`` array).
-
-    A value is a Python literal (``ast.literal_eval``: numbers, ``True``/``None``, quoted strings,
-    lists, tuples, dicts). A value that is not a literal is a string only when it is a plain word
-    or path (letters, digits, ``_ . - + : / ~ = @ %``, not starting with a digit); anything else, such
-    as ``[1,2`` or ``3x``, is a UsageError: a typo never silently becomes a string.
-    """
-    result: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = str(item).partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise UsageError(f"bad model argument {_short(str(item))!r}: expected KEY=VALUE with KEY a name",
-                             hint="e.g. --model-arg num_classes=10 --model-arg dropout=0.2")
-        if key in result:
-            raise UsageError(f"model argument {key!r} given twice", hint="give each --model-arg KEY once")
-        text = raw.strip()
-        try:
-            result[key] = ast.literal_eval(text)
-            continue
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            pass
-        if not _BARE_WORD.fullmatch(text):
-            why = "an empty value" if not text else f"{_short(text)!r} is not a Python literal"
-            raise UsageError(f"bad model argument {key}: {why}", hint=MODEL_ARG_HINT)
-        result[key] = text
-    return result
-
-
-def _short(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shown_args(model_args: Mapping[str, Any]) -> str:

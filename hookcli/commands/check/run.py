@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli import api
+from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig, parse_checks
 from hookcli.config import Config, load_config
@@ -123,7 +123,7 @@ class Probe:
                        for path, shape, dtype, bad in self._outputs]
 
 
-def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tuple[dict[str, float | None] | None, str | None]:
+def params_change(prep: engine.Prepared, names: list[str], rule: RuleConfig) -> tuple[dict[str, float | None] | None, str | None]:
     """Step a deep copy of the model with SGD; the largest absolute change of each named parameter.
 
     Returns ``(changes, None)``, ``(None, None)`` when no parameter is trainable, or ``(None, why)``
@@ -139,7 +139,7 @@ def params_change(prep: api.Prepared, names: list[str], rule: RuleConfig) -> tup
     tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
     if not tracked:
         return None, None
-    with api.running(replace(prep, loaded=replace(prep.loaded, model=clone))) as (model, args, kwargs):
+    with engine.running(replace(prep, loaded=replace(prep.loaded, model=clone))) as (model, args, kwargs):
         before = [p.detach().clone() for _, p in tracked]
         optimizer = torch.optim.SGD([p for _, p in tracked], lr=rule["lr"])
         try:
@@ -164,7 +164,7 @@ def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     """Forward and backward once, the extra measurements, the SGD step on a copy, then the rules.
 
     Every module is hooked unless ``layers``/``types``/``depth`` choose some; each run (the checked
-    one and the SGD step on the copy) starts its RNGs from ``options.seed`` (``api.running``), so both
+    one and the SGD step on the copy) starts its RNGs from ``options.seed`` (``engine.running``), so both
     see the same dropout masks and the verdict is reproducible. A model that raises
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
     or rules raise UsageError/ConfigError before anything runs.
@@ -181,7 +181,7 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         opts = replace(opts, all_modules=True)
     base_rule = rules.get("baseline")
     obs = Observations(baseline=load_baseline(base_rule["file"], rules.source) if base_rule else None)
-    prep = api.prepare(opts, default_batch=2)
+    prep = engine.prepare(opts, default_batch=2)
     refuse_torchscript(prep.loaded.model, prep.selection)  # before the probe hooks it
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
@@ -206,7 +206,7 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         step_seconds = time.perf_counter() - step_started
     results, notes = evaluate(rules, report, obs)
     if report.failure is not None and report.failure.exception == "SystemExit":  # exited, not raised
-        results = [replace(r, message=api.failure_message(report.failure)) if r.rule == RUNS else r for r in results]
+        results = [replace(r, message=engine.failure_message(report.failure)) if r.rule == RUNS else r for r in results]
     if report.failure is None and not any(r.called for r in report.layers):
         results = nothing_observed(report, results)
     for result in results:  # the rule's share of the time: its evaluation plus what it alone ran
@@ -249,7 +249,7 @@ _CONFIG_FIELDS = {
 
 def options_from_config(config: Config) -> dict[str, Any]:
     """RunOptions fields from a config's option keys (``mode`` -> ``train``)."""
-    from hookcli.engine.loading import parse_model_args
+    from hookcli.options import parse_model_args
 
     fields: dict[str, Any] = {}
     for key, value in config.values.items():

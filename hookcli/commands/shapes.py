@@ -1,0 +1,39 @@
+"""``shapes``: one forward pass without statistics, on the meta device whenever no values are needed."""
+
+from __future__ import annotations
+
+from hookcli.engine.run import forward_report, prepare
+from hookcli.errors import HookcliError, ModelRaisedError
+from hookcli.options import RunOptions, model_is_instance
+from hookcli.records import Report
+
+META_NOTE = "ran on the meta device: shapes only, no memory for weights or activations (--device cpu: a real run)"
+
+
+def wants_meta(opts: RunOptions) -> bool:
+    """Shapes need no values: run on meta unless a device, input files or weights ask for real data."""
+    if opts.meta is not None:
+        return opts.meta
+    return opts.device is None and not opts.inputs and opts.weights is None and not model_is_instance(opts.model)
+
+
+def shapes_report(options: RunOptions) -> Report:
+    """``shapes``: on the meta device when possible, else (or when the model cannot run there) for real."""
+    opts = options.validate()
+    fallback: str | None = None
+    if wants_meta(opts):
+        try:
+            report = forward_report(prepare(opts, meta=True), "shapes", stats=False, flops=opts.flops)
+            report.notes.append(META_NOTE)
+            return report
+        except HookcliError as exc:
+            if not isinstance(exc, ModelRaisedError):
+                raise  # a usage error (unknown layer, bad input) is the same on any device
+            fallback = f"{exc.report.failure.exception}: {exc.report.failure.message}" if exc.report and \
+                exc.report.failure else str(exc)
+        except Exception as exc:  # building on meta failed (an init that reads values)
+            fallback = f"{type(exc).__name__}: {exc}"
+    report = forward_report(prepare(opts), "shapes", stats=False, flops=opts.flops)
+    if fallback is not None:
+        report.notes.append(f"ran on cpu: the model cannot run on the meta device ({fallback[:160]})")
+    return report

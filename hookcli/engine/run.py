@@ -1,0 +1,318 @@
+"""One run of a model: load it, build its inputs, select modules, run it with hooks, say who failed.
+
+Everything a command needs to run a model once (``prepare`` -> ``running`` -> ``forward_report``), and
+the failure attribution (``blame``: the model raised, or hookcli did). Commands build on this; the
+public API (``hookcli.api``) calls the commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli._version import __version__
+from hookcli import progress
+from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
+from hookcli.engine.session import HookOptions, KeepFn, attach
+from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
+from hookcli.engine.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
+from hookcli.options import RunOptions, check_option_names, model_is_instance
+from hookcli.engine.stats import iter_tensors, shape_of
+from hookcli.records import (
+    CheckResult,
+    FailureInfo,
+    FeatureExport,
+    FeatureMaps,
+    ModelInfo,
+    ModelList,
+    ModuleRow,
+    ModuleTree,
+    Report,
+)
+from hookcli.engine.selection import module_depth, select_modules
+from hookcli.engine.state import (
+    exclusive,
+    lazy_tensor,
+    meta_copy,
+    model_device,
+    needs_meta_copy,
+    preserved,
+    seeded_rng,
+)
+
+
+@dataclass
+class Prepared:
+    """A loaded model, its inputs and the modules to hook: everything a run needs."""
+
+    options: RunOptions
+    loaded: LoadedModel
+    inputs: ModelInputs
+    selection: list[tuple[str, nn.Module]]
+    info: ModelInfo
+
+
+def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
+    """Validate options, load the model, select modules, build inputs (no forward pass yet).
+
+    ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
+    only) and runs it there. A model instance the caller passed in is never moved to meta (its
+    weights could not come back): it runs as ``meta_copy``, a copy without weights.
+    """
+    opts = options.validate()  # a fresh copy: safe to adjust
+    if meta:
+        opts.device = "meta"
+    loaded = load(opts, meta=meta)
+    lazy = lazy_tensor(loaded.model)
+    if lazy is not None:
+        raise UnsupportedError(
+            f"the model's {lazy} is an uninitialised lazy parameter: a run would initialise it, changing the model",
+            hint="initialise the lazy modules with one forward pass (model(example_input)) before hookcli runs it",
+        )
+    if opts.device == "meta" and loaded.kind == "instance" and needs_meta_copy(loaded.model):
+        loaded = dataclasses.replace(loaded, model=meta_copy(loaded.model))
+    selection = select_modules(
+        loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
+    )
+    batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    inputs = make_inputs(
+        loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
+        trust_pickle=opts.trust_pickle,
+    )
+    check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
+    return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
+
+
+def require_values(prep: Prepared, command: str) -> None:
+    """UsageError when ``prep`` would run on the meta device: ``command`` needs values it has none of."""
+    device = torch.device(prep.options.device) if prep.options.device else model_device(prep.loaded.model)
+    if device.type == "meta":
+        raise UsageError(f"{command} needs values, and the meta device has none (it gives shapes only)",
+                         hint="run on a real device: --device cpu (or cuda), or use shapes for shapes only")
+
+
+def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
+    """Load the model an (already validated) RunOptions names (on the meta device with ``meta``).
+
+    Random initialisation is seeded with ``opts.seed`` (``seeded_rng``: the caller's RNG states,
+    CUDA's included, are untouched): the same command gives the same numbers on every run, which
+    baselines rely on.
+    """
+    if model_is_instance(opts.model):
+        return from_instance(opts.model)
+    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed):
+        with torch.device("meta") if meta else nullcontext():
+            return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
+                              trust_pickle=opts.trust_pickle)
+
+
+def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
+    """Size of the model: each parameter tensor counted once, also when shared or tied."""
+    model = loaded.model
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    return ModelInfo(
+        spec=loaded.spec,
+        source="python" if loaded.kind == "instance" else source,
+        class_name=type(model).__name__,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+        weights=loaded.weights,
+    )
+
+
+def params_by_module(selection: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """Parameters in each selected module's subtree, each tensor counted once."""
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in selection}
+
+
+def to_device(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Move every tensor in a nested input to ``device``; cast floating ones to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=dtype)
+        return obj.to(device=device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device, dtype) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
+    """Name the innermost module of ``model`` that was running when ``exc`` was raised.
+
+    Read from the traceback (``Module._call_impl`` frames), so it costs nothing when nothing fails
+    and finds the failing module even when it was not selected for hooks. A ``SystemExit`` (the
+    model called ``sys.exit``) is recorded with its exit status as the message.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    module_name: str | None = None
+    module_type: str | None = None
+    input_shapes: list[list[int] | None] = []
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "_call_impl":
+            candidate = frame.f_locals.get("self")
+            if candidate is not None and id(candidate) in names:
+                module_name = names[id(candidate)]
+                module_type = type(candidate).__name__
+                args = frame.f_locals.get("args", ())
+                kwargs = frame.f_locals.get("kwargs", {})
+                input_shapes = [shape_of(t) for _, t in iter_tensors((args, kwargs))]
+        tb = tb.tb_next
+    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else str(exc).strip()
+    return FailureInfo(
+        phase=phase,
+        module=module_name,
+        module_type=module_type,
+        input_shapes=input_shapes,
+        exception=type(exc).__name__,
+        message=text.splitlines()[0] if text else "",
+    )
+
+
+def failure_message(failure: FailureInfo) -> str:
+    """One line: where the model raised (or exited) and why."""
+    where = f" at {failure.module or '(model)'} ({failure.module_type})" if failure.module_type else ""
+    shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in failure.input_shapes)
+    with_inputs = f" with input shape(s) {shapes}" if failure.input_shapes else ""
+    if failure.exception == "SystemExit":  # message: "exited with code N"
+        return f"the model {failure.message} in {failure.phase}{where}{with_inputs} (it called sys.exit)"
+    return f"the model raised in {failure.phase}{where}{with_inputs}: {failure.exception}: {failure.message}"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hookcli/
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _is_library(filename: str) -> bool:
+    """torch or the standard library: code that raises on behalf of its caller, never the culprit."""
+    return filename.startswith(_TORCH_DIR) or (filename.startswith(_STDLIB_DIR) and "-packages" not in filename)
+
+
+def raised_in_hookcli(exc: BaseException) -> str | None:
+    """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
+
+    The traceback below the call into the model decides: its innermost frame that is neither
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
+    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
+    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
+    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
+    """
+    frames = []
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    start = 0
+    while start < len(frames) and frames[start].f_code.co_filename.startswith(_PACKAGE_DIR):
+        start += 1  # the run itself, down to the call into the model
+    if frames and start == len(frames):
+        return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
+    for frame in reversed(frames[start:]):
+        filename = frame.f_code.co_filename
+        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
+            continue
+        return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
+    return None
+
+
+def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
+    """The model's failure in ``phase`` (see ``locate_failure``), or, when hookcli's own code raised
+    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself."""
+    if not isinstance(exc, SystemExit) and (where := raised_in_hookcli(exc)) is not None:
+        raise internal_error(exc, f"hookcli's {where} (during the model's {phase})") from exc
+    return locate_failure(exc, model, phase)
+
+
+@contextmanager
+def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
+
+    The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
+    seed) and the caller's RNG states are restored after (``preserved``).
+    """
+    opts = prep.options
+    model = prep.loaded.model
+    device = torch.device(opts.device) if opts.device else model_device(model)
+    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed):
+        args = to_device(prep.inputs.args, device, opts.torch_dtype())
+        kwargs = to_device(prep.inputs.kwargs, device, opts.torch_dtype())
+        yield model, args, kwargs
+
+
+def new_report(prep: Prepared, command: str) -> Report:
+    """An empty report of ``command`` for a prepared run (inputs shown as they run: --dtype applied)."""
+    opts = prep.options
+    model = prep.loaded.model
+    device = opts.device or str(model_device(model))
+    inputs = [
+        dataclasses.replace(info, dtype=opts.dtype)
+        if opts.dtype and info.dtype.startswith(("float", "bfloat")) else info
+        for info in prep.inputs.infos
+    ]
+    return Report(
+        command=command,
+        model=prep.info,
+        inputs=inputs,
+        device=device,
+        mode="train" if opts.train else "eval",
+        version=__version__,
+    )
+
+
+def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False,
+                   keep: KeepFn | None = None) -> Report:
+    """Run one forward pass with hooks on the selected modules and return the report.
+
+    ``flops`` counts forward FLOPs per call (``torch.utils.flop_counter`` formulas); ``keep`` is
+    called with every selected output tensor (features, fmaps; a sparse one densified). Raises
+    ModelRaisedError (carrying the partial report) when the model raises or calls ``sys.exit``,
+    InternalError when hookcli's own hook code fails, UnsupportedError for a TorchScript model.
+    """
+    from hookcli.engine.flops import FlopCounter
+
+    refuse_torchscript(prep.loaded.model, prep.selection)
+    report = new_report(prep, command)
+    failure: FailureInfo | None = None
+    counter: FlopCounter | None = None
+    with running(prep) as (model, args, kwargs):
+        with attach(model, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep)) as session:
+            counter = FlopCounter(session.add_flops) if flops else None
+            try:
+                with torch.no_grad(), counter or nullcontext(), progress.phase("forward"):
+                    model(*args, **kwargs)
+            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+                session.raise_error()  # unless one of hookcli's hooks failed first
+                failure = blame(exc, model, "forward")
+                cause: BaseException | None = exc
+            else:
+                cause = None
+            session.raise_error()
+            if counter is not None:
+                counter.raise_error()
+        report.layers, _ = session.records(params_by_module(prep.selection))
+    if counter is not None:
+        report.flops = counter.summary()
+    if failure is not None:
+        report.failure = failure
+        raise ModelRaisedError(
+            failure_message(failure), report=report, module=failure.module, input_shapes=failure.input_shapes,
+        ) from cause
+    return report
