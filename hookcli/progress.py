@@ -32,7 +32,7 @@ def phase(description: str) -> Iterator[None]:
     from rich.console import Console
     from rich.text import Text
 
-    from hookcli.render.escape import escape_control  # "building <spec>": text from the user
+    from hookcli.escape import escape_control  # "building <spec>": text from the user
 
     console = Console(stderr=True)
     status: list[Any] = []

@@ -37,7 +37,7 @@ from torch import nn
 import hookcli
 from hookcli.errors import UsageError
 from hookcli.commands.features import feature_key
-from hookcli.render.escape import csv_cell, escape_control
+from hookcli.escape import csv_cell, escape_control
 
 # --------------------------------------------------------------------------- hostile names
 

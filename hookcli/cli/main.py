@@ -136,7 +136,7 @@ class HookcliGroup(click.Group):
         except Exception as exc:  # a bug in hookcli: say so, exit 3
             if ctx.meta.get(META_DEBUG):
                 raise
-            from hookcli.render.escape import escape_control
+            from hookcli.escape import escape_control
 
             click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(exc)}"), err=True)
             click.echo(f"  hint: {INTERNAL_HINT}", err=True)
@@ -150,7 +150,7 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
     if ctx.meta.get(META_DEBUG):
         cause = exc.__cause__ or exc
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
-    from hookcli.render.escape import escape_control  # names and messages from the model are data
+    from hookcli.escape import escape_control  # names and messages from the model are data
 
     click.secho(f"Error: {one_line(escape_control(exc.message))}", err=True, fg="red")
     if exc.hint:

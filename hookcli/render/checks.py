@@ -13,7 +13,7 @@ from typing import Any
 from hookcli.records import CheckResult, RuleResult
 from hookcli.render import summary
 from hookcli.render.columns import Cell, Column
-from hookcli.render.escape import csv_cell
+from hookcli.escape import csv_cell
 from hookcli.render.formats import format_number, format_shape, plain
 
 STATUS_STYLES = {"PASS": "green", "FAIL": "bold red", "WARN": "yellow", "SKIP": "dim"}
@@ -126,71 +126,3 @@ def notes(result: CheckResult) -> list[str]:
 
 
 __all__ = ["check_columns", "csv_value", "details", "footer", "format_value", "header_lines", "notes", "verdict"]
-
-
-# --------------------------------------------------------------------------- the three text formats
-
-
-def render_table(result: CheckResult, *, width: int | None = None, color: bool = False) -> str:
-    """Header, the rules table, counts, the verdict and the details of every FAIL/WARN rule."""
-    from hookcli.render.table import build_table, line_text, make_console
-
-    console = make_console(width, color)
-    for parts in header_lines(result):
-        for line in summary.pack(parts, console.width):
-            console.print(line_text(line))
-    for note in notes(result):
-        console.print(line_text(note, "dim"))
-    console.print()
-    console.print(build_table("check", check_columns(), result.rules, width=console.width))
-    console.print()
-    console.print(line_text(summary.SEP.join(footer(result))))
-    console.print(line_text(verdict(result), "bold green" if result.ok else "bold red"))
-    for line in details(result):
-        console.print(line_text(line, STATUS_STYLES.get(line.split(" ", 1)[0]) or ""))
-    out = console.file
-    text = "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))  # type: ignore[attr-defined]
-    if result.report.failure is not None:  # the rows gathered before the model raised
-        from hookcli.render.table import TableRenderer
-
-        text += "\npartial report:\n" + TableRenderer().render(result.report, width=width, color=color)
-    return text
-
-
-def render_markdown(result: CheckResult) -> str:
-    """A heading with the verdict, the header lines, the rules as a pipe table, then the details."""
-    from hookcli.render.text import md_inline, md_table
-
-    mark = "PASSED" if result.ok else "FAILED"
-    blocks: list[list[str]] = [[f"### hookcli check: {md_inline(result.model.spec)}: {mark}"]]
-    blocks += [[md_inline(summary.SEP.join(line))] for line in header_lines(result)]
-    if notes(result):
-        blocks.append([f"- {md_inline(n)}" for n in notes(result)])
-    blocks.append(md_table(check_columns(), result.rules))
-    blocks.append([md_inline(summary.SEP.join(footer(result)))])
-    blocks.append([f"**{md_inline(verdict(result))}**"])
-    if details(result):
-        blocks.append([f"  - {md_inline(line[4:])}" if line.startswith("  - ") else f"- {md_inline(line)}"
-                       for line in details(result)])
-    text = "\n\n".join("\n".join(b) for b in blocks) + "\n"
-    if result.report.failure is not None:  # the rows gathered before the model raised
-        from hookcli.render.text import MarkdownRenderer
-
-        text += "\n#### Partial report\n\n" + MarkdownRenderer().render(result.report).split("\n", 2)[2]
-    return text
-
-
-def render_csv(result: CheckResult) -> str:
-    """One row per rule: rule, status, severity, offender, value, limit, message."""
-    import csv
-    import io
-
-    from hookcli.render.columns import csv_columns
-
-    cols = csv_columns(check_columns())
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[c.key for c in cols], lineterminator="\n")
-    writer.writeheader()
-    for rule in result.rules:
-        writer.writerow({c.key: "" if c.raw(rule) is None else csv_cell(c.raw(rule)) for c in cols})
-    return buf.getvalue()

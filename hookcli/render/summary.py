@@ -16,7 +16,7 @@ from hookcli.records import (
 )
 from hookcli.render import exports
 from hookcli.render.columns import report_kind
-from hookcli.render.escape import escape_control
+from hookcli.escape import escape_control
 from hookcli.render.formats import (
     Renderable,
     format_count,

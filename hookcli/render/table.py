@@ -26,7 +26,7 @@ from hookcli.render.columns import (
     param_row_style,
     table_columns,
 )
-from hookcli.render.escape import escape_control
+from hookcli.escape import escape_control
 from hookcli.render.formats import Renderable
 
 R = TypeVar("R")
@@ -178,7 +178,7 @@ class TableRenderer:
     ) -> str:
         """The report as text, ``width`` columns wide (default 120)."""
         if isinstance(report, CheckResult):
-            return checks.render_table(report, width=width, color=color)
+            return check_table(report, width=width, color=color)
         console = make_console(width, color)
         for parts in summary.header_lines(report):
             for line in summary.pack(parts, console.width):
@@ -215,3 +215,25 @@ class TableRenderer:
             tables.append(build_table("Parameters", param_columns(report), report.params,
                                       param_row_style, width))
         return tables
+
+
+def check_table(result: CheckResult, *, width: int | None = None, color: bool = False) -> str:
+    """Header, the rules table, counts, the verdict and the details of every FAIL/WARN rule."""
+    console = make_console(width, color)
+    for parts in checks.header_lines(result):
+        for line in summary.pack(parts, console.width):
+            console.print(line_text(line))
+    for note in checks.notes(result):
+        console.print(line_text(note, "dim"))
+    console.print()
+    console.print(build_table("check", checks.check_columns(), result.rules, width=console.width))
+    console.print()
+    console.print(line_text(summary.SEP.join(checks.footer(result))))
+    console.print(line_text(checks.verdict(result), "bold green" if result.ok else "bold red"))
+    for line in checks.details(result):
+        console.print(line_text(line, checks.STATUS_STYLES.get(line.split(" ", 1)[0]) or ""))
+    out = console.file
+    text = "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))  # type: ignore[attr-defined]
+    if result.report.failure is not None:  # the rows gathered before the model raised
+        text += "\npartial report:\n" + TableRenderer().render(result.report, width=width, color=color)
+    return text

@@ -18,7 +18,7 @@ from hookcli.render.columns import (
     param_columns,
     table_columns,
 )
-from hookcli.render.escape import csv_cell, escape_control
+from hookcli.escape import csv_cell, escape_control
 from hookcli.render.formats import Renderable
 
 R = TypeVar("R")
@@ -26,7 +26,7 @@ R = TypeVar("R")
 
 def csv_value(value: Any) -> Any:
     """A raw value for CSV: empty for None, ``true``/``false`` for booleans, floats in repr,
-    strings escaped and guarded against spreadsheet formulas (:func:`~hookcli.render.escape.csv_cell`)."""
+    strings escaped and guarded against spreadsheet formulas (:func:`~hookcli.escape.csv_cell`)."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -63,7 +63,7 @@ class CsvRenderer:
     ) -> str:
         """The report as CSV text."""
         if isinstance(report, CheckResult):
-            return checks.render_csv(report)
+            return check_csv(report)
         if isinstance(report, ModelList):
             cols: Sequence[Column[Any]] = model_list_columns()
             return self._write(_union(cols), _rows(cols, report.models))
@@ -136,7 +136,7 @@ class MarkdownRenderer:
     ) -> str:
         """The report as GitHub-flavoured Markdown."""
         if isinstance(report, CheckResult):
-            return checks.render_markdown(report)
+            return check_markdown(report)
         blocks: list[list[str]] = [[f"### {md_inline(summary.heading(report))}"]]
         blocks += [[md_inline(summary.SEP.join(line))] for line in summary.header_lines(report)]
         note_lines = summary.notes(report)
@@ -162,3 +162,38 @@ class MarkdownRenderer:
             if failure:
                 blocks.append([f"**{md_inline(failure)}**"])
         return "\n\n".join("\n".join(b) for b in blocks) + "\n"
+
+
+def check_markdown(result: CheckResult) -> str:
+    """A heading with the verdict, the header lines, the rules as a pipe table, then the details."""
+    mark = "PASSED" if result.ok else "FAILED"
+    blocks: list[list[str]] = [[f"### hookcli check: {md_inline(result.model.spec)}: {mark}"]]
+    blocks += [[md_inline(summary.SEP.join(line))] for line in checks.header_lines(result)]
+    if checks.notes(result):
+        blocks.append([f"- {md_inline(n)}" for n in checks.notes(result)])
+    blocks.append(md_table(checks.check_columns(), result.rules))
+    blocks.append([md_inline(summary.SEP.join(checks.footer(result)))])
+    blocks.append([f"**{md_inline(checks.verdict(result))}**"])
+    if checks.details(result):
+        blocks.append([f"  - {md_inline(line[4:])}" if line.startswith("  - ") else f"- {md_inline(line)}"
+                       for line in checks.details(result)])
+    text = "\n\n".join("\n".join(b) for b in blocks) + "\n"
+    if result.report.failure is not None:  # the rows gathered before the model raised
+        text += "\n#### Partial report\n\n" + MarkdownRenderer().render(result.report).split("\n", 2)[2]
+    return text
+
+
+def check_csv(result: CheckResult) -> str:
+    """One row per rule: rule, status, severity, offender, value, limit, message."""
+    import csv
+    import io
+
+    from hookcli.render.columns import csv_columns
+
+    cols = csv_columns(checks.check_columns())
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[c.key for c in cols], lineterminator="\n")
+    writer.writeheader()
+    for rule in result.rules:
+        writer.writerow({c.key: "" if c.raw(rule) is None else csv_cell(c.raw(rule)) for c in cols})
+    return buf.getvalue()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hookcli.output import write_atomic
 from hookcli.records import CheckResult, RuleResult
-from hookcli.render.escape import escape_control
+from hookcli.escape import escape_control
 
 #: How many offenders an annotation or a JUnit failure lists (JSON lists them all).
 MAX_LISTED = 10
@@ -39,7 +39,7 @@ def escape_property(text: str) -> str:
 
 def rule_text(rule: RuleResult, limit: int = MAX_LISTED) -> str:
     """The rule's message, then one line per offender (at most ``limit``); each line escaped
-    (:func:`~hookcli.render.escape.escape_control`), so only these line breaks remain."""
+    (:func:`~hookcli.escape.escape_control`), so only these line breaks remain."""
     lines = [escape_control(rule.message)]
     if len(rule.violations) > 1:
         lines += [f"- {escape_control(v.get('message') or v.get('where'))}" for v in rule.violations[:limit]]
