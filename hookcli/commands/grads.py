@@ -1,15 +1,15 @@
 """Backward through the model: the loss, output/input gradients per call, parameter gradients.
 
 Gradients come from ``torch.autograd.grad`` (so no parameter's ``.grad`` is touched) and from tensor
-hooks that ``hooks.attach`` registers on every selected output tensor. ``--clip`` is the seeds'
-gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, clip].
+hooks that the engine session (``engine.session.attach``) registers on every selected output tensor.
+``--clip`` is the seeds' gradient clipper: tensor hooks on the parameters clamp each gradient to
+[-clip, clip] (``engine.session.clipped_gradients``).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookcli import progress
-from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, internal_error
+from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.flops import FlopCounter
-from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
@@ -96,40 +96,6 @@ def require_grad(obj: Any) -> Any:
     return obj
 
 
-@contextmanager
-def clipping(params: list[tuple[str, nn.Parameter]], clip: float | None) -> Iterator[dict[str, torch.Tensor]]:
-    """Clamp every parameter gradient to [-clip, clip] with tensor hooks; count clipped elements."""
-    counts: dict[str, torch.Tensor] = {}
-    handles = []
-
-    errors: list[Exception] = []
-
-    def hook_for(name: str):  # noqa: ANN202 - small closure factory
-        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
-            if grad is None or clip is None:
-                return None
-            try:
-                counts[name] = (grad.abs() > clip).sum()
-                return grad.clamp(-clip, clip)
-            except Exception as exc:  # hookcli's own failure: stored, raised after the run
-                errors.append(exc)
-                return None
-
-        return hook
-
-    try:
-        if clip is not None:
-            for name, p in params:
-                if p.requires_grad:
-                    handles.append(p.register_hook(hook_for(name)))
-        yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
-    if errors:
-        raise internal_error(errors[0], "hookcli's --clip gradient hook") from errors[0]
-
-
 def _loss(output: Any, opts: Any) -> LossChoice:
     """``build_loss`` on the model's output; a failure there is hookcli's (it cannot build a loss from
     that output: UnsupportedError), never the model's."""
@@ -198,7 +164,8 @@ def _refuse_inference_tensors(model: nn.Module) -> None:
             "stats and shapes work on it as it is")
 
 
-def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
+def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
+                    observer: RunObserver | None = None) -> Report:
     """Forward with gradients, build the loss, backward once; report output and parameter gradients.
 
     The model's parameters keep their ``.grad`` and ``requires_grad`` (``autograd.grad`` writes none).
@@ -206,7 +173,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     ``torch.inference_mode``. Raises ModelRaisedError with the partial report when forward or
     backward raises (or the model calls ``sys.exit``); UnsupportedError when the model has no
     gradients (quantized, or nothing requires grad), is TorchScript, or holds inference tensors;
-    InternalError when hookcli's own hooks fail.
+    InternalError when hookcli's own hooks (or ``observer``) fail. ``observer`` measures more
+    during the run (see ``RunObserver``; ``check`` uses it).
     """
     from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
@@ -215,11 +183,11 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -
     refuse_torchscript(prep.loaded.model, prep.selection)
     _refuse_inference_tensors(prep.loaded.model)
     with torch.inference_mode(False):
-        return _backward_report(prep, command, stats=stats)
+        return _backward_report(prep, command, stats=stats, observer=observer)
 
 
-def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
-    from hookcli.engine.run import blame, failure_message, new_report, params_by_module, running
+def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
+    from hookcli.engine.run import blame, new_report, params_by_module, raise_failure, running
 
     opts = prep.options
     report = new_report(prep, command)
@@ -227,12 +195,13 @@ def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
     cause: BaseException | None = None
     loss_choice: LossChoice | None = None
     grads: dict[int, torch.Tensor | None] = {}
-    hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops)
+    hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops,
+                               observe=observer.tensor if observer is not None and observer.wants_tensors else None)
     forward_flops: FlopCounter | None = None
     backward_flops: FlopCounter | None = None
     # parameters are read inside ``running``: moving the model may replace its parameter objects
     with running(prep) as (model, args, kwargs), \
-            clipping(all_params := list(model.named_parameters()), opts.clip) as clipped:
+            clipped_gradients(all_params := list(model.named_parameters()), opts.clip) as clipped:
         reported = param_scope(model, prep.selection, opts.params)
         args, kwargs = require_grad(args), require_grad(kwargs)
         with attach(model, prep.selection, hook_options) as session:
@@ -243,6 +212,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
                 with torch.enable_grad():
                     with forward_flops or nullcontext(), progress.phase("forward"):
                         output = model(*args, **kwargs)
+                        if observer is not None:
+                            session.call(observer.output, output, where="observer of the model output")
                     session.raise_error()
                     loss_choice = _loss(output, opts)
                     del output
@@ -273,6 +244,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
                     failure.module = session.last_grad_call.name or None
                     failure.module_type = session.last_grad_call.type
                     failure.input_shapes = session.last_grad_call.input_shapes
+            if observer is not None:
+                observer.finished(session.completion_order())
             extra: list[Vector] = []
             plan: list[tuple[str, nn.Parameter, int | None, int, int | None]] = []
             for name, p in reported:
@@ -317,7 +290,5 @@ def _backward_report(prep: Any, command: str, *, stats: bool) -> Report:
     if opts.clip is not None:
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if failure is not None:
-        report.failure = failure
-        raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
-                               input_shapes=failure.input_shapes, phase=failure.phase) from cause
+        raise_failure(report, failure, cause)
     return report

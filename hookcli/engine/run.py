@@ -29,6 +29,7 @@ from hookcli.options import RunOptions, check_option_names, model_is_instance
 from hookcli.engine.stats import iter_tensors, shape_of
 from hookcli.records import (
     CheckResult,
+    LayerRecord,
     FailureInfo,
     FeatureExport,
     FeatureMaps,
@@ -94,10 +95,22 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
 
 def require_values(prep: Prepared, command: str) -> None:
     """UsageError when ``prep`` would run on the meta device: ``command`` needs values it has none of."""
-    device = torch.device(prep.options.device) if prep.options.device else model_device(prep.loaded.model)
-    if device.type == "meta":
+    if run_device(prep).type == "meta":
         raise UsageError(f"{command} needs values, and the meta device has none (it gives shapes only)",
                          hint="run on a real device: --device cpu (or cuda), or use shapes for shapes only")
+
+
+def run_device(prep: Prepared) -> torch.device:
+    """The device a run of ``prep`` uses: ``--device``, else the one the model's parameters are on."""
+    return torch.device(prep.options.device) if prep.options.device else model_device(prep.loaded.model)
+
+
+def place_inputs(prep: Prepared, inputs: ModelInputs) -> tuple[Any, Any]:
+    """``inputs`` as a run of ``prep`` passes them: (args, kwargs) on the run's device, floating
+    tensors cast to ``--dtype``."""
+    opts = prep.options
+    device = run_device(prep)
+    return to_device(inputs.args, device, opts.torch_dtype()), to_device(inputs.kwargs, device, opts.torch_dtype())
 
 
 def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
@@ -250,10 +263,8 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     """
     opts = prep.options
     model = prep.loaded.model
-    device = torch.device(opts.device) if opts.device else model_device(model)
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed):
-        args = to_device(prep.inputs.args, device, opts.torch_dtype())
-        kwargs = to_device(prep.inputs.kwargs, device, opts.torch_dtype())
+        args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 
 
@@ -277,6 +288,53 @@ def new_report(prep: Prepared, command: str) -> Report:
     )
 
 
+@dataclass
+class ForwardPass:
+    """What one hooked forward pass gathered: the rows, and the model's failure (if it raised)."""
+
+    layers: list[LayerRecord]
+    failure: FailureInfo | None = None
+    cause: BaseException | None = None
+    flops: dict[str, Any] | None = None
+
+
+def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   selection: Sequence[tuple[str, nn.Module]], hooks: HookOptions,
+                   params: dict[str, int], *, show_phase: bool = True) -> ForwardPass:
+    """One forward pass of an already placed model (``running``) under ``torch.no_grad``, with the
+    session's hooks on ``selection``; the rows of every call, also when the model raised.
+
+    A model that raises or exits gives ``failure`` (``blame``) and the rows gathered up to it;
+    hookcli's own hook failures raise (InternalError, or the HookcliError a hook raised) after the
+    run. ``hooks.flops`` counts forward FLOPs per call (``flops``: the counter's summary).
+    ``show_phase``: the "forward" spinner (off where the command shows its own progress bar).
+    """
+    from hookcli.engine.flops import FlopCounter
+
+    failure: FailureInfo | None = None
+    cause: BaseException | None = None
+    with attach(model, selection, hooks) as session:
+        counter = FlopCounter(session.add_flops) if hooks.flops else None
+        try:
+            with torch.no_grad(), counter or nullcontext(), progress.phase("forward") if show_phase else nullcontext():
+                model(*args, **kwargs)
+        except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+            session.raise_error()  # unless one of hookcli's hooks failed first
+            failure, cause = blame(exc, model, "forward"), exc
+        session.raise_error()
+        if counter is not None:
+            counter.raise_error()
+    layers, _ = session.records(params)
+    return ForwardPass(layers, failure, cause, counter.summary() if counter is not None else None)
+
+
+def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None) -> None:
+    """Raise ModelRaisedError for the model's ``failure``, carrying the partial ``report``."""
+    report.failure = failure
+    raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
+                           input_shapes=failure.input_shapes, phase=failure.phase) from cause
+
+
 def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False,
                    keep: KeepFn | None = None) -> Report:
     """Run one forward pass with hooks on the selected modules and return the report.
@@ -286,33 +344,14 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     ModelRaisedError (carrying the partial report) when the model raises or calls ``sys.exit``,
     InternalError when hookcli's own hook code fails, UnsupportedError for a TorchScript model.
     """
-    from hookcli.engine.flops import FlopCounter
-
     refuse_torchscript(prep.loaded.model, prep.selection)
     report = new_report(prep, command)
-    failure: FailureInfo | None = None
-    counter: FlopCounter | None = None
     with running(prep) as (model, args, kwargs):
-        with attach(model, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep)) as session:
-            counter = FlopCounter(session.add_flops) if flops else None
-            try:
-                with torch.no_grad(), counter or nullcontext(), progress.phase("forward"):
-                    model(*args, **kwargs)
-            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
-                session.raise_error()  # unless one of hookcli's hooks failed first
-                failure = blame(exc, model, "forward")
-                cause: BaseException | None = exc
-            else:
-                cause = None
-            session.raise_error()
-            if counter is not None:
-                counter.raise_error()
-        report.layers, _ = session.records(params_by_module(prep.selection))
-    if counter is not None:
-        report.flops = counter.summary()
-    if failure is not None:
-        report.failure = failure
-        raise ModelRaisedError(
-            failure_message(failure), report=report, module=failure.module, input_shapes=failure.input_shapes,
-        ) from cause
+        run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep),
+                             params_by_module(prep.selection))
+    report.layers = run.layers
+    if run.flops is not None:
+        report.flops = run.flops
+    if run.failure is not None:
+        raise_failure(report, run.failure, run.cause)
     return report

@@ -36,19 +36,53 @@ from hookcli.engine.stats import (
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import run_lock
 
-#: Called with (record name, call index, output path, tensor) for every output tensor to keep.
-KeepFn = Callable[[str, int, str, torch.Tensor], None]
+#: Called with (record name, call index, output path, tensor) for every selected output tensor.
+TensorFn = Callable[[str, int, str, torch.Tensor], None]
+#: A ``TensorFn`` that keeps tensors (features, fmaps): it gets them densified, never nested.
+KeepFn = TensorFn
+#: (module name, call index) -> position of that call in the order in which calls *finished*.
+CompletionOrder = dict[tuple[str, int], int]
 
 
 @dataclass
 class HookOptions:
-    """What the hooks compute."""
+    """What the hooks compute.
+
+    ``keep`` gets every selected output tensor to keep (a sparse one densified, a nested one
+    refused); ``observe`` gets every selected output tensor as the module returned it, to measure
+    it on the device (``check``'s dead channels). Both run inside the session's forward hook:
+    what they raise is stored and raised after the run (``raise_error``), never into the model.
+    """
 
     stats: bool = False
     grads: bool = False
     input_grads: bool = False
     keep: KeepFn | None = None
     flops: bool = False
+    observe: TensorFn | None = None
+
+
+class RunObserver:
+    """What a command measures during one run beyond the report (``check``: completion order, dead
+    channels, the model's output), without hooks of its own: the engine calls it.
+
+    ``tensor`` is called from the session's forward hook with every selected output tensor (only
+    when ``wants_tensors``: commands that do not need it pay nothing per call), ``output`` by the
+    run with the model's output right after forward, ``finished`` after the run (also when the
+    model raised) with the session's completion order. What they raise is hookcli's failure:
+    stored during the run, InternalError after it, never raised into the model.
+    """
+
+    wants_tensors: bool = False
+
+    def tensor(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
+        """One output tensor of a selected call, as the module returned it (detach before use)."""
+
+    def output(self, output: Any) -> None:
+        """The model's output (any structure)."""
+
+    def finished(self, order: CompletionOrder) -> None:
+        """The run ended: ``order`` says in which order the selected calls returned."""
 
 
 @dataclass
@@ -72,6 +106,8 @@ class _Call:
     raised: bool = False
     finished: bool = False
     flops: int = 0
+    #: Position in the order in which calls returned (-1: not returned, or raised).
+    done: int = -1
 
 
 class HookSession:
@@ -92,11 +128,20 @@ class HookSession:
         #: the model's run is never aborted or blamed for them); ``raise_error`` raises it after the run.
         self.error: Exception | None = None
         self.error_where = ""
+        self._done = 0
 
     def failed(self, exc: Exception, where: str) -> None:
         """Remember the first exception of hookcli's hook code (``where``: which hook, on what)."""
         if self.error is None:
             self.error, self.error_where = exc, where
+
+    def call(self, fn: Callable[..., None], *args: Any, where: str) -> None:
+        """Run hookcli's ``fn`` during the model's run like a hook body: what it raises is stored
+        (``failed``) and raised after the run, never into the model."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.failed(exc, where)
 
     def raise_error(self) -> None:
         """Raise what a hook raised during the run: a HookcliError as it is (an unsupported output,
@@ -170,6 +215,8 @@ class HookSession:
         if output is None and sys.exc_info()[1] is not None:
             call.raised = True  # always_call path: forward raised
             return
+        call.done = self._done
+        self._done += 1
         self._record_outputs(call, output)
 
     def _record_outputs(self, call: _Call, output: Any) -> None:
@@ -183,6 +230,8 @@ class HookSession:
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 tensor.register_hook(self._output_grad_hook(call, entry))
+            if options.observe is not None:
+                options.observe(call.name, call.call, path, tensor)
             if options.keep is not None:
                 options.keep(call.name, call.call, path, _keepable(call, path, tensor))
             call.outputs.append(entry)
@@ -211,6 +260,11 @@ class HookSession:
         return hook
 
     # -- results ---------------------------------------------------------------------------------
+    def completion_order(self) -> CompletionOrder:
+        """Where each call that returned stands in the order calls *finished* (children before
+        their parents): the finite rule names the first layer that made a NaN by it."""
+        return {(call.name, call.call): call.done for call in self.calls if call.done >= 0}
+
     def records(
         self,
         params_by_name: dict[str, int] | None = None,
@@ -306,6 +360,45 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextmanager
+def clipped_gradients(params: Sequence[tuple[str, nn.Parameter]], clip: float | None,
+                      ) -> Iterator[dict[str, torch.Tensor]]:
+    """Clamp every parameter gradient to [-clip, clip] with tensor hooks (the seeds' gradient
+    clipper) for the ``with`` block; the yielded dict fills with each parameter's count of
+    clipped elements (a device tensor). Nothing is hooked when ``clip`` is None. What a hook
+    raises is stored (the backward pass goes on unclipped there) and raised as InternalError
+    after the block; the hooks are always removed.
+    """
+    counts: dict[str, torch.Tensor] = {}
+    handles: list[RemovableHandle] = []
+    errors: list[Exception] = []
+
+    def hook_for(name: str) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+            if grad is None or clip is None:
+                return None
+            try:
+                counts[name] = (grad.abs() > clip).sum()
+                return grad.clamp(-clip, clip)
+            except Exception as exc:  # hookcli's own failure: stored, raised after the run
+                errors.append(exc)
+                return None
+
+        return hook
+
+    try:
+        if clip is not None:
+            for name, p in params:
+                if p.requires_grad:
+                    handles.append(p.register_hook(hook_for(name)))
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+    if errors:
+        raise internal_error(errors[0], "hookcli's --clip gradient hook") from errors[0]
 
 
 @contextmanager

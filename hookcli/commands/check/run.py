@@ -1,8 +1,9 @@
 """Run ``hookcli check``: forward, loss and backward once with hooks on every module, then the rules.
 
-What the engine's Report does not hold is measured here, on the device, with one host transfer:
-the order in which module calls *finish* (so the finite rule can name the first layer that made a
-NaN), the model's output shapes, and per-channel dead counts for the ``dead_channels`` rule. The
+What the engine's Report does not hold is measured here (``Probe``, called by the engine session:
+no hooks of its own), on the device, with one host transfer: the order in which module calls
+*finish* (so the finite rule can name the first layer that made a NaN), the model's output shapes,
+and per-channel dead counts for the ``dead_channels`` rule. The
 ``params_change`` rule steps a ``copy.deepcopy`` of the model with SGD: the user's model is never
 stepped. Rules themselves are evaluated on plain data in ``hookcli.commands.check.rules``.
 """
@@ -12,22 +13,20 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig, parse_checks
 from hookcli.config import Config, load_config
-from hookcli.errors import ConfigError, ModelRaisedError, exit_status, internal_error
+from hookcli.errors import ConfigError, ModelRaisedError, exit_status
 from hookcli.commands.grads import backward_report, build_loss
-from hookcli.engine.loading import refuse_torchscript
+from hookcli.engine.session import CompletionOrder, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
@@ -35,59 +34,38 @@ from hookcli.commands.check.rules import Observations, evaluate, load_baseline
 from hookcli.engine.state import exclusive
 
 
-class Probe:
-    """Forward hooks of the check run: completion order, output shapes, dead channels (on device)."""
+class Probe(RunObserver):
+    """What the check run measures beyond the report, on the device: completion order, the model's
+    outputs (shapes, non-finite counts) and per-channel dead counts. No hooks of its own: the engine
+    session calls it (``RunObserver``), so its failures are hookcli's (InternalError after the run)."""
 
     def __init__(self, channel_dim: Callable[[str], int] | None) -> None:
         self.channel_dim = channel_dim
-        self.order: dict[tuple[str, int], int] = {}
-        self._calls: dict[str, int] = {}
+        self.wants_tensors = channel_dim is not None  # no per-call work unless dead_channels is on
+        self.order: CompletionOrder = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
-        #: The first exception the probe's own hooks raised (caught there: never the model's).
-        self.error: tuple[Exception, str] | None = None
 
-    def layer_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            try:
-                call = self._calls.get(name, 0)
-                self._calls[name] = call + 1
-                self.order[(name, call)] = len(self.order)
-                if self.channel_dim is not None:
-                    self._dead_channels(name, call, output, self.channel_dim(name))
-            except Exception as exc:  # hookcli's own failure: stored, raised after the run
-                self.error = self.error or (exc, f"check probe on {name or '(model)'}")
+    def tensor(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
+        """Count the dead channels of one selected output tensor (``dead_channels``)."""
+        if self.channel_dim is None:
+            return
+        if t.is_nested or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
+            return  # (a nested tensor has no channel dimension to speak of)
+        dim = self.channel_dim(name)
+        d = dim + t.dim() if dim < 0 else dim
+        if not 0 <= d < t.dim() or t.shape[d] == 0:
+            return
+        x = t.detach() if t.layout == torch.strided else t.detach().to_dense()
+        others = [i for i in range(x.dim()) if i != d]
+        # a channel is dead when its max and min are both 0: two reductions on the device, no
+        # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
+        dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
+        channels = int(t.shape[d])
+        self._channels.append(((name, call, path), channels, t.numel() // channels, dead.sum()))
 
-        return hook
-
-    def raise_error(self) -> None:
-        """An InternalError for what the probe's hooks raised during the run, if anything."""
-        if self.error is not None:
-            exc, where = self.error
-            raise internal_error(exc, f"hookcli's {where}") from exc
-
-    def _dead_channels(self, name: str, call: int, output: Any, dim: int) -> None:
-        for path, t in iter_tensors(output):
-            if t.is_nested or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
-                continue  # (a nested tensor has no channel dimension to speak of)
-            d = dim + t.dim() if dim < 0 else dim
-            if not 0 <= d < t.dim() or t.shape[d] == 0:
-                continue
-            x = t.detach() if t.layout == torch.strided else t.detach().to_dense()
-            others = [i for i in range(x.dim()) if i != d]
-            # a channel is dead when its max and min are both 0: two reductions on the device, no
-            # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
-            dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
-            channels = int(t.shape[d])
-            self._channels.append(((name, call, path), channels, t.numel() // channels, dead.sum()))
-
-    def root_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        try:
-            self._root(output)
-        except Exception as exc:  # hookcli's own failure: stored, raised after the run
-            self.error = self.error or (exc, "check probe on the model output")
-
-    def _root(self, output: Any) -> None:
+    def output(self, output: Any) -> None:
+        """The model's output tensors: path, shape, dtype and (floats) the count of non-finite values."""
         self._outputs = []
         for path, t in iter_tensors(output):
             bad = None
@@ -97,19 +75,8 @@ class Probe:
                 bad = x.numel() - torch.isfinite(x).sum()
             self._outputs.append((path, shape_of(t), dtype_name(t.dtype), bad))
 
-    @contextmanager
-    def attached(self, model: nn.Module, selection: list[tuple[str, nn.Module]]) -> Iterator[Probe]:
-        handles = [model.register_forward_hook(self.root_hook)]
-        seen: set[int] = set()
-        try:
-            for name, module in selection:
-                if id(module) not in seen:  # hooked once, under its first name (as hooks.attach does)
-                    seen.add(id(module))
-                    handles.append(module.register_forward_hook(self.layer_hook(name)))
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
+    def finished(self, order: CompletionOrder) -> None:
+        self.order = order
 
     def fill(self, obs: Observations) -> None:
         """Move every measurement to the host in one transfer and store it in ``obs``."""
@@ -182,19 +149,16 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
     base_rule = rules.get("baseline")
     obs = Observations(baseline=load_baseline(base_rule["file"], rules.source) if base_rule else None)
     prep = engine.prepare(opts, default_batch=2)
-    refuse_torchscript(prep.loaded.model, prep.selection)  # before the probe hooks it
     dead = rules.get("dead_channels")
     probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
     cause: BaseException | None = None
     run_started = time.perf_counter()
-    with probe.attached(prep.loaded.model, prep.selection):
-        try:
-            report = backward_report(prep, "check", stats=True)
-        except ModelRaisedError as exc:
-            if exc.report is None:
-                raise
-            report, cause = exc.report, exc
-    probe.raise_error()
+    try:
+        report = backward_report(prep, "check", stats=True, observer=probe)
+    except ModelRaisedError as exc:
+        if exc.report is None:
+            raise
+        report, cause = exc.report, exc
     probe.fill(obs)
     run_seconds = time.perf_counter() - run_started
     step_seconds: float | None = None

@@ -1,0 +1,182 @@
+"""The package's shape, enforced: dependencies point one way and nothing else registers hooks.
+
+cli -> api -> commands -> engine -> records; render -> records; the shared leaves (errors, options,
+config, output, progress, _version) import only each other and records. Imports are read from the source
+with ``ast`` (lazy imports inside functions count: they are dependencies too; ``if TYPE_CHECKING:``
+blocks do not).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hookcli"
+
+LEAVES = {"hookcli._version", "hookcli.errors", "hookcli.options", "hookcli.config", "hookcli.output",
+          "hookcli.progress", "hookcli.targets", "hookcli.escape"}
+
+#: layer -> the layers it may import (besides itself, the leaves and records).
+ALLOWED = {
+    "cli": {"api", "render"},
+    "api": {"commands", "engine"},
+    "commands": {"engine", "render"},
+    "engine": set(),
+    "render": set(),
+    "records": set(),
+    "leaf": set(),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer(module: str) -> str:
+    if module in LEAVES:
+        return "leaf"
+    if module in ("hookcli", "hookcli.api", "hookcli.__main__"):
+        return "api" if module != "hookcli.__main__" else "cli"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "api"
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                yield child
+                yield from _walk(child)
+            continue
+        yield node
+        yield from _walk(node)
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """The hookcli modules ``path`` imports (``from pkg import sub`` counts as ``pkg.sub``), plus
+    every third-party top-level package it imports, as ``ext:NAME``."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name
+                found.add(name if name.startswith("hookcli") else "ext:" + name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not node.module.startswith("hookcli"):
+                found.add("ext:" + node.module.split(".")[0])
+                continue
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports(path, known) for name, path in mods.items()}
+
+
+def test_dependencies_point_one_way() -> None:
+    wrong = []
+    for module, deps in graph().items():
+        mine = layer(module)
+        for dep in deps:
+            if dep.startswith("ext:") or dep == module:
+                continue
+            theirs = layer(dep)
+            if theirs in (mine, "leaf", "records") or theirs in ALLOWED[mine]:
+                continue
+            if dep == "hookcli" and mine == "api":
+                continue
+            wrong.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    assert not wrong, "imports against the direction cli -> api -> commands -> engine -> records:\n" + "\n".join(
+        sorted(wrong))
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    edges = {m: {d for d in deps if not d.startswith("ext:") and d != m} for m, deps in graph().items()}
+    # a package's __init__ re-exporting its own submodules is not a cycle of the design
+    for module in edges:
+        edges[module] = {d for d in edges[module] if not module.startswith(d + ".")}
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_render_and_records_never_import_torch() -> None:
+    for module, deps in graph().items():
+        if layer(module) in ("render", "records"):
+            heavy = {d for d in deps if d in ("ext:torch", "ext:numpy", "ext:torchvision")}
+            assert not heavy, f"{module} imports {heavy}: renderers read plain records only"
+
+
+HOOK_CALLS = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+              "register_backward_hook", "register_full_backward_pre_hook", "register_hook",
+              "register_module_forward_hook", "register_module_forward_pre_hook")
+
+
+@pytest.mark.parametrize("name", HOOK_CALLS)
+def test_only_the_engine_session_registers_hooks(name: str) -> None:
+    callers = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == name:
+                callers.add(module)
+    assert callers <= {"hookcli.engine.session"}, f"{name} called outside the engine session: {callers}"
