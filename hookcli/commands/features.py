@@ -1,6 +1,7 @@
 """``hookcli features``: save the outputs of the selected modules to .safetensors, .pt or .npz.
 
-The seeds' FeatureExtractor, through the hook engine: ``attach`` with a ``keep`` callback that gets
+The seeds' FeatureExtractor, through the hook engine: ``engine.run.hooked_forward`` (one batch
+with the session's hooks, and the model's failure located) with a ``keep`` callback that gets
 every output tensor of every selected call; only those are kept (detached, copied to CPU), so
 memory grows with what is selected, not with the model. Entries are named like the JSON report's
 rows (``LayerRecord.label``): ``layer4``, ``layer1.0.relu#1`` for the second call of a reused
@@ -38,24 +39,23 @@ import torch
 from hookcli._version import __version__
 from hookcli.engine.run import (
     Prepared,
-    blame,
-    failure_message,
+    hooked_forward,
     new_report,
     params_by_module,
+    place_inputs,
     prepare,
+    raise_failure,
     require_values,
     running,
-    to_device,
 )
-from hookcli.errors import InputError, InternalError, ModelRaisedError, OutputError, UnsupportedError
-from hookcli.engine.session import HookOptions, attach
+from hookcli.errors import InputError, InternalError, OutputError, UnsupportedError
+from hookcli.engine.session import HookOptions
 from hookcli.engine.input_files import list_input_files
 from hookcli.engine.inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import RunOptions
 from hookcli.engine.stats import dtype_name
-from hookcli.records import FailureInfo, FeatureExport, InputInfo, LayerRecord, SavedTensor
-from hookcli.engine.state import model_device
+from hookcli.records import FeatureExport, InputInfo, LayerRecord, SavedTensor
 
 #: Extension -> format name.
 FEATURE_FORMATS: dict[str, str] = {
@@ -374,33 +374,18 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     params = params_by_module(prep.selection)
     bar, advance = _progress(progress, total or 0)
     with bar, running(prep) as (model, args, kwargs):
-        device = torch.device(opts.device) if opts.device else model_device(model)
         for index in range(max(1, len(batches))):
             if index > 0:
-                more = make_inputs(prep.loaded, files=batches[index])
-                args = to_device(more.args, device, opts.torch_dtype())
-                kwargs = to_device(more.kwargs, device, opts.torch_dtype())
-            failure: FailureInfo | None = None
-            with attach(model, prep.selection, HookOptions(keep=store.keep)) as session:
-                try:
-                    with torch.no_grad():
-                        model(*args, **kwargs)
-                except (Exception, SystemExit) as exc:  # the user's model raised or exited: nothing is saved
-                    session.raise_error()  # unless hookcli's hook (or the keep callback) failed first
-                    failure = blame(exc, model, "forward")
-                    cause: BaseException | None = exc
-                else:
-                    cause = None
-                session.raise_error()
-            records, _ = session.records(params)
-            if failure is not None:
-                report.layers, report.failure = records, failure
+                args, kwargs = place_inputs(prep, make_inputs(prep.loaded, files=batches[index]))
+            run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(keep=store.keep), params,
+                                 show_phase=False)
+            if run.failure is not None:  # the user's model raised or exited: nothing is saved
+                report.layers = run.layers
                 if batches:
                     report.notes.append(f"batch {index + 1} of {len(batches)}")
-                raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
-                                       input_shapes=failure.input_shapes) from cause
+                raise_failure(report, run.failure, run.cause)
             size = len(batches[index]) if batches else 0
-            store.end_batch(records, size)
+            store.end_batch(run.layers, size)
             advance(size)
     result = FeatureExport(
         model=prep.info,
