@@ -1,7 +1,7 @@
 """Backward through the model: the loss, output/input gradients per call, parameter gradients.
 
 Gradients come from ``torch.autograd.grad`` (so no parameter's ``.grad`` is touched) and from tensor
-hooks that ``hooks.attach`` registers on every selected output tensor. ``--clip`` is the seeds'
+hooks that ``engine.session.attach`` registers on every selected output tensor. ``--clip`` is the seeds'
 gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, clip].
 """
 
