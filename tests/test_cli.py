@@ -14,21 +14,43 @@ import torch
 TESTS = Path(__file__).resolve().parent
 
 
-def test_help_and_version_do_not_import_torch() -> None:
-    code = textwrap.dedent("""
+def _help_and_version() -> list[list[str]]:
+    """``--help`` of the group and of every command, and ``--version`` (torch-free to build)."""
+    from hookcli.cli import main
+
+    return [["--help"], ["--version"], *([name, "--help"] for name in sorted(main.commands))]
+
+
+@pytest.mark.parametrize("args", _help_and_version(), ids=" ".join)
+def test_help_and_version_do_not_import_torch(args: list[str]) -> None:
+    """In a fresh interpreter: the help (every option of the command listed) or the version line,
+    without importing torch; the C kernel (which loads an OpenMP runtime) only for --version."""
+    from hookcli.cli import main
+
+    code = textwrap.dedent(f"""
         import sys
         from click.testing import CliRunner
         from hookcli.cli import main
-        for args in (["--help"], ["shapes", "--help"], ["grads", "--help"], ["--version"]):
-            result = CliRunner().invoke(main, args)
-            assert result.exit_code == 0, result.output
-            if args != ["--version"]:  # the C kernel loads an OpenMP runtime: only after torch, or for --version
-                assert "hookcli.engine._fastreduce" not in sys.modules, args
+        result = CliRunner().invoke(main, {args!r})
+        assert result.exit_code == 0, result.output
+        if {args!r} != ["--version"]:
+            assert "hookcli.engine._fastreduce" not in sys.modules
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
-        print("ok")
+        sys.stdout.write(result.output)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ok"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    if args == ["--version"]:
+        assert out.stdout.startswith("hookcli 0.1.0 (C statistics kernel: ")
+        return
+    command = main if args == ["--help"] else main.commands[args[0]]
+    assert out.stdout.startswith("Usage: ")
+    options = {opt for param in command.params if not getattr(param, "hidden", False)
+               for opt in param.opts if opt.startswith("--")}
+    missing = sorted(opt for opt in options if opt not in out.stdout)
+    assert not missing, f"hookcli {' '.join(args)} does not list {missing}"
+    if command is main:
+        assert all(name in out.stdout for name in main.commands)
 
 
 def test_version(cli) -> None:
