@@ -256,21 +256,8 @@ def test_models_and_modules(cli) -> None:
     assert modules[0]["params"] == 32
 
 
-GOLDEN_STATS = """\
-fixed.py:build · Sequential · from argument · input 0: [2, 3] float32 ones · cpu · eval
-
-stats
-Layer  Type    Shape    Mean    Std     Min    Max   Norm  Zero %  NaN  Inf
-───────────────────────────────────────────────────────────────────────────
-0      Linear  [2, 4]      0   3.32  -4.455  4.455  9.391     0.0    0    0
-1      ReLU    [2, 4]  1.485  1.819       0  4.455   6.64    50.0    0    0
-2      Linear  [2, 2]  6.364  14.18  -7.818  20.55  31.09     0.0    0    0
-
-3 rows · 0 with NaN/Inf · 0 all zero · 0 not called
-"""
-
-
-def test_golden_stats_table(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_golden_stats_table(cli, golden, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table on stdout, width 120 and no colour (the ``cli`` fixture): tests/golden/tables/cli_stats.txt."""
     monkeypatch.chdir(tmp_path)
     net = tmp_path / "fixed.py"
     net.write_text(textwrap.dedent("""
@@ -285,4 +272,4 @@ def test_golden_stats_table(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """))
     result = cli("stats", "fixed.py:build", "--input-shape", "2x3", "--fill", "ones")
     assert result.exit_code == 0, result.output
-    assert result.stdout == GOLDEN_STATS, result.stdout
+    golden("tables/cli_stats.txt", result.stdout)

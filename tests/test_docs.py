@@ -3,9 +3,10 @@ or resolved here, and the golden transcripts in tests/golden/ pin every command'
 
 Regenerate everything (console blocks in place, golden files, images the docs' commands write) with
 
-    python -m pytest tests/test_docs.py --update-docs
+    python -m pytest tests/test_docs.py tests/test_render.py tests/test_cli.py --update-docs
 
-then review the diff. See tests/transcripts.py for what a documented command may be.
+(the last two hold the tables in tests/golden/tables/), then review the diff. See tests/transcripts.py for
+what a documented command may be.
 """
 
 from __future__ import annotations
