@@ -10,27 +10,16 @@ from torch import nn
 
 import hookcli
 import tiny_models as tm
+from reference import float64_stats
 from hookcli.errors import LayerNotFoundError, ModelRaisedError
 from hookcli.engine.session import HookOptions, attach
 from hookcli.engine.selection import select_modules
 
 
-def expected_stats(t: torch.Tensor) -> dict[str, float]:
-    t = t.detach().double()
-    return {
-        "mean": t.mean().item(),
-        "std": t.std(correction=0).item(),
-        "min": t.min().item(),
-        "max": t.max().item(),
-        "norm": t.norm().item(),
-        "zero_fraction": (t == 0).double().mean().item(),
-    }
-
-
 def assert_stats_match(stats: dict, tensor: torch.Tensor) -> None:
-    exp = expected_stats(tensor)
-    for key, value in exp.items():
-        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    exp = float64_stats(tensor)
+    for key in ("mean", "std", "min", "max", "norm", "zero_fraction"):
+        assert stats[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), key
     assert stats["nan_count"] == int(torch.isnan(tensor).sum())
     assert stats["inf_count"] == int(torch.isinf(tensor).sum())
 
