@@ -654,37 +654,25 @@ def run_and_signal(tmp_path: Path, args: list[str], sig: int, pause: str = "",
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize(("sig", "code", "line"), [
-    (signal.SIGTERM, 143, "terminated (SIGTERM)"),
-    (signal.SIGINT, 130, "interrupted"),
+@pytest.mark.parametrize(("suffix", "pause", "sig", "code", "line"), [
+    (".pt", "write", signal.SIGTERM, 143, "terminated (SIGTERM)"),
+    (".pt", "write", signal.SIGINT, 130, "interrupted"),
+    # after safetensors wrote its whole file, before the rename
+    (".safetensors", "fsync", signal.SIGTERM, 143, "terminated (SIGTERM)"),
 ])
-def test_signal_in_the_middle_of_writing_features_leaves_no_temp_file(tmp_path: Path, sig: int, code: int, line: str) -> None:
+def test_signal_in_the_middle_of_writing_features_leaves_no_temp_file(tmp_path: Path, suffix: str, pause: str,
+                                                                       sig: int, code: int, line: str) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    target = out_dir / "feats.pt"
+    target = out_dir / f"feats{suffix}"
     target.write_bytes(b"old features")
     seen: list[list[str]] = []
     rc, out, err = run_and_signal(tmp_path, ["features", "tiny_models:Reused", "--input-shape", "64x4",
-                                             "-o", str(target)], sig, pause="write",
+                                             "-o", str(target)], sig, pause=pause,
                                   at_pause=lambda: seen.append(leftovers(out_dir)))
-    assert seen and len(seen[0]) == 1, "the temporary file was not there mid-write"
+    assert seen and len(seen[0]) == 1, f"the temporary file was not there at the pause ({pause})"
     assert rc == code, err
     assert err.strip().splitlines() == [line] and out == ""
-    assert leftovers(out_dir) == [] and target.read_bytes() == b"old features"
-
-
-def test_sigterm_after_safetensors_wrote_its_file_leaves_no_temp_file(tmp_path: Path) -> None:
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    target = out_dir / "feats.safetensors"
-    target.write_bytes(b"old features")
-    seen: list[list[str]] = []
-    rc, out, err = run_and_signal(tmp_path, ["features", "tiny_models:Reused", "--input-shape", "64x4",
-                                             "-o", str(target)], signal.SIGTERM, pause="fsync",
-                                  at_pause=lambda: seen.append(leftovers(out_dir)))
-    assert seen and len(seen[0]) == 1, "the temporary file was not there before the rename"
-    assert rc == 143, err
-    assert err.strip().splitlines() == ["terminated (SIGTERM)"]
     assert leftovers(out_dir) == [] and target.read_bytes() == b"old features"
 
 
