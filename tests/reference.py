@@ -1,5 +1,5 @@
-"""What the tests compare hookcli with: statistics computed with plain torch in float64, and the aten ops
-a call runs (to prove that nothing was copied)."""
+"""What the tests compare hookcli with: the dummy input hookcli builds, statistics computed with plain torch
+in float64, and the aten ops a call runs (to prove that nothing was copied)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def dummy(*shape: int) -> torch.Tensor:
+    """The dummy input hookcli builds by default: randn from a generator seeded with --seed (0)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 def float64_stats(t: torch.Tensor) -> dict[str, float | int | None]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import dummy
 import tiny_models as tm
 import torch
 from hypothesis import given, settings
@@ -49,11 +50,6 @@ pytestmark = pytest.mark.skipif(not POSIX, reason="FIFOs, devices and signals ar
 def leftovers(directory: Path) -> list[str]:
     """Temporary files hookcli could have left (``.<name>.XXXX.tmp``, safetensors' ``.tmpXXXX``)."""
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".tmp"))
-
-
-def dummy(*shape: int) -> torch.Tensor:
-    """The dummy input hookcli builds: randn from a generator seeded with --seed (0)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 # --------------------------------------------------------------------------- devices and FIFOs
@@ -352,12 +348,8 @@ def test_features_stream_into_a_fifo_equal_plain_torch(tmp_path: Path, fmt: str)
         reader.close()
     assert_fifo(reader.path)
     assert result.file_bytes == len(data)
-    x = dummy(3, 4)
-    with torch.no_grad():
-        a0 = torch.relu(model.fc1(x))
-        a1 = torch.relu(model.fc2(a0))
-        a2 = torch.relu(a1 * 2.0)
-        expected = {"act#0": a0, "act#1": a1, "act#2": a2, "head": model.head(a2)}
+    calls = tm.reused_calls(model, dummy(3, 4))
+    expected = {label: calls[label] for label in ("act#0", "act#1", "act#2", "head")}
     saved = _load_bytes(fmt, data)
     assert set(saved) == set(expected)
     for label, value in expected.items():
