@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-import tiny_models as tm
 from hookcli.engine import run as api  # the run machinery (prepare, forward_report, blame)
 from hookcli.errors import InternalError, ModelRaisedError, UnsupportedError
 from hookcli.engine.loading import load_model
@@ -154,6 +153,18 @@ class Interrupted(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.fc(x)
         raise KeyboardInterrupt
+
+
+class SkipsItsModule(nn.Module):
+    """``unused`` is never called: forward uses ``used`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(8, 4)
+        self.unused = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
 
 
 class CallsHookcli(nn.Module):
@@ -629,17 +640,17 @@ def test_torchscript_archive_as_model_or_weights(cli, tmp_path: Path) -> None:
 
 
 def test_check_fails_when_no_selected_module_ran(cli) -> None:
-    result = cli("check", "tiny_models:SkipsItsModule", "--input-shape", "2x8", "--layers", "unused", "-f", "json")
+    result = cli("check", "test_blame:SkipsItsModule", "--input-shape", "2x8", "--layers", "unused", "-f", "json")
     assert_one_error(result, 1, "none of the 1 selected module(s) was called (unused)")
     data = json.loads(result.stdout)
     statuses = {r["rule"]: r["status"] for r in data["rules"]}
     assert statuses.pop("runs") == "FAIL" and set(statuses.values()) == {"SKIP"}
-    ran = cli("check", "tiny_models:SkipsItsModule", "--input-shape", "2x8", "--layers", "used", "--params", "selected")
+    ran = cli("check", "test_blame:SkipsItsModule", "--input-shape", "2x8", "--layers", "used", "--params", "selected")
     assert ran.exit_code == 0, ran.stderr
 
 
 def test_check_api_not_ok_when_nothing_observed() -> None:
-    model = tm.SkipsItsModule()
+    model = SkipsItsModule()
     result = hookcli.check(model, input_shapes=["2x8"], layers="unused")
     assert not result.ok and result.rule("runs").status == "FAIL"
     assert "nothing was checked" in result.rule("runs").message

@@ -95,7 +95,16 @@ def test_half_precision_is_reduced_in_float32() -> None:
 
 
 def test_not_called_module_is_reported() -> None:
-    report = hookcli.shapes(tm.SkipsItsModule(), input_shapes=["1x8"])
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(2, 2)
+            self.unused = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    report = hookcli.shapes(Skips(), input_shapes=["1x2"])
     unused = [r for r in report.layers if r.name == "unused"]
     assert len(unused) == 1 and unused[0].called is False and unused[0].shape is None
     assert unused[0].to_dict()["called"] is False

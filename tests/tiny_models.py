@@ -178,15 +178,3 @@ def build_scaled(width: int = 4, scale: float = 1.0) -> Scaled:
 
 
 instance = Reused()
-
-
-class SkipsItsModule(nn.Module):
-    """``unused`` is never called: forward uses ``used`` only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(8, 4)
-        self.unused = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
