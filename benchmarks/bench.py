@@ -217,42 +217,14 @@ def bench_help(repeats: int) -> list[dict[str, Any]]:
     ]
 
 
-BIG_MODEL = textwrap.dedent("""
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.norm1 = nn.LayerNorm(d)
-            self.attn = nn.MultiheadAttention(d, 32, batch_first=True)
-            self.norm2 = nn.LayerNorm(d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        def forward(self, x):
-            h = self.norm1(x)
-            x = x + self.attn(h, h, h, need_weights=False)[0]
-            return x + self.mlp(self.norm2(x))
-
-    class Big(nn.Module):
-        '''About 7B parameters: 32 transformer blocks of width 4096 and a 32k vocabulary.'''
-        example_inputs = (torch.zeros(1, 16, dtype=torch.long),)
-        def __init__(self, d=4096, layers=32, vocab=32000):
-            super().__init__()
-            self.embed = nn.Embedding(vocab, d)
-            self.blocks = nn.Sequential(*[Block(d) for _ in range(layers)])
-            self.head = nn.Linear(d, vocab, bias=False)
-        def forward(self, ids):
-            return self.head(self.blocks(self.embed(ids)))
-""")
+#: About 7B parameters, shared with tests/test_scale.py (which checks its weights are never allocated).
+BIG_MODEL = os.path.join(os.path.dirname(HERE), "tests", "big_model.py")
 
 
 def bench_meta(repeats: int) -> list[dict[str, Any]]:
-    big = os.path.join(HERE, "_big_model.py")
-    with open(big, "w") as fh:
-        fh.write(BIG_MODEL)
     imports_s = command_seconds([sys.executable, "-c", "import torch, torchvision"], repeats)
     rows = []
-    for spec in ("vit_h_14", f"{big}:Big"):
+    for spec in ("vit_h_14", f"{BIG_MODEL}:Big"):
         code = f"import hookcli; r = hookcli.shapes({spec!r}); print('PARAMS', r.model.params, r.device)"
         start = time.perf_counter()
         mb = peak_rss_mb(code)
@@ -260,7 +232,6 @@ def bench_meta(repeats: int) -> list[dict[str, Any]]:
         rows.append({"target": "shapes on meta", "variant": os.path.basename(spec), "seconds": round(seconds, 2),
                      "ratio": round(seconds / imports_s, 2), "goal": "<= 2.0 (time vs import) ; < 1500 MB",
                      "detail": f"peak {mb:.0f} MB"})
-    os.remove(big)
     return rows
 
 

@@ -14,21 +14,43 @@ import torch
 TESTS = Path(__file__).resolve().parent
 
 
-def test_help_and_version_do_not_import_torch() -> None:
-    code = textwrap.dedent("""
+def _help_and_version() -> list[list[str]]:
+    """``--help`` of the group and of every command, and ``--version`` (torch-free to build)."""
+    from hookcli.cli import main
+
+    return [["--help"], ["--version"], *([name, "--help"] for name in sorted(main.commands))]
+
+
+@pytest.mark.parametrize("args", _help_and_version(), ids=" ".join)
+def test_help_and_version_do_not_import_torch(args: list[str]) -> None:
+    """In a fresh interpreter: the help (every option of the command listed) or the version line,
+    without importing torch; the C kernel (which loads an OpenMP runtime) only for --version."""
+    from hookcli.cli import main
+
+    code = textwrap.dedent(f"""
         import sys
         from click.testing import CliRunner
         from hookcli.cli import main
-        for args in (["--help"], ["shapes", "--help"], ["grads", "--help"], ["--version"]):
-            result = CliRunner().invoke(main, args)
-            assert result.exit_code == 0, result.output
-            if args != ["--version"]:  # the C kernel loads an OpenMP runtime: only after torch, or for --version
-                assert "hookcli.engine._fastreduce" not in sys.modules, args
+        result = CliRunner().invoke(main, {args!r})
+        assert result.exit_code == 0, result.output
+        if {args!r} != ["--version"]:
+            assert "hookcli.engine._fastreduce" not in sys.modules
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
-        print("ok")
+        sys.stdout.write(result.output)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ok"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    if args == ["--version"]:
+        assert out.stdout.startswith("hookcli 0.1.0 (C statistics kernel: ")
+        return
+    command = main if args == ["--help"] else main.commands[args[0]]
+    assert out.stdout.startswith("Usage: ")
+    options = {opt for param in command.params if not getattr(param, "hidden", False)
+               for opt in param.opts if opt.startswith("--")}
+    missing = sorted(opt for opt in options if opt not in out.stdout)
+    assert not missing, f"hookcli {' '.join(args)} does not list {missing}"
+    if command is main:
+        assert all(name in out.stdout for name in main.commands)
 
 
 def test_version(cli) -> None:
@@ -234,21 +256,8 @@ def test_models_and_modules(cli) -> None:
     assert modules[0]["params"] == 32
 
 
-GOLDEN_STATS = """\
-fixed.py:build · Sequential · from argument · input 0: [2, 3] float32 ones · cpu · eval
-
-stats
-Layer  Type    Shape    Mean    Std     Min    Max   Norm  Zero %  NaN  Inf
-───────────────────────────────────────────────────────────────────────────
-0      Linear  [2, 4]      0   3.32  -4.455  4.455  9.391     0.0    0    0
-1      ReLU    [2, 4]  1.485  1.819       0  4.455   6.64    50.0    0    0
-2      Linear  [2, 2]  6.364  14.18  -7.818  20.55  31.09     0.0    0    0
-
-3 rows · 0 with NaN/Inf · 0 all zero · 0 not called
-"""
-
-
-def test_golden_stats_table(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_golden_stats_table(cli, golden, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table on stdout, width 120 and no colour (the ``cli`` fixture): tests/golden/tables/cli_stats.txt."""
     monkeypatch.chdir(tmp_path)
     net = tmp_path / "fixed.py"
     net.write_text(textwrap.dedent("""
@@ -263,4 +272,4 @@ def test_golden_stats_table(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """))
     result = cli("stats", "fixed.py:build", "--input-shape", "2x3", "--fill", "ones")
     assert result.exit_code == 0, result.output
-    assert result.stdout == GOLDEN_STATS, result.stdout
+    golden("tables/cli_stats.txt", result.stdout)

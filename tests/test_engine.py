@@ -10,27 +10,16 @@ from torch import nn
 
 import hookcli
 import tiny_models as tm
+from reference import dummy, float64_stats
 from hookcli.errors import LayerNotFoundError, ModelRaisedError
 from hookcli.engine.session import HookOptions, attach
 from hookcli.engine.selection import select_modules
 
 
-def expected_stats(t: torch.Tensor) -> dict[str, float]:
-    t = t.detach().double()
-    return {
-        "mean": t.mean().item(),
-        "std": t.std(correction=0).item(),
-        "min": t.min().item(),
-        "max": t.max().item(),
-        "norm": t.norm().item(),
-        "zero_fraction": (t == 0).double().mean().item(),
-    }
-
-
 def assert_stats_match(stats: dict, tensor: torch.Tensor) -> None:
-    exp = expected_stats(tensor)
-    for key, value in exp.items():
-        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    exp = float64_stats(tensor)
+    for key in ("mean", "std", "min", "max", "norm", "zero_fraction"):
+        assert stats[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), key
     assert stats["nan_count"] == int(torch.isnan(tensor).sum())
     assert stats["inf_count"] == int(torch.isinf(tensor).sum())
 
@@ -43,12 +32,8 @@ def test_reused_module_gives_one_record_per_call_with_correct_stats() -> None:
     assert [r.call for r in acts] == [0, 1, 2]
     assert [r.label for r in acts] == ["act#0", "act#1", "act#2"]
     # independent forward with the same input the tool made (randn with seed 0)
-    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a0 = torch.relu(model.fc1(x))
-        a1 = torch.relu(model.fc2(a0))
-        a2 = torch.relu(a1 * 2.0)
-    for record, tensor in zip(acts, (a0, a1, a2)):
+    calls = tm.reused_calls(model, dummy(3, 4))
+    for record, tensor in zip(acts, (calls["act#0"], calls["act#1"], calls["act#2"])):
         assert record.shape == list(tensor.shape)
         assert_stats_match(record.stats, tensor)
     order = [r.label for r in report.layers]
@@ -63,7 +48,7 @@ def test_tuple_dict_and_integer_outputs() -> None:
     mask = by_label["split[2]"]
     assert mask.dtype == "int64" and mask.shape == [2, 4] and mask.stats is None
     assert by_label["heads['out']"].input_shapes == [[2, 2], [2, 2]]
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    x = dummy(2, 4)
     with torch.no_grad():
         h = model.stem(x)
         out = model.heads.a(h[:, :2])
@@ -101,7 +86,7 @@ def test_half_precision_is_reduced_in_float32() -> None:
     report = hookcli.stats(model, input_shapes=["4x8"], dtype="float16")
     assert report.layers[0].dtype == "float16" and report.inputs[0].dtype == "float16"
     assert next(model.parameters()).dtype == torch.float32  # restored
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).half()
+    x = dummy(4, 8).half()
     half_linear = nn.Linear(8, 64).half()
     half_linear.load_state_dict({k: v.half() for k, v in model[0].state_dict().items()})
     with torch.no_grad():
@@ -236,7 +221,7 @@ def test_every_call_of_every_resnet18_module_matches_plain_torch(kernel: str, mo
     handles = [m.register_forward_hook(capture(n)) for n, m in model.named_modules() if n]
     try:
         with torch.no_grad():
-            model(torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
+            model(dummy(2, 3, 64, 64))
     finally:
         for h in handles:
             h.remove()

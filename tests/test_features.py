@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import dummy
 import tiny_models as tm
 import torch
 from torch import nn
@@ -17,11 +18,6 @@ import hookcli
 from hookcli.errors import LayerNotFoundError, ModelRaisedError, OutputError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def dummy(*shape: int) -> torch.Tensor:
-    """The dummy input hookcli builds: randn from a generator seeded with --seed (0)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 def resnet18_reference(x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -95,14 +91,10 @@ def test_reused_module_one_entry_per_call(tmp_path: Path) -> None:
     result = hookcli.features(model, input_shapes=["3x4"], layers="act,head", output=out)
     assert [e.label for e in result.entries] == ["act#0", "act#1", "act#2", "head"]
     assert [(e.name, e.call) for e in result.entries] == [("act", 0), ("act", 1), ("act", 2), ("head", 0)]
-    x = dummy(3, 4)
-    with torch.no_grad():
-        a0 = torch.relu(model.fc1(x))
-        a1 = torch.relu(model.fc2(a0))
-        a2 = torch.relu(a1 * 2.0)
-        head = model.head(a2)
+    calls = tm.reused_calls(model, dummy(3, 4))
     saved, _ = load_saved(out)
-    for label, value in {"act#0": a0, "act#1": a1, "act#2": a2, "head": head}.items():
+    for label in ("act#0", "act#1", "act#2", "head"):
+        value = calls[label]
         assert torch.equal(saved[label], value), label
         assert torch.equal(result.tensors[label], value), label
 

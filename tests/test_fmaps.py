@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from reference import dummy
 import tiny_models as tm
 import torch
 from torch import nn
@@ -16,11 +17,6 @@ import hookcli
 from hookcli.errors import UsageError
 
 PAD, PAD_VALUE = 2, 0.5  # what fmaps gives make_grid
-
-
-def dummy(*shape: int) -> torch.Tensor:
-    """The dummy input hookcli builds: randn from a generator seeded with --seed (0)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 def decode(path: Path) -> torch.Tensor:
@@ -147,9 +143,7 @@ def test_call_picks_the_call_of_a_reused_module(cli, tmp_path: Path) -> None:
     assert data["layer"]["label"] == "act#2" and data["layer"]["calls"] == 3 and data["kind"] == "bars"
     torch.manual_seed(0)
     model = tm.Reused().eval()
-    with torch.no_grad():
-        a = torch.relu(model.fc1(dummy(1, 4)))
-        a2 = torch.relu(torch.relu(model.fc2(a)) * 2.0)[0]
+    a2 = tm.reused_calls(model, dummy(1, 4))["act#2"][0]
     assert [c["max"] for c in data["channels"]] == pytest.approx(a2.tolist())
     assert [c["status"] == "dead" for c in data["channels"]] == (a2 == 0).tolist()
 

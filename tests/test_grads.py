@@ -9,11 +9,8 @@ from torch import nn
 
 import hookcli
 import tiny_models as tm
+from reference import dummy
 from hookcli.errors import ModelRaisedError
-
-
-def seeded(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
 
 
 def assert_grad_matches(stats: dict, grad: torch.Tensor) -> None:
@@ -40,7 +37,7 @@ def test_resnet18_layer4_output_and_fc_weight_gradients(resnet18: nn.Module) -> 
     assert layer4.name == "layer4" and layer4.shape == [2, 512, 2, 2]
     # independent: the same forward split at layer4, cross-entropy against class 0
     m = resnet18
-    x = seeded(2, 3, 64, 64).requires_grad_()
+    x = dummy(2, 3, 64, 64).requires_grad_()
     h = m.maxpool(m.relu(m.bn1(m.conv1(x))))
     l4 = m.layer4(m.layer3(m.layer2(m.layer1(h))))
     logits = m.fc(torch.flatten(m.avgpool(l4), 1))
@@ -65,7 +62,7 @@ def test_in_place_relu_gets_correct_gradients_every_call(resnet18: nn.Module) ->
     relu = [r for r in report.layers if r.name == "layer1.0.relu"]
     assert [r.call for r in relu] == [0, 1]
     m, block = resnet18, resnet18.layer1[0]
-    x = seeded(1, 3, 64, 64)
+    x = dummy(1, 3, 64, 64)
     h = m.maxpool(m.relu(m.bn1(m.conv1(x))))
     r0 = torch.relu(block.bn1(block.conv1(h)))
     bn2 = block.bn2(block.conv2(r0))
@@ -83,7 +80,7 @@ def test_in_place_relu_gets_correct_gradients_every_call(resnet18: nn.Module) ->
 def test_reused_module_gradient_per_call_and_input_grads() -> None:
     model = tm.Reused()
     report = hookcli.grads(model, input_shapes=["3x4"], layers=["act"], loss="sum", input_grads=True)
-    x = seeded(3, 4).requires_grad_()
+    x = dummy(3, 4).requires_grad_()
     a0 = torch.relu(model.fc1(x))
     a1 = torch.relu(model.fc2(a0))
     p2 = a1 * 2.0
@@ -101,7 +98,7 @@ def test_reused_module_gradient_per_call_and_input_grads() -> None:
 def test_tuple_output_gradients_each_element() -> None:
     model = tm.TupleOut()
     report = hookcli.grads(model, input_shapes=["2x4"], layers=["split"], output_key="out")
-    x = seeded(2, 4)
+    x = dummy(2, 4)
     h = model.stem(x)
     a, b = h[:, :2], h[:, 2:] * 3.0
     out = model.heads(a, b)
@@ -117,7 +114,7 @@ def test_tuple_output_gradients_each_element() -> None:
 def test_clip_matches_clamping_by_hand() -> None:
     model = tm.Scaled(width=3, scale=50.0)
     report = hookcli.grads(model, input_shapes=["4x4"], loss="sum", clip=0.5, params="all")
-    x = seeded(4, 4)
+    x = dummy(4, 4)
     gw, gb = torch.autograd.grad((model(x)).sum(), [model.fc.weight, model.fc.bias])
     params = {p.name: p for p in report.params}
     assert_grad_matches(params["fc.weight"].grad, gw.clamp(-0.5, 0.5))

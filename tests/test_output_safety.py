@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import dummy
 import tiny_models as tm
 import torch
 from hypothesis import given, settings
@@ -49,11 +50,6 @@ pytestmark = pytest.mark.skipif(not POSIX, reason="FIFOs, devices and signals ar
 def leftovers(directory: Path) -> list[str]:
     """Temporary files hookcli could have left (``.<name>.XXXX.tmp``, safetensors' ``.tmpXXXX``)."""
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".tmp"))
-
-
-def dummy(*shape: int) -> torch.Tensor:
-    """The dummy input hookcli builds: randn from a generator seeded with --seed (0)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 # --------------------------------------------------------------------------- devices and FIFOs
@@ -352,12 +348,8 @@ def test_features_stream_into_a_fifo_equal_plain_torch(tmp_path: Path, fmt: str)
         reader.close()
     assert_fifo(reader.path)
     assert result.file_bytes == len(data)
-    x = dummy(3, 4)
-    with torch.no_grad():
-        a0 = torch.relu(model.fc1(x))
-        a1 = torch.relu(model.fc2(a0))
-        a2 = torch.relu(a1 * 2.0)
-        expected = {"act#0": a0, "act#1": a1, "act#2": a2, "head": model.head(a2)}
+    calls = tm.reused_calls(model, dummy(3, 4))
+    expected = {label: calls[label] for label in ("act#0", "act#1", "act#2", "head")}
     saved = _load_bytes(fmt, data)
     assert set(saved) == set(expected)
     for label, value in expected.items():
@@ -654,37 +646,25 @@ def run_and_signal(tmp_path: Path, args: list[str], sig: int, pause: str = "",
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize(("sig", "code", "line"), [
-    (signal.SIGTERM, 143, "terminated (SIGTERM)"),
-    (signal.SIGINT, 130, "interrupted"),
+@pytest.mark.parametrize(("suffix", "pause", "sig", "code", "line"), [
+    (".pt", "write", signal.SIGTERM, 143, "terminated (SIGTERM)"),
+    (".pt", "write", signal.SIGINT, 130, "interrupted"),
+    # after safetensors wrote its whole file, before the rename
+    (".safetensors", "fsync", signal.SIGTERM, 143, "terminated (SIGTERM)"),
 ])
-def test_signal_in_the_middle_of_writing_features_leaves_no_temp_file(tmp_path: Path, sig: int, code: int, line: str) -> None:
+def test_signal_in_the_middle_of_writing_features_leaves_no_temp_file(tmp_path: Path, suffix: str, pause: str,
+                                                                       sig: int, code: int, line: str) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    target = out_dir / "feats.pt"
+    target = out_dir / f"feats{suffix}"
     target.write_bytes(b"old features")
     seen: list[list[str]] = []
     rc, out, err = run_and_signal(tmp_path, ["features", "tiny_models:Reused", "--input-shape", "64x4",
-                                             "-o", str(target)], sig, pause="write",
+                                             "-o", str(target)], sig, pause=pause,
                                   at_pause=lambda: seen.append(leftovers(out_dir)))
-    assert seen and len(seen[0]) == 1, "the temporary file was not there mid-write"
+    assert seen and len(seen[0]) == 1, f"the temporary file was not there at the pause ({pause})"
     assert rc == code, err
     assert err.strip().splitlines() == [line] and out == ""
-    assert leftovers(out_dir) == [] and target.read_bytes() == b"old features"
-
-
-def test_sigterm_after_safetensors_wrote_its_file_leaves_no_temp_file(tmp_path: Path) -> None:
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    target = out_dir / "feats.safetensors"
-    target.write_bytes(b"old features")
-    seen: list[list[str]] = []
-    rc, out, err = run_and_signal(tmp_path, ["features", "tiny_models:Reused", "--input-shape", "64x4",
-                                             "-o", str(target)], signal.SIGTERM, pause="fsync",
-                                  at_pause=lambda: seen.append(leftovers(out_dir)))
-    assert seen and len(seen[0]) == 1, "the temporary file was not there before the rename"
-    assert rc == 143, err
-    assert err.strip().splitlines() == ["terminated (SIGTERM)"]
     assert leftovers(out_dir) == [] and target.read_bytes() == b"old features"
 
 

@@ -21,16 +21,7 @@ from hookcli.engine.stats import (
     kernel_available,
     to_host,
 )
-
-
-def reference(t: torch.Tensor) -> dict[str, float]:
-    d = t.detach().double().reshape(-1)
-    finite = d[torch.isfinite(d)]
-    return {
-        "mean": d.mean().item(), "std": d.std(correction=0).item(), "min": d.min().item(),
-        "max": d.max().item(), "norm": d.norm().item(), "zero_fraction": (d == 0).double().mean().item(),
-        "nan_count": int(torch.isnan(d).sum()), "inf_count": int(torch.isinf(d).sum()), "finite": finite.numel(),
-    }
+from reference import aten_ops, float64_stats
 
 
 def seeded(*shape: int) -> torch.Tensor:
@@ -73,9 +64,9 @@ CASES = {
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_statistics_match_float64_reference(name: str, path: str) -> None:
+def test_statistics_match_float64_float64_stats(name: str, path: str) -> None:
     t = CASES[name]()
-    got, exp = stats_of(t, path), reference(t)
+    got, exp = stats_of(t, path), float64_stats(t)
     for key in ("mean", "std", "min", "max", "norm", "zero_fraction"):
         assert got[key] == pytest.approx(exp[key], rel=REL[path], abs=1e-9), key
     assert got["nan_count"] == 0 and got["inf_count"] == 0
@@ -108,7 +99,7 @@ def test_inf_without_nan_gives_infinite_norm(path: str) -> None:
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_half_precision_and_empty(path: str) -> None:
     for t in (seeded(1000).half(), seeded(1000).bfloat16()):
-        got, exp = stats_of(t, path), reference(t.float())
+        got, exp = stats_of(t, path), float64_stats(t.float())
         assert got["std"] == pytest.approx(exp["std"], rel=1e-5)
         assert got["max"] == exp["max"]
     empty = stats_of(torch.empty(0, 3), path)
@@ -224,22 +215,12 @@ def test_kernel_widens_every_half_precision_value_exactly(dtype: torch.dtype) ->
 def test_half_precision_activations_are_reduced_without_a_float32_copy(dtype: torch.dtype) -> None:
     """The kernel reads 2-byte values in place: no float32 tensor is allocated for them."""
     x = (seeded(300_000) * 3).relu().to(dtype)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpLog(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    with OpLog() as log:
-        vector = Reducer(kernel=True).reduce(x)
-    assert "aten._to_copy" not in log.ops, log.ops  # what x.float() runs
+    vectors = []
+    ops = aten_ops(lambda: vectors.append(Reducer(kernel=True).reduce(x)))
+    assert "aten._to_copy" not in ops, ops  # what x.float() runs
+    vector = vectors[0]
     got = activation_stats(to_host([vector])[0])
-    exp = reference(x.float())
+    exp = float64_stats(x.float())
     for key in ("mean", "std", "min", "max", "zero_fraction"):
         assert got[key] == pytest.approx(exp[key], rel=1e-6, abs=1e-12), key
 

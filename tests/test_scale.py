@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from torch import nn
 import hookcli
 import tiny_models as tm
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BIG_MODEL = Path(__file__).resolve().parent / "big_model.py"
 
 
 def layer_shapes(report) -> list[tuple[str, int, str, list[int] | None, str | None]]:
@@ -93,15 +92,9 @@ def test_resnet18_total_flops_match_flop_counter_mode_on_meta() -> None:
     assert sum(r.flops for r in report.layers) == counter.get_total_flops()  # children partition the model
 
 
-def test_7b_parameter_model_is_inspected_on_meta_without_allocating_weights(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(BENCH))
-    (tmp_path / "big.py").write_text(bench.BIG_MODEL)
+def test_7b_parameter_model_is_inspected_on_meta_without_allocating_weights() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    report = hookcli.shapes(f"{tmp_path / 'big.py'}:Big")
+    report = hookcli.shapes(f"{BIG_MODEL}:Big")
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert report.device == "meta"
     assert report.model.params > 6.5e9 and report.model.param_bytes > 26e9  # 26 GB of float32 weights...

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import hookcli
 from hookcli.engine.kernel import NO_KERNEL_ENV
 from hookcli.engine.stats import Reducer, _fastreduce, activation_stats, to_host
+from reference import aten_ops, float64_stats
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0)
@@ -138,21 +139,6 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 # -- reference: plain torch, float64 ---------------------------------------------------------------
 
 
-def reference(t: torch.Tensor) -> dict[str, float | int | None]:
-    d = t.detach().to("cpu", torch.float64).reshape(-1)  # float64 of the logical values (neg resolved)
-    n = d.numel()
-    return {
-        "mean": float(d.mean()),
-        "std": float(d.std(correction=0)) if n else math.nan,
-        "min": float(d.min()) if n else math.nan,
-        "max": float(d.max()) if n else math.nan,
-        "norm": float(torch.linalg.vector_norm(d)),
-        "zero_fraction": int((d == 0).sum()) / n if n else None,
-        "nan_count": int(torch.isnan(d).sum()),
-        "inf_count": int(torch.isinf(d).sum()),
-    }
-
-
 def assert_matches(got: dict, exp: dict, t: torch.Tensor) -> None:
     finite = t.detach().to("cpu", torch.float64).reshape(-1)
     finite = finite[torch.isfinite(finite)]
@@ -187,7 +173,7 @@ def test_every_statistic_matches_float64_torch_on_any_layout(path: str, data: st
     else:
         vector = reducer.reduce(t)
     got = activation_stats(to_host([vector])[0])
-    assert_matches(got, reference(t), t)
+    assert_matches(got, float64_stats(t), t)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
@@ -260,7 +246,7 @@ def test_expanded_output_reports_its_values_through_the_cli(cli, tmp_path: Path,
     assert result.exit_code == 0, result.stderr
     assert result.stderr == "" or "Error" not in result.stderr
     (layer,) = json.loads(result.stdout)["layers"]
-    expected = reference(x.sum().expand(4096))
+    expected = float64_stats(x.sum().expand(4096))
     assert layer["shape"] == [4096]
     assert_matches(layer["stats"], expected, x.sum().expand(4096))
     assert layer["stats"]["min"] == layer["stats"]["max"] == float(x.sum())
@@ -289,11 +275,11 @@ def test_sum_loss_gradients_of_an_mlp_match_autograd(cli, tmp_path: Path, stats_
     layers = {layer["name"]: layer for layer in report["layers"] if layer["name"]}
     assert set(layers) == set(by_output)
     for name, g in by_output.items():
-        assert_matches(layers[name]["grad"], reference(g), g)
+        assert_matches(layers[name]["grad"], float64_stats(g), g)
     reported = {p["name"]: p for p in report["params"]}
     assert set(reported) == set(by_param)
     for name, g in by_param.items():
-        assert_matches(reported[name]["grad"], reference(g), g)
+        assert_matches(reported[name]["grad"], float64_stats(g), g)
 
 
 def test_integer_bool_and_complex_outputs_get_shape_and_dtype_only(tmp_path: Path, stats_path: str) -> None:
@@ -314,9 +300,9 @@ def test_integer_bool_and_complex_outputs_get_shape_and_dtype_only(tmp_path: Pat
         "['c']": ([4, 6], "complex64"), "['h']": ([4, 6], "float16")}
     for key in ("['i']", "['b']", "['c']"):
         assert rows[key].stats is None, key
-    assert_matches(dict(rows["['f']"].stats), reference(x), x)
+    assert_matches(dict(rows["['f']"].stats), float64_stats(x), x)
     neg_half = torch._neg_view(x.half())
-    assert_matches(dict(rows["['h']"].stats), reference(neg_half), neg_half)
+    assert_matches(dict(rows["['h']"].stats), float64_stats(neg_half), neg_half)
 
 
 # -- what is read, and what is copied ---------------------------------------------------------------
@@ -324,20 +310,7 @@ def test_integer_bool_and_complex_outputs_get_shape_and_dtype_only(tmp_path: Pat
 
 def copies_made(fn: Callable[[], object]) -> set[str]:
     """The aten ops among those ``fn`` runs that copy tensor data."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpLog(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    with OpLog() as log:
-        fn()
-    return log.ops & {"aten.clone", "aten._to_copy", "aten.copy_", "aten.contiguous", "aten._reshape_copy"}
+    return aten_ops(fn) & {"aten.clone", "aten._to_copy", "aten.copy_", "aten.contiguous", "aten._reshape_copy"}
 
 
 @pytest.mark.parametrize("layout", ["transposed", "permuted", "channels-last", "channels-last-3d", "offset"])
@@ -352,7 +325,7 @@ def test_dense_layouts_go_to_the_kernel_in_memory_order_without_a_copy(layout: s
     t = make[layout]()
     assert not t.is_contiguous() or t.storage_offset()
     assert not copies_made(lambda: reducer.reduce(t))
-    assert_matches(activation_stats(to_host([reducer.reduce(t)])[0]), reference(t), t)
+    assert_matches(activation_stats(to_host([reducer.reduce(t)])[0]), float64_stats(t), t)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

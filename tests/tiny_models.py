@@ -37,6 +37,18 @@ class Reused(nn.Module):
         return self.head(x)
 
 
+def reused_calls(model: Reused, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Plain torch (``torch.relu`` for ``act``): the output of every module call of ``Reused``, by label."""
+    with torch.no_grad():
+        fc1 = model.fc1(x)
+        act0 = torch.relu(fc1)
+        fc2 = model.fc2(act0)
+        act1 = torch.relu(fc2)
+        act2 = torch.relu(act1 * 2.0)
+        head = model.head(act2)
+    return {"fc1": fc1, "act#0": act0, "fc2": fc2, "act#1": act1, "act#2": act2, "head": head}
+
+
 class TupleOut(nn.Module):
     """Returns a tuple from a submodule (``split``) and a dict at the top."""
 

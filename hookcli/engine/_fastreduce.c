@@ -1,12 +1,12 @@
 /*
- * hookcli._fastreduce: the statistics of a dense float32 / bfloat16 / float16 buffer in one pass.
+ * hookcli.engine._fastreduce: the statistics of a dense float32 / bfloat16 / float16 buffer in one pass.
  *
  * Why: on CPU a hooked activation is usually no longer in cache, so the cost of `stats` is the
  * number of times each activation is read. torch needs four passes for what hookcli reports
  * (sum, aminmax, dot for the sum of squares, and a compare-and-sum for the zero count); this
  * reads each element once and keeps everything in registers. See benchmarks/README.md.
  *
- * Optional: setup.py builds it when a C compiler is present, and hookcli.recorders falls back to
+ * Optional: setup.py builds it when a C compiler is present, and hookcli.engine.stats falls back to
  * the torch reductions when it is missing. Plain C and the CPython API only (no torch headers),
  * so it builds in a second and does not depend on the torch version.
  *
@@ -274,7 +274,7 @@ static struct PyModuleDef module = {
     "One-pass float32 statistics for hookcli (optional C speed-up).", -1, methods,
 };
 
-/* Bump with every change to the functions' signatures or results: hookcli.recorders ignores a
+/* Bump with every change to the functions' signatures or results: hookcli.engine.kernel ignores a
  * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
 #define HK_ABI 3
 

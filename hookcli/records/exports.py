@@ -12,7 +12,7 @@ from hookcli.records.core import InputInfo, ModelInfo, Shape, envelope
 class SavedTensor:
     """One saved output tensor of one call of one selected module (``hookcli features``)."""
 
-    #: The entry's name in the file, unique by construction (``feature_export.feature_key``): the
+    #: The entry's name in the file, unique by construction (``commands.features.feature_key``): the
     #: report's label (``layer1.0.relu#1``, ``split[0]``) where a module name cannot be misread, the
     #: name percent-encoded where it could (``act%231`` for a module named ``act#1``).
     label: str

@@ -1,0 +1,49 @@
+"""What the tests compare hookcli with: the dummy input hookcli builds, statistics computed with plain torch
+in float64, and the aten ops a call runs (to prove that nothing was copied)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def dummy(*shape: int) -> torch.Tensor:
+    """The dummy input hookcli builds by default: randn from a generator seeded with --seed (0)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+def float64_stats(t: torch.Tensor) -> dict[str, float | int | None]:
+    """The statistics hookcli reports, from the float64 values of ``t`` (a lazy negation resolved);
+    population std; an empty tensor has NaN statistics and no zero fraction."""
+    d = t.detach().to("cpu", torch.float64).reshape(-1)
+    n = d.numel()
+    return {
+        "mean": float(d.mean()),
+        "std": float(d.std(correction=0)) if n else math.nan,
+        "min": float(d.min()) if n else math.nan,
+        "max": float(d.max()) if n else math.nan,
+        "norm": float(torch.linalg.vector_norm(d)),
+        "zero_fraction": int((d == 0).sum()) / n if n else None,
+        "nan_count": int(torch.isnan(d).sum()),
+        "inf_count": int(torch.isinf(d).sum()),
+    }
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops(fn: Callable[[], object]) -> set[str]:
+    """The names of the aten ops (``aten._to_copy``, ...) that ``fn()`` runs."""
+    with _OpLog() as log:
+        fn()
+    return log.ops
