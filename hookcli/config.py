@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,11 @@ from typing import Any
 import tomllib
 
 from hookcli.errors import ConfigError, did_you_mean
+from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
 
-FILLS = ("randn", "rand", "ones", "zeros")
-MODES = ("train", "eval")
-FORMATS = ("table", "json", "csv", "markdown")  # the values of hookcli.render.OutputFormat
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+FILLS = values_of(Fill)
+MODES = values_of(Mode)
+FORMATS = values_of(OutputFormat)
 
 
 class _Invalid(Exception):
@@ -225,11 +225,7 @@ def _resolve_model(spec: str, base: Path) -> str:
 
 def _resolve_weights(value: str, base: Path) -> str:
     """Resolve a weights *file*; keep a torchvision weights name (``DEFAULT``, ``X_Weights.V1``)."""
-    looks_like_file = (
-        "/" in value or os.sep in value or value.lower().endswith(WEIGHT_SUFFIXES)
-        or (base / value).exists()
-    )
-    return _resolve(value, base) if looks_like_file else value
+    return _resolve(value, base) if looks_like_weights_file(value, base) else value
 
 
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
@@ -331,3 +327,54 @@ def load_config(
                           hint="write it as a [tool.hookcli] section")
     values, checks = _validate(table, file)
     return Config(values, file, "pyproject", checks)
+
+
+#: The config keys that are no flag's name: ``mode = "train" | "eval"`` sets ``--train/--eval``. Every
+#: other key is the name of the flag it sets (``input_shape``: ``--input-shape``, ``all``: ``--all``;
+#: ``model``: the MODEL argument; ``model_args``: ``--model-arg``, named like the option) or sets
+#: nothing any command has (``width``).
+KEY_EXCEPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {"mode": ("train", lambda mode: mode == Mode.train)}
+
+
+def option_name(key: str, flags: Mapping[str, Sequence[str]]) -> str | None:
+    """The option a config ``key`` sets: the one whose long flag (or name) is ``key``, ``-`` or ``_``.
+
+    ``flags``: option name -> its flags (Click's declarations, or RunOptions' ``option_flags``).
+    """
+    key = normalize_key(key)
+    for name, names in flags.items():
+        if key == name or any(normalize_key(flag.lstrip("-")) == key for flag in names):
+            return name
+    return None
+
+
+def option_keys(config: Config, flags: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
+    """Option name -> the config key that sets it, for the keys of ``config`` that set an option of
+    ``flags`` (option name -> its flags: Click's declarations, or by default RunOptions' fields)."""
+    if flags is None:
+        flags = {name: (flag,) for name, flag in option_flags().items()}
+    keys: dict[str, str] = {}
+    for key in config.values:
+        name = KEY_EXCEPTIONS[key][0] if key in KEY_EXCEPTIONS else option_name(key, flags)
+        if name is not None and name in flags:
+            keys[name] = key
+    return keys
+
+
+def config_options(config: Config, flags: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+    """The config's values keyed by the option each sets: the one function that reads a config's
+    options, for the CLI (``flags`` from its Click parameters, giving Click's ``default_map``) and for
+    the Python API (``flags`` None: RunOptions fields, each with the flag written beside it).
+
+    ``mode`` becomes ``train``; a ``model_args`` array of ``"KEY=VALUE"`` strings is parsed as
+    ``--model-arg`` parses them; keys that set no option of ``flags`` are left out.
+    """
+    from hookcli.options import parse_model_args
+
+    options: dict[str, Any] = {}
+    for name, key in option_keys(config, flags).items():
+        value = config.values[key]
+        options[name] = KEY_EXCEPTIONS[key][1](value) if key in KEY_EXCEPTIONS else value
+    if isinstance(options.get("model_args"), list):
+        options["model_args"] = parse_model_args(options["model_args"])
+    return options
