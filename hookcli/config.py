@@ -26,8 +26,13 @@ MODES = values_of(Mode)
 FORMATS = values_of(OutputFormat)
 
 
-class _Invalid(Exception):
-    """A value of the wrong type or out of range (``expected`` says what was wanted)."""
+class Invalid(Exception):
+    """A TOML value of the wrong type or out of range; ``expected`` says what was wanted (``an integer
+    >= 1``). The validators here serve the option keys and the ``[checks]`` schema alike."""
+
+    def __init__(self, expected: str = "") -> None:
+        super().__init__(expected)
+        self.expected = expected
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _describe_value(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """``boolean true``, ``integer 0``, ``string 'x'``, ``array``: for error messages."""
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
@@ -65,7 +70,7 @@ def _is_int(value: Any) -> bool:
 
 def _str(value: Any) -> str:
     if not isinstance(value, str):
-        raise _Invalid
+        raise Invalid
     return value
 
 
@@ -75,28 +80,30 @@ def _str_list(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise _Invalid
+    raise Invalid
 
 
-def _int(minimum: int | None = None) -> Callable[[Any], int]:
+def integer(minimum: int | None = None) -> Callable[[Any], int]:
+    """A validator of a TOML integer (not a boolean) of at least ``minimum``."""
     def check(value: Any) -> int:
         if not _is_int(value) or (minimum is not None and value < minimum):
-            raise _Invalid
+            raise Invalid("an integer" + (f" >= {minimum}" if minimum is not None else ""))
         return int(value)
 
     return check
 
 
-def _bool(value: Any) -> bool:
+def boolean(value: Any) -> bool:
+    """A validator of a TOML boolean."""
     if not isinstance(value, bool):
-        raise _Invalid
+        raise Invalid("a boolean")
     return value
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
-            raise _Invalid
+            raise Invalid
         return value
 
     return check
@@ -112,7 +119,7 @@ def _model_args(value: Any) -> dict[str, Any] | list[str]:
         return dict(value)
     if isinstance(value, list) and all(isinstance(v, str) and _MODEL_ARG.match(v) for v in value):
         return list(value)
-    raise _Invalid
+    raise Invalid
 
 
 def _spec(expected: str, description: str, validate: Callable[[Any], Any]) -> KeySpec:
@@ -129,19 +136,19 @@ OPTION_KEYS: dict[str, KeySpec] = {
                         "keyword arguments for the model builder", _model_args),
     "input_shape": _spec(STRS, "shape of each dummy input, e.g. \"1x3x224x224\"", _str_list),
     "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
-    "batch_size": _spec("integer > 0", "batch size of dummy inputs", _int(1)),
+    "batch_size": _spec("integer > 0", "batch size of dummy inputs", integer(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
-    "seed": _spec("integer >= 0", "random seed for dummy inputs", _int(0)),
+    "seed": _spec("integer >= 0", "random seed for dummy inputs", integer(0)),
     "layers": _spec(STRS, "layer name patterns to hook", _str_list),
     "types": _spec(STRS, "module type names to hook", _str_list),
-    "depth": _spec("integer >= 0", "maximum module depth to hook", _int(0)),
-    "all": _spec("boolean", "hook every module, not only leaves", _bool),
+    "depth": _spec("integer >= 0", "maximum module depth to hook", integer(0)),
+    "all": _spec("boolean", "hook every module, not only leaves", boolean),
     "device": _spec(STR, "device to run on (cpu, cuda, cuda:1, mps)", _str),
     "dtype": _spec(STR, "dtype to run in (float32, float16, bfloat16)", _str),
     "mode": _spec(" | ".join(MODES), "module mode during the run", _choice(MODES)),
     "format": _spec(" | ".join(FORMATS), "output format", _choice(FORMATS)),
     "output": _spec(STR, "file to write the report to", _str),
-    "width": _spec("integer > 0", "table width in columns", _int(1)),
+    "width": _spec("integer > 0", "table width in columns", integer(1)),
 }
 #: Tables kept raw for later validation (by the ``check`` command).
 RAW_TABLES = ("checks",)
@@ -270,8 +277,8 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
                               hint="valid keys: " + ", ".join(known))
         try:
             values[key] = spec.validate(value)
-        except _Invalid:
-            got = _describe_value(value)
+        except Invalid:
+            got = describe_value(value)
             raise ConfigError(
                 f"{path}: key {raw_key!r} expects {spec.expected}, got {got}",
                 hint=f"{raw_key}: {spec.description}") from None
