@@ -11,7 +11,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -176,6 +176,14 @@ def parse_model_args(items: Sequence[str | tuple[str, Any]]) -> dict[str, Any]:
             raise UsageError(f"bad model argument {key}: {why}", hint=MODEL_ARG_HINT)
         result[key] = text
     return result
+
+
+def output_key_path(key: str, paths: Iterable[str]) -> str | None:
+    """The path ``--output-key KEY`` names among ``paths`` (written as the engine's ``iter_tensors``
+    writes them: ``""``, ``[0]``, ``['out']``, ``.logits``): the path itself, ``[KEY]`` (an index),
+    ``['KEY']`` (a dict key) or ``.KEY`` (a field), in that order; None when none is there."""
+    present = set(paths)
+    return next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in present), None)
 
 
 def short(text: str, limit: int = 60) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
+from hookcli.options import output_key_path
 from hookcli.records import LayerRecord, Report, RuleResult
 
 LayerKey = tuple[str, int]
@@ -252,7 +253,7 @@ def output_shape(rule: RuleConfig, report: Report, obs: Observations) -> RuleRes
     bad: list[dict[str, Any]] = []
     if isinstance(expected, dict):
         for key, shape in expected.items():
-            path = next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in actual), None)
+            path = output_key_path(key, actual)
             if path is None:
                 bad.append(_violation(f"(model){key}", None, shape, f"the model output has no {key!r} "
                                       f"(outputs: {', '.join(p or '(output)' for p in actual)})"))
