@@ -83,10 +83,7 @@ def runs(report: Report) -> RuleResult:
     if failure is None:
         return RuleResult(RUNS, "PASS", "error", "forward, loss and backward ran")
     where = failure.module or "(model)"
-    at = f" at {where} ({failure.module_type})" if failure.module_type else ""
-    shapes = ", ".join(_shape(s) for s in failure.input_shapes)
-    message = (f"the model raised in {failure.phase}{at}" + (f" with input shape(s) {shapes}" if shapes else "")
-               + f": {failure.exception}: {failure.message}")
+    message = failure.sentence()
     return RuleResult(RUNS, "FAIL", "error", message, where, failure.exception, None,
                       [_violation(where, failure.exception, None, message)])
 
