@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hookcli.options import (
-    WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
+    MODEL_ARG_HINT, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, parse_model_args, short as _short,
 )
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
