@@ -193,8 +193,8 @@ def file_output_options(help_text: str) -> Callable[[F], F]:
     return _compose(
         click.option("--output", "-o", "save_to", required=True, type=click.Path(dir_okay=False),
                      metavar="FILE", help=help_text),
-        click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value, show_default=True,
-                     help="Format of the summary printed to stdout."),
+        click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value,
+                     show_default=True, help="Format of the summary printed to stdout."),
         click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                      help="Show tracebacks of errors."),
     )
@@ -215,6 +215,10 @@ fmap_options = _compose(
 )
 """Which output of which module ``fmaps`` draws, and how."""
 
+#: A --format that the user did not give on the command line (its default, or a config's format).
+_NOT_GIVEN = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
+
+
 def prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
     """Check the output target up front and remember how to write reports (also partial ones)."""
     if values.get("output"):
@@ -231,9 +235,6 @@ def prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
                               hint=f"drop --format (the extension chooses {implied.value}), or give the file "
                               "the extension of the format: .json, .csv, .md or .txt")
     ctx.meta[META_OUTPUT] = {"fmt": values["format"], "output": values.get("output")}
-
-
-_NOT_GIVEN = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
 
 
 def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
