@@ -152,7 +152,8 @@ run_options = _compose(
 """Where and how the model runs."""
 
 output_options = _compose(
-    click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value, show_default=True,
+    click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value,
+                 show_default=True,
                  help="Output format (with --output, .json/.csv/.md imply it)."),
     click.option("--output", "-o", "output", type=click.Path(dir_okay=False), metavar="FILE",
                  help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
