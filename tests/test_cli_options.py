@@ -197,3 +197,12 @@ def test_failure_sentence_of_an_exit() -> None:
     info = FailureInfo("forward", "fc", "Linear", [[2, 4], None], "SystemExit", "exited with code 3")
     assert info.sentence() == "the model exited with code 3 in forward at fc (Linear) with input shape(s) 2x4, ? " \
                               "(it called sys.exit)"
+
+
+@pytest.mark.parametrize("help_flag", ["--help", "-h"])
+def test_help_is_shown_whatever_the_config_holds(cli, tmp_path: Path, help_flag: str) -> None:
+    cfg = write(tmp_path / "bad.toml", 'seed = "x"\n')
+    result = cli("stats", "--config", cfg, help_flag)
+    assert result.exit_code == 0 and result.stdout.startswith("Usage:") and result.stderr == ""
+    result = cli("stats", "--config", cfg)
+    assert result.exit_code == 2 and "'seed'" in result.stderr and str(cfg) in result.stderr

@@ -27,6 +27,7 @@ META_OUTPUT = "hookcli.output"
 META_DEBUG = "hookcli.debug"
 META_CONFIG = "hookcli.config"
 META_CONFIG_KEYS = "hookcli.config_keys"
+META_HELP = "hookcli.help"
 
 #: Parameters a config never sets: unpickling is the user's own opt-in (load_config refuses the key),
 #: a config does not name a config, and the file ``features``/``fmaps`` write (their ``--output``) is
@@ -67,7 +68,7 @@ def _model_args(_ctx: click.Context, _param: click.Parameter, value: tuple[Any, 
 def _read_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """``--config`` (eager): read the config (or ``[tool.hookcli]``) into Click's ``default_map``
     before the other parameters are processed."""
-    if ctx.resilient_parsing:
+    if ctx.resilient_parsing or ctx.meta.get(META_HELP):
         return value
     from hookcli.config import config_options, load_config, option_keys
 
@@ -83,10 +84,17 @@ def _read_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     return value
 
 
+def _end_of_options(args: list[str]) -> int:
+    return args.index("--") if "--" in args else len(args)
+
+
 class HookcliCommand(click.Command):
     """A command whose bad config values are said as such: the file and the key, exit 2."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # --help shows the help whatever the config holds (Click runs the eager --config first when
+        # it comes first on the line)
+        ctx.meta[META_HELP] = any(arg in ctx.help_option_names for arg in args[: _end_of_options(args)])
         try:
             return super().parse_args(ctx, args)
         except click.BadParameter as exc:
