@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,15 +19,20 @@ from typing import Any
 import tomllib
 
 from hookcli.errors import ConfigError, did_you_mean
+from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
 
-FILLS = ("randn", "rand", "ones", "zeros")
-MODES = ("train", "eval")
-FORMATS = ("table", "json", "csv", "markdown")  # the values of hookcli.render.OutputFormat
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar")
+FILLS = values_of(Fill)
+MODES = values_of(Mode)
+FORMATS = values_of(OutputFormat)
 
 
-class _Invalid(Exception):
-    """A value of the wrong type or out of range (``expected`` says what was wanted)."""
+class Invalid(Exception):
+    """A TOML value of the wrong type or out of range; ``expected`` says what was wanted (``an integer
+    >= 1``). The validators here serve the option keys and the ``[checks]`` schema alike."""
+
+    def __init__(self, expected: str = "") -> None:
+        super().__init__(expected)
+        self.expected = expected
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _describe_value(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """``boolean true``, ``integer 0``, ``string 'x'``, ``array``: for error messages."""
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
@@ -65,7 +70,7 @@ def _is_int(value: Any) -> bool:
 
 def _str(value: Any) -> str:
     if not isinstance(value, str):
-        raise _Invalid
+        raise Invalid
     return value
 
 
@@ -75,28 +80,30 @@ def _str_list(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise _Invalid
+    raise Invalid
 
 
-def _int(minimum: int | None = None) -> Callable[[Any], int]:
+def integer(minimum: int | None = None) -> Callable[[Any], int]:
+    """A validator of a TOML integer (not a boolean) of at least ``minimum``."""
     def check(value: Any) -> int:
         if not _is_int(value) or (minimum is not None and value < minimum):
-            raise _Invalid
+            raise Invalid("an integer" + (f" >= {minimum}" if minimum is not None else ""))
         return int(value)
 
     return check
 
 
-def _bool(value: Any) -> bool:
+def boolean(value: Any) -> bool:
+    """A validator of a TOML boolean."""
     if not isinstance(value, bool):
-        raise _Invalid
+        raise Invalid("a boolean")
     return value
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
-            raise _Invalid
+            raise Invalid
         return value
 
     return check
@@ -112,7 +119,7 @@ def _model_args(value: Any) -> dict[str, Any] | list[str]:
         return dict(value)
     if isinstance(value, list) and all(isinstance(v, str) and _MODEL_ARG.match(v) for v in value):
         return list(value)
-    raise _Invalid
+    raise Invalid
 
 
 def _spec(expected: str, description: str, validate: Callable[[Any], Any]) -> KeySpec:
@@ -129,19 +136,19 @@ OPTION_KEYS: dict[str, KeySpec] = {
                         "keyword arguments for the model builder", _model_args),
     "input_shape": _spec(STRS, "shape of each dummy input, e.g. \"1x3x224x224\"", _str_list),
     "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
-    "batch_size": _spec("integer > 0", "batch size of dummy inputs", _int(1)),
+    "batch_size": _spec("integer > 0", "batch size of dummy inputs", integer(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
-    "seed": _spec("integer >= 0", "random seed for dummy inputs", _int(0)),
+    "seed": _spec("integer >= 0", "random seed for dummy inputs", integer(0)),
     "layers": _spec(STRS, "layer name patterns to hook", _str_list),
     "types": _spec(STRS, "module type names to hook", _str_list),
-    "depth": _spec("integer >= 0", "maximum module depth to hook", _int(0)),
-    "all": _spec("boolean", "hook every module, not only leaves", _bool),
+    "depth": _spec("integer >= 0", "maximum module depth to hook", integer(0)),
+    "all": _spec("boolean", "hook every module, not only leaves", boolean),
     "device": _spec(STR, "device to run on (cpu, cuda, cuda:1, mps)", _str),
     "dtype": _spec(STR, "dtype to run in (float32, float16, bfloat16)", _str),
     "mode": _spec(" | ".join(MODES), "module mode during the run", _choice(MODES)),
     "format": _spec(" | ".join(FORMATS), "output format", _choice(FORMATS)),
     "output": _spec(STR, "file to write the report to", _str),
-    "width": _spec("integer > 0", "table width in columns", _int(1)),
+    "width": _spec("integer > 0", "table width in columns", integer(1)),
 }
 #: Tables kept raw for later validation (by the ``check`` command).
 RAW_TABLES = ("checks",)
@@ -225,11 +232,7 @@ def _resolve_model(spec: str, base: Path) -> str:
 
 def _resolve_weights(value: str, base: Path) -> str:
     """Resolve a weights *file*; keep a torchvision weights name (``DEFAULT``, ``X_Weights.V1``)."""
-    looks_like_file = (
-        "/" in value or os.sep in value or value.lower().endswith(WEIGHT_SUFFIXES)
-        or (base / value).exists()
-    )
-    return _resolve(value, base) if looks_like_file else value
+    return _resolve(value, base) if looks_like_weights_file(value, base) else value
 
 
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
@@ -274,8 +277,8 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
                               hint="valid keys: " + ", ".join(known))
         try:
             values[key] = spec.validate(value)
-        except _Invalid:
-            got = _describe_value(value)
+        except Invalid:
+            got = describe_value(value)
             raise ConfigError(
                 f"{path}: key {raw_key!r} expects {spec.expected}, got {got}",
                 hint=f"{raw_key}: {spec.description}") from None
@@ -331,3 +334,54 @@ def load_config(
                           hint="write it as a [tool.hookcli] section")
     values, checks = _validate(table, file)
     return Config(values, file, "pyproject", checks)
+
+
+#: The config keys that are no flag's name: ``mode = "train" | "eval"`` sets ``--train/--eval``. Every
+#: other key is the name of the flag it sets (``input_shape``: ``--input-shape``, ``all``: ``--all``;
+#: ``model``: the MODEL argument; ``model_args``: ``--model-arg``, named like the option) or sets
+#: nothing any command has (``width``).
+KEY_EXCEPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {"mode": ("train", lambda mode: mode == Mode.train)}
+
+
+def option_name(key: str, flags: Mapping[str, Sequence[str]]) -> str | None:
+    """The option a config ``key`` sets: the one whose long flag (or name) is ``key``, ``-`` or ``_``.
+
+    ``flags``: option name -> its flags (Click's declarations, or RunOptions' ``option_flags``).
+    """
+    key = normalize_key(key)
+    for name, names in flags.items():
+        if key == name or any(normalize_key(flag.lstrip("-")) == key for flag in names):
+            return name
+    return None
+
+
+def option_keys(config: Config, flags: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
+    """Option name -> the config key that sets it, for the keys of ``config`` that set an option of
+    ``flags`` (option name -> its flags: Click's declarations, or by default RunOptions' fields)."""
+    if flags is None:
+        flags = {name: (flag,) for name, flag in option_flags().items()}
+    keys: dict[str, str] = {}
+    for key in config.values:
+        name = KEY_EXCEPTIONS[key][0] if key in KEY_EXCEPTIONS else option_name(key, flags)
+        if name is not None and name in flags:
+            keys[name] = key
+    return keys
+
+
+def config_options(config: Config, flags: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+    """The config's values keyed by the option each sets: the one function that reads a config's
+    options, for the CLI (``flags`` from its Click parameters, giving Click's ``default_map``) and for
+    the Python API (``flags`` None: RunOptions fields, each with the flag written beside it).
+
+    ``mode`` becomes ``train``; a ``model_args`` array of ``"KEY=VALUE"`` strings is parsed as
+    ``--model-arg`` parses them; keys that set no option of ``flags`` are left out.
+    """
+    from hookcli.options import parse_model_args
+
+    options: dict[str, Any] = {}
+    for name, key in option_keys(config, flags).items():
+        value = config.values[key]
+        options[name] = KEY_EXCEPTIONS[key][1](value) if key in KEY_EXCEPTIONS else value
+    if isinstance(options.get("model_args"), list):
+        options["model_args"] = parse_model_args(options["model_args"])
+    return options

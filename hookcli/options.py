@@ -11,11 +11,12 @@ import math
 import operator
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from enum import Enum, StrEnum
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from hookcli.errors import InputError, UsageError, did_you_mean
+from hookcli.errors import InputError, OutputError, UsageError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -23,15 +24,110 @@ if TYPE_CHECKING:
 
 
 DEFAULT_MODEL = "resnet50"
-FILLS = ("randn", "rand", "ones", "zeros")
-DTYPES = {
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float64": "float64", "double": "float64", "fp64": "float64",
+
+
+# --------------------------------------------------------------------------- closed vocabularies
+# Each is a StrEnum: its members are strings (the API takes "randn" as well as Fill.randn), print as
+# their value, and are the choices of the CLI option and the values the config schema accepts.
+# Member names are the values (Click shows an enum choice by its member name).
+
+
+class Fill(StrEnum):
+    """How a dummy input is filled (``--fill``)."""
+
+    randn = "randn"
+    rand = "rand"
+    ones = "ones"
+    zeros = "zeros"
+
+
+class Loss(StrEnum):
+    """The loss ``grads`` and ``check`` backpropagate (``--loss``)."""
+
+    auto = "auto"
+    ce = "ce"
+    nll = "nll"
+    sum = "sum"
+    mean = "mean"
+
+
+class ParamScope(StrEnum):
+    """Which parameters are reported (``--params``)."""
+
+    selected = "selected"
+    all = "all"
+    none = "none"
+
+
+class Mode(StrEnum):
+    """The module mode of a run (``--train/--eval``; a config's ``mode``)."""
+
+    train = "train"
+    eval = "eval"
+
+
+class DType(StrEnum):
+    """The dtypes a model may be cast to (``--dtype``); ``DTYPES`` maps accepted spellings to them."""
+
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float64 = "float64"
+
+
+class OutputFormat(StrEnum):
+    """The output formats of every command (``--format``)."""
+
+    TABLE = "table"
+    JSON = "json"
+    CSV = "csv"
+    MARKDOWN = "markdown"
+
+    @classmethod
+    def parse(cls, value: OutputFormat | str) -> OutputFormat:
+        """``OutputFormat`` from a member or its (case-insensitive) name; ``md`` means markdown."""
+        if isinstance(value, OutputFormat):
+            return value
+        text = str(value).strip().lower()
+        text = _FORMAT_ALIASES.get(text, text)
+        try:
+            return cls(text)
+        except ValueError:
+            names = [m.value for m in cls]
+            raise OutputError(
+                f"unknown output format {value!r} (choose from {', '.join(names)})",
+                hint=did_you_mean(text, names),
+            ) from None
+
+
+_FORMAT_ALIASES = {"md": "markdown", "txt": "table", "text": "table"}
+
+E = TypeVar("E", bound=Enum)
+
+
+def values_of(vocabulary: type[Enum]) -> tuple[str, ...]:
+    """The string values of a closed vocabulary, in declaration order (CLI choices, config schema)."""
+    return tuple(str(member.value) for member in vocabulary)
+
+
+def member(vocabulary: type[E], value: Any, flag: str) -> E:
+    """``value`` (a member or its string) as a member of ``vocabulary``, else a UsageError naming ``flag``."""
+    try:
+        return vocabulary(value)
+    except (ValueError, TypeError):
+        names = values_of(vocabulary)
+        raise UsageError(f"unknown {flag} {value!r}",
+                         hint=did_you_mean(str(value), names) or f"choose one of: {', '.join(names)}") from None
+
+
+FILLS = values_of(Fill)
+LOSSES = values_of(Loss)
+PARAM_SCOPES = values_of(ParamScope)
+#: ``--dtype`` spellings -> the dtype.
+DTYPES: dict[str, DType] = {
+    **{d.value: d for d in DType}, "float": DType.float32, "fp32": DType.float32, "half": DType.float16,
+    "fp16": DType.float16, "bf16": DType.bfloat16, "double": DType.float64, "fp64": DType.float64,
 }
-LOSSES = ("auto", "ce", "nll", "sum", "mean")
-PARAM_SCOPES = ("selected", "all", "none")
 #: Seeds torch's generators take as given (``torch.Generator.manual_seed`` reads them as uint64).
 MAX_SEED = 2**64 - 1
 #: The largest ``fmaps --scale`` (a tile of N x N px per value; the image size is checked as well).
@@ -48,8 +144,9 @@ MODEL_ARG_HINT = ("VALUE is a Python literal (10, 0.2, True, None, 'text', [1, 2
                   "taken as a string (relu); quote other strings: --model-arg \"name='a b'\"")
 
 
-def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` items (``--model-arg``, a config's ``model_args`` array).
+def parse_model_args(items: Sequence[str | tuple[str, Any]]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` items (``--model-arg``, a config's ``model_args`` array); a ``(key, value)``
+    pair (a config's ``model_args`` table) is taken as given.
 
     A value is a Python literal (``ast.literal_eval``: numbers, ``True``/``None``, quoted strings,
     lists, tuples, dicts). A value that is not a literal is a string only when it is a plain word
@@ -58,6 +155,9 @@ def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
     """
     result: dict[str, Any] = {}
     for item in items:
+        if isinstance(item, tuple) and len(item) == 2:  # a config table's (key, value): RunOptions checks the key
+            result[item[0]] = item[1]
+            continue
         key, sep, raw = str(item).partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
@@ -76,6 +176,14 @@ def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
             raise UsageError(f"bad model argument {key}: {why}", hint=MODEL_ARG_HINT)
         result[key] = text
     return result
+
+
+def output_key_path(key: str, paths: Iterable[str]) -> str | None:
+    """The path ``--output-key KEY`` names among ``paths`` (written as the engine's ``iter_tensors``
+    writes them: ``""``, ``[0]``, ``['out']``, ``.logits``): the path itself, ``[KEY]`` (an index),
+    ``['KEY']`` (a dict key) or ``.KEY`` (a field), in that order; None when none is there."""
+    present = set(paths)
+    return next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in present), None)
 
 
 def short(text: str, limit: int = 60) -> str:
@@ -122,38 +230,57 @@ def parse_input_shape(text: str) -> InputSpec:
 MAX_NUMEL = 2**63 - 1
 
 
+def _flag(name: str, default: Any = None, **kwargs: Any) -> Any:
+    """A RunOptions field that the command line sets with ``name`` (its long flag; a config key is
+    the flag's name, ``-`` or ``_``): the one place a field's flag is written beside the field."""
+    if "default_factory" not in kwargs:
+        kwargs["default"] = default
+    return field(metadata={"flag": name}, **kwargs)
+
+
+def option_flags() -> dict[str, str]:
+    """RunOptions field -> the flag that sets it (``input_shapes`` -> ``--input-shape``; ``model``:
+    the MODEL argument)."""
+    return {f.name: f.metadata["flag"] for f in fields(RunOptions) if "flag" in f.metadata}
+
+
 @dataclass
 class RunOptions:
-    """Options shared by the commands that run a model (shapes, stats, grads, ...)."""
+    """Options shared by the commands that run a model (shapes, stats, grads, ...).
 
-    model: Any = None  # a spec string, an nn.Module, or None for the default
+    Each field the command line sets names its flag (``metadata["flag"]``): the CLI's parameter of
+    that flag has the field's name, and a config key is the flag's name (``input_shape`` sets
+    ``input_shapes``), see ``config_options``.
+    """
+
+    model: Any = _flag("model")  # a spec string, an nn.Module, or None for the default (MODEL argument)
     model_source: str = "argument"
-    model_args: Mapping[str, Any] = field(default_factory=dict)
-    weights: str | None = None
+    model_args: Mapping[str, Any] = _flag("--model-arg", default_factory=dict)  # config: model_args
+    weights: str | None = _flag("--weights")
     # let torch.load unpickle arbitrary objects from weights/input files (runs code from them);
     # only the command line or a Python keyword sets it, never a config file
-    trust_pickle: bool = False
-    input_shapes: Sequence[Any] = ()  # strings like "2x3x224x224:float16" or InputSpec
-    inputs: Sequence[str | os.PathLike[str]] = ()
-    batch_size: int | None = None
-    fill: str = "randn"
-    seed: int = 0
-    layers: Sequence[str] | str | None = None
-    types: Sequence[str] | str | None = None
-    depth: int | None = None
-    all_modules: bool = False
-    device: str | None = None
-    dtype: str | None = None
-    train: bool = False
+    trust_pickle: bool = _flag("--trust-pickle", False)
+    input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
+    inputs: Sequence[str | os.PathLike[str]] = _flag("--input", ())
+    batch_size: int | None = _flag("--batch-size")
+    fill: Fill | str = _flag("--fill", Fill.randn)
+    seed: int = _flag("--seed", 0)
+    layers: Sequence[str] | str | None = _flag("--layers")
+    types: Sequence[str] | str | None = _flag("--types")
+    depth: int | None = _flag("--depth")
+    all_modules: bool = _flag("--all", False)
+    device: str | None = _flag("--device")
+    dtype: DType | str | None = _flag("--dtype")
+    train: bool = _flag("--train", False)
     # gradients (grads, check)
-    loss: str = "auto"
-    target: int = 0
-    output_key: str | None = None
-    params: str = "selected"
-    clip: float | None = None
-    input_grads: bool = False
+    loss: Loss | str = _flag("--loss", Loss.auto)
+    target: int = _flag("--target", 0)
+    output_key: str | None = _flag("--output-key")
+    params: ParamScope | str = _flag("--params", ParamScope.selected)
+    clip: float | None = _flag("--clip")
+    input_grads: bool = _flag("--input-grads", False)
     # shapes: FLOPs per call; run on the meta device (None: when nothing needs real values)
-    flops: bool = False
+    flops: bool = _flag("--flops", False)
     meta: bool | None = None
 
     # filled by validate()
@@ -202,28 +329,24 @@ class RunOptions:
         opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
         opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
         opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
-        if opts.fill not in FILLS:
-            raise UsageError(f"unknown --fill {opts.fill!r}",
-                             hint=did_you_mean(str(opts.fill), FILLS) or f"choose one of: {', '.join(FILLS)}")
+        opts.fill = member(Fill, opts.fill, "--fill")
         opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
                                 hint="--depth N hooks every module down to depth N (0: the model itself)")
         if opts.dtype is not None:
             key = str(opts.dtype).removeprefix("torch.").lower()
             if key not in DTYPES:
                 raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
-                                 "choose one of: float32, float16, bfloat16, float64")
+                                 f"choose one of: {', '.join(values_of(DType))}")
             opts.dtype = DTYPES[key]
         if opts.device is not None:
             opts.device = _check_device(str(opts.device))
-        if opts.loss not in LOSSES:
-            raise UsageError(f"unknown --loss {opts.loss!r}", hint=f"choose one of: {', '.join(LOSSES)}")
-        if opts.params not in PARAM_SCOPES:
-            raise UsageError(f"unknown --params {opts.params!r}", hint=f"choose one of: {', '.join(PARAM_SCOPES)}")
+        opts.loss = member(Loss, opts.loss, "--loss")
+        opts.params = member(ParamScope, opts.params, "--params")
         if opts.clip is not None:
             if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
                 raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
                                  hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
-        if opts.weights is not None and _looks_like_path(opts.weights) and not os.path.exists(opts.weights):
+        if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
             from hookcli.errors import WeightsError
 
             raise WeightsError(f"weights file not found: {opts.weights}",
@@ -283,8 +406,16 @@ def _check_model_args(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _looks_like_path(text: str) -> bool:
-    return os.sep in text or text.endswith((".pt", ".pth", ".bin", ".safetensors", ".ckpt"))
+#: Suffixes of weights files (``--weights``): a value with one is a file, never a weights name.
+WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl", ".tar")
+
+
+def looks_like_weights_file(value: str, base: str | os.PathLike[str] | None = None) -> bool:
+    """True when ``--weights`` ``value`` names a file rather than a torchvision weights name
+    (``DEFAULT``, ``ResNet18_Weights.IMAGENET1K_V1``): it has a path separator or a weights suffix, or
+    a file of that name exists (relative to ``base``, default the working directory)."""
+    return ("/" in value or os.sep in value or value.lower().endswith(WEIGHT_FILE_SUFFIXES)
+            or os.path.isfile(os.path.join(base, value) if base is not None else value))
 
 
 def _check_device(text: str) -> str:

@@ -241,7 +241,7 @@ def test_shapes_table_footer_and_rows() -> None:
     fc = line_with(text, "block.fc")
     assert fc.startswith("  block.fc") and "raised" in fc and "[1, 64], -" in fc
     assert "not called" in line_with(text, "aux", start=True)
-    assert ("model raised in forward at block.fc (Linear) with inputs [1, 64]: RuntimeError: "
+    assert ("the model raised in forward at block.fc (Linear) with input shape(s) 1x64: RuntimeError: "
             "mat1 and mat2 shapes cannot be multiplied (1x64 and 32x10)") in text
     lines = render(shapes_report(), "table", width=80).splitlines()  # footer breaks between parts
     assert any(line.startswith("Total params: 1,234,567") for line in lines)
@@ -352,7 +352,7 @@ def test_markdown_escapes_pipes_and_renders_params() -> None:
     assert "a\\|b" in text
     assert "#### Parameters" in text and "| Parameter | Shape |" in text
     assert "loss: 6.908 (cross_entropy, target=0)" in text
-    assert "**model raised in forward at block.fc" in render(shapes_report(), "markdown")
+    assert "**the model raised in forward at block.fc" in render(shapes_report(), "markdown")
     text = render(model_list(), "markdown")
     assert text.startswith("### models: res*") and "| resnet18 | resnet |" in text
 

@@ -25,9 +25,10 @@ from hookcli.errors import (
 )
 
 from hookcli.cli.options import (
+    META_CONFIG,
     META_DEBUG,
     META_OUTPUT,
-    apply_config,
+    HookcliCommand,
     check_options,
     file_output_options,
     fmap_options,
@@ -209,7 +210,6 @@ def _width(to_terminal: bool) -> int:
 
 def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
     ctx = click.get_current_context()
-    values = apply_config(ctx, values)
     prepare_output(ctx, values)
     from hookcli import progress
 
@@ -246,6 +246,9 @@ def main() -> None:
     """
 
 
+main.command_class = HookcliCommand
+
+
 @main.command()
 @model_options
 @input_options
@@ -260,7 +263,7 @@ def shapes(**values: Any) -> None:
     for weights or activations, so models of any size work (a real run is the fallback).
     """
     ctx, values = _start(values)
-    _emit(api.shapes(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
+    _emit(api.shapes(**run_fields(ctx, values)), fmt=values["format"], output=values["output"])
 
 
 @main.command()
@@ -272,7 +275,7 @@ def shapes(**values: Any) -> None:
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""
     ctx, values = _start(values)
-    _emit(api.stats(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
+    _emit(api.stats(**run_fields(ctx, values)), fmt=values["format"], output=values["output"])
 
 
 @main.command()
@@ -286,7 +289,7 @@ def stats(**values: Any) -> None:
 def grads(**values: Any) -> None:
     """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
-    _emit(api.grads(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
+    _emit(api.grads(**run_fields(ctx, values)), fmt=values["format"], output=values["output"])
 
 
 @main.command()
@@ -309,11 +312,11 @@ def check(**values: Any) -> None:
     ctx, values = _start(values)
     from hookcli.output import ensure_writable
 
-    rules = api.check_rules(values["_config"], baseline=values["baseline"])
+    rules = api.check_rules(ctx.meta[META_CONFIG], baseline=values["baseline"])
     if values["junit"]:
         ensure_writable(values["junit"])
     result = api.run_check(rules, **run_fields(ctx, values))
-    _emit(result, fmt=values["fmt"], output=values["output"])
+    _emit(result, fmt=values["format"], output=values["output"])
     api.publish_check(result, junit=values["junit"], github=values["github"])
     if not result.ok:
         raise CheckFailedError(result.headline(), result=result) from result.cause
@@ -341,10 +344,8 @@ _command_defaults(check, {
 def modules(**values: Any) -> None:
     """The model's module tree (names, types, parameters) to choose --layers from."""
     ctx, values = _start(values)
-    fields = run_fields(ctx, values)
-    tree = api.modules(fields["model"], model_args=fields["model_args"], weights=fields["weights"],
-                       model_source=fields["model_source"], trust_pickle=fields["trust_pickle"])
-    _emit(tree, fmt=values["fmt"], output=values["output"])
+    tree = api.modules(**run_fields(ctx, values))
+    _emit(tree, fmt=values["format"], output=values["output"])
 
 
 @main.command()
@@ -354,7 +355,7 @@ def models(pattern: str | None, **values: Any) -> None:
     """torchvision model names, optionally filtered by a glob such as 'resnet*'."""
     ctx = click.get_current_context()
     prepare_output(ctx, values)
-    _emit(api.models(pattern), fmt=values["fmt"], output=values["output"])
+    _emit(api.models(pattern), fmt=values["format"], output=values["output"])
 
 
 @main.command()
@@ -366,7 +367,7 @@ def models(pattern: str | None, **values: Any) -> None:
 def features(**values: Any) -> None:
     """Save the outputs of the selected modules (every call, every tensor) to a tensor file."""
     ctx, values = _start(values)
-    _emit(api.features(output=values["save_to"], **run_fields(ctx, values)), fmt=values["fmt"], output=None)
+    _emit(api.features(output=values["save_to"], **run_fields(ctx, values)), fmt=values["format"], output=None)
 
 
 @main.command()
@@ -379,9 +380,9 @@ def fmaps(**values: Any) -> None:
     """Draw one module's output channels as a grid of feature maps (PNG)."""
     ctx, values = _start(values)
     result = api.fmaps(layer=values["layer"], channels=values["channels"], sample=values["sample"],
-                       call=values["call"], output_key=values["tensor_key"], scale=values["scale"],
-                       output=values["save_to"], **run_fields(ctx, values))
-    _emit(result, fmt=values["fmt"], output=None)
+                       call=values["call"], scale=values["scale"], output=values["save_to"],
+                       **run_fields(ctx, values))
+    _emit(result, fmt=values["format"], output=None)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,9 +1,12 @@
 """Command-line plumbing: shared option bundles, config defaults, and RunOptions from the command line.
 
 The option bundles (``model_options``, ``input_options``, ``selection_options``, ``run_options``,
-``output_options``, ...) decorate the commands in ``hookcli.cli``; ``apply_config`` fills options the
-user did not give from ``--config FILE`` or ``[tool.hookcli]``; ``run_fields`` gives the API's keyword
-options. No torch at import time.
+``output_options``, ...) decorate the commands in ``hookcli.cli``. A parameter that sets a
+``RunOptions`` field has the field's name (``--input-shape`` -> ``input_shapes``), so ``run_fields``
+hands the values to the API as they are. ``--config`` (eager) reads ``--config FILE`` or
+``[tool.hookcli]`` into Click's ``default_map`` before any other parameter is processed: a config value
+is parsed and validated by the same Click type as the flag, and the command line wins. No torch at
+import time.
 """
 
 from __future__ import annotations
@@ -15,12 +18,21 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from hookcli.config import CLI_ONLY_KEYS, FORMATS
-from hookcli.errors import OutputError, UsageError
-from hookcli.options import MAX_FMAP_SCALE, MAX_SEED
+from hookcli.errors import ConfigError, OutputError
+from hookcli.options import (
+    MAX_FMAP_SCALE, MAX_SEED, Fill, Loss, OutputFormat, ParamScope, option_flags, parse_model_args, values_of,
+)
 
 META_OUTPUT = "hookcli.output"
 META_DEBUG = "hookcli.debug"
+META_CONFIG = "hookcli.config"
+META_CONFIG_KEYS = "hookcli.config_keys"
+META_HELP = "hookcli.help"
+
+#: Parameters a config never sets: unpickling is the user's own opt-in (load_config refuses the key),
+#: a config does not name a config, and the file ``features``/``fmaps`` write (their ``--output``) is
+#: not the report file a config's ``output`` names.
+NEVER_FROM_CONFIG = frozenset({"trust_pickle", "config_path", "save_to"})
 
 F = Callable[..., Any]
 
@@ -34,6 +46,67 @@ def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
     return apply
 
 
+def _choice(vocabulary: type[Any]) -> click.Choice:
+    """A Click choice of a closed vocabulary's values (the value stays a plain string)."""
+    return click.Choice(values_of(vocabulary))
+
+
+class _ModelArg(click.ParamType):
+    """One ``KEY=VALUE`` (parsed with the others by ``parse_model_args``); a ``(key, value)`` pair from
+    a config's ``model_args`` table is taken as it is."""
+
+    name = "KEY=VALUE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if isinstance(value, tuple) else str(value)
+
+
+def _model_args(_ctx: click.Context, _param: click.Parameter, value: tuple[Any, ...]) -> dict[str, Any]:
+    return parse_model_args(value)
+
+
+def _read_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--config`` (eager): read the config (or ``[tool.hookcli]``) into Click's ``default_map``
+    before the other parameters are processed."""
+    if ctx.resilient_parsing or ctx.meta.get(META_HELP):
+        return value
+    from hookcli.config import config_options, load_config, option_keys
+
+    config = load_config(value)
+    ctx.meta[META_CONFIG] = config
+    flags = {p.name: [o for o in (*p.opts, *p.secondary_opts) if not o.startswith("-") or o.startswith("--")]
+             for p in ctx.command.params if p.name and p.name not in NEVER_FROM_CONFIG}
+    defaults = config_options(config, flags)
+    ctx.meta[META_CONFIG_KEYS] = option_keys(config, flags)
+    if isinstance(defaults.get("model_args"), dict):  # a table: its items, for the repeatable --model-arg
+        defaults["model_args"] = tuple(defaults["model_args"].items())
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _end_of_options(args: list[str]) -> int:
+    return args.index("--") if "--" in args else len(args)
+
+
+class HookcliCommand(click.Command):
+    """A command whose bad config values are said as such: the file and the key, exit 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # --help shows the help whatever the config holds (Click runs the eager --config first when
+        # it comes first on the line)
+        ctx.meta[META_HELP] = any(arg in ctx.help_option_names for arg in args[: _end_of_options(args)])
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as exc:
+            param = exc.param
+            config = ctx.meta.get(META_CONFIG)
+            if param is None or config is None or ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT_MAP:
+                raise
+            key = ctx.meta.get(META_CONFIG_KEYS, {}).get(param.name, param.name)
+            raise ConfigError(f"{config.path}: bad value for {key!r}: {exc.message}",
+                              hint=f"fix {key} in the config, or override it on the command line") from None
+
+
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
     ctx.meta[META_DEBUG] = bool(value) or os.environ.get("HOOKCLI_DEBUG", "") not in ("", "0")
     return value
@@ -41,7 +114,8 @@ def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool
 
 model_options = _compose(
     click.argument("model", required=False),
-    click.option("--model-arg", "model_arg", multiple=True, metavar="KEY=VALUE",
+    click.option("--model-arg", "model_args", multiple=True, type=_ModelArg(), callback=_model_args,
+                 metavar="KEY=VALUE",
                  help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) "
                  "or a plain word taken as a string (relu); repeatable."),
     click.option("--weights", metavar="FILE|NAME",
@@ -49,19 +123,20 @@ model_options = _compose(
     click.option("--trust-pickle", "trust_pickle", is_flag=True,
                  help="Let torch.load unpickle arbitrary Python objects from --weights/--input files. "
                  "Unpickling runs code from the file: use it only for files you trust (never from a config)."),
-    click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
+    click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE", is_eager=True,
+                 callback=_read_config,
                  help="TOML config giving defaults for any option (else [tool.hookcli] in ./pyproject.toml)."),
 )
 """MODEL argument, how to build it, and whether its files may be unpickled."""
 
 input_options = _compose(
-    click.option("--input-shape", "input_shape", multiple=True, metavar="SHAPE[:DTYPE]",
+    click.option("--input-shape", "input_shapes", multiple=True, metavar="SHAPE[:DTYPE]",
                  help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; repeat for several inputs."),
-    click.option("--input", "input_files", multiple=True, metavar="FILE",
+    click.option("--input", "inputs", multiple=True, metavar="FILE",
                  help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable."),
     click.option("--batch-size", type=click.IntRange(min=1),
                  help="Batch size of the dummy input (features: images per batch from --input, default 32)."),
-    click.option("--fill", type=click.Choice(["randn", "rand", "ones", "zeros"]), default="randn",
+    click.option("--fill", type=_choice(Fill), default=Fill.randn.value,
                  show_default=True, help="How the dummy input is filled."),
     click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                  help="Random seed of the dummy input (0 to 2**64-1)."),
@@ -85,7 +160,8 @@ run_options = _compose(
 """Where and how the model runs."""
 
 output_options = _compose(
-    click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+    click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value,
+                 show_default=True,
                  help="Output format (with --output, .json/.csv/.md imply it)."),
     click.option("--output", "-o", "output", type=click.Path(dir_okay=False), metavar="FILE",
                  help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
@@ -95,12 +171,12 @@ output_options = _compose(
 """How the result is written."""
 
 grad_options = _compose(
-    click.option("--loss", type=click.Choice(["auto", "ce", "nll", "sum", "mean"]), default="auto", show_default=True,
+    click.option("--loss", type=_choice(Loss), default=Loss.auto.value, show_default=True,
                  help="Loss to backpropagate; auto: cross-entropy for (batch, classes) output, else sum."),
     click.option("--target", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Class index for ce/nll."),
     click.option("--output-key", metavar="KEY", help="Which tensor of a tuple/dict output the loss uses."),
-    click.option("--params", "params", type=click.Choice(["selected", "all", "none"]), default="selected",
+    click.option("--params", "params", type=_choice(ParamScope), default=ParamScope.selected.value,
                  show_default=True, help="Parameters to report: of the selected modules, all, or none."),
     click.option("--clip", type=click.FloatRange(min=0, min_open=True), metavar="VALUE",
                  help="Clamp every parameter gradient to [-VALUE, VALUE] with tensor hooks."),
@@ -126,8 +202,8 @@ def file_output_options(help_text: str) -> Callable[[F], F]:
     return _compose(
         click.option("--output", "-o", "save_to", required=True, type=click.Path(dir_okay=False),
                      metavar="FILE", help=help_text),
-        click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-                     help="Format of the summary printed to stdout."),
+        click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value,
+                     show_default=True, help="Format of the summary printed to stdout."),
         click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                      help="Show tracebacks of errors."),
     )
@@ -141,16 +217,15 @@ fmap_options = _compose(
                  help="Which item of the batch."),
     click.option("--call", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Which call of a module the forward pass calls more than once."),
-    click.option("--output-key", "tensor_key", metavar="KEY",
+    click.option("--output-key", "output_key", metavar="KEY",
                  help="Which tensor of a tuple/dict output, e.g. 0 or out."),
     click.option("--scale", type=click.IntRange(1, MAX_FMAP_SCALE), metavar="N",
                  help=f"Upscale each tile N times, 1 to {MAX_FMAP_SCALE} (default: so tiles are at least 32 px)."),
 )
 """Which output of which module ``fmaps`` draws, and how."""
 
-# Config keys that do not share their CLI parameter's name.
-_CONFIG_TO_PARAM = {"input": "input_files", "all": "all_modules", "format": "fmt"}
-_CONFIG_LATE = {"model", "model_args", "mode"}
+#: A --format that the user did not give on the command line (its default, or a config's format).
+_NOT_GIVEN = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
 
 
 def prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
@@ -161,79 +236,29 @@ def prepare_output(ctx: click.Context, values: dict[str, Any]) -> None:
 
         ensure_writable(values["output"])
         implied = format_for_path(values["output"])
-        if implied is not None and ctx.get_parameter_source("fmt") == ParameterSource.DEFAULT:
-            values["fmt"] = implied.value
-        elif implied is not None and implied.value != values["fmt"]:
-            raise OutputError(f"--output {values['output']} names a {implied.value} file but --format is {values['fmt']}",
+        if implied is not None and ctx.get_parameter_source("format") in _NOT_GIVEN:
+            values["format"] = implied.value  # (a config's format yields to the file's extension too)
+        elif implied is not None and implied.value != values["format"]:
+            raise OutputError(f"--output {values['output']} names a {implied.value} file but --format is "
+                              f"{values['format']}",
                               hint=f"drop --format (the extension chooses {implied.value}), or give the file "
                               "the extension of the format: .json, .csv, .md or .txt")
-    ctx.meta[META_OUTPUT] = {"fmt": values["fmt"], "output": values.get("output")}
-
-
-def apply_config(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
-    """Fill options the user did not give from --config FILE or [tool.hookcli] in ./pyproject.toml."""
-    from hookcli.config import load_config
-
-    config = load_config(values.get("config_path"))
-    values = dict(values)
-    values["_config"] = config
-    params = {p.name: p for p in ctx.command.params}
-    for key, raw in config.values.items():
-        name = _CONFIG_TO_PARAM.get(key, key)
-        if key in _CONFIG_LATE or key in CLI_ONLY_KEYS or name not in params:
-            continue  # used later, never from a config (load_config refuses those), or not for this command
-        if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None):
-            continue  # the command line wins
-        param = params[name]
-        if param.multiple and isinstance(raw, str):
-            raw = [raw]
-        try:
-            values[name] = param.type_cast_value(ctx, raw)
-        except click.BadParameter as exc:
-            raise UsageError(f"{config.path}: bad value for {key!r}: {exc.message}",
-                             hint=f"fix {key} in the config, or override it on the command line") from None
-    if "train" in params and ctx.get_parameter_source("train") == ParameterSource.DEFAULT and "mode" in config.values:
-        values["train"] = config.values["mode"] == "train"
-    return values
+    ctx.meta[META_OUTPUT] = {"fmt": values["format"], "output": values.get("output")}
 
 
 def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
-    """The API's keyword options (``RunOptions`` fields) from the command line and the config.
+    """The API's keyword options: the values of the parameters named like ``RunOptions`` fields,
+    those given (an option left empty keeps the field's default), and where the model came from.
 
     Not validated here: the API validates them, one way for the command line and for Python.
     """
-    from hookcli.options import parse_model_args
-
-    config = values["_config"]
-    model, source = values.get("model"), "argument"
-    if model is None and "model" in config.values:
-        model, source = config.values["model"], config.origin
-    model_args: dict[str, Any] = {}
-    if not values.get("model_arg") and "model_args" in config.values:
-        config_args = config.values["model_args"]
-        model_args = parse_model_args(config_args) if isinstance(config_args, list) else dict(config_args)
+    fields = {name: value for name, value in values.items()
+              if name in option_flags() and value is not None and value != ()}
+    config = ctx.meta.get(META_CONFIG)
+    if "model" not in fields:
+        fields["model_source"] = "default"
+    elif ctx.get_parameter_source("model") == ParameterSource.DEFAULT_MAP and config is not None:
+        fields["model_source"] = config.origin
     else:
-        model_args = parse_model_args(values.get("model_arg", ()))
-    fields = dict(
-        model=model,
-        model_source=source if model is not None else "default",
-        model_args=model_args,
-        weights=values.get("weights"),
-        trust_pickle=values.get("trust_pickle", False),
-        input_shapes=values.get("input_shape", ()),
-        inputs=values.get("input_files", ()),
-        batch_size=values.get("batch_size"),
-        fill=values.get("fill", "randn"),
-        seed=values.get("seed", 0),
-        layers=values.get("layers") or None,
-        types=values.get("types") or None,
-        depth=values.get("depth"),
-        all_modules=values.get("all_modules", False),
-        device=values.get("device"),
-        dtype=values.get("dtype"),
-        train=values.get("train", False),
-    )
-    for extra in ("loss", "target", "output_key", "params", "clip", "input_grads", "flops"):
-        if extra in values and values[extra] is not None:
-            fields[extra] = values[extra]
+        fields["model_source"] = "argument"
     return fields

@@ -33,7 +33,7 @@ import torch
 from hookcli._version import __version__
 from hookcli.engine.run import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
-from hookcli.options import MAX_FMAP_SCALE, RunOptions
+from hookcli.options import MAX_FMAP_SCALE, RunOptions, output_key_path
 from hookcli.engine.stats import dtype_name, shape_of
 from hookcli.records import ChannelRecord, FeatureMaps
 
@@ -264,10 +264,9 @@ def _pick(captured: dict[str, _Captured], key: str | None, label: str) -> tuple[
         raise UsageError(f"{label} returns {len(paths)} tensors ({shown})",
                          hint="choose one with --output-key, e.g. --output-key "
                          + paths[0].strip("[].'\""))
-    wanted = {key, f"[{key}]", f"[{key!r}]", f".{key}"}
-    for path in paths:
-        if path in wanted:
-            return path, captured[path]
+    path = output_key_path(key, paths)
+    if path is not None:
+        return path, captured[path]
     raise UsageError(f"--output-key {key!r} is not in the output of {label}", hint=f"its tensors: {shown}")
 
 

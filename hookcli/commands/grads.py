@@ -21,10 +21,11 @@ from hookcli import progress
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.flops import FlopCounter
 from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
+from hookcli.options import Loss, output_key_path
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
-LOSS_NAMES = {"ce": "cross_entropy", "nll": "nll", "sum": "sum", "mean": "mean"}
+LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.sum: "sum", Loss.mean: "mean"}
 #: Modules of these packages compute on quantized tensors: no backward.
 _QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized",
                        "torch.nn.intrinsic.quantized")
@@ -50,10 +51,9 @@ def pick_output(output: Any, key: str | None) -> tuple[str, torch.Tensor]:
                                hint="gradients need a float output; run hookcli stats or shapes on this model")
     if key is None:
         return tensors[0]
-    wanted = {key, f"[{key}]", f"[{key!r}]", f".{key}"}
-    for path, tensor in tensors:
-        if path in wanted:
-            return path, tensor
+    path = output_key_path(key, (p for p, _ in tensors))
+    if path is not None:
+        return path, dict(tensors)[path]
     raise UsageError(
         f"--output-key {key!r} is not in the model output",
         hint="floating tensors in the output: " + ", ".join(p or "(output)" for p, _ in tensors),
@@ -63,9 +63,10 @@ def pick_output(output: Any, key: str | None) -> tuple[str, torch.Tensor]:
 def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -> LossChoice:
     """Cross-entropy against ``target`` for (batch, classes) logits by default, else the sum."""
     path, out = pick_output(output, output_key)
-    if loss == "auto":
-        loss = "ce" if out.dim() == 2 and out.shape[1] > 1 else "sum"
-    if loss in ("ce", "nll"):
+    loss = Loss(loss)
+    if loss == Loss.auto:
+        loss = Loss.ce if out.dim() == 2 and out.shape[1] > 1 else Loss.sum
+    if loss in (Loss.ce, Loss.nll):
         if out.dim() < 2:
             raise UsageError(f"--loss {loss} needs (batch, classes) output, got shape {shape_of(out)}",
                              hint="use --loss sum or --loss mean")
@@ -73,10 +74,10 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -
             raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes",
                              hint=f"give --target 0 to {out.shape[1] - 1}")
         labels = torch.full((out.shape[0],), target, dtype=torch.long, device=out.device)
-        fn = F.cross_entropy if loss == "ce" else F.nll_loss
+        fn = F.cross_entropy if loss == Loss.ce else F.nll_loss
         value = fn(out.float(), labels)
         return LossChoice(LOSS_NAMES[loss], path, target, value)
-    value = out.float().sum() if loss == "sum" else out.float().mean()
+    value = out.float().sum() if loss == Loss.sum else out.float().mean()
     return LossChoice(LOSS_NAMES[loss], path, None, value)
 
 

@@ -21,7 +21,7 @@ import math
 
 from hookcli.errors import InputError, UsageError, describe_exception, did_you_mean
 from hookcli.options import (
-    DTYPE_ALIASES, FILLS, INPUT_DTYPES, MAX_NUMEL, SHAPE_EXAMPLE, InputSpec, parse_input_shape,
+    DTYPE_ALIASES, FILLS, INPUT_DTYPES, MAX_NUMEL, SHAPE_EXAMPLE, Fill, InputSpec, member, parse_input_shape,
 )
 from hookcli.engine.loading import LoadedModel
 from hookcli.engine.model_inputs import (
@@ -84,8 +84,8 @@ def _fill(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Genera
 
 def _fill_unchecked(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Generator, seed: int,
                     model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
-    if fill in ("ones", "zeros"):
-        return (torch.ones if fill == "ones" else torch.zeros)(tuple(shape), dtype=dtype), fill
+    if fill in (Fill.ones, Fill.zeros):
+        return (torch.ones if fill == Fill.ones else torch.zeros)(tuple(shape), dtype=dtype), str(fill)
     if not (dtype.is_floating_point or dtype.is_complex):
         leaf = _first_leaf(model) if model is not None else None
         high = 2 if dtype == torch.bool else 10
@@ -93,7 +93,7 @@ def _fill_unchecked(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: to
             high = int(leaf[1].num_embeddings)
         t = torch.randint(0, high, tuple(shape), generator=gen, dtype=torch.int64).to(dtype)
         return t, f"randint(0, {high}, seed={seed})"
-    make = torch.randn if fill == "randn" else torch.rand
+    make = torch.randn if fill == Fill.randn else torch.rand
     base = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     return make(tuple(shape), generator=gen, dtype=base).to(dtype), f"{fill}(seed={seed})"
 
@@ -178,7 +178,7 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
-                fill: str = "randn", seed: int = 0, trust_pickle: bool = False) -> ModelInputs:
+                fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False) -> ModelInputs:
     """Build CPU inputs for ``loaded.model``.
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
@@ -190,9 +190,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     and ``seed`` apply to generated tensors only. ``trust_pickle`` lets torch.load unpickle
     arbitrary objects from .pt/.pth files (it runs code from them); else weights_only loading.
     """
-    if fill not in FILLS:
-        raise UsageError(f"unknown fill {fill!r}",
-                         hint=did_you_mean(fill, FILLS) or f"choose one of: {', '.join(FILLS)}")
+    fill = member(Fill, fill, "fill")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"batch size must be a positive integer, got {batch_size}", hint="e.g. --batch-size 2")
     if shapes and files:

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.options import MODEL_ARG_HINT, parse_model_args, short as _short
+from hookcli.options import (
+    MODEL_ARG_HINT, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, parse_model_args, short as _short,
+)
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
     describe_exception, did_you_mean, exit_status, one_line,
@@ -38,7 +40,6 @@ from hookcli.errors import (
 from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
 TORCHVISION_PREFIX = "torchvision:"
-WEIGHT_FILE_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
 TRUST_PICKLE_HINT = "pass --trust-pickle if you trust the file (unpickling runs code from it)"
 UNPICKLE_IMPORT_HINT = "unpickling imports the classes the file names: run where their modules are importable"
@@ -131,7 +132,7 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
     except (ValueError, KeyError, AttributeError):
         weights_enum = None
     named: str | None = None
-    if weights is not None and not _looks_like_weights_file(weights):
+    if weights is not None and not looks_like_weights_file(weights):
         kwargs["weights"] = weights_enum = _resolve_weights_name(tv_name, weights)
         named = weights
         if families[tv_name] == "quantization":  # quantized weights only fit a quantized model
@@ -340,7 +341,7 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
     model = _build(_resolve_attr(module, attr, target), spec, model_args)
     loaded: str | None = None
     if weights is not None:
-        if not _looks_like_weights_file(weights):
+        if not looks_like_weights_file(weights):
             raise UsageError(
                 f"--weights {weights!r} is not a file; weight names apply only to torchvision "
                 "models", hint="pass a state-dict file (.pt, .pth, .bin, .safetensors, .ckpt)")
@@ -349,12 +350,6 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
 
 
 # --------------------------------------------------------------------------- weights files
-
-
-def _looks_like_weights_file(weights: str) -> bool:
-    """A path (existing, with a weights suffix, or with a slash) rather than a weights name."""
-    return (os.path.isfile(weights) or weights.lower().endswith(WEIGHT_FILE_SUFFIXES)
-            or "/" in weights or os.sep in weights)
 
 
 def _is_tensor_dict(obj: Any) -> bool:

@@ -200,13 +200,8 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
 
 
 def failure_message(failure: FailureInfo) -> str:
-    """One line: where the model raised (or exited) and why."""
-    where = f" at {failure.module or '(model)'} ({failure.module_type})" if failure.module_type else ""
-    shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in failure.input_shapes)
-    with_inputs = f" with input shape(s) {shapes}" if failure.input_shapes else ""
-    if failure.exception == "SystemExit":  # message: "exited with code N"
-        return f"the model {failure.message} in {failure.phase}{where}{with_inputs} (it called sys.exit)"
-    return f"the model raised in {failure.phase}{where}{with_inputs}: {failure.exception}: {failure.message}"
+    """One line: where the model raised (or exited) and why (``FailureInfo.sentence``)."""
+    return failure.sentence()
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hookcli/

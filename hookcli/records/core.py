@@ -171,6 +171,16 @@ class FailureInfo:
     exception: str
     message: str
 
+    def sentence(self) -> str:
+        """The one sentence every output says a failed run with: where the model raised (or exited)
+        and why, e.g. ``the model raised in forward at fc (Linear) with input shape(s) 2x6: ...``."""
+        where = f" at {self.module or '(model)'} ({self.module_type})" if self.module_type else ""
+        shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in self.input_shapes)
+        with_inputs = f" with input shape(s) {shapes}" if self.input_shapes else ""
+        if self.exception == "SystemExit":  # message: "exited with code N"
+            return f"the model {self.message} in {self.phase}{where}{with_inputs} (it called sys.exit)"
+        return f"the model raised in {self.phase}{where}{with_inputs}: {self.exception}: {self.message}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase,

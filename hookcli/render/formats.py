@@ -5,13 +5,12 @@ Nothing here (or anywhere under ``hookcli.render``) imports torch: renderers rea
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, TypeAlias, Union
 
-from hookcli.errors import OutputError, did_you_mean
+from hookcli.options import OutputFormat  # the closed vocabulary lives in a leaf (config.py reads it too)
 from hookcli.records import (
     CheckResult,
     FeatureExport,
@@ -26,33 +25,6 @@ from hookcli.records import (
 #: Anything a renderer accepts.
 Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult]  # noqa: UP007
 
-
-class OutputFormat(str, enum.Enum):
-    """The output formats of every command (``--format``)."""
-
-    TABLE = "table"
-    JSON = "json"
-    CSV = "csv"
-    MARKDOWN = "markdown"
-
-    @classmethod
-    def parse(cls, value: OutputFormat | str) -> OutputFormat:
-        """``OutputFormat`` from a member or its (case-insensitive) name; ``md`` means markdown."""
-        if isinstance(value, OutputFormat):
-            return value
-        text = str(value).strip().lower()
-        text = _FORMAT_ALIASES.get(text, text)
-        try:
-            return cls(text)
-        except ValueError:
-            names = [m.value for m in cls]
-            raise OutputError(
-                f"unknown output format {value!r} (choose from {', '.join(names)})",
-                hint=did_you_mean(text, names),
-            ) from None
-
-
-_FORMAT_ALIASES = {"md": "markdown", "txt": "table", "text": "table"}
 
 _SUFFIX_FORMATS = {
     ".json": OutputFormat.JSON,

@@ -23,7 +23,6 @@ from hookcli.render.formats import (
     format_mb,
     format_number,
     format_shape,
-    format_shapes,
     input_bytes,
     output_bytes,
     plain,
@@ -183,14 +182,7 @@ def footer_lines(report: Renderable) -> list[Line]:
 
 
 def failure_line(failure: FailureInfo | None) -> str | None:
-    """``model raised in <phase> at <module> (<type>) with inputs <shapes>: <exc>: <message>``."""
+    """The failure's one sentence (``FailureInfo.sentence``), on one line."""
     if failure is None:
         return None
-    where = f"model raised in {failure.phase}"
-    if failure.module is not None:
-        where += f" at {failure.module or '(model)'}"
-        if failure.module_type:
-            where += f" ({failure.module_type})"
-    if failure.input_shapes:
-        where += f" with inputs {format_shapes(failure.input_shapes)}"
-    return f"{where}: {failure.exception}: {plain(failure.message)}"
+    return plain(failure.sentence())

@@ -18,6 +18,7 @@ from typing import Any
 
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
+from hookcli.options import output_key_path
 from hookcli.records import LayerRecord, Report, RuleResult
 
 LayerKey = tuple[str, int]
@@ -82,10 +83,7 @@ def runs(report: Report) -> RuleResult:
     if failure is None:
         return RuleResult(RUNS, "PASS", "error", "forward, loss and backward ran")
     where = failure.module or "(model)"
-    at = f" at {where} ({failure.module_type})" if failure.module_type else ""
-    shapes = ", ".join(_shape(s) for s in failure.input_shapes)
-    message = (f"the model raised in {failure.phase}{at}" + (f" with input shape(s) {shapes}" if shapes else "")
-               + f": {failure.exception}: {failure.message}")
+    message = failure.sentence()
     return RuleResult(RUNS, "FAIL", "error", message, where, failure.exception, None,
                       [_violation(where, failure.exception, None, message)])
 
@@ -252,7 +250,7 @@ def output_shape(rule: RuleConfig, report: Report, obs: Observations) -> RuleRes
     bad: list[dict[str, Any]] = []
     if isinstance(expected, dict):
         for key, shape in expected.items():
-            path = next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in actual), None)
+            path = output_key_path(key, actual)
             if path is None:
                 bad.append(_violation(f"(model){key}", None, shape, f"the model output has no {key!r} "
                                       f"(outputs: {', '.join(p or '(output)' for p in actual)})"))

@@ -23,7 +23,7 @@ import torch
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig, parse_checks
-from hookcli.config import Config, load_config
+from hookcli.config import Config, config_options, load_config
 from hookcli.errors import ConfigError, ModelRaisedError, exit_status
 from hookcli.commands.grads import backward_report, build_loss
 from hookcli.engine.session import CompletionOrder, RunObserver
@@ -203,31 +203,6 @@ def nothing_observed(report: Report, results: list[RuleResult]) -> list[RuleResu
 
 # --------------------------------------------------------------------------- setup (CLI and API)
 
-#: Config keys -> RunOptions fields (the Python API reads a config like the CLI does).
-_CONFIG_FIELDS = {
-    "model": "model", "weights": "weights", "model_args": "model_args", "input_shape": "input_shapes",
-    "input": "inputs", "batch_size": "batch_size", "fill": "fill", "seed": "seed", "layers": "layers",
-    "types": "types", "depth": "depth", "all": "all_modules", "device": "device", "dtype": "dtype",
-}
-
-
-def options_from_config(config: Config) -> dict[str, Any]:
-    """RunOptions fields from a config's option keys (``mode`` -> ``train``)."""
-    from hookcli.options import parse_model_args
-
-    fields: dict[str, Any] = {}
-    for key, value in config.values.items():
-        if key in _CONFIG_FIELDS:
-            fields[_CONFIG_FIELDS[key]] = value
-    if isinstance(fields.get("model_args"), list):
-        fields["model_args"] = parse_model_args(fields["model_args"])
-    if "mode" in config.values:
-        fields["train"] = config.values["mode"] == "train"
-    if "model" in fields:
-        fields["model_source"] = config.origin
-    return fields
-
-
 def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = None,
                 baseline: str | os.PathLike[str] | None = None) -> CheckRules:
     """The validated rules: the config's ``[checks]``, rule entries of ``checks`` over them, and a
@@ -254,7 +229,9 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.
               baseline: str | os.PathLike[str] | None, options: dict[str, Any]) -> CheckResult:
     """``hookcli.check``: options from ``config`` (if given), keyword options over them."""
     cfg = load_config(config) if config is not None else None
-    fields = options_from_config(cfg) if cfg is not None else {}
+    fields = config_options(cfg) if cfg is not None else {}
+    if "model" in fields:
+        fields["model_source"] = cfg.origin if cfg is not None else None
     if model is not None:
         fields.pop("model_source", None)
         fields["model"] = model

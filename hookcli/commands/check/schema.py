@@ -32,32 +32,47 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from hookcli.config import _describe_value
+from hookcli.config import Invalid, boolean, describe_value, integer
 from hookcli.errors import ConfigError, did_you_mean
+from hookcli.options import values_of
 
 SEVERITIES = ("error", "warn")
 
+class Rule(StrEnum):
+    """The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has)."""
+
+    finite = "finite"
+    output_shape = "output_shape"
+    max_abs_activation = "max_abs_activation"
+    max_zero_fraction = "max_zero_fraction"
+    dead_channels = "dead_channels"
+    grad_norm = "grad_norm"
+    params_change = "params_change"
+    baseline = "baseline"
+
+
 #: Every rule with its default settings. ``enabled`` False: off unless the config mentions it.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "finite": {"enabled": True, "severity": "error"},
-    "output_shape": {"enabled": False, "severity": "error", "value": None},
-    "max_abs_activation": {"enabled": True, "severity": "warn", "value": 1e4},
-    "max_zero_fraction": {"enabled": True, "severity": "error", "value": 0.99},
-    "dead_channels": {"enabled": True, "severity": "warn", "value": 0.5, "dim": 1, "min_values": 16},
-    "grad_norm": {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
-    "params_change": {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
-    "baseline": {"enabled": False, "severity": "error", "file": None},
+    Rule.finite: {"enabled": True, "severity": "error"},
+    Rule.output_shape: {"enabled": False, "severity": "error", "value": None},
+    Rule.max_abs_activation: {"enabled": True, "severity": "warn", "value": 1e4},
+    Rule.max_zero_fraction: {"enabled": True, "severity": "error", "value": 0.99},
+    Rule.dead_channels: {"enabled": True, "severity": "warn", "value": 0.5, "dim": 1, "min_values": 16},
+    Rule.grad_norm: {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
+    Rule.params_change: {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
+    Rule.baseline: {"enabled": False, "severity": "error", "file": None},
 }
-RULES: tuple[str, ...] = tuple(DEFAULTS)
+RULES: tuple[str, ...] = values_of(Rule)
 #: The pseudo-rule every check reports first: forward and backward ran without raising.
 RUNS = "runs"
 
 #: Rules that read layers (ignore/overrides match layer names) or parameters (parameter names).
-LAYER_RULES = ("finite", "max_abs_activation", "max_zero_fraction", "dead_channels", "baseline")
-PARAM_RULES = ("grad_norm", "params_change")
+LAYER_RULES = (Rule.finite, Rule.max_abs_activation, Rule.max_zero_fraction, Rule.dead_channels, Rule.baseline)
+PARAM_RULES = (Rule.grad_norm, Rule.params_change)
 
 _COMMON = ("enabled", "severity")
 #: Keys each rule's table accepts (besides ``enabled`` and ``severity``).
@@ -80,52 +95,31 @@ OVERRIDE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-class _Invalid(Exception):
-    def __init__(self, expected: str) -> None:
-        super().__init__(expected)
-        self.expected = expected
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive(value: Any) -> float:
     if not _number(value) or not value > 0 or math.isnan(value):
-        raise _Invalid("a number > 0")
+        raise Invalid("a number > 0")
     return float(value)
 
 
 def _non_negative(value: Any) -> float:
     if not _number(value) or not value >= 0:
-        raise _Invalid("a number >= 0")
+        raise Invalid("a number >= 0")
     return float(value)
 
 
 def _fraction(value: Any) -> float:
     if not _number(value) or not 0 <= value <= 1:
-        raise _Invalid("a number from 0 to 1")
+        raise Invalid("a number from 0 to 1")
     return float(value)
-
-
-def _int(minimum: int | None) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-            raise _Invalid("an integer" + (f" >= {minimum}" if minimum is not None else ""))
-        return int(value)
-
-    return check
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid("a boolean")
-    return value
 
 
 def _severity(value: Any) -> str:
     if value not in SEVERITIES:
-        raise _Invalid('"error" or "warn"')
+        raise Invalid('"error" or "warn"')
     return str(value)
 
 
@@ -134,13 +128,13 @@ def _patterns(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
         return list(value)
-    raise _Invalid("a name/glob or an array of them")
+    raise Invalid("a name/glob or an array of them")
 
 
 def _shape(value: Any) -> list[int]:
     if isinstance(value, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= -1 for d in value):
         return [int(d) for d in value]
-    raise _Invalid("a shape (array of integers, -1 for any size)")
+    raise Invalid("a shape (array of integers, -1 for any size)")
 
 
 _SHAPES = "a shape like [1, 1000], an array of shapes, or a table of shapes keyed by output path"
@@ -153,26 +147,26 @@ def _output_shape(value: Any) -> list[int] | list[list[int]] | dict[str, list[in
         if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
             return [_shape(v) for v in value]
         return _shape(value)
-    except _Invalid:
-        raise _Invalid(_SHAPES) from None
+    except Invalid:
+        raise Invalid(_SHAPES) from None
 
 
 def _file(value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise _Invalid("a file path (string)")
+        raise Invalid("a file path (string)")
     return value
 
 
 VALIDATORS: dict[str, Callable[[Any], Any]] = {
-    "enabled": _bool,
+    "enabled": boolean,
     "severity": _severity,
     "ignore": _patterns,
     "min": _non_negative,
     "max": _positive,
     "lr": _positive,
-    "steps": _int(1),
-    "dim": _int(None),
-    "min_values": _int(1),
+    "steps": integer(1),
+    "dim": integer(None),
+    "min_values": integer(1),
     "file": _file,
 }
 VALUE_VALIDATORS: dict[str, Callable[[Any], Any]] = {
@@ -258,8 +252,8 @@ def _fail(where: str, message: str, hint: str | None = None) -> ConfigError:
 def _check_value(where: str, section: str, key: str, value: Any, validate: Callable[[Any], Any]) -> Any:
     try:
         return validate(value)
-    except _Invalid as exc:
-        raise _fail(where, f"[{section}] key {key!r} expects {exc.expected}, got {_describe_value(value)}") from None
+    except Invalid as exc:
+        raise _fail(where, f"[{section}] key {key!r} expects {exc.expected}, got {describe_value(value)}") from None
 
 
 def _unknown(where: str, section: str, key: str, known: list[str]) -> ConfigError:
@@ -287,7 +281,7 @@ def _expand(rule: str, raw: Any, where: str, section: str) -> dict[str, Any]:
         return {"enabled": True, "value": raw}
     shorthand = {"output_shape": "a table, a boolean or a shape array", "baseline": "a table, a boolean or a file name",
                  "grad_norm": "a table {min = ..., max = ...} or a boolean"}.get(rule, "a table, a boolean or a number")
-    raise _fail(where, f"[{section}] {rule!r} expects {shorthand}, got {_describe_value(raw)}")
+    raise _fail(where, f"[{section}] {rule!r} expects {shorthand}, got {describe_value(raw)}")
 
 
 def _override(rule: str, pattern: str, raw: Any, where: str, section: str) -> dict[str, Any]:
@@ -296,7 +290,7 @@ def _override(rule: str, pattern: str, raw: Any, where: str, section: str) -> di
         return {keys[0]: _check_value(where, section, f"overrides.{pattern}", raw, _validator(rule, keys[0]))}
     if not isinstance(raw, dict):
         expected = "a table of " + ", ".join(keys) if rule == "grad_norm" else f"a number or a table of {', '.join(keys)}"
-        raise _fail(where, f"[{section}] override {pattern!r} expects {expected}, got {_describe_value(raw)}")
+        raise _fail(where, f"[{section}] override {pattern!r} expects {expected}, got {describe_value(raw)}")
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in keys:
@@ -328,7 +322,7 @@ def parse_checks(
     where = os.fspath(source) if source is not None else "checks"
     base = Path(os.fspath(base_dir)) if base_dir is not None else None
     if table is not None and not isinstance(table, Mapping):
-        raise _fail(where, f"[{section}] must be a table, got {_describe_value(table)}")
+        raise _fail(where, f"[{section}] must be a table, got {describe_value(table)}")
     rules: dict[str, RuleConfig] = {}
     given = dict(table or {})
     for name in given:
@@ -351,7 +345,7 @@ def parse_checks(
                 if key == "overrides":
                     if not isinstance(value, dict):
                         raise _fail(where, f"[{sub}] key 'overrides' expects a table of name/glob = "
-                                           f"threshold, got {_describe_value(value)}")
+                                           f"threshold, got {describe_value(value)}")
                     overrides = {str(p): _override(name, str(p), v, where, sub) for p, v in value.items()}
                     continue
                 checked = _check_value(where, sub, key, value, _validator(name, key))
