@@ -169,8 +169,6 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         obs.changes, obs.change_error = params_change(prep, names, change_rule)
         step_seconds = time.perf_counter() - step_started
     results, notes = evaluate(rules, report, obs)
-    if report.failure is not None and report.failure.exception == "SystemExit":  # exited, not raised
-        results = [replace(r, message=engine.failure_message(report.failure)) if r.rule == RUNS else r for r in results]
     if report.failure is None and not any(r.called for r in report.layers):
         results = nothing_observed(report, results)
     for result in results:  # the rule's share of the time: its evaluation plus what it alone ran
