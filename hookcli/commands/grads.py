@@ -152,6 +152,18 @@ def no_gradients(prep: Any) -> UnsupportedError:
         "stats and shapes need no gradients")
 
 
+def _reentrant_checkpoint(exc: BaseException) -> bool:
+    """Whether ``exc`` is reentrant ``torch.utils.checkpoint`` refusing ``autograd.grad``: raised by its
+    own backward (a failure of the checkpointed code itself is raised from that code's frames)."""
+    tb = exc.__traceback__
+    if not isinstance(exc, RuntimeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return code.co_name == "backward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
+
+
 def _refuse_inference_tensors(model: nn.Module) -> None:
     """Parameters/buffers made under ``torch.inference_mode`` cannot take part in a backward pass."""
     named = list(model.named_parameters()) + list(model.named_buffers())
@@ -239,6 +251,14 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 raise
             except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
                 session.raise_error()  # unless one of hookcli's hooks failed first
+                if phase == "backward" and _reentrant_checkpoint(exc):
+                    raise UnsupportedError(
+                        "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
+                        "use_reentrant=True), which refuses torch.autograd.grad: hookcli reads gradients "
+                        "without touching .grad",
+                        hint="checkpoint with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+                             "gradient_checkpointing_kwargs={'use_reentrant': False})), or run without checkpointing",
+                    ) from None
                 cause = exc
                 failure = blame(exc, model, phase)
                 if phase == "backward" and session.last_grad_call is not None:

@@ -110,6 +110,17 @@ class _Call:
     done: int = -1
 
 
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass in this thread.
+
+    A forward there is a recomputation, not a call of the model's forward: activation checkpointing
+    (``torch.utils.checkpoint``, either flavour) runs the checkpointed modules again during backward,
+    and the non-reentrant one stops that rerun early by raising an exception through them. Counting
+    those would add calls the forward never made, marked as raised.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 class HookSession:
     """Collects the calls of the selected modules during one run."""
 
@@ -163,6 +174,8 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if _in_backward():  # a recomputation (torch.utils.checkpoint), not a call of the forward
+                return
             try:
                 self._pre(name, module, args, kwargs, type_name_cache)
             except Exception as exc:  # hookcli's own failure: stored, never the model's
@@ -195,6 +208,8 @@ class HookSession:
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if _in_backward():  # paired with the pre-hook's skip
+                return
             try:
                 self._post(name, output)
             except Exception as exc:  # hookcli's own failure (a reducer, a keep callback): stored

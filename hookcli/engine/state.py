@@ -153,9 +153,10 @@ def preserved(
     Restored in ``finally`` (also when the block raises): each module's ``training`` flag and the
     parameter and buffer objects in each module (``.to`` may replace them), each parameter's storage
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
-    buffers the run changed in place (BatchNorm statistics in train mode). With ``seed`` the RNGs
-    are seeded for the block and restored after (``seeded_rng``). One traversal of the modules; the
-    run lock is held and the model is marked as running in this thread (see ``exclusive``).
+    buffers the run changed in place (BatchNorm statistics in train mode, a counter or moving average a
+    forward updates in any mode). With ``seed`` the RNGs are seeded for the block and restored after
+    (``seeded_rng``). One traversal of the modules; the run lock is held and the model is marked as
+    running in this thread (see ``exclusive``).
 
     The meta device cannot be undone in place: run a caller's model there through ``meta_copy``.
     """
@@ -168,10 +169,10 @@ def preserved(
         convert = device is not None or dtype is not None  # ``.to`` changes the storage of each tensor
         param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
                         p.grad.data if convert and p.grad is not None else None) for p in params]
-        # train mode may update buffers in place (running statistics); the native batch_norm does so
+        # a forward may update buffers in place in either mode (BatchNorm's running statistics in
+        # train mode, a user's step counter or moving average in any); the native batch_norm does so
         # without bumping the version counter, so every buffer's values are kept and copied back
-        buffer_values = [(b, b.detach().clone()) for b in {id(b): b for _, _, b in buffer_slots}.values()
-                         ] if train else []
+        buffer_values = [(b, b.detach().clone()) for b in {id(b): b for _, _, b in buffer_slots}.values()]
         devices = {p.device for p in params}
         if device is not None:
             devices.add(torch.device(device))
@@ -199,7 +200,9 @@ def preserved(
                             p.requires_grad_(requires_grad)
                     with torch.no_grad():
                         for b, snapshot in buffer_values:
-                            b.copy_(snapshot)
+                            # an inference tensor (made under inference_mode) is written only in that mode
+                            with torch.inference_mode() if b.is_inference() else nullcontext():
+                                b.copy_(snapshot)
                     for m, was_training in zip(modules, training):
                         m.training = was_training
         finally:
