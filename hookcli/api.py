@@ -52,11 +52,13 @@ def shapes(model: Any = None, **options: Any) -> Report:
 
 def stats(model: Any = None, **options: Any) -> Report:
     """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
-    from hookcli.engine.run import forward_report, prepare
+    from hookcli.engine.run import forward_report, prepare, require_values
     from hookcli.engine.state import exclusive
 
     with exclusive(model):
-        return forward_report(prepare(_options(model, options)), "stats", stats=True)
+        prep = prepare(_options(model, options))
+        require_values(prep, "stats")  # statistics of meta tensors would be a table of dashes
+        return forward_report(prep, "stats", stats=True)
 
 
 def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Report:

@@ -167,7 +167,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "inspect": lambda m, **o: hookcli.inspect(m, input_shapes=SHAPE, **o),
 }
 #: These need values, which the meta device has none of: they refuse it (UsageError).
-NEEDS_VALUES = {"features", "fmaps", "grads", "check"}
+NEEDS_VALUES = {"stats", "inspect", "features", "fmaps", "grads", "check"}
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
@@ -226,7 +226,7 @@ def test_meta_refuses_a_model_it_cannot_copy_and_leaves_it_alone() -> None:
     model.lock = threading.Lock()  # deepcopy cannot copy a lock
     before = snapshot(model)
     with pytest.raises(UsageError, match="meta device") as info:
-        hookcli.stats(model, input_shapes=SHAPE, device="meta")
+        hookcli.shapes(model, input_shapes=SHAPE, device="meta")
     assert info.value.hint and "cpu" in info.value.hint
     assert_same(before, snapshot(model))
 
@@ -247,7 +247,7 @@ def test_swapped_parameters_on_conversion_come_back() -> None:
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         hookcli.grads(model, input_shapes=SHAPE, dtype="float64", train=True, params="all")
-        hookcli.stats(model, input_shapes=SHAPE, device="meta")
+        hookcli.shapes(model, input_shapes=SHAPE, device="meta")
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
     assert_same(before, snapshot(model))
