@@ -23,6 +23,8 @@ from torch import nn
 
 from hookcli.options import InputSpec, parse_input_shape
 
+pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")  # nn.Transformer's own
+
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
 

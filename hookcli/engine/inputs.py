@@ -228,7 +228,8 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int, fill: str, g
                seed: int) -> ModelInputs | None:
     """Keyword inputs for a transformers model, from its forward's parameter names and its config:
     ``input_ids`` (+ ``attention_mask``) below the vocabulary size, ``pixel_values`` at the config's
-    image size, ``decoder_input_ids`` for encoder-decoders. None when forward takes none of these."""
+    image size, ``input_features`` (mel frames) / ``input_values`` (16000 samples) for audio models,
+    ``decoder_input_ids`` for encoder-decoders. None when forward takes none of these."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -240,14 +241,21 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int, fill: str, g
         channels = int(getattr(vision, "num_channels", 3) or 3)
         t, src = _fill((b, channels, int(h), int(w)), model_float_dtype(model), fill, gen, seed)
         named.append(("pixel_values", t, src))
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if "input_features" in params and isinstance(mels, int) and isinstance(positions, int):  # whisper-style audio
+        t, src = _fill((b, mels, 2 * positions), model_float_dtype(model), fill, gen, seed)
+        named.append(("input_features", t, src))
+    elif "input_values" in params and not named:  # raw audio (wav2vec2-style): one second at 16 kHz
+        t, src = _fill((b, 16000), model_float_dtype(model), fill, gen, seed)
+        named.append(("input_values", t, src))
     if "input_ids" in params and (_integer_high(model, "input_ids") != 10 or not named):
         for key in ("input_ids", "attention_mask"):
             if key in params:
                 t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, key)
                 named.append((key, t, src))
-        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-            t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, "decoder_input_ids")
-            named.append(("decoder_input_ids", t, src))
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and named:
+        t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, "decoder_input_ids")
+        named.append(("decoder_input_ids", t, src))
     return pack_inputs([], named) if named else None
 
 

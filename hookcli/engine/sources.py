@@ -96,7 +96,7 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
 
 #: Auto classes tried, in order, for a bare model type: a head whose output means something
 #: (language-model or class logits) before the bare backbone.
-_AUTO_ORDER = ("AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForCausalLM",
+_AUTO_ORDER = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModelForMaskedLM", "AutoModelForCausalLM",
                "AutoModelForImageClassification", "AutoModel")
 NOT_CACHED_HINT = ("download it where the network is reachable (huggingface-cli download NAME) or save it with "
                    "model.save_pretrained(DIR) and pass hf:DIR; hf:MODEL_TYPE builds a random model offline")
