@@ -50,3 +50,34 @@ def tiny_transformer() -> nn.Transformer:
     """An nn.Transformer (seq-first): forward(src, tgt)."""
     return nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                           dim_feedforward=16, dropout=0.0)
+
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass
+class Out:
+    """A dataclass output (not a mapping): walked by field, ``.logits``."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+class Pair(NamedTuple):
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+class StructuredOut(nn.Module):
+    """Returns a dataclass (``as_tuple=False``) or a named tuple of (hidden, logits)."""
+
+    def __init__(self, as_tuple: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+        self.as_tuple = as_tuple
+
+    def forward(self, x: torch.Tensor) -> Out | Pair:
+        hidden = torch.tanh(self.fc(x))
+        return (Pair if self.as_tuple else Out)(hidden, self.head(hidden))

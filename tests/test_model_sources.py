@@ -398,3 +398,41 @@ def test_seq_first_rnn_and_nn_transformer_inputs() -> None:
     assert [i.shape for i in gru.inputs] == [[5, 1, 6]]  # batch_first=False: [seq, batch, features]
     both = hookcli.shapes(seq_models.tiny_transformer(), seq_len=3, batch_size=2)
     assert [i.shape for i in both.inputs] == [[3, 2, 8], [3, 2, 8]]  # src and tgt
+
+
+@pytest.mark.parametrize("as_tuple", [False, True], ids=["dataclass", "namedtuple"])
+def test_output_key_picks_a_dataclass_or_namedtuple_field(cli: Any, as_tuple: bool) -> None:
+    import seq_models
+
+    report = run_json(cli, "grads", "seq_models:StructuredOut", "--model-arg", f"as_tuple={as_tuple}",
+                      "--input-shape", "2x4", "--output-key", "logits", "--loss", "sum", "--all", "--params", "none")
+    assert report["loss"]["output"] == ".logits"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = seq_models.StructuredOut(as_tuple).eval()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    fc_out = {}
+    handle = model.fc.register_forward_hook(lambda _m, _a, out: fc_out.setdefault("t", out))
+    loss = model(x).logits.sum()
+    handle.remove()
+    (want,) = torch.autograd.grad(loss, [fc_out["t"]])
+    got = {(r["name"], r["output"]): r for r in report["layers"]}[("fc", "")]["grad"]
+    for k, v in expected_stats(want).items():
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+
+
+def test_named_weights_for_timm_and_hf_are_refused_offline(cli: Any) -> None:
+    result = cli("shapes", "timm:test_resnet", "--weights", "DEFAULT")
+    assert result.exit_code == 2 and "never downloads" in result.stderr and "hint:" in result.stderr
+
+
+def test_timm_weights_file_is_loaded(cli: Any, tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = build_timm("test_vit", seed=7)  # weights hookcli's own seed (0) would not give
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    report = run_json(cli, "stats", "timm:test_vit", "--weights", tmp_path / "w.safetensors")
+    assert report["model"]["weights"] == f"file: {tmp_path / 'w.safetensors'}"
+    x = torch.randn((1, *model.pretrained_cfg["input_size"]), generator=torch.Generator().manual_seed(0))
+    outputs, _ = reference_outputs(model, x)
+    assert_layers_match(report["layers"], outputs, "stats")
