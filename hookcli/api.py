@@ -94,11 +94,12 @@ def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weig
                                         "model_source": model_source, "trust_pickle": trust_pickle}))
 
 
-def models(pattern: str | None = None) -> ModelList:
-    """torchvision's model names (with their family), filtered by a glob like ``resnet*``."""
+def models(pattern: str | None = None, source: str = "torchvision") -> ModelList:
+    """Model names filtered by a glob like ``resnet*``: torchvision's (with their family), or with
+    ``source="timm"`` timm's (``timm:NAME``), ``source="hf"`` transformers' model types (``hf:TYPE``)."""
     from hookcli.commands.modules import model_list
 
-    return model_list(pattern)
+    return model_list(pattern, source)
 
 
 def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: str | os.PathLike[str] | None = None,

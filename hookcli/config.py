@@ -130,7 +130,7 @@ STR, STRS = "string", "string or array of strings"
 
 #: Every option a config may set (normalised names), with the type it takes.
 OPTION_KEYS: dict[str, KeySpec] = {
-    "model": _spec(STR, "model spec: torchvision name, module:attr or file.py:attr", _str),
+    "model": _spec(STR, "model spec: torchvision name, module:attr, file.py:attr, timm:NAME or hf:TYPE", _str),
     "weights": _spec(STR, "weights file (or torchvision weights name)", _str),
     "model_args": _spec("table, or array of \"KEY=VALUE\" strings",
                         "keyword arguments for the model builder", _model_args),
@@ -139,6 +139,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
     "batch_size": _spec("integer > 0", "batch size of dummy inputs", integer(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
     "seed": _spec("integer >= 0", "random seed for dummy inputs", integer(0)),
+    "seq_len": _spec("integer > 0", "sequence length of generated token/sequence inputs", integer(1)),
     "layers": _spec(STRS, "layer name patterns to hook", _str_list),
     "types": _spec(STRS, "module type names to hook", _str_list),
     "depth": _spec("integer >= 0", "maximum module depth to hook", integer(0)),

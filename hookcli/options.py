@@ -195,7 +195,7 @@ INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "
 DTYPE_ALIASES: dict[str, str] = {**{n: n for n in INPUT_DTYPES}, "float": "float32", "fp32": "float32",
                                  "half": "float16", "fp16": "float16", "bf16": "bfloat16",
                                  "double": "float64", "long": "int64", "int": "int32"}
-SHAPE_EXAMPLE = "e.g. 2x3x224x224, 2,3,224,224 or 1x16:int64"
+SHAPE_EXAMPLE = "e.g. 2x3x224x224, 2,3,224,224, 1x16:int64 or input_ids=1x128:int64 (a keyword input)"
 
 
 @dataclass(frozen=True)
@@ -204,10 +204,20 @@ class InputSpec:
 
     shape: tuple[int, ...]
     dtype: str | None  # canonical torch dtype name; None = the model's default
+    name: str | None = None  # keyword argument of forward; None = positional
 
 
 def parse_input_shape(text: str) -> InputSpec:
-    """Parse ``2x3x224x224``, ``2,3,224,224`` or ``1x16:int64`` into an InputSpec."""
+    """Parse ``2x3x224x224``, ``2,3,224,224``, ``1x16:int64`` or ``NAME=SHAPE[:DTYPE]`` (a keyword
+    input of forward, e.g. ``input_ids=1x128:int64``) into an InputSpec."""
+    name: str | None = None
+    head, eq, rest = text.strip().partition("=")
+    if eq:
+        name = head.strip()
+        if not name.isidentifier():
+            raise UsageError(f"bad input name {short(head)!r} in input shape {short(text)!r}: expected NAME=SHAPE "
+                             "with NAME a forward argument", hint=SHAPE_EXAMPLE)
+        text = rest
     body, sep, dtype_text = text.strip().partition(":")
     dtype: str | None = None
     if sep:
@@ -223,7 +233,7 @@ def parse_input_shape(text: str) -> InputSpec:
     if math.prod(shape) > MAX_NUMEL:
         raise UsageError(f"input shape {short(text)!r} has {math.prod(shape):.3g} elements, more than a tensor can hold",
                          hint=SHAPE_EXAMPLE)
-    return InputSpec(shape, dtype)
+    return InputSpec(shape, dtype, name)
 
 
 #: The most elements a torch tensor may have (its sizes and strides are int64).
@@ -265,6 +275,7 @@ class RunOptions:
     batch_size: int | None = _flag("--batch-size")
     fill: Fill | str = _flag("--fill", Fill.randn)
     seed: int = _flag("--seed", 0)
+    seq_len: int | None = _flag("--seq-len")  # sequence length of generated token/sequence inputs (None: 128)
     layers: Sequence[str] | str | None = _flag("--layers")
     types: Sequence[str] | str | None = _flag("--types")
     depth: int | None = _flag("--depth")
@@ -328,6 +339,8 @@ class RunOptions:
                                  hint="check the path (relative paths start at the current directory)")
         opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
         opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
+        opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
+                                  hint="the sequence length of generated token inputs, e.g. --seq-len 128")
         opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
         opts.fill = member(Fill, opts.fill, "--fill")
         opts.depth = _check_int("--depth", opts.depth, 0, optional=True,

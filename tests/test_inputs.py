@@ -113,9 +113,9 @@ def test_optical_flow_default_is_two_frames() -> None:
     (tiny_models.Reused(), [1, 4], "float32", "fc1 (Linear)"),
     (nn.Sequential(nn.Conv2d(5, 2, 3), nn.ReLU()), [1, 5, 224, 224], "float32", "0 (Conv2d)"),
     (nn.Sequential(nn.Conv1d(2, 2, 3)), [1, 2, 64], "float32", "0 (Conv1d)"),
-    (tiny_models.Tied(), [1, 16], "int64", "embed (Embedding)"),
-    (tiny_models.TinyLSTM(), [1, 8, 5], "float32", "lstm (LSTM)"),
-    (nn.GRU(3, 4), [8, 1, 3], "float32", " (GRU)"),
+    (tiny_models.Tied(), [1, 128], "int64", "embed (Embedding)"),  # [batch, --seq-len (128)]
+    (tiny_models.TinyLSTM(), [1, 128, 5], "float32", "lstm (LSTM)"),
+    (nn.GRU(3, 4), [128, 1, 3], "float32", "(model) (GRU)"),
     (nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 1)), [1, 6], "float32", "0 (BatchNorm1d)"),
     (nn.Sequential(nn.ReLU()), [1, 3, 224, 224], "float32", "no layer with parameters"),
 ])

@@ -350,12 +350,14 @@ def modules(**values: Any) -> None:
 
 @main.command()
 @click.argument("pattern", required=False)
+@click.option("--source", type=click.Choice(["torchvision", "timm", "hf"]), default="torchvision", show_default=True,
+              help="Whose names: torchvision's, timm's (timm:NAME) or transformers' model types (hf:TYPE).")
 @output_options
-def models(pattern: str | None, **values: Any) -> None:
-    """torchvision model names, optionally filtered by a glob such as 'resnet*'."""
+def models(pattern: str | None, source: str, **values: Any) -> None:
+    """Model names, optionally filtered by a glob such as 'resnet*' (torchvision's unless --source)."""
     ctx = click.get_current_context()
     prepare_output(ctx, values)
-    _emit(api.models(pattern), fmt=values["format"], output=values["output"])
+    _emit(api.models(pattern, source), fmt=values["format"], output=values["output"])
 
 
 @main.command()

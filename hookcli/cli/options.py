@@ -130,8 +130,9 @@ model_options = _compose(
 """MODEL argument, how to build it, and whether its files may be unpickled."""
 
 input_options = _compose(
-    click.option("--input-shape", "input_shapes", multiple=True, metavar="SHAPE[:DTYPE]",
-                 help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; repeat for several inputs."),
+    click.option("--input-shape", "input_shapes", multiple=True, metavar="[NAME=]SHAPE[:DTYPE]",
+                 help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; NAME= makes it a keyword input "
+                 "(input_ids=1x128:int64); repeat for several inputs."),
     click.option("--input", "inputs", multiple=True, metavar="FILE",
                  help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable."),
     click.option("--batch-size", type=click.IntRange(min=1),
@@ -140,6 +141,8 @@ input_options = _compose(
                  show_default=True, help="How the dummy input is filled."),
     click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                  help="Random seed of the dummy input (0 to 2**64-1)."),
+    click.option("--seq-len", "seq_len", type=click.IntRange(min=1), metavar="N",
+                 help="Sequence length of generated token/sequence inputs (default 128)."),
 )
 """What goes into the model."""
 

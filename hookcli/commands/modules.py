@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 from hookcli._version import __version__
+from hookcli.errors import UsageError, did_you_mean
 from hookcli.engine.loading import list_torchvision_models
 from hookcli.engine.run import load, model_info
 from hookcli.engine.selection import module_depth
@@ -28,7 +31,25 @@ def module_tree(options: RunOptions) -> ModuleTree:
     return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
 
 
-def model_list(pattern: str | None = None) -> ModelList:
-    """torchvision's model names (with their family), filtered by a glob like ``resnet*``."""
-    listed = list_torchvision_models(pattern)
-    return ModelList(pattern=pattern, models=[{"name": n, "family": f} for n, f in listed], version=__version__)
+MODEL_SOURCES = ("torchvision", "timm", "hf")
+
+
+def model_list(pattern: str | None = None, source: str = "torchvision") -> ModelList:
+    """Model names a source can build, filtered by a case-insensitive glob like ``resnet*``:
+    torchvision's (with their family), timm's (``timm:NAME``) or transformers' model types
+    (``hf:TYPE``); timm and hf need their extras installed."""
+    if source not in MODEL_SOURCES:
+        raise UsageError(f"unknown model source {source!r}",
+                         hint=did_you_mean(str(source), MODEL_SOURCES) or f"choose one of: {', '.join(MODEL_SOURCES)}")
+    if source == "timm":
+        from hookcli.engine.sources import list_timm_models
+
+        rows = [{"name": f"timm:{n}", "family": "timm"} for n in list_timm_models(pattern)]
+    elif source == "hf":
+        from hookcli.engine.sources import model_types
+
+        rows = [{"name": f"hf:{n}", "family": "transformers"} for n in model_types()
+                if not pattern or fnmatch.fnmatchcase(n.lower(), pattern.lower())]
+    else:
+        rows = [{"name": n, "family": f} for n, f in list_torchvision_models(pattern)]
+    return ModelList(pattern=pattern, models=rows, version=__version__, source=source)

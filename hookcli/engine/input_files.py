@@ -101,13 +101,19 @@ def _decode(path: Path) -> torch.Tensor:
                          hint="is it a valid, complete image file?") from exc
 
 
-def _generic_preprocess(img: torch.Tensor, crop: int = 224) -> torch.Tensor:
-    """Resize the shorter side to 256 and center-crop 224 (scaled for other crops), scale to
-    [0, 1], ImageNet-normalise: the usual classification preprocessing when no preset exists."""
+def _generic_preprocess(img: torch.Tensor, crop: int | tuple[int, int] = 224, *, crop_pct: float = 224 / 256,
+                        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """Resize the shorter side to crop / crop_pct (256 for a 224 crop) and center-crop, scale to
+    [0, 1], normalise with ``mean``/``std`` (ImageNet's by default): the usual classification
+    preprocessing when no preset exists (timm models give their own size, crop_pct, mean and std)."""
     import torchvision.transforms.v2.functional as F
 
-    img = F.center_crop(F.resize(img, [crop * 256 // 224], antialias=True), [crop, crop])
-    return F.normalize(F.to_dtype(img, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+    h, w = (crop, crop) if isinstance(crop, int) else crop
+    img = F.center_crop(F.resize(img, [int(min(h, w) / crop_pct + 1e-6)], antialias=True), [h, w])
+    img = F.to_dtype(img, torch.float32, scale=True)
+    if img.shape[0] != len(mean):  # a model built for other channel counts (in_chans=1): grey
+        img = img.mean(dim=0, keepdim=True).expand(len(mean), -1, -1)
+    return F.normalize(img, list(mean), list(std))
 
 
 def image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInputs:
@@ -133,7 +139,12 @@ def image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInp
                   for img in raw]
         clip = torch.cat(frames, dim=1).unsqueeze(0)
         return pack_inputs([(clip, f"{label}, one clip of {plural(len(frames), 'frame')}")])
-    crop = transform_size(loaded, "crop_size", 224)
+    if loaded.input_config is not None:  # timm: its pretrained_cfg's size, crop_pct, mean and std
+        cfg = loaded.input_config
+        out = [_generic_preprocess(img, tuple(cfg["input_size"][1:]), crop_pct=cfg["crop_pct"], mean=cfg["mean"],
+                                   std=cfg["std"]) for img in raw]
+        return pack_inputs([(torch.stack(out), f"{label}, preprocessed with the model's pretrained_cfg")])
+    crop = _hf_image_size(loaded) or transform_size(loaded, "crop_size", 224)
     if tf is not None and family != "segmentation" and getattr(tf, "crop_size", [crop])[0] != crop:
         tf = None  # the preset crops for other weights than the model was built for (vit_h_14)
     out = [tf(img) if tf is not None else _generic_preprocess(img, crop) for img in raw]
@@ -142,6 +153,13 @@ def image_inputs(loaded: LoadedModel, paths: list[Path], label: str) -> ModelInp
         raise InputError(f"images differ in size after preprocessing: {sizes}",
                          hint="give images of one aspect ratio, or one image at a time")
     return pack_inputs([(torch.stack(out), label)])
+
+
+def _hf_image_size(loaded: LoadedModel) -> int | None:
+    """The square image size of a transformers vision config (``image_size``), else None."""
+    config = getattr(loaded.model, "config", None)
+    size = getattr(getattr(config, "vision_config", None) or config, "image_size", None)
+    return size if isinstance(size, int) and hasattr(config, "model_type") else None
 
 
 # --------------------------------------------------------------------------- tensor files

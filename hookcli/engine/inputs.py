@@ -70,27 +70,46 @@ def _first_leaf(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _fill(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Generator, seed: int,
-          model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
+          model: nn.Module | None = None, name: str | None = None) -> tuple[torch.Tensor, str]:
     """One tensor of ``fill`` kind and its source text. Integer dtypes get randint in [0, high):
-    2 for bool, the vocabulary size when ``model`` starts with an embedding, else 10."""
+    2 for bool, the vocabulary size for token ids (see ``_integer_high``), else 10; an integer
+    keyword input whose name says it is a mask (``attention_mask``) is all ones."""
     check_input_size(shape, dtype)
     try:
-        return _fill_unchecked(shape, dtype, fill, gen, seed, model)
+        return _fill_unchecked(shape, dtype, fill, gen, seed, model, name)
     except RuntimeError as exc:  # allocation failed (the size check passed: memory is in use)
         dims = "x".join(map(str, shape))
         raise InputError(f"cannot make an input of shape {_short(dims)}: {describe_exception(exc)}",
                          hint="use a smaller --input-shape or --batch-size") from exc
 
 
+def _integer_high(model: nn.Module | None, name: str | None) -> int:
+    """The exclusive upper bound of random integer inputs: the matching vocabulary size of a
+    transformers config (``input_ids``: vocab_size, ``token_type_ids``: type_vocab_size), the
+    ``num_embeddings`` of an embedding the input goes into, else 10."""
+    if model is None:
+        return 10
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "model_type"):
+        field = "type_vocab_size" if name == "token_type_ids" else "vocab_size"
+        for where in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
+            high = getattr(where, field, None) if where is not None else None
+            if isinstance(high, int) and high > 0:
+                return high
+    leaf = _input_module(model)
+    if leaf is not None and isinstance(leaf[1], (nn.Embedding, nn.EmbeddingBag)):
+        return int(leaf[1].num_embeddings)
+    return 10
+
+
 def _fill_unchecked(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Generator, seed: int,
-                    model: nn.Module | None = None) -> tuple[torch.Tensor, str]:
+                    model: nn.Module | None = None, name: str | None = None) -> tuple[torch.Tensor, str]:
     if fill in (Fill.ones, Fill.zeros):
         return (torch.ones if fill == Fill.ones else torch.zeros)(tuple(shape), dtype=dtype), str(fill)
+    if not (dtype.is_floating_point or dtype.is_complex) and name is not None and "mask" in name:
+        return torch.ones(tuple(shape), dtype=dtype), "ones (a mask)"
     if not (dtype.is_floating_point or dtype.is_complex):
-        leaf = _first_leaf(model) if model is not None else None
-        high = 2 if dtype == torch.bool else 10
-        if leaf is not None and isinstance(leaf[1], (nn.Embedding, nn.EmbeddingBag)) and high == 10:
-            high = int(leaf[1].num_embeddings)
+        high = 2 if dtype == torch.bool else _integer_high(model, name)
         t = torch.randint(0, high, tuple(shape), generator=gen, dtype=torch.int64).to(dtype)
         return t, f"randint(0, {high}, seed={seed})"
     make = torch.randn if fill == Fill.randn else torch.rand
@@ -98,33 +117,90 @@ def _fill_unchecked(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: to
     return make(tuple(shape), generator=gen, dtype=base).to(dtype), f"{fill}(seed={seed})"
 
 
-#: First layer type -> guessed input shape (given the layer and the batch size).
-_GUESSES: list[tuple[tuple[type, ...], Callable[[Any, int], tuple[int, ...]]]] = [
-    ((nn.Embedding, nn.EmbeddingBag), lambda m, b: (b, 16)),
-    ((nn.Linear,), lambda m, b: (b, m.in_features)),
-    ((nn.Conv1d, nn.ConvTranspose1d), lambda m, b: (b, m.in_channels, 64)),
-    ((nn.Conv2d, nn.ConvTranspose2d), lambda m, b: (b, m.in_channels, 224, 224)),
-    ((nn.Conv3d, nn.ConvTranspose3d), lambda m, b: (b, m.in_channels, 16, 112, 112)),
-    ((nn.RNNBase,), lambda m, b: (b, 8, m.input_size) if m.batch_first else (8, b, m.input_size)),
-    ((nn.BatchNorm1d,), lambda m, b: (b, m.num_features)),
-    ((nn.BatchNorm2d,), lambda m, b: (b, m.num_features, 224, 224)),
-    ((nn.LayerNorm,), lambda m, b: (b, *m.normalized_shape)),
+#: First layer type -> guessed input shape (given the layer, the batch size and the sequence length).
+_GUESSES: list[tuple[tuple[type, ...], Callable[[Any, int, int], tuple[int, ...]]]] = [
+    ((nn.Embedding, nn.EmbeddingBag), lambda m, b, t: (b, t)),
+    ((nn.Linear,), lambda m, b, t: (b, m.in_features)),
+    ((nn.Conv1d, nn.ConvTranspose1d), lambda m, b, t: (b, m.in_channels, 64)),
+    ((nn.Conv2d, nn.ConvTranspose2d), lambda m, b, t: (b, m.in_channels, 224, 224)),
+    ((nn.Conv3d, nn.ConvTranspose3d), lambda m, b, t: (b, m.in_channels, 16, 112, 112)),
+    ((nn.RNNBase,), lambda m, b, t: (b, t, m.input_size) if m.batch_first else (t, b, m.input_size)),
+    ((nn.BatchNorm1d,), lambda m, b, t: (b, m.num_features)),
+    ((nn.BatchNorm2d,), lambda m, b, t: (b, m.num_features, 224, 224)),
+    ((nn.LayerNorm,), lambda m, b, t: (b, *m.normalized_shape)),
 ]
 
+#: Containers that take a ``[batch, seq, features]`` sequence (``[seq, batch, features]`` unless
+#: batch_first): their leaves (attention projections) would give a wrong 2-D guess.
+_SEQUENCE_TYPES: tuple[type, ...] = (
+    nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer, nn.MultiheadAttention,
+)
+DEFAULT_SEQ_LEN = 128
 
-def _guess_user_shape(model: nn.Module, b: int) -> tuple[tuple[int, ...], torch.dtype, str]:
-    """Guess one input shape from the first parametrised leaf; the note says what it was."""
-    leaf = _first_leaf(model)
+
+def _sequence_layout(m: nn.Module) -> tuple[int, bool] | None:
+    """(feature size, batch_first) of a Transformer-family module or MultiheadAttention."""
+    attn = m if isinstance(m, nn.MultiheadAttention) else None
+    if isinstance(m, nn.Transformer):
+        layer = m.encoder.layers[0] if len(m.encoder.layers) else None
+        attn = layer.self_attn if layer is not None else None
+        return (int(m.d_model), bool(getattr(m, "batch_first", False))) if attn is None else (
+            int(m.d_model), bool(attn.batch_first))
+    if isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        attn = m.layers[0].self_attn if len(m.layers) else None
+    elif isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        attn = m.self_attn
+    if attn is None:
+        return None
+    return int(attn.embed_dim), bool(attn.batch_first)
+
+
+def _required_positional(model: nn.Module) -> int | None:
+    """How many positional parameters ``model.forward`` requires, or None when unreadable."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def _input_module(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The module that receives the input: the first Transformer-family module met before the first
+    parametrised leaf (``named_modules`` order, the model itself included), else that leaf."""
+    for name, module in model.named_modules():
+        if isinstance(module, _SEQUENCE_TYPES):
+            return name, module
+        if next(module.children(), None) is None and next(module.parameters(False), None) is not None:
+            return name, module
+    return None
+
+
+def _guess_user_shape(model: nn.Module, b: int,
+                      seq_len: int = DEFAULT_SEQ_LEN) -> tuple[tuple[int, ...], torch.dtype, str, int]:
+    """Guess one input shape from the module that receives the input; the note says what it was.
+    The last item is how many inputs of that shape the model takes (nn.Transformer: src and tgt)."""
+    leaf = _input_module(model)
     if leaf is None:
-        return (b, 3, 224, 224), torch.float32, "shape guessed (no layer with parameters)"
+        return (b, 3, 224, 224), torch.float32, "shape guessed (no layer with parameters)", 1
     name, m = leaf
+    where = f"shape guessed from {name or '(model)'} ({type(m).__name__})"
+    if isinstance(m, _SEQUENCE_TYPES) and (layout := _sequence_layout(m)) is not None:
+        features, batch_first = layout
+        shape = (b, seq_len, features) if batch_first else (seq_len, b, features)
+        wants = {nn.Transformer: 2, nn.TransformerDecoder: 2, nn.TransformerDecoderLayer: 2,
+                 nn.MultiheadAttention: 3}.get(type(m), 1)
+        required = _required_positional(model)
+        count = max(1, min(wants, required)) if required is not None else wants
+        return shape, torch.float32, where, count
     if not isinstance(m, nn.modules.lazy.LazyModuleMixin):  # lazy: sizes unknown until called
         for types, guess in _GUESSES:
             if isinstance(m, types):
                 dtype = torch.int64 if types[0] is nn.Embedding else torch.float32
-                return guess(m, b), dtype, f"shape guessed from {name} ({type(m).__name__})"
+                return guess(m, b, seq_len), dtype, where, 1
     note = f"shape guessed (default; first layer {name} is {type(m).__name__})"
-    return (b, 3, 224, 224), torch.float32, note
+    return (b, 3, 224, 224), torch.float32, note, 1
 
 
 def _example_inputs(model: nn.Module) -> ModelInputs | None:
@@ -148,18 +224,61 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
     return None
 
 
+def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int, fill: str, gen: torch.Generator,
+               seed: int) -> ModelInputs | None:
+    """Keyword inputs for a transformers model, from its forward's parameter names and its config:
+    ``input_ids`` (+ ``attention_mask``) below the vocabulary size, ``pixel_values`` at the config's
+    image size, ``input_features`` (mel frames) / ``input_values`` (16000 samples) for audio models,
+    ``decoder_input_ids`` for encoder-decoders. None when forward takes none of these."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    vision = getattr(config, "vision_config", None) or config
+    named: list[tuple[str, Any, str]] = []
+    if "pixel_values" in params and (size := getattr(vision, "image_size", None)) is not None:
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        channels = int(getattr(vision, "num_channels", 3) or 3)
+        t, src = _fill((b, channels, int(h), int(w)), model_float_dtype(model), fill, gen, seed)
+        named.append(("pixel_values", t, src))
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if "input_features" in params and isinstance(mels, int) and isinstance(positions, int):  # whisper-style audio
+        t, src = _fill((b, mels, 2 * positions), model_float_dtype(model), fill, gen, seed)
+        named.append(("input_features", t, src))
+    elif "input_values" in params and not named:  # raw audio (wav2vec2-style): one second at 16 kHz
+        t, src = _fill((b, 16000), model_float_dtype(model), fill, gen, seed)
+        named.append(("input_values", t, src))
+    if "input_ids" in params and (_integer_high(model, "input_ids") != 10 or not named):
+        for key in ("input_ids", "attention_mask"):
+            if key in params:
+                t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, key)
+                named.append((key, t, src))
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and named:
+        t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, "decoder_input_ids")
+        named.append(("decoder_input_ids", t, src))
+    return pack_inputs([], named) if named else None
+
+
 def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator,
-                    seed: int) -> ModelInputs:
+                    seed: int, seq_len: int = DEFAULT_SEQ_LEN) -> ModelInputs:
     """Per-model default inputs when neither shapes nor files are given."""
     found = _example_inputs(loaded.model)
     if found is not None:
         return found
     family, name, f32 = loaded.family, loaded.tv_name or "", model_float_dtype(loaded.model)
+    config = getattr(loaded.model, "config", None)
+    if family is None and config is not None and hasattr(config, "model_type"):  # transformers
+        made = _hf_inputs(loaded.model, config, b, seq_len, fill, gen, seed)
+        if made is not None:
+            return made
+    if family is None and loaded.input_config is not None:  # timm: its pretrained_cfg's input size
+        t, src = _fill((b, *loaded.input_config["input_size"]), f32, fill, gen, seed)
+        return pack_inputs([(t, f"{src}, size from the model's pretrained_cfg")])
     if family is None:
-        shape, dtype, note = _guess_user_shape(loaded.model, b)
+        shape, dtype, note, count = _guess_user_shape(loaded.model, b, seq_len)
         dtype = f32 if dtype.is_floating_point else dtype
-        t, src = _fill(shape, dtype, fill, gen, seed, loaded.model)
-        return pack_inputs([(t, f"{src}, {note}")])
+        made_inputs = [_fill(shape, dtype, fill, gen, seed, loaded.model) for _ in range(count)]
+        return pack_inputs([(t, f"{src}, {note}") for t, src in made_inputs])
     if family == "detection":  # a list of CHW images, as torchvision detection models take
         s = 300 if name.startswith("ssd300") else 320
         t, src = _fill((b, 3, s, s), f32, fill, gen, seed)
@@ -178,7 +297,8 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
-                fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False) -> ModelInputs:
+                fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False,
+                seq_len: int | None = None) -> ModelInputs:
     """Build CPU inputs for ``loaded.model``.
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
@@ -189,6 +309,8 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     per-family torchvision default, else a shape guessed from the model's first layer. ``fill``
     and ``seed`` apply to generated tensors only. ``trust_pickle`` lets torch.load unpickle
     arbitrary objects from .pt/.pth files (it runs code from them); else weights_only loading.
+    A spec with a name (``input_ids=1x128:int64``) is a keyword input. ``seq_len``: the sequence
+    length of generated token / sequence inputs (default 128).
     """
     fill = member(Fill, fill, "fill")
     if batch_size is not None and batch_size < 1:
@@ -207,16 +329,31 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         else:
             made = tensor_inputs(loaded, files, trust_pickle=trust_pickle)
     elif not shapes:
-        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed)
+        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len or DEFAULT_SEQ_LEN)
     else:
         fdt = model_float_dtype(loaded.model)
         guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else fdt
         guessed = fdt if guessed.is_floating_point else guessed
-        made = pack_inputs([
-            _fill((batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
-                  getattr(torch, spec.dtype) if spec.dtype else guessed, fill, gen, seed, loaded.model)
-            for spec in shapes])
+        names = [getattr(spec, "name", None) for spec in shapes]
+        if twice := sorted({n for n in names if n is not None and names.count(n) > 1}):
+            raise UsageError(f"keyword input {twice[0]!r} given twice", hint="give each --input-shape NAME=... once")
+        made_specs = [
+            (getattr(spec, "name", None), *_fill(
+                (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
+                getattr(torch, spec.dtype) if spec.dtype else _named_dtype(getattr(spec, "name", None), guessed),
+                fill, gen, seed, loaded.model, getattr(spec, "name", None)))
+            for spec in shapes]
+        made = pack_inputs([(t, src) for n, t, src in made_specs if n is None],
+                           [(n, t, src) for n, t, src in made_specs if n is not None])
     return made
+
+
+def _named_dtype(name: str | None, guessed: torch.dtype) -> torch.dtype:
+    """The dtype of an input given without one: int64 for token ids and masks by their keyword
+    (``input_ids``, ``attention_mask``), else what the model's first layer suggests."""
+    if name is not None and (name.endswith("_ids") or name == "ids" or "mask" in name):
+        return torch.int64
+    return guessed
 
 
 def model_float_dtype(model: nn.Module) -> torch.dtype:

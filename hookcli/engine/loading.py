@@ -59,11 +59,13 @@ class LoadedModel:
 
     model: nn.Module
     spec: str  # the spec as the user gave it
-    kind: str  # "torchvision" | "import" | "file" | "instance"
+    kind: str  # "torchvision" | "import" | "file" | "instance" | "timm" | "hf"
     family: str | None  # torchvision family; None for user models
     tv_name: str | None  # canonical torchvision name
     weights_enum: Any | None  # WeightsEnum entry for metadata/transforms only (no download)
     weights: str | None  # what was loaded: None, "DEFAULT", "IMAGENET1K_V2", "file: PATH"
+    #: timm: input_size (C, H, W), mean, std, crop_pct from its pretrained_cfg; None for other sources
+    input_config: dict[str, Any] | None = None
 
 
 def _shown_args(model_args: Mapping[str, Any]) -> str:
@@ -480,7 +482,10 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
     text = spec.strip()
     if not text:
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
-    if text.lower().startswith(TORCHVISION_PREFIX):
+    lowered = text.lower()
+    if lowered.startswith(("timm:", "hf:")):
+        return _load_extra_source(spec, text, args, weights, trust_pickle)
+    if lowered.startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
     if ":" not in text and not text.endswith(".py"):
         if os.path.isfile(text):
@@ -491,6 +496,28 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
     return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle)
+
+
+def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights: str | None,
+                       trust_pickle: bool) -> LoadedModel:
+    """``timm:NAME`` or ``hf:TYPE|DIR|ORG/NAME`` (optional extras), random init unless a weights file."""
+    from hookcli.engine import sources
+
+    prefix, _, name = text.partition(":")
+    if weights is not None and not looks_like_weights_file(weights):
+        raise WeightsError(f"--weights {weights!r} is not a file; hookcli never downloads {prefix} weights",
+                           hint="pass a local state-dict file (.safetensors, .pt, .bin), or hf:DIR for a "
+                           "save_pretrained directory")
+    try:
+        if prefix.lower() == "timm":
+            model = sources.build_timm(name, model_args)
+            kind, config = "timm", sources.timm_input_config(model, model_args)
+        else:
+            model, kind, config = sources.build_hf(name, model_args), "hf", None
+    except SystemExit as exc:
+        raise model_exited(exc, f"building {spec!r}") from exc
+    loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle) if weights is not None else None
+    return LoadedModel(model, spec, kind, None, None, None, loaded, config)
 
 
 # --------------------------------------------------------------------------- TorchScript

@@ -87,7 +87,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
-        trust_pickle=opts.trust_pickle,
+        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
     )
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))

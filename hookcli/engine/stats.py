@@ -384,8 +384,9 @@ def to_host(vectors: Sequence[Vector]) -> list[list[float]]:
 def iter_tensors(obj: Any, path: str = "", _level: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor inside a module output or input.
 
-    Paths: ``""`` for a plain tensor, ``[0]`` for tuple/list items, ``['out']`` for dict keys,
-    ``.logits`` for namedtuple and dataclass fields. None and other values are skipped.
+    Paths: ``""`` for a plain tensor, ``[0]`` for tuple/list items, ``['out']`` for mapping keys
+    (transformers' ``ModelOutput`` too: it is a dict of its non-None fields, ``['logits']``),
+    ``.logits`` for namedtuple and (non-mapping) dataclass fields. None and other values are skipped.
     """
     if isinstance(obj, torch.Tensor):
         yield path, obj

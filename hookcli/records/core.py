@@ -284,6 +284,7 @@ class ModelList:
     models: list[dict[str, str]]  # {"name": ..., "family": ...}
     version: str = ""
     command: str = "models"
+    source: str = "torchvision"  # "torchvision" | "timm" | "hf"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -291,6 +292,7 @@ class ModelList:
             "hookcli": self.version,
             "command": self.command,
             "pattern": self.pattern,
+            "source": self.source,
             "models": self.models,
             "partial": False,
         }
