@@ -219,7 +219,7 @@ class _Comparer:
         self.vs = vs
         self.pending: dict[Key, torch.Tensor] = {}
         self.tolerances: dict[Key, Tolerance] = {}
-        self.b_meta: dict[Key, tuple[list[int], str]] = {}
+        self.b_meta: dict[Key, tuple[list[int], str]] = {}  # in the order B produced them
 
     def __call__(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
         key = (name, call, path)
@@ -386,6 +386,9 @@ def _rows(records_a: list[LayerRecord], records_b: list[LayerRecord], outputs: _
     b_called = {_key(r): r for r in records_b if r.called}
     a_called = {_key(r): r for r in records_a if r.called}
     called_names = {r.name for r in records_a + records_b if r.called}
+    a_order = {key: i for i, key in enumerate(outputs.store.items)}  # run A's outputs as they were produced
+    b_order = {key: i for i, key in enumerate(outputs.b_meta)}
+    grad_order = {key: i for i, key in enumerate(gradients.b_meta)} if gradients is not None else {}
 
     def row_of(ra: LayerRecord | None, rb: LayerRecord | None) -> DiffRow:
         base = ra or rb
@@ -411,6 +414,8 @@ def _rows(records_a: list[LayerRecord], records_b: list[LayerRecord], outputs: _
             row.status = "ok" if row.errors.within else "diverged"
         else:
             row.status = "no_tensor"
+        row.order = a_order.get(key, len(a_order) + b_order.get(key, 0))
+        row.grad_order = grad_order.get(key, -1)
         if gradients is not None and ra is not None and rb is not None and row.status != "no_tensor":
             in_a, in_b = key in grads_a, key in gradients.b_meta
             if key in grad_errors:

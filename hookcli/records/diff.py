@@ -70,6 +70,10 @@ class DiffRow:
     errors: Errors | None = None
     grad: Errors | None = None  # --grads: the gradient of the loss w.r.t. this output, B vs A
     grad_status: str | None = None  # --grads: ok | diverged | shape | missing (in one run only)
+    #: When the output was produced (its forward hook ran; parents finish after their children), and
+    #: when its gradient arrived in backward: the first divergence is the earliest of these.
+    order: int = field(default=-1, compare=False)
+    grad_order: int = field(default=-1, compare=False)
 
     @property
     def label(self) -> str:
@@ -123,13 +127,14 @@ class DiffReport:
 
     @property
     def first_divergence(self) -> DiffRow | None:
-        """The first row in execution order (run A's) that diverged."""
-        return next((r for r in self.rows if r.diverged), None)
+        """The diverged row whose output was produced first (a module finishes after its children)."""
+        return min((r for r in self.rows if r.diverged), key=lambda r: r.order, default=None)
 
     @property
     def first_grad_divergence(self) -> DiffRow | None:
-        """The first gradient to diverge as backward runs (the last such row in forward order)."""
-        return next((r for r in reversed(self.rows) if r.grad_status not in (None, "ok")), None)
+        """The first gradient to diverge as backward runs (in the order gradients arrived)."""
+        return min((r for r in self.rows if r.grad_status not in (None, "ok")), key=lambda r: r.grad_order,
+                   default=None)
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeAlias, Union
 from hookcli.errors import OutputError, did_you_mean
 from hookcli.records import (
     CheckResult,
+    DiffReport,
     FeatureExport,
     FeatureMaps,
     InputInfo,
@@ -24,7 +25,7 @@ from hookcli.records import (
 )
 
 #: Anything a renderer accepts.
-Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult]  # noqa: UP007
+Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult, DiffReport]  # noqa: UP007
 
 
 class OutputFormat(str, enum.Enum):
