@@ -162,52 +162,72 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- comparing
 
 
+#: Elements compared at a time: the float64 working copies never exceed this (32 MB each).
+CHUNK = 1 << 22
+
+
 def compare(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Six numbers on ``b``'s device, no host sync: max|a-b|, ||a||, ||b||, ||a-b||, <a,b>, and
+    """Six numbers on ``b``'s device, no host sync: max|a-b|, ||a||^2, ||b||^2, ||a-b||^2, <a,b>, and
     max(|a-b| - rtol |a|) (within tolerance when it is <= atol).
 
-    Equal values (also equal infinities, and NaN against NaN) differ by 0. Computed in float64 when
-    either side is float64 (float32 on MPS, which has no float64), else in float32.
+    Equal values (also equal infinities, and NaN against NaN) differ by 0. Computed in float64 (float32
+    on MPS, which has none; cosine near 1 needs the precision), CHUNK elements at a time, so the
+    working copies stay small next to the activations.
     """
-    wide = torch.float64 in (a.dtype, b.dtype) and b.device.type != "mps"
-    ct = torch.float64 if wide else torch.float32
-    a = a.to(device=b.device, dtype=ct).reshape(-1)
-    b = b.to(dtype=ct).reshape(-1)
-    if a.numel() == 0:
-        return torch.zeros(6, dtype=torch.float64, device=b.device)
-    same = (a == b) | (a.isnan() & b.isnan())
-    d = torch.where(same, torch.zeros((), dtype=ct, device=b.device), (a - b).abs())
-    excess = (d - rtol * a.abs()).amax() if rtol else d.amax()
-    values = torch.stack([d.amax(), torch.linalg.vector_norm(a), torch.linalg.vector_norm(b),
-                          torch.linalg.vector_norm(d), torch.dot(a, b), excess])
-    return values.to(torch.float64)
+    ct = torch.float32 if b.device.type == "mps" else torch.float64
+    a = a.to(device=b.device).reshape(-1)
+    b = b.reshape(-1)
+    acc = torch.zeros(6, dtype=ct, device=b.device)  # max, |a|^2, |b|^2, |d|^2, <a,b>, excess
+    acc[0] = acc[5] = -math.inf if a.numel() else 0.0
+    for start in range(0, a.numel(), CHUNK):
+        x = a[start:start + CHUNK].to(ct)
+        y = b[start:start + CHUNK].to(ct)
+        same = (x == y) | (x.isnan() & y.isnan())
+        d = torch.where(same, torch.zeros((), dtype=ct, device=b.device), (x - y).abs())
+        excess = (d - rtol * x.abs()) if rtol else d
+        part = torch.stack([d.amax(), x.square().sum(), y.square().sum(), d.square().sum(), torch.dot(x, y),
+                            excess.amax()])
+        acc = torch.stack([torch.maximum(acc[0], part[0]), *(acc[1:5] + part[1:5]),
+                           torch.maximum(acc[5], part[5])])
+    return acc.to(torch.float64)
 
 
 def errors_from(values: list[float], atol: float) -> Errors:
     """The reported errors from ``compare``'s six numbers (host floats).
 
     rel_l2 = ||a-b|| / ||a|| (0 when both are 0, inf when only ||a|| is); cosine = <a,b> / (||a|| ||b||)
-    clamped to [-1, 1] (1 when both are all zeros, 0 when one is); sqnr_db = 20 log10(||a|| / ||a-b||)
+    computed as (||a||^2 + ||b||^2 - ||a-b||^2) / (2 ||a|| ||b||) when the norms are within 100x of
+    each other (precise near 1, exactly 1 for equal tensors), clamped to [-1, 1] (1 when both are all
+    zeros, 0 when one is); sqnr_db = 20 log10(||a|| / ||a-b||)
     (inf when a == b, also both zero; -inf when a is zero and b is not). NaN in, NaN out.
     """
-    max_abs, na, nb, nd, dot, excess = values
-    if any(math.isnan(v) for v in (na, nb, nd, dot)):
+    max_abs, sa, sb, sd, dot, excess = values
+    na, nb, nd = math.sqrt(sa), math.sqrt(sb), math.sqrt(sd)
+    within = not math.isnan(excess) and excess <= atol  # NaN/inf in the same places in both: equal
+    if any(math.isnan(v) or math.isinf(v) for v in (sa, sb, sd, dot)):
         nan = math.nan
-        return Errors(max_abs, nan, nan, nan, False)
+        return Errors(max_abs, nan, nan, nan, within)
     if nd == 0:
         rel, sqnr = 0.0, math.inf
     elif na == 0:
         rel, sqnr = math.inf, -math.inf
     else:
         rel = nd / na
-        sqnr = 20 * math.log10(na / nd) if math.isfinite(rel) else -math.inf
+        sqnr = 10 * math.log10(sa / sd) if math.isfinite(sa / sd) and sa / sd > 0 else 20 * math.log10(na / nd)
     if na == 0 and nb == 0:
         cos = 1.0
     elif na == 0 or nb == 0:
         cos = 0.0
     else:
-        cos = max(-1.0, min(1.0, dot / (na * nb))) if math.isfinite(na * nb) else math.nan
-    within = not math.isnan(excess) and excess <= atol
+        product = sa * sb  # sqrt(x * x) == x exactly: equal tensors give exactly 1
+        denom = math.sqrt(product) if math.isfinite(product) and product > 0 else na * nb
+        if 1e-4 < sa / sb < 1e4:
+            # 2<a,b> = ||a||^2 + ||b||^2 - ||a-b||^2: exact for equal tensors and precise near 1, where
+            # the summed <a,b> loses the digits that matter (not for norms far apart: cancellation)
+            cos = (sa + sb - sd) / (2 * denom)
+        else:
+            cos = dot / denom
+        cos = max(-1.0, min(1.0, cos))
     return Errors(max_abs, rel, cos, sqnr, within)
 
 
@@ -328,14 +348,17 @@ def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
     require_values(prep_b, "diff")
     prep_b = dataclasses.replace(prep_b, inputs=prep_a.inputs)  # the same input, cast as B runs
     notes: list[str] = []
-    if vs.model is not None and vs.weights is None:
+    if vs.weights is None and prep_b.loaded.model is not prep_a.loaded.model:
+        # B gets A's weights: building a model twice need not give the same random weights (an
+        # import that draws random numbers the first time only), and a refactor is compared as such
         if prep_b.loaded.kind == "instance":
             notes.append("run B's model was passed in: it runs with its own weights")
         else:
             kept = _share_weights(prep_a.loaded.model, prep_b.loaded.model)
-            notes.append("run B runs with run A's weights" + (
-                f" (except {', '.join(kept[:5])}{', ...' if len(kept) > 5 else ''}: no tensor of that "
-                "name and shape in A)" if kept else ""))
+            if vs.model is not None:
+                notes.append("run B runs with run A's weights" + (
+                    f" (except {', '.join(kept[:5])}{', ...' if len(kept) > 5 else ''}: no tensor of that "
+                    "name and shape in A)" if kept else ""))
     if not vs.changes():
         notes.append("run B changes nothing (no --vs-* option): every difference should be 0")
     if vs.compile:
@@ -399,7 +422,7 @@ def _rows(records_a: list[LayerRecord], records_b: list[LayerRecord], outputs: _
         if ra is not None:
             row.a_shape, row.a_dtype = ra.shape, ra.dtype
         if rb is not None:
-            row.b_shape, row.b_dtype = rb.shape, rb.dtype
+            row.b_shape, row.b_dtype, row.b_type = rb.shape, rb.dtype, rb.type
         key = _key(base)
         if rb is None:
             row.status = "only_a"

@@ -67,6 +67,7 @@ class DiffRow:
     b_shape: Shape | None = None
     a_dtype: str | None = None
     b_dtype: str | None = None
+    b_type: str | None = None  # run B's module class (``type`` is run A's, or B's for B-only rows)
     errors: Errors | None = None
     grad: Errors | None = None  # --grads: the gradient of the loss w.r.t. this output, B vs A
     grad_status: str | None = None  # --grads: ok | diverged | shape | missing (in one run only)
@@ -96,8 +97,9 @@ class DiffRow:
             "status": self.status,
             "final": self.final,
             "depth": self.depth,
-            "a": {"shape": self.a_shape, "dtype": self.a_dtype},
-            "b": {"shape": self.b_shape, "dtype": self.b_dtype},
+            "a": {"shape": self.a_shape, "dtype": self.a_dtype,
+                  "type": None if self.status in ("only_b", "not_called") else self.type},
+            "b": {"shape": self.b_shape, "dtype": self.b_dtype, "type": self.b_type},
             "errors": self.errors.to_dict() if self.errors else None,
         }
         if self.grad is not None or self.grad_status is not None:

@@ -26,6 +26,10 @@ def _shape(row: DiffRow) -> str:
     return f"{format_shape(row.a_shape)} -> {format_shape(row.b_shape)}"
 
 
+def _type(row: DiffRow) -> str:
+    return row.type if row.b_type in (None, row.type) else f"{row.type} -> {row.b_type}"
+
+
 def _dtype(row: DiffRow) -> str:
     if row.a_dtype == row.b_dtype or row.a_dtype is None or row.b_dtype is None:
         return row.a_dtype or row.b_dtype or "-"
@@ -67,7 +71,8 @@ def diff_columns(report: DiffReport) -> list[Column[DiffRow]]:
         Column("call", "", lambda r: Cell(str(r.call)), lambda r: r.call, table=False),
         Column("output", "", lambda r: Cell(r.output), lambda r: r.output, table=False),
         Column("final", "", lambda r: Cell(str(r.final)), lambda r: r.final, table=False),
-        Column("type", "Type", lambda r: Cell(r.type), lambda r: r.type, squeeze=1, min_width=8),
+        Column("type", "Type", lambda r: Cell(_type(r)), lambda r: r.type, squeeze=1, min_width=8),
+        Column("b_type", "", lambda r: Cell(""), lambda r: r.b_type, table=False),
         Column("shape", "Shape", lambda r: Cell(_shape(r)), lambda r: None, no_wrap=True, csv=False),
         Column("a_shape", "", lambda r: Cell(""), lambda r: csv_shape(r.a_shape), table=False),
         Column("b_shape", "", lambda r: Cell(""), lambda r: csv_shape(r.b_shape), table=False),
@@ -142,7 +147,7 @@ def footer_lines(report: DiffReport) -> list[list[str]]:
         parts.append(f"{counts['not_called']} not called")
     lines = [parts, tolerance_line(report)]
     first = report.first_divergence
-    lines.append([f"first divergence: {first.label} ({first.type}, {STATUS_WORDS[first.status]})"
+    lines.append([f"first divergence: {first.label} ({_type(first)}, {STATUS_WORDS[first.status]})"
                   + _errors_text(first.errors) if first else "first divergence: none"])
     if report.grads:
         g = report.first_grad_divergence
