@@ -147,20 +147,21 @@ def footer_lines(report: DiffReport) -> list[list[str]]:
         parts.append(f"{counts['not_called']} not called")
     lines = [parts, tolerance_line(report)]
     first = report.first_divergence
-    lines.append([f"first divergence: {first.label} ({_type(first)}, {STATUS_WORDS[first.status]})"
-                  + _errors_text(first.errors) if first else "first divergence: none"])
+    lines.append([f"first divergence: {first.label} ({_type(first)}, {STATUS_WORDS[first.status]})",
+                  *_errors_parts(first.errors)] if first else ["first divergence: none"])
     if report.grads:
         g = report.first_grad_divergence
-        lines.append([f"first gradient divergence (in backward order): {g.label} ({STATUS_WORDS[g.grad_status or '']})"
-                      + _errors_text(g.grad) if g else "first gradient divergence: none"])
+        lines.append([f"first gradient divergence (in backward order): {g.label} "
+                      f"({STATUS_WORDS[g.grad_status or '']})", *_errors_parts(g.grad)]
+                     if g else ["first gradient divergence: none"])
     return lines
 
 
-def _errors_text(errors: Errors | None) -> str:
+def _errors_parts(errors: Errors | None) -> list[str]:
     if errors is None:
-        return ""
-    return (f": max abs {format_number(errors.max_abs)}, rel L2 {format_number(errors.rel_l2)}, "
-            f"cosine {_format_cosine(errors.cosine)}, SQNR {format_db(errors.sqnr_db)} dB")
+        return []
+    return [f"max abs {format_number(errors.max_abs)}", f"rel L2 {format_number(errors.rel_l2)}",
+            f"cosine {_format_cosine(errors.cosine)}", f"SQNR {format_db(errors.sqnr_db)} dB"]
 
 
 def verdict(report: DiffReport) -> str:
