@@ -162,8 +162,8 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- comparing
 
 
-#: Elements compared at a time: the float64 working copies never exceed this (32 MB each).
-CHUNK = 1 << 22
+#: Elements compared at a time: the float64 working copies never exceed this (8 MB each).
+CHUNK = 1 << 20
 
 
 def compare(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -172,24 +172,29 @@ def compare(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
 
     Equal values (also equal infinities, and NaN against NaN) differ by 0. Computed in float64 (float32
     on MPS, which has none; cosine near 1 needs the precision), CHUNK elements at a time, so the
-    working copies stay small next to the activations.
+    working copies stay small next to the activations; sums of squares as dot products (no temporaries).
     """
     ct = torch.float32 if b.device.type == "mps" else torch.float64
     a = a.to(device=b.device).reshape(-1)
     b = b.reshape(-1)
-    acc = torch.zeros(6, dtype=ct, device=b.device)  # max, |a|^2, |b|^2, |d|^2, <a,b>, excess
-    acc[0] = acc[5] = -math.inf if a.numel() else 0.0
+    zero = torch.zeros((), dtype=ct, device=b.device)
+    parts = []
     for start in range(0, a.numel(), CHUNK):
         x = a[start:start + CHUNK].to(ct)
         y = b[start:start + CHUNK].to(ct)
-        same = (x == y) | (x.isnan() & y.isnan())
-        d = torch.where(same, torch.zeros((), dtype=ct, device=b.device), (x - y).abs())
-        excess = (d - rtol * x.abs()) if rtol else d
-        part = torch.stack([d.amax(), x.square().sum(), y.square().sum(), d.square().sum(), torch.dot(x, y),
-                            excess.amax()])
-        acc = torch.stack([torch.maximum(acc[0], part[0]), *(acc[1:5] + part[1:5]),
-                           torch.maximum(acc[5], part[5])])
-    return acc.to(torch.float64)
+        same = x == y  # also equal infinities, whose difference is NaN
+        same |= x.isnan() & y.isnan()
+        d = torch.where(same, zero, x - y)
+        low, high = torch.aminmax(d)
+        sums = [torch.dot(x, x), torch.dot(y, y), torch.dot(d, d), torch.dot(x, y)]
+        d.abs_()
+        if rtol:
+            d.sub_(x.abs(), alpha=rtol)  # x may be the caller's own tensor: never in place
+        parts.append(torch.stack([torch.maximum(-low, high), *sums, d.amax()]))
+    if not parts:
+        return torch.zeros(6, dtype=torch.float64, device=b.device)
+    acc = torch.stack(parts)
+    return torch.cat([acc[:, 0].amax().reshape(1), acc[:, 1:5].sum(0), acc[:, 5].amax().reshape(1)]).to(torch.float64)
 
 
 def errors_from(values: list[float], atol: float) -> Errors:
