@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli.commands.diff import compare, errors_from
+from hookcli.commands.diff_numbers import compare, errors_from
 
 # --------------------------------------------------------------------------- plain-torch references
 
