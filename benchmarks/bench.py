@@ -312,10 +312,42 @@ def bench_kernel(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def run_diff(model: Any, x: Any) -> None:
+    """`hookcli diff --all` on a model instance and input: run A stored on disk, run B compared as it runs
+    (no change applied: the same work as with one, without a second model in memory)."""
+    from hookcli.commands.diff import VsOptions, diff_report
+    from hookcli.options import RunOptions
+
+    path = os.path.join(HERE, ".bench_input.pt")
+    if not os.path.exists(path):
+        import torch
+
+        torch.save(x, path)
+    diff_report(RunOptions(model=model, model_source="python", inputs=[path], all_modules=True), VsOptions())
+
+
+def bench_diff(repeats: int) -> list[dict[str, Any]]:
+    """Issue 15: diff of resnet50 b8, every module, against two bare forwards; and its peak memory."""
+    model, x = _resnet50_case()
+    pair = alternate({"bare": lambda: run_bare(model, x), "diff": lambda: run_diff(model, x)}, max(1, repeats // 2))
+    target = "diff --all, resnet50 b8 224 CPU"
+    rows = [{"target": target, "variant": "hookcli diff / 2 bare", "seconds": round(pair["diff"], 3),
+             "ratio": round(pair["diff"] / (2 * pair["bare"]), 2), "goal": "<= 3",
+             "detail": f"bare {pair['bare']:.3f} s"}]
+    setup = "import sys; sys.path.insert(0, '.'); from bench import _resnet50_case, run_bare, run_diff; m, x = _resnet50_case()\n"
+    bare_mb = peak_rss_mb(setup + "run_bare(m, x); run_bare(m, x)")
+    diff_mb = peak_rss_mb(setup + "run_diff(m, x)")
+    biggest = 8 * 64 * 112 * 112 * 4 / 2**20 * 2  # the two largest activations (conv1/bn1 outputs), MB
+    rows.append({"target": "peak memory, same case", "variant": "diff - bare", "seconds": None,
+                 "ratio": round((diff_mb - bare_mb) / biggest, 2), "goal": "<= 1 (x two largest activations)",
+                 "detail": f"{diff_mb:.0f} MB vs {bare_mb:.0f} MB; two largest activations {biggest:.0f} MB"})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling", "kernel"], action="append")
+    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling", "kernel", "diff"], action="append")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
@@ -323,7 +355,7 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     benches = {"overhead": bench_overhead, "help": bench_help, "meta": bench_meta, "scaling": bench_scaling,
-               "kernel": bench_kernel}
+               "kernel": bench_kernel, "diff": bench_diff}
     rows: list[dict[str, Any]] = []
     for name, fn in benches.items():
         if args.only and name not in args.only:

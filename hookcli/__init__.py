@@ -11,7 +11,7 @@ from typing import Any
 from hookcli._version import __version__
 from hookcli.errors import HookcliError
 
-_API = ("shapes", "stats", "grads", "inspect", "modules", "models", "check", "features", "fmaps")
+_API = ("shapes", "stats", "grads", "inspect", "modules", "models", "check", "features", "fmaps", "diff")
 
 
 def __getattr__(name: str) -> Any:

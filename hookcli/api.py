@@ -21,10 +21,10 @@ from hookcli.options import RunOptions, check_option_names, model_is_instance
 if TYPE_CHECKING:
     from hookcli.commands.check.schema import CheckRules
     from hookcli.config import Config
-    from hookcli.records import CheckResult, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+    from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
-           "check_rules", "run_check", "publish_check", "kernel_status"]
+           "check_rules", "run_check", "publish_check", "diff", "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -186,6 +186,32 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
                        scale=scale)
     with exclusive(model):
         return run_fmaps(_options(model, options), spec, output=output)
+
+
+def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None, vs_dtype: str | None = None,
+         vs_device: str | None = None, vs_model: Any = None, vs_compile: bool = False, rtol: float | None = None,
+         atol: float | None = None, grads: bool = False, **options: Any) -> DiffReport:
+    """Run the model twice on the same input, A as ``options`` say and B with the ``vs_*`` changes,
+    and compare every selected output tensor (and the model's own output) call by call.
+
+    ``vs_model``: another spec (or module) with the same module names; it gets A's weights where
+    names and shapes match, unless ``vs_weights``. ``rtol``/``atol``: ``|a - b| <= atol + rtol |a|``
+    elementwise (defaults from the dtypes compared). ``grads``: also compare the gradient of the loss
+    (``loss``, ``target``, ``output_key`` options) w.r.t. each output. ``report.ok`` is whether the
+    model's final outputs agree; ``report.first_divergence`` the first row beyond tolerance.
+
+    >>> report = hookcli.diff("resnet18", input_shapes=["1x3x32x32"], vs_dtype="bfloat16", all_modules=True)
+    >>> report.first_divergence.label
+    """
+    import torch
+
+    from hookcli.commands.diff import VsOptions, diff_report
+    from hookcli.engine.state import exclusive
+
+    vs = VsOptions(weights=os.fspath(vs_weights) if vs_weights is not None else None, dtype=vs_dtype,
+                   device=vs_device, model=vs_model, compile=vs_compile, rtol=rtol, atol=atol, grads=grads)
+    with exclusive(model), exclusive(vs_model), torch.inference_mode(False):
+        return diff_report(_options(model, options), vs)
 
 
 def kernel_status() -> str:

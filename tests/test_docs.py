@@ -29,7 +29,7 @@ from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_th
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
-COMMAND_PAGES = ("shapes", "stats", "grads", "check", "features", "fmaps", "modules", "models")
+COMMAND_PAGES = ("shapes", "stats", "grads", "check", "features", "fmaps", "modules", "models", "diff")
 
 
 def rel(path: Path) -> str:

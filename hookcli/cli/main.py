@@ -30,10 +30,12 @@ from hookcli.cli.options import (
     META_OUTPUT,
     HookcliCommand,
     check_options,
+    diff_options,
     file_output_options,
     fmap_options,
     grad_options,
     input_options,
+    loss_options,
     model_options,
     output_options,
     prepare_output,
@@ -320,6 +322,31 @@ def check(**values: Any) -> None:
     api.publish_check(result, junit=values["junit"], github=values["github"])
     if not result.ok:
         raise CheckFailedError(result.headline(), result=result) from result.cause
+
+
+@main.command()
+@model_options
+@input_options
+@selection_options
+@run_options
+@diff_options
+@loss_options
+@output_options
+def diff(**values: Any) -> None:
+    """Run MODEL twice, A as given and B with the --vs-* changes, on the same input; compare each
+    selected output (and the model's output) call by call and name the first layer that diverges.
+
+    \b
+    Exit 0 when the model's final outputs agree within tolerance, 1 when they do not.
+    """
+    ctx, values = _start(values)
+    vs = {k: values[k] for k in ("vs_weights", "vs_dtype", "vs_device", "vs_model", "vs_compile", "rtol", "atol",
+                                 "grads")}
+    report = api.diff(**vs, **run_fields(ctx, values))
+    _emit(report, fmt=values["format"], output=values["output"])
+    if not report.ok:
+        raise CheckFailedError(f"diff: {report.headline()}",
+                               hint="see the first divergence above; --rtol/--atol set the tolerance")
 
 
 def _command_defaults(command: click.Command, defaults: dict[str, tuple[Any, str]]) -> None:

@@ -173,12 +173,17 @@ output_options = _compose(
 )
 """How the result is written."""
 
-grad_options = _compose(
+loss_options = _compose(
     click.option("--loss", type=_choice(Loss), default=Loss.auto.value, show_default=True,
                  help="Loss to backpropagate; auto: cross-entropy for (batch, classes) output, else sum."),
     click.option("--target", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Class index for ce/nll."),
     click.option("--output-key", metavar="KEY", help="Which tensor of a tuple/dict output the loss uses."),
+)
+"""Which loss the backward pass starts from (grads, check, diff --grads)."""
+
+grad_options = _compose(
+    loss_options,
     click.option("--params", "params", type=_choice(ParamScope), default=ParamScope.selected.value,
                  show_default=True, help="Parameters to report: of the selected modules, all, or none."),
     click.option("--clip", type=click.FloatRange(min=0, min_open=True), metavar="VALUE",
@@ -197,6 +202,24 @@ check_options = _compose(
                  help="Compare with a saved JSON report (hookcli shapes MODEL -f json -o FILE)."),
 )
 """CI outputs of ``check`` (rules and thresholds come from the config's [checks] table)."""
+
+
+diff_options = _compose(
+    click.option("--vs-weights", "vs_weights", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Run B loads this state-dict file (.pt/.pth/.safetensors) instead."),
+    click.option("--vs-dtype", "vs_dtype", help="Run B casts the model and float inputs to this dtype."),
+    click.option("--vs-device", "vs_device", help="Run B runs on this device (cpu, cuda, cuda:N, mps)."),
+    click.option("--vs-model", "vs_model", metavar="SPEC",
+                 help="Run B builds this model instead (same module names; it gets A's weights where "
+                 "names and shapes match, unless --vs-weights)."),
+    click.option("--vs-compile", "vs_compile", is_flag=True, help="Run B runs the model through torch.compile."),
+    click.option("--rtol", type=click.FloatRange(min=0), metavar="R",
+                 help="Relative tolerance: |a-b| <= atol + rtol*|a| elementwise (default: from the dtypes)."),
+    click.option("--atol", type=click.FloatRange(min=0), metavar="A",
+                 help="Absolute tolerance (default: from the dtypes)."),
+    click.option("--grads", is_flag=True, help="Also compare the gradient of the loss w.r.t. each selected output."),
+)
+"""What run B of ``diff`` changes, and how its outputs are compared with run A's."""
 
 
 def file_output_options(help_text: str) -> Callable[[F], F]:

@@ -60,6 +60,9 @@ class HookOptions:
     keep: KeepFn | None = None
     flops: bool = False
     observe: TensorFn | None = None
+    #: With ``grads``: called with (record name, call index, output path, gradient) as each selected
+    #: output's gradient arrives in backward (``diff --grads`` compares them).
+    keep_grad: KeepFn | None = None
 
 
 class RunObserver:
@@ -257,6 +260,8 @@ class HookSession:
                 return
             try:
                 entry.grad = self.reducer.reduce(grad, zeros=False)
+                if self.options.keep_grad is not None:
+                    self.options.keep_grad(call.name, call.call, entry.path, grad)
             except Exception as exc:
                 self.failed(exc, f"gradient hook on an output of {call.name or '(model)'}")
             self.last_grad_call = call

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeAlias, Union
 from hookcli.options import OutputFormat  # the closed vocabulary lives in a leaf (config.py reads it too)
 from hookcli.records import (
     CheckResult,
+    DiffReport,
     FeatureExport,
     FeatureMaps,
     InputInfo,
@@ -23,7 +24,7 @@ from hookcli.records import (
 )
 
 #: Anything a renderer accepts.
-Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult]  # noqa: UP007
+Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult, DiffReport]  # noqa: UP007
 
 
 _SUFFIX_FORMATS = {

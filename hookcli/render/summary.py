@@ -74,14 +74,19 @@ def format_loss(loss: dict[str, Any]) -> str:
 Line = list[str]
 
 
+def run_line(model: ModelInfo, inputs: list[InputInfo], device: str, mode: str) -> Line:
+    """The parts of the line describing a run: model, inputs, device, mode."""
+    parts = _model_parts(model) + [_input_part(i) for i in inputs]
+    return [p for p in [*parts, device, mode] if p]
+
+
 def header_lines(report: Renderable) -> list[Line]:
     """The line describing the run (model, inputs, device, mode), then the loss if any."""
     if isinstance(report, ModelList):
         return [[f"pattern: {report.pattern}"]] if report.pattern else []
     if isinstance(report, ModuleTree):
         return [_model_parts(report.model)]
-    parts = _model_parts(report.model) + [_input_part(i) for i in report.inputs]
-    lines = [[p for p in [*parts, report.device, report.mode] if p]]
+    lines = [run_line(report.model, report.inputs, report.device, report.mode)]
     if isinstance(report, (FeatureExport, FeatureMaps)):
         return lines
     if report.loss is not None:

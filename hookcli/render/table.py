@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hookcli.records import CheckResult, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
-from hookcli.render import checks, exports, summary
+from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.render import checks, diff, exports, summary
 from hookcli.render.columns import (
     Cell,
     Column,
@@ -179,6 +179,8 @@ class TableRenderer:
         """The report as text, ``width`` columns wide (default 120)."""
         if isinstance(report, CheckResult):
             return check_table(report, width=width, color=color)
+        if isinstance(report, DiffReport):
+            return diff_table(report, width=width, color=color)
         console = make_console(width, color)
         for parts in summary.header_lines(report):
             for line in summary.pack(parts, console.width):
@@ -237,3 +239,23 @@ def check_table(result: CheckResult, *, width: int | None = None, color: bool = 
     if result.report.failure is not None:  # the rows gathered before the model raised
         text += "\npartial report:\n" + TableRenderer().render(result.report, width=width, color=color)
     return text
+
+
+def diff_table(report: DiffReport, *, width: int | None = None, color: bool = False) -> str:
+    """Header (run A, run B), the rows, counts, tolerances, the first divergence and the verdict."""
+    console = make_console(width, color)
+    for parts in diff.header_lines(report):
+        for line in summary.pack(parts, console.width):
+            console.print(line_text(line))
+    for note in diff.notes(report):
+        console.print(line_text(note, "dim"))
+    console.print()
+    console.print(build_table("diff", diff.diff_columns(report), report.rows, diff.row_style, console.width))
+    console.print()
+    for parts in diff.footer_lines(report):
+        for line in summary.pack(parts, console.width):
+            console.print(line_text(line))
+    console.print(line_text(diff.verdict(report), "bold green" if report.ok else "bold red"))
+    out = console.file
+    assert isinstance(out, io.StringIO)
+    return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))

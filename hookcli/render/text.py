@@ -7,8 +7,8 @@ import io
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from hookcli.records import CheckResult, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
-from hookcli.render import checks, exports, summary
+from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.render import checks, diff, exports, summary
 from hookcli.render.columns import (
     Column,
     csv_columns,
@@ -64,6 +64,9 @@ class CsvRenderer:
         """The report as CSV text."""
         if isinstance(report, CheckResult):
             return check_csv(report)
+        if isinstance(report, DiffReport):
+            cols = diff.diff_columns(report)
+            return self._write(_union(cols), _rows(cols, report.rows))
         if isinstance(report, ModelList):
             cols: Sequence[Column[Any]] = model_list_columns()
             return self._write(_union(cols), _rows(cols, report.models))
@@ -137,6 +140,8 @@ class MarkdownRenderer:
         """The report as GitHub-flavoured Markdown."""
         if isinstance(report, CheckResult):
             return check_markdown(report)
+        if isinstance(report, DiffReport):
+            return diff_markdown(report)
         blocks: list[list[str]] = [[f"### {md_inline(summary.heading(report))}"]]
         blocks += [[md_inline(summary.SEP.join(line))] for line in summary.header_lines(report)]
         note_lines = summary.notes(report)
@@ -197,3 +202,16 @@ def check_csv(result: CheckResult) -> str:
     for rule in result.rules:
         writer.writerow({c.key: "" if c.raw(rule) is None else csv_cell(c.raw(rule)) for c in cols})
     return buf.getvalue()
+
+
+def diff_markdown(report: DiffReport) -> str:
+    """A heading with the verdict, the runs, the rows as a pipe table, then counts and divergences."""
+    mark = "PASSED" if report.ok else "FAILED"
+    blocks: list[list[str]] = [[f"### hookcli diff: {md_inline(report.model.spec)}: {mark}"]]
+    blocks += [[md_inline(summary.SEP.join(line))] for line in diff.header_lines(report)]
+    if report.notes:
+        blocks.append([f"- {md_inline(n)}" for n in diff.notes(report)])
+    blocks.append(md_table(diff.diff_columns(report), report.rows))
+    blocks += [[md_inline(summary.SEP.join(line))] for line in diff.footer_lines(report)]
+    blocks.append([f"**{md_inline(diff.verdict(report))}**"])
+    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
