@@ -436,7 +436,7 @@ def _check_device(text: str) -> str:
 
     try:
         device = torch.device(text)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError):
         raise UsageError(f"unknown --device {text!r}", hint="e.g. cpu, cuda, cuda:1, mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -16,7 +16,8 @@ from PIL import Image
 from torch import nn
 
 from hookcli.errors import InputError, UsageError
-from hookcli.engine.inputs import FILLS, InputSpec, make_inputs, parse_input_shape
+from hookcli.engine.inputs import make_inputs
+from hookcli.options import FILLS, InputSpec, parse_input_shape
 from hookcli.engine.loading import LoadedModel, from_instance, list_torchvision_models
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]

@@ -25,8 +25,8 @@ from hookcli.engine.loading import (
     from_instance,
     list_torchvision_models,
     load_model,
-    parse_model_args,
 )
+from hookcli.options import parse_model_args
 
 
 @pytest.fixture

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,15 +17,14 @@ from torch import nn
 
 import math
 
-from hookcli.errors import InputError, UsageError, describe_exception, did_you_mean
+from hookcli.errors import InputError, UsageError, describe_exception
 from hookcli.options import (
-    DTYPE_ALIASES, FILLS, INPUT_DTYPES, MAX_NUMEL, SHAPE_EXAMPLE, Fill, InputSpec, member, parse_input_shape,
+    MAX_NUMEL, Fill, InputSpec, member,
 )
 from hookcli.engine.loading import LoadedModel
 from hookcli.engine.model_inputs import (
-    IMAGE_SUFFIXES, TENSOR_SUFFIXES, ModelInputs, info_of, pack_inputs, plural, transform_size,
+    ModelInputs, pack_inputs, plural, transform_size,
 )
-from hookcli.records import InputInfo
 
 def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -9,7 +9,6 @@ downloads behind the user's back. Weights may also come from a local state-dict 
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import hashlib
 import importlib
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from hookcli.options import (
-    MODEL_ARG_HINT, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, parse_model_args, short as _short,
+    WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
 )
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,

@@ -21,27 +21,20 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
+from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
 from hookcli.engine.session import HookOptions, KeepFn, attach
 from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
-from hookcli.engine.loading import LoadedModel, from_instance, list_torchvision_models, load_model, refuse_torchscript
-from hookcli.options import RunOptions, check_option_names, model_is_instance
+from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
+from hookcli.options import RunOptions, model_is_instance
 from hookcli.engine.stats import iter_tensors, shape_of
 from hookcli.records import (
-    CheckResult,
     LayerRecord,
     FailureInfo,
-    FeatureExport,
-    FeatureMaps,
     ModelInfo,
-    ModelList,
-    ModuleRow,
-    ModuleTree,
     Report,
 )
-from hookcli.engine.selection import module_depth, select_modules
+from hookcli.engine.selection import select_modules
 from hookcli.engine.state import (
-    exclusive,
     lazy_tensor,
     meta_copy,
     model_device,

@@ -13,7 +13,6 @@ from typing import Any
 from hookcli.records import CheckResult, RuleResult
 from hookcli.render import summary
 from hookcli.render.columns import Cell, Column
-from hookcli.escape import csv_cell
 from hookcli.render.formats import format_number, format_shape, plain
 
 STATUS_STYLES = {"PASS": "green", "FAIL": "bold red", "WARN": "yellow", "SKIP": "dim"}
