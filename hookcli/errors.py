@@ -73,7 +73,7 @@ class InputError(UsageError):
 class ConfigError(UsageError):
     """A config file is unreadable or has unknown keys / wrong types."""
 
-    default_hint = 'fix the config file; every key it may set is listed in the README (Configuration)'
+    default_hint = 'fix the config file; docs/options.md (Config files) lists every key it may set'
 
 
 class OutputError(UsageError):

@@ -291,6 +291,47 @@ def _make_parents(target: Target) -> None:
 
 
 @contextlib.contextmanager
+def _mapped_errors(target: Target) -> Iterator[None]:
+    """An OSError raised in the block (also one behind a writer's own exception, such as safetensors'
+    Rust error naming an ``os error``) becomes OutputError naming ``target``; other errors pass."""
+    try:
+        yield
+    except Exception as exc:
+        os_exc = os_error_in(exc)
+        if os_exc is None or isinstance(exc, OutputError):
+            raise
+        raise _output_error(target, os_exc) from exc
+
+
+@contextlib.contextmanager
+def _replacing(target: Target) -> Iterator[str]:
+    """The name of a new temporary file beside ``target`` (missing directories created), renamed over
+    it when the block succeeds: fsynced by name (a writer may have replaced the file), given the old
+    file's mode and owner, renamed with SIGINT/SIGTERM held. When the block raises the temporary file
+    is removed and the old file is left as it was."""
+    tmp_name: str | None = None
+    _make_parents(target)
+    try:
+        with _mapped_errors(target):
+            with _signals_held():
+                fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
+                                                suffix=".tmp")
+                os.close(fd)
+            yield tmp_name
+            with open(tmp_name, "rb+") as tmp:
+                os.fsync(tmp.fileno())
+            _take_over(tmp_name, target)
+            with _signals_held():
+                os.replace(tmp_name, target.path)
+                tmp_name = None
+    finally:
+        if tmp_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+    _fsync_dir(target.path.parent)
+
+
+@contextlib.contextmanager
 def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]:
     """A binary stream to write an output to, committed when the block succeeds.
 
@@ -304,35 +345,12 @@ def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]
     if target.in_place:
         yield from _in_place(target)
         return
-    fd = -1
-    tmp_name: str | None = None
-    _make_parents(target)
-    try:
-        with _signals_held():
-            fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
-                                            suffix=".tmp")
-        stream = OutputStream(fd)
-        yield stream
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        _take_over(tmp_name, target)
-        with _signals_held():
-            os.replace(tmp_name, target.path)
-            tmp_name = None
-    except Exception as exc:
-        os_exc = os_error_in(exc)
-        if os_exc is None or isinstance(exc, OutputError):
-            raise
-        raise _output_error(target, os_exc) from exc
-    finally:
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
-    _fsync_dir(target.path.parent)
+    with _replacing(target) as tmp_name:
+        fd = os.open(tmp_name, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            yield OutputStream(fd)
+        finally:
+            os.close(fd)
 
 
 def _in_place(target: Target) -> Iterator[OutputStream]:
@@ -343,12 +361,8 @@ def _in_place(target: Target) -> Iterator[OutputStream]:
     except OSError as exc:
         raise _output_error(target, exc) from exc
     try:
-        yield OutputStream(fd)
-    except Exception as exc:
-        os_exc = os_error_in(exc)
-        if os_exc is None or isinstance(exc, OutputError):
-            raise
-        raise _output_error(target, os_exc) from exc
+        with _mapped_errors(target):
+            yield OutputStream(fd)
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -407,41 +421,14 @@ def atomic_path(path: str | os.PathLike[str] | Target) -> Iterator[Path]:
     if target.in_place:
         with tempfile.TemporaryDirectory(prefix="hookcli-") as scratch:
             tmp = Path(scratch) / target.path.name
-            try:
+            with _mapped_errors(target):
                 yield tmp
-            except Exception as exc:
-                os_exc = os_error_in(exc)
-                if os_exc is None or isinstance(exc, OutputError):
-                    raise
-                raise _output_error(target, os_exc) from exc
             with open_output(target) as out, open(tmp, "rb") as src:
                 while chunk := src.read(_CHUNK):
                     out.write(chunk)
         return
-    tmp_name: str | None = None
-    _make_parents(target)
-    try:
-        with _signals_held():
-            fd, tmp_name = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.",
-                                            suffix=".tmp")
-            os.close(fd)
+    with _replacing(target) as tmp_name:
         yield Path(tmp_name)
-        with open(tmp_name, "rb+") as tmp:
-            os.fsync(tmp.fileno())
-        _take_over(tmp_name, target)
-        with _signals_held():
-            os.replace(tmp_name, target.path)
-            tmp_name = None
-    except Exception as exc:
-        os_exc = os_error_in(exc)
-        if os_exc is None or isinstance(exc, OutputError):
-            raise
-        raise _output_error(target, os_exc) from exc
-    finally:
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
-    _fsync_dir(target.path.parent)
 
 
 __all__ = ["OutputStream", "Target", "atomic_path", "describe", "ensure_writable", "open_output",

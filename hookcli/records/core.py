@@ -81,6 +81,15 @@ class InputInfo:
         return {"name": self.name, "shape": self.shape, "dtype": self.dtype, "source": self.source}
 
 
+
+def call_label(name: str, call: int, calls: int, output: str = "") -> str:
+    """How a row names one output of one call: ``name``, ``name#call`` for a module called more than
+    once, plus the output path (``layer1.0.relu#1``, ``split[0]``); ``(model)`` for the root."""
+    base = name or "(model)"
+    if calls > 1:
+        base = f"{base}#{call}"
+    return base + output
+
 @dataclass
 class LayerRecord:
     """One tensor of one call of one selected module (or one 'not called' row)."""
@@ -105,10 +114,7 @@ class LayerRecord:
     @property
     def label(self) -> str:
         """Display name: ``name``, ``name#call`` for reused modules, plus the output path."""
-        base = self.name or "(model)"
-        if self.calls > 1:
-            base = f"{base}#{self.call}"
-        return base + self.output
+        return call_label(self.name, self.call, self.calls, self.output)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

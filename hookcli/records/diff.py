@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookcli.records.core import InputInfo, ModelInfo, Shape, envelope
+from hookcli.records.core import InputInfo, ModelInfo, Shape, call_label, envelope
 
 #: Row statuses. ``ok``: within tolerance; ``diverged``: beyond it; ``shape``: the shapes differ;
 #: ``only_a`` / ``only_b``: the call (or output tensor) happened in one run only; ``not_called``:
@@ -79,10 +79,7 @@ class DiffRow:
     @property
     def label(self) -> str:
         """``name``, ``name#call`` for reused modules, plus the output path (as report rows)."""
-        base = self.name or "(model)"
-        if self.calls > 1:
-            base = f"{base}#{self.call}"
-        return base + self.output
+        return call_label(self.name, self.call, self.calls, self.output)
 
     @property
     def diverged(self) -> bool:
