@@ -61,8 +61,14 @@ class _ModelArg(click.ParamType):
         return value if isinstance(value, tuple) else str(value)
 
 
-def _model_args(_ctx: click.Context, _param: click.Parameter, value: tuple[Any, ...]) -> dict[str, Any]:
-    return parse_model_args(value)
+def _model_args(ctx: click.Context, param: click.Parameter, value: tuple[Any, ...]) -> dict[str, Any]:
+    """The model's keyword arguments: a config's ``model_args``, each ``--model-arg`` given on the
+    command line overriding its key (Click alone would replace the whole config table)."""
+    given = parse_model_args(value)
+    from_config = (ctx.default_map or {}).get(param.name or "")
+    if from_config and ctx.get_parameter_source(param.name or "") == ParameterSource.COMMANDLINE:
+        return {**parse_model_args(from_config), **given}
+    return given
 
 
 def _read_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:

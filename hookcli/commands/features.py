@@ -307,6 +307,7 @@ def build_metadata(result: FeatureExport, prep: Prepared) -> dict[str, str]:
         "model_class": result.model.class_name,
         "model_source": result.model.source,
         "weights": result.model.weights or "",
+        "model_args": json.dumps(result.model.to_dict()["model_args"]),
         "inputs": json.dumps([i.to_dict() for i in result.inputs]),
         "device": result.device,
         "dtype": opts.dtype or "",

@@ -28,7 +28,7 @@ def module_tree(options: RunOptions) -> ModuleTree:
         )
         for name, module in loaded.model.named_modules()
     ]
-    return ModuleTree(model=model_info(loaded, opts.model_source), modules=rows, version=__version__)
+    return ModuleTree(model=model_info(loaded, opts.model_source, opts.model_args), modules=rows, version=__version__)
 
 
 MODEL_SOURCES = ("torchvision", "timm", "hf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
@@ -83,7 +83,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
     )
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
-    return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source))
+    return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source, opts.model_args))
 
 
 def require_values(prep: Prepared, command: str) -> None:
@@ -121,8 +121,9 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
                               trust_pickle=opts.trust_pickle)
 
 
-def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
-    """Size of the model: each parameter tensor counted once, also when shared or tied."""
+def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] | None = None) -> ModelInfo:
+    """Where the model came from (spec, source, weights, ``model_args``) and its size: each parameter
+    tensor counted once, also when shared or tied."""
     model = loaded.model
     params = list(model.parameters())
     buffers = list(model.buffers())
@@ -135,6 +136,7 @@ def model_info(loaded: LoadedModel, source: str) -> ModelInfo:
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         weights=loaded.weights,
+        model_args=dict(model_args or {}),
     )
 
 

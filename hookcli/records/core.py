@@ -54,6 +54,8 @@ class ModelInfo:
     param_bytes: int = 0
     buffer_bytes: int = 0
     weights: str | None = None
+    #: the keyword arguments the model was built with (``--model-arg``, a config's ``model_args``)
+    model_args: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,7 +67,20 @@ class ModelInfo:
             "param_bytes": self.param_bytes,
             "buffer_bytes": self.buffer_bytes,
             "weights": self.weights,
+            "model_args": {str(k): plain_value(v) for k, v in self.model_args.items()},
         }
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as JSON holds it: numbers, strings, booleans, None, lists and string-keyed dicts kept,
+    tuples and sets as lists, anything else (bytes, complex, objects) as its ``repr``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain_value(v) for v in value]
+    return repr(value)
 
 
 @dataclass

@@ -52,6 +52,8 @@ def heading(report: Renderable) -> str:
 
 def _model_parts(model: ModelInfo) -> list[str]:
     parts = [model.spec, model.class_name, f"from {model.source}"]
+    if model.model_args:
+        parts.append("args: " + ", ".join(f"{k}={v!r}" for k, v in model.model_args.items()))
     if model.weights:
         parts.append(f"weights: {model.weights}")
     return parts

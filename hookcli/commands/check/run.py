@@ -233,6 +233,8 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.
     if model is not None:
         fields.pop("model_source", None)
         fields["model"] = model
+    if isinstance(fields.get("model_args"), dict) and isinstance(options.get("model_args"), dict):
+        options = {**options, "model_args": {**fields["model_args"], **options["model_args"]}}  # key by key
     fields.update(options)
     fields.setdefault("params", "all")
     fields.setdefault("train", True)  # check the model as training sees it (BatchNorm batch statistics)
