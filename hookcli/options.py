@@ -30,7 +30,7 @@ DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float64": "float64", "double": "float64", "fp64": "float64",
 }
-LOSSES = ("auto", "ce", "nll", "sum", "mean")
+LOSSES = ("auto", "ce", "nll", "mean_square", "sum", "mean")
 PARAM_SCOPES = ("selected", "all", "none")
 #: Seeds torch's generators take as given (``torch.Generator.manual_seed`` reads them as uint64).
 MAX_SEED = 2**64 - 1

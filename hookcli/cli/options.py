@@ -95,10 +95,12 @@ output_options = _compose(
 """How the result is written."""
 
 grad_options = _compose(
-    click.option("--loss", type=click.Choice(["auto", "ce", "nll", "sum", "mean"]), default="auto", show_default=True,
-                 help="Loss to backpropagate; auto: cross-entropy for (batch, classes) output, else sum."),
+    click.option("--loss", type=click.Choice(["auto", "ce", "nll", "mean_square", "sum", "mean"]), default="auto",
+                 show_default=True,
+                 help="Loss to backpropagate; auto: the model's own loss output, else per-token cross-entropy for "
+                 "[batch, seq, vocab] logits, cross-entropy for [batch, classes], else mean(x**2)."),
     click.option("--target", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="Class index for ce/nll."),
+                 help="Class index for ce/nll on [batch, classes] output."),
     click.option("--output-key", metavar="KEY", help="Which tensor of a tuple/dict output the loss uses."),
     click.option("--params", "params", type=click.Choice(["selected", "all", "none"]), default="selected",
                  show_default=True, help="Parameters to report: of the selected modules, all, or none."),

@@ -146,6 +146,9 @@ class ParamRecord:
     norm: float | None
     grad: GradStats | None = None
     clipped: int | None = None
+    #: For a trainable parameter the loss gave no gradient: the other model outputs (paths) that
+    #: still depend on it, e.g. ``['pooler_output']``; ``[]`` when none does (cut off). None otherwise.
+    other_outputs: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -157,6 +160,8 @@ class ParamRecord:
         }
         if self.clipped is not None:
             data["clipped"] = self.clipped
+        if self.other_outputs is not None:
+            data["other_outputs"] = self.other_outputs
         return data
 
 

@@ -44,7 +44,7 @@ SEVERITIES = ("error", "warn")
 DEFAULTS: dict[str, dict[str, Any]] = {
     "finite": {"enabled": True, "severity": "error"},
     "output_shape": {"enabled": False, "severity": "error", "value": None},
-    "max_abs_activation": {"enabled": True, "severity": "warn", "value": 1e4},
+    "max_abs_activation": {"enabled": True, "severity": "error", "value": 1e4},
     "max_zero_fraction": {"enabled": True, "severity": "error", "value": 0.99},
     "dead_channels": {"enabled": True, "severity": "warn", "value": 0.5, "dim": 1, "min_values": 16},
     "grad_norm": {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
