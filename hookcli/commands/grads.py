@@ -158,7 +158,7 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
         # [batch, classes] or [batch, classes, d1, ...] (segmentation): class ``target`` everywhere
         labels = torch.full((out.shape[0], *out.shape[2:]), target, dtype=torch.long, device=out.device)
         value = fn(out.float(), labels)
-        return LossChoice(LOSS_NAMES[loss], path, target, value, f"class {target}")
+        return LossChoice(LOSS_NAMES[loss], path, target, value)  # ``target`` says it
     if loss == "mean_square":
         return LossChoice(LOSS_NAMES[loss], path, None, out.float().square().mean())
     value = out.float().sum() if loss == "sum" else out.float().mean()

@@ -292,7 +292,7 @@ def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult
     # modules with a parameter whose gradient is within limits: a sibling far below them (a bias before
     # a softmax or a normalisation) is cancelled downstream, not vanishing
     healthy = {_owner(p.name) for p in report.params if p.requires_grad and p.grad is not None
-               and not _too_small(rule, p)}
+               and len(p.shape) >= 2 and not _too_small(rule, p)}
     rows, recovered, cancelled = [], [], []
     for p in report.params:
         if not p.requires_grad or rule.ignored(p.name, "param"):
@@ -315,14 +315,16 @@ def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult
             if after is not None and after.grad is not None and not _too_small(rule, after):
                 recovered.append(p.name)
                 out = False
-            elif _owner(p.name) in healthy:
+            elif len(p.shape) <= 1 and _owner(p.name) in healthy:  # a bias-like shift, its weight learns
                 cancelled.append(p.name)
                 out = False
         else:
             msg = f"gradient norm {_fmt(value)} of {p.name} is above {_fmt(hi)} (exploding)"
-        rows.append((max(below, above) if out else -math.inf, p.name, value, [lo, hi], out, msg, severity))
+        explained = bool(recovered and recovered[-1] == p.name or cancelled and cancelled[-1] == p.name)
+        rows.append((-math.inf if explained else max(below, above), p.name, value, [lo, hi], out, msg, severity))
     rows.sort(key=lambda row: -row[0])
-    bad = [dict(_violation(name, v, lim, msg), severity=sev) for _, name, v, lim, out, msg, sev in rows if out]
+    bad = [dict(_violation(name, v, lim, msg), **({"severity": sev} if sev != "error" else {}))
+           for _, name, v, lim, out, msg, sev in rows if out]
     if not rows:
         return _result(rule, [], limit=[rule["min"], rule["max"]], ok_message="no trainable parameters to check")
     _, name, value, limit, _, _, _ = rows[0]
