@@ -202,6 +202,11 @@ def _emit(report: Any, *, fmt: str, output: str | None) -> None:
 
 
 def _width(to_terminal: bool) -> int:
+    from hookcli.cli.options import META_WIDTH
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().meta.get(META_WIDTH):
+        return int(ctx.find_root().meta[META_WIDTH])
     if os.environ.get("COLUMNS", "").isdigit():
         return int(os.environ["COLUMNS"])
     return shutil.get_terminal_size((160, 24)).columns if to_terminal else 160
@@ -282,11 +287,16 @@ def stats(**values: Any) -> None:
 @run_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
+@click.option("--sort", type=click.Choice(["norm", "max", "name"]),
+              help="Order layer and parameter rows: gradient norm or largest |gradient| (descending), or name.")
+@click.option("--top", type=click.IntRange(min=1), metavar="N",
+              help="Show only the first N layer rows and parameters (by gradient norm unless --sort).")
 @output_options
 def grads(**values: Any) -> None:
     """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
-    _emit(api.grads(**run_fields(ctx, values)), fmt=values["fmt"], output=values["output"])
+    _emit(api.grads(top=values["top"], sort=values["sort"], **run_fields(ctx, values)), fmt=values["fmt"],
+          output=values["output"])
 
 
 @main.command()
@@ -337,13 +347,16 @@ _command_defaults(check, {
 
 @main.command()
 @model_options
+@click.option("--depth", "-d", "tree_depth", type=click.IntRange(min=0), metavar="N",
+              help="Only modules down to depth N (0: the model itself, 1: its children, ...).")
 @output_options
 def modules(**values: Any) -> None:
     """The model's module tree (names, types, parameters) to choose --layers from."""
     ctx, values = _start(values)
     fields = run_fields(ctx, values)
     tree = api.modules(fields["model"], model_args=fields["model_args"], weights=fields["weights"],
-                       model_source=fields["model_source"], trust_pickle=fields["trust_pickle"])
+                       model_source=fields["model_source"], trust_pickle=fields["trust_pickle"],
+                       depth=values["tree_depth"])
     _emit(tree, fmt=values["fmt"], output=values["output"])
 
 

@@ -39,6 +39,20 @@ def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool
     return value
 
 
+#: ``ctx.meta`` key: the table width ``--width N`` asks for, or 0 for ``--no-truncate``.
+META_WIDTH = "hookcli.width"
+#: ``--no-truncate``: a table this wide never crops a cell.
+UNLIMITED_WIDTH = 100_000
+
+
+def _set_width(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name == "no_truncate" and value:
+        ctx.meta[META_WIDTH] = UNLIMITED_WIDTH
+    elif param.name == "width" and value is not None and ctx.meta.get(META_WIDTH) != UNLIMITED_WIDTH:
+        ctx.meta[META_WIDTH] = int(value)
+    return value
+
+
 model_options = _compose(
     click.argument("model", required=False),
     click.option("--model-arg", "model_arg", multiple=True, metavar="KEY=VALUE",
@@ -91,6 +105,10 @@ output_options = _compose(
                  help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
     click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                  help="Show tracebacks of errors."),
+    click.option("--width", type=click.IntRange(min=40), metavar="N", expose_value=False, callback=_set_width,
+                 help="Table width in columns (default: the terminal's, or $COLUMNS)."),
+    click.option("--no-truncate", "no_truncate", is_flag=True, expose_value=False, callback=_set_width,
+                 help="Never shorten names, shapes or other cells in tables (lines get as long as needed)."),
 )
 """How the result is written."""
 

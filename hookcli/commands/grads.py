@@ -7,6 +7,7 @@ gradient clipper: tensor hooks on the parameters clamp each gradient to [-clip, 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -182,6 +183,53 @@ def reached_from(roots: list[tuple[str, Any]], wanted: set[int]) -> dict[int, li
                 found.setdefault(id(variable), []).append(path or "(output)")
             stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
     return found
+
+
+SORT_KEYS = ("norm", "max", "name")
+
+
+def check_order(sort: str | None, top: int | None) -> None:
+    """UsageError for a ``sort`` key or ``top`` count that ``order_rows`` cannot use."""
+    if sort is not None and sort not in SORT_KEYS:
+        raise UsageError(f"unknown --sort {sort!r}", hint=f"choose one of: {', '.join(SORT_KEYS)}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        raise UsageError(f"--top must be an integer 1 or more, got {top!r}", hint="e.g. --top 10")
+
+
+def _grad_key(grad: dict[str, Any] | None, sort: str) -> float:
+    if not grad:
+        return -math.inf  # no gradient: last
+    value = grad.get("norm") if sort == "norm" else max(abs(grad.get("min") or 0.0), abs(grad.get("max") or 0.0))
+    if value is None:
+        return -math.inf
+    return math.inf if math.isnan(value) else float(value)  # NaN first: it is what one looks for
+
+
+def order_rows(report: Report, *, sort: str | None, top: int | None) -> Report:
+    """The layer and parameter rows sorted by gradient ``norm``, largest ``max`` |gradient| (both
+    descending; NaN first, rows without a gradient last) or ``name``, and cut to the ``top`` N."""
+    if sort is None and top is None:
+        return report
+    key = sort or "norm"
+
+    def ordered(rows: list[Any]) -> list[Any]:
+        if key == "name":
+            rows = sorted(rows, key=lambda r: r.name)
+        else:
+            rows = sorted(rows, key=lambda r: -_grad_key(r.grad, key))
+        return rows[:top] if top is not None else rows
+
+    shown = {"norm": "gradient norm", "max": "largest |gradient|", "name": "name"}[key]
+    total_layers, total_params = len(report.layers), len(report.params or [])
+    report.layers = ordered(report.layers)
+    if report.params is not None:
+        report.params = ordered(report.params)
+    if top is not None and (total_layers > top or total_params > top):
+        report.notes.append(f"showing the top {top} of {total_layers} layer rows and {total_params} parameters "
+                            f"by {shown} (--top)")
+    elif sort is not None:
+        report.notes.append(f"rows sorted by {shown} (--sort)")
+    return report
 
 
 def require_grad(obj: Any) -> Any:

@@ -101,6 +101,8 @@ class LayerRecord:
     grad_input: list[GradStats | None] | None = None
     raised: bool = False  # the module's forward raised (this is the failing call or one of its parents)
     flops: int | None = None
+    #: a module without a forward of its own (ModuleList, ModuleDict): never called by design
+    container: bool = False
 
     @property
     def label(self) -> str:
@@ -125,6 +127,8 @@ class LayerRecord:
         }
         if self.raised:
             data["raised"] = True
+        if self.container:
+            data["container"] = True
         if self.stats is not None:
             data["stats"] = self.stats
         if self.grad is not None or self.grad_input is not None:
