@@ -172,7 +172,8 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
 
 def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
           channels: int | str | Sequence[int] | None = None, sample: int = 0, call: int = 0,
-          output_key: str | None = None, scale: int | None = None, **options: Any) -> FeatureMaps:
+          output_key: str | None = None, scale: int | None = None, channel_dim: int | None = None,
+          **options: Any) -> FeatureMaps:
     """Draw one module's output channels as a grid (a bar strip for a (batch, features) output).
 
     ``channels``: the first N (default 64), ``"all"``, or indices (``[0, 5, 7]``, ``"0-15"``);
@@ -187,7 +188,7 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
     from hookcli.engine.state import exclusive
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
-                       scale=scale)
+                       scale=scale, channel_dim=channel_dim)
     with exclusive(model):
         return run_fmaps(_options(model, options), spec, output=output)
 

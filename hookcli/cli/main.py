@@ -386,14 +386,18 @@ def features(**values: Any) -> None:
 @model_options
 @input_options
 @fmap_options
+@click.option("--channel-dim", "channel_dim", type=click.Choice(["1", "3", "-1"]), metavar="1|3|-1",
+              help="Where a 4-D output keeps its channels: 1 [B, C, H, W] or 3/-1 channels-last [B, H, W, C] "
+              "(Swin); default: 1 unless dims 1 and 2 are equal and dim 3 is not.")
 @run_options
 @file_output_options("PNG file to draw the feature maps to.")
 def fmaps(**values: Any) -> None:
     """Draw one module's output channels as a grid of feature maps (PNG)."""
     ctx, values = _start(values)
+    channel_dim = int(values["channel_dim"]) if values["channel_dim"] is not None else None
     result = api.fmaps(layer=values["layer"], channels=values["channels"], sample=values["sample"],
                        call=values["call"], output_key=values["tensor_key"], scale=values["scale"],
-                       output=values["save_to"], **run_fields(ctx, values))
+                       channel_dim=channel_dim, output=values["save_to"], **run_fields(ctx, values))
     _emit(result, fmt=values["fmt"], output=None)
 
 
