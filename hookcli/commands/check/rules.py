@@ -43,7 +43,8 @@ class Observations:
     constant: set[TensorKey] = field(default_factory=set)
     #: The same measurements on a copy of the model after one SGD step (the second look), or None.
     stepped: tuple[Report, Observations] | None = None
-    #: parameter -> its change in one more SGD step, for parameters ``params_change`` saw unchanged.
+    #: parameter -> its gradient norm after the second look's small step, for parameters
+    #: ``params_change`` saw unchanged without a gradient to move them (nonzero: held by their init).
     grace: dict[str, float | None] = field(default_factory=dict)
     #: parameter -> the largest |gradient| the params_change steps gave it.
     grad_max: dict[str, float] = field(default_factory=dict)
@@ -375,7 +376,8 @@ def params_change(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
     tail = f"; {len(excused)} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
     return _result(rule, [], ok_where=top[1], ok_value=top[2],
                    ok_message=f"all {len(rows)} trainable parameters changed after {steps}" + tail
-                   + (f"; {len(recovered)} only after one more step (held by their initialisation at first): "
+                   + (f"; {len(recovered)} get a gradient once a first step has moved what held them "
+                      "(initialised so, e.g. behind a zero-initialised norm weight): "
                       + ", ".join(recovered[:3]) + (", ..." if len(recovered) > 3 else "") if recovered else "")
                    + (f"; {len(rounded)} have a gradient whose step is below their float resolution: "
                       + ", ".join(rounded[:3]) + (", ..." if len(rounded) > 3 else "") if rounded else ""))

@@ -219,40 +219,44 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
     return report, obs, cause
 
 
+#: The learning rate of the second look's single SGD step: enough to move a zero-initialised weight off
+#: zero, small enough that the loss does not saturate (a saturated loss has no gradient to look at).
+NUDGE_LR = 1e-3
+
+
 def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: Observations) -> None:
     """``params_change``'s SGD step(s) on a copy and, when a rule sees zeros that a zero or tiny
-    initialisation could explain, a second look at the stepped copy.
+    initialisation could explain, a second look at another copy after one small SGD step (``NUDGE_LR``).
 
     An output that is all zero, channels that are zero, a gradient below ``grad_norm.min`` or a
     parameter that did not move are "initialised so" (a zero-initialised norm weight, a layer scale of
-    1e-6) when one SGD step on the copy brings them to life, and "dead" when it does not (a ReLU behind
-    a bias of -10 gets no gradient, so no step changes it). The rules read ``obs.stepped`` (the copy's
-    measurements after the step) and ``obs.grace`` (changes after one more step) to tell them apart.
+    1e-6) when that step brings them to life, and "dead" when it does not (a ReLU behind a bias of -10
+    gets no gradient, so no step changes it). The rules read ``obs.stepped`` (the nudged copy's
+    measurements) and ``obs.grace`` (the nudged gradient norm of each parameter params_change saw unchanged).
     """
     change_rule = rules.get("params_change")
-    settings = (change_rule or rules.rules["params_change"]).settings
     trainable = [p.name for p in report.params or [] if p.requires_grad]
     names = [n for n in trainable if change_rule is None or not change_rule.ignored(n, "param")]
-    suspect = suspects(rules, report, obs)
-    if change_rule is None and not suspect:
-        return
-    copy_ = SteppedCopy(prep, trainable, settings["lr"])
-    changes = copy_.step(settings["steps"] if change_rule is not None else 1)
+    unchanged: list[str] = []
     if change_rule is not None:
-        obs.change_error = copy_.error
-        obs.changes = None if changes is None else {n: changes[n] for n in names if n in changes}
-        obs.grad_max = dict(copy_.grad_max)
-        if not names:
-            obs.changes = None
-    unchanged = [n for n, c in (changes or {}).items() if c == 0]
-    if copy_.error is not None or not (suspect or unchanged):
+        stepped = SteppedCopy(prep, trainable, change_rule["lr"])
+        changes = stepped.step(change_rule["steps"])
+        obs.change_error = stepped.error
+        obs.changes = None if changes is None or not names else {n: changes[n] for n in names if n in changes}
+        obs.grad_max = dict(stepped.grad_max)
+        unchanged = [n for n, c in (obs.changes or {}).items() if c == 0 and not obs.grad_max.get(n)]
+        del stepped
+    if not (suspects(rules, report, obs) or unchanged):
         return
-    stepped_report, stepped_obs, stepped_cause = measure(copy_.prepared(), rules)
-    if stepped_cause is None:
-        obs.stepped = (stepped_report, stepped_obs)
-    if unchanged:
-        later = copy_.step(1)
-        obs.grace = {n: later[n] for n in unchanged if later is not None and n in later}
+    nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    nudged.step(1)
+    if nudged.error is not None:
+        return
+    later, later_obs, later_cause = measure(nudged.prepared(), rules)
+    if later_cause is None:
+        obs.stepped = (later, later_obs)
+        norms = {p.name: float((p.grad or {}).get("norm") or 0.0) for p in later.params or [] if p.grad is not None}
+        obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
 
 
 def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
