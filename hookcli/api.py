@@ -66,32 +66,39 @@ def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Re
     return stats(model, **options) if with_stats else shapes(model, **options)
 
 
-def grads(model: Any = None, **options: Any) -> Report:
+def grads(model: Any = None, *, top: int | None = None, sort: str | None = None, **options: Any) -> Report:
     """Gradients of the loss w.r.t. each selected output tensor, and per-parameter gradients.
 
-    Options beyond ``shapes``: ``loss`` (auto|ce|nll|sum|mean), ``target``, ``output_key``,
+    Options beyond ``shapes``: ``loss`` (auto|ce|nll|mean_square|sum|mean), ``target``, ``output_key``,
     ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
-    defaults to 2 (BatchNorm needs more than one value per channel).
+    defaults to 2 (BatchNorm needs more than one value per channel). ``sort`` (norm|max|name) orders the
+    layer and parameter rows (largest gradient first), ``top`` keeps the first N of each (by norm
+    unless ``sort`` says otherwise); ``report.notes`` says what was left out.
     """
     import torch
 
-    from hookcli.commands.grads import backward_report
+    from hookcli.commands.grads import backward_report, check_order, order_rows
     from hookcli.engine.run import prepare
     from hookcli.engine.state import exclusive
 
+    check_order(sort, top)
     opts = _options(model, options)
     # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
     with exclusive(model), torch.inference_mode(False):
-        return backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+        report = backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+    return order_rows(report, sort=sort, top=top)
 
 
 def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
-            model_source: str | None = None, trust_pickle: bool = False) -> ModuleTree:
-    """The model's module tree (names, types, parameter counts), to choose ``--layers`` from."""
+            model_source: str | None = None, trust_pickle: bool = False, depth: int | None = None) -> ModuleTree:
+    """The model's module tree (names, types, parameter counts), to choose ``--layers`` from;
+    ``depth``: only modules down to that depth (0: the model, 1: its children, ...)."""
     from hookcli.commands.modules import module_tree
+    from hookcli.options import _check_int
 
+    depth = _check_int("--depth", depth, 0, optional=True, hint="--depth N lists modules down to depth N")
     return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
-                                        "model_source": model_source, "trust_pickle": trust_pickle}))
+                                        "model_source": model_source, "trust_pickle": trust_pickle}), depth)
 
 
 def models(pattern: str | None = None, source: str = "torchvision") -> ModelList:
@@ -168,7 +175,8 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
 
 def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
           channels: int | str | Sequence[int] | None = None, sample: int = 0, call: int = 0,
-          output_key: str | None = None, scale: int | None = None, **options: Any) -> FeatureMaps:
+          output_key: str | None = None, scale: int | None = None, channel_dim: int | None = None,
+          **options: Any) -> FeatureMaps:
     """Draw one module's output channels as a grid (a bar strip for a (batch, features) output).
 
     ``channels``: the first N (default 64), ``"all"``, or indices (``[0, 5, 7]``, ``"0-15"``);
@@ -183,7 +191,7 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
     from hookcli.engine.state import exclusive
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
-                       scale=scale)
+                       scale=scale, channel_dim=channel_dim)
     with exclusive(model):
         return run_fmaps(_options(model, options), spec, output=output)
 

@@ -339,8 +339,8 @@ def load_config(
 
 #: The config keys that are no flag's name: ``mode = "train" | "eval"`` sets ``--train/--eval``. Every
 #: other key is the name of the flag it sets (``input_shape``: ``--input-shape``, ``all``: ``--all``;
-#: ``model``: the MODEL argument; ``model_args``: ``--model-arg``, named like the option) or sets
-#: nothing any command has (``width``).
+#: ``model``: the MODEL argument; ``model_args``: ``--model-arg``, named like the option; ``width``:
+#: ``--width``).
 KEY_EXCEPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {"mode": ("train", lambda mode: mode == Mode.train)}
 
 

@@ -47,6 +47,7 @@ class Loss(StrEnum):
     auto = "auto"
     ce = "ce"
     nll = "nll"
+    mean_square = "mean_square"
     sum = "sum"
     mean = "mean"
 
@@ -57,6 +58,15 @@ class ParamScope(StrEnum):
     selected = "selected"
     all = "all"
     none = "none"
+
+
+class GradSort(StrEnum):
+    """How ``grads`` orders its layer and parameter rows (``--sort``): gradient norm or largest
+    |gradient| (descending), or name."""
+
+    norm = "norm"
+    max = "max"
+    name = "name"
 
 
 class Mode(StrEnum):

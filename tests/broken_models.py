@@ -104,3 +104,11 @@ class Explodes(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.small(x)) * 1.0 + self.big(self.small(x)))
+
+
+class DetachedBranch(UnusedParam):
+    """``unused`` now runs, but its output is detached before it reaches the loss: cut off (a bug)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.frozen(x))
+        return self.head(h) + 0 * self.unused(h).detach()

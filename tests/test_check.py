@@ -145,9 +145,9 @@ def test_dead_channels_counts_channels_zero_over_the_batch(cli, tmp_path: Path) 
     assert out.exit_code == 1 and "dead_channels at relu" in out.stderr
 
 
-def test_unused_parameter_fails_params_change_but_frozen_is_fine(cli, tmp_path: Path) -> None:
+def test_cut_off_parameter_fails_params_change_but_frozen_is_fine(cli, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model, x = bm.UnusedParam(), torch.randn(4, 4)
+    model, x = bm.DetachedBranch(), torch.randn(4, 4)
     no_grad = sorted(n for n, g in param_grads(model, x).items() if g is None)
     assert no_grad == ["unused.bias", "unused.weight"]
     result = check_on(model, x, tmp_path)
@@ -155,11 +155,25 @@ def test_unused_parameter_fails_params_change_but_frozen_is_fine(cli, tmp_path: 
     assert change.status == grad.status == "FAIL"
     assert sorted(v["where"] for v in change.violations) == no_grad  # frozen.* is not trainable: not listed
     assert sorted(v["where"] for v in grad.violations) == no_grad
-    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4")
+    assert "cut off" in grad.message
+    out = cli("check", "broken_models:DetachedBranch", "--input-shape", "4x4")
     assert out.exit_code == 1 and "params_change at unused" in out.stderr
 
 
-def test_exploding_model_fails_grad_norm_and_warns_on_activations(cli, tmp_path: Path) -> None:
+def test_never_called_parameter_is_a_warning(cli, tmp_path: Path) -> None:
+    """Issue 13: a module the forward never calls is reported (WARN), not a failure."""
+    torch.manual_seed(0)
+    model, x = bm.UnusedParam(), torch.randn(4, 4)
+    result = check_on(model, x, tmp_path)
+    grad = result.rule("grad_norm")
+    assert grad.status == "WARN" and "never called" in grad.message
+    assert sorted(v["where"] for v in grad.violations) == ["unused.bias", "unused.weight"]
+    assert result.rule("params_change").status == "PASS"
+    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4")
+    assert out.exit_code == 0
+
+
+def test_exploding_model_fails_grad_norm_and_activations(cli, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x = bm.Explodes(), torch.randn(4, 4)
     norms = {n: g.double().norm().item() for n, g in param_grads(model, x).items()}
@@ -170,7 +184,7 @@ def test_exploding_model_fails_grad_norm_and_warns_on_activations(cli, tmp_path:
     grad, act = result.rule("grad_norm"), result.rule("max_abs_activation")
     assert grad.status == "FAIL" and grad.offender == worst and grad.value == pytest.approx(norms[worst], rel=1e-4)
     assert {v["where"] for v in grad.violations} == {n for n, v in norms.items() if v > 1e4}
-    assert act.status == "WARN" and act.value == pytest.approx(max(peaks.values()), rel=1e-5)
+    assert act.status == "FAIL" and act.value == pytest.approx(max(peaks.values()), rel=1e-5)  # error (issue 13)
     assert cli("check", "broken_models:Explodes", "--input-shape", "4x4").exit_code == 1
 
 
@@ -274,7 +288,7 @@ def test_pyproject_tool_hookcli_checks(cli, tmp_path: Path, monkeypatch: pytest.
 
 def test_junit_xml(cli, tmp_path: Path) -> None:
     junit = tmp_path / "junit.xml"
-    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "--junit", junit)
+    out = cli("check", "broken_models:DetachedBranch", "--input-shape", "4x4", "--junit", junit)
     assert out.exit_code == 1
     root = ET.parse(junit).getroot()
     cases = root.findall("./testsuite/testcase")
@@ -293,15 +307,15 @@ def test_escape_functions() -> None:
 
 def test_github_annotations_on_stderr(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
-    out = cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "-f", "json")
+    out = cli("check", "broken_models:DetachedBranch", "--input-shape", "4x4", "-f", "json")
     assert out.exit_code == 1
     json.loads(out.stdout)  # stdout stays pure JSON
     lines = [line for line in out.stderr.splitlines() if line.startswith("::")]
     assert [line.split(" ", 1)[0] for line in lines] == ["::error", "::error"]
     title, message = lines[0].split("::", 2)[1:]
-    assert title.startswith("error title=hookcli check grad_norm at unused.weight (broken_models%3AUnusedParam)")
+    assert title.startswith("error title=hookcli check grad_norm at unused.weight (broken_models%3ADetachedBranch)")
     assert "%0A- unused.bias" in message and "\n" not in message
-    assert cli("check", "broken_models:UnusedParam", "--input-shape", "4x4", "--no-github").stderr.count("::") == 0
+    assert cli("check", "broken_models:DetachedBranch", "--input-shape", "4x4", "--no-github").stderr.count("::") == 0
 
 
 def test_step_summary_is_appended(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

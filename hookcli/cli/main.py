@@ -24,6 +24,7 @@ from hookcli.errors import (
     EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
 )
 
+from hookcli.options import GradSort, values_of
 from hookcli.cli.options import (
     META_CONFIG,
     META_DEBUG,
@@ -205,6 +206,11 @@ def _emit(report: Any, *, fmt: str, output: str | None) -> None:
 
 
 def _width(to_terminal: bool) -> int:
+    from hookcli.cli.options import META_WIDTH
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().meta.get(META_WIDTH):
+        return int(ctx.find_root().meta[META_WIDTH])
     if os.environ.get("COLUMNS", "").isdigit():
         return int(os.environ["COLUMNS"])
     return shutil.get_terminal_size((160, 24)).columns if to_terminal else 160
@@ -287,11 +293,16 @@ def stats(**values: Any) -> None:
 @run_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
+@click.option("--sort", type=click.Choice(values_of(GradSort)),
+              help="Order layer and parameter rows: gradient norm or largest |gradient| (descending), or name.")
+@click.option("--top", type=click.IntRange(min=1), metavar="N",
+              help="Show only the first N layer rows and parameters (by gradient norm unless --sort).")
 @output_options
 def grads(**values: Any) -> None:
     """Gradients of the loss with respect to each selected output, and per-parameter gradients."""
     ctx, values = _start(values)
-    _emit(api.grads(**run_fields(ctx, values)), fmt=values["format"], output=values["output"])
+    _emit(api.grads(top=values["top"], sort=values["sort"], **run_fields(ctx, values)), fmt=values["format"],
+          output=values["output"])
 
 
 @main.command()
@@ -367,11 +378,13 @@ _command_defaults(check, {
 
 @main.command()
 @model_options
+@click.option("--depth", "-d", "tree_depth", type=click.IntRange(min=0), metavar="N",
+              help="Only modules down to depth N (0: the model itself, 1: its children, ...).")
 @output_options
 def modules(**values: Any) -> None:
     """The model's module tree (names, types, parameters) to choose --layers from."""
     ctx, values = _start(values)
-    tree = api.modules(**run_fields(ctx, values))
+    tree = api.modules(depth=values["tree_depth"], **run_fields(ctx, values))
     _emit(tree, fmt=values["format"], output=values["output"])
 
 
@@ -403,14 +416,18 @@ def features(**values: Any) -> None:
 @model_options
 @input_options
 @fmap_options
+@click.option("--channel-dim", "channel_dim", type=click.Choice(["1", "3", "-1"]), metavar="1|3|-1",
+              help="Where a 4-D output keeps its channels: 1 [B, C, H, W] or 3/-1 channels-last [B, H, W, C] "
+              "(Swin); default: 1 unless dims 1 and 2 are equal and dim 3 is not.")
 @run_options
 @file_output_options("PNG file to draw the feature maps to.")
 def fmaps(**values: Any) -> None:
     """Draw one module's output channels as a grid of feature maps (PNG)."""
     ctx, values = _start(values)
+    channel_dim = int(values["channel_dim"]) if values["channel_dim"] is not None else None
     result = api.fmaps(layer=values["layer"], channels=values["channels"], sample=values["sample"],
-                       call=values["call"], scale=values["scale"], output=values["save_to"],
-                       **run_fields(ctx, values))
+                       call=values["call"], scale=values["scale"], channel_dim=channel_dim,
+                       output=values["save_to"], **run_fields(ctx, values))
     _emit(result, fmt=values["format"], output=None)
 
 

@@ -118,6 +118,20 @@ def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool
     return value
 
 
+#: ``ctx.meta`` key: the table width ``--width N`` asks for, or 0 for ``--no-truncate``.
+META_WIDTH = "hookcli.width"
+#: ``--no-truncate``: a table this wide never crops a cell.
+UNLIMITED_WIDTH = 100_000
+
+
+def _set_width(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name == "no_truncate" and value:
+        ctx.meta[META_WIDTH] = UNLIMITED_WIDTH
+    elif param.name == "width" and value is not None and ctx.meta.get(META_WIDTH) != UNLIMITED_WIDTH:
+        ctx.meta[META_WIDTH] = int(value)
+    return value
+
+
 model_options = _compose(
     click.argument("model", required=False),
     click.option("--model-arg", "model_args", multiple=True, type=_ModelArg(), callback=_model_args,
@@ -176,14 +190,19 @@ output_options = _compose(
                  help="Write the output to FILE (atomically; missing directories are created) instead of stdout."),
     click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
                  help="Show tracebacks of errors."),
+    click.option("--width", type=click.IntRange(min=40), metavar="N", expose_value=False, callback=_set_width,
+                 help="Table width in columns (default: the terminal's, or $COLUMNS)."),
+    click.option("--no-truncate", "no_truncate", is_flag=True, expose_value=False, callback=_set_width,
+                 help="Never shorten names, shapes or other cells in tables (lines get as long as needed)."),
 )
 """How the result is written."""
 
 loss_options = _compose(
     click.option("--loss", type=_choice(Loss), default=Loss.auto.value, show_default=True,
-                 help="Loss to backpropagate; auto: cross-entropy for (batch, classes) output, else sum."),
+                 help="Loss to backpropagate; auto: the model's own loss output, else per-token cross-entropy for "
+                 "[batch, seq, vocab] logits, cross-entropy for [batch, classes], else mean(x**2)."),
     click.option("--target", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="Class index for ce/nll."),
+                 help="Class index for ce/nll on [batch, classes] output."),
     click.option("--output-key", metavar="KEY", help="Which tensor of a tuple/dict output the loss uses."),
 )
 """Which loss the backward pass starts from (grads, check, diff --grads)."""

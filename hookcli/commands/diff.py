@@ -139,7 +139,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
                     output = fn(*args, **kwargs)
                     session.raise_error()
                     if grads:
-                        choice = _loss(output, opts)
+                        choice = _loss(output, opts, (args, kwargs), model)
                         del output
                         leaves = [p for p in model.parameters() if p.requires_grad]
                         leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]

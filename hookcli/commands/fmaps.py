@@ -64,9 +64,16 @@ class FmapOptions:
     call: int = 0
     output_key: str | None = None
     scale: int | None = None
+    #: Which dimension of a 4-D output holds the channels: 1 ([B, C, H, W]) or 3 / -1 ([B, H, W, C], Swin's
+    #: and ConvNeXt-block's channels-last); None: 1, unless dims 1 and 2 are equal and 3 is not (channels-last).
+    channel_dim: int | None = None
 
     def validate(self) -> FmapOptions:
         opts = replace(self)
+        if opts.channel_dim is not None and (isinstance(opts.channel_dim, bool) or not isinstance(opts.channel_dim, int)
+                                             or opts.channel_dim not in (1, 3, -1)):
+            raise UsageError(f"--channel-dim must be 1 (channels first) or 3 / -1 (channels last), got "
+                             f"{_short(repr(opts.channel_dim))}", hint="e.g. --channel-dim -1 for [B, H, W, C] outputs")
         if not isinstance(opts.layer, str) or not opts.layer.strip():
             raise UsageError("fmaps needs a module: --layer NAME", hint="list them with: hookcli modules MODEL")
         opts.layer = opts.layer.strip()
@@ -326,6 +333,11 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
                          device=report.device, mode=report.mode, call=spec.call, calls=calls, output=path,
                          shape=got.shape, dtype=dtype_name(got.dtype), sample=spec.sample, version=__version__)
     x = _drawable(got, shown_label, spec.sample)
+    if x.dim() == 3 and _channels_last(got.shape, spec.channel_dim):
+        x = x.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
+        how = "--channel-dim" if spec.channel_dim is not None else "its dims 1 and 2 are equal; --channel-dim 1 says otherwise"
+        result.notes.append(f"{shown_label}: [{', '.join(map(str, got.shape))}] drawn as channels-last "
+                            f"[batch, height, width, channels] ({how})")
     if x.dim() == 3 and x.shape[1] * x.shape[2] == 1:
         x = x.reshape(-1)
         result.notes.append(f"{shown_label}: maps of 1x1 drawn as bars")
@@ -366,6 +378,16 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
         write_atomic(target, data)
         result.path, result.file_bytes = os.fspath(output), len(data)  # type: ignore[arg-type]
     return result
+
+
+def _channels_last(shape: Sequence[int], channel_dim: int | None) -> bool:
+    """Whether a 4-D output is [batch, height, width, channels]: as ``channel_dim`` says, else when its
+    dims 1 and 2 are equal (square maps) and dim 3 differs (Swin's [B, 7, 7, 768])."""
+    if len(shape) != 4:
+        return False
+    if channel_dim is not None:
+        return channel_dim in (3, -1)
+    return shape[1] == shape[2] and shape[2] != shape[3]
 
 
 def _image_size(kind: str, shape: Sequence[int], n: int, scale: int) -> tuple[int, int]:

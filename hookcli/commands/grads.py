@@ -8,6 +8,7 @@ hooks that the engine session (``engine.session.attach``) registers on every sel
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,11 +22,12 @@ from hookcli import progress
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.flops import FlopCounter
 from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
-from hookcli.options import Loss, output_key_path
+from hookcli.options import GradSort, Loss, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
-LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.sum: "sum", Loss.mean: "mean"}
+LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
+              Loss.mean: "mean"}
 #: Modules of these packages compute on quantized tensors: no backward.
 _QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized",
                        "torch.nn.intrinsic.quantized")
@@ -33,52 +35,203 @@ _QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.
 
 @dataclass
 class LossChoice:
-    kind: str  # cross_entropy | nll | sum | mean
+    """The loss a backward pass starts from, and what it was built from (``report.loss``)."""
+
+    kind: str  # model_loss | cross_entropy | nll | mean_square | sum | mean
     output: str  # path of the tensor in the model output the loss was built from
-    target: int | None
+    target: int | None  # the class index of a (batch, classes) cross-entropy, else None
     value: torch.Tensor
+    targets: str | None = None  # what the targets were, in words ("next token of input_ids", ...)
 
     def info(self, value: float) -> dict[str, Any]:
-        return {"kind": self.kind, "output": self.output, "target": self.target, "value": value}
+        return {"kind": self.kind, "output": self.output, "target": self.target, "targets": self.targets,
+                "value": value}
 
 
-def pick_output(output: Any, key: str | None) -> tuple[str, torch.Tensor]:
-    """The tensor the loss is built from: the output itself, ``--output-key``, or the first float tensor."""
+def _is_model_loss(path: str, tensor: torch.Tensor) -> bool:
+    """A scalar float entry named ``loss`` at the top of the output (``ModelOutput.loss``, ``{'loss': ...}``)."""
+    return tensor.dim() == 0 and path in ("['loss']", ".loss")
+
+
+def pick_output(output: Any, key: str | None, *, skip_loss: bool = False) -> tuple[str, torch.Tensor]:
+    """The tensor the loss is built from: the output itself, ``--output-key``, or the first float tensor
+    The model's own scalar ``loss`` entry comes first, unless ``skip_loss`` (an explicitly chosen loss)."""
     tensors = [(path, t if t.layout == torch.strided else t.to_dense())  # a sparse output: its dense values
                for path, t in iter_tensors(output) if t.is_floating_point()]
     if not tensors:
         raise UnsupportedError("the model output holds no floating-point tensor to build a loss from",
                                hint="gradients need a float output; run hookcli stats or shapes on this model")
     if key is None:
-        return tensors[0]
+        if skip_loss:
+            return next(((p, t) for p, t in tensors if not _is_model_loss(p, t)), tensors[0])
+        return next(((p, t) for p, t in tensors if _is_model_loss(p, t)), tensors[0])
     path = output_key_path(key, (p for p, _ in tensors))
     if path is not None:
         return path, dict(tensors)[path]
     raise UsageError(
         f"--output-key {key!r} is not in the model output",
-        hint="floating tensors in the output: " + ", ".join(p or "(output)" for p, _ in tensors),
+        hint="floating tensors in the output: " + ", ".join(p or "(output)" for p in (p for p, _ in tensors)),
     )
 
 
-def build_loss(output: Any, *, loss: str, target: int, output_key: str | None) -> LossChoice:
-    """Cross-entropy against ``target`` for (batch, classes) logits by default, else the sum."""
-    path, out = pick_output(output, output_key)
+#: Keyword inputs that hold the tokens a sequence's logits predict, most specific first.
+_TOKEN_NAMES = ("decoder_input_ids", "input_ids")
+
+
+def _token_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
+    """Integer ``[batch, seq]`` tensors among the model inputs ``(args, kwargs)``, named ones first."""
+    if inputs is None:
+        return []
+    args, kwargs = inputs
+    named = [(n, kwargs[n]) for n in _TOKEN_NAMES if isinstance(kwargs.get(n), torch.Tensor)]
+    rest = [(f"input {path}", t) for path, t in iter_tensors((args, {k: v for k, v in kwargs.items()
+                                                                    if k not in _TOKEN_NAMES}))]
+    return [(n, t) for n, t in named + rest
+            if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+
+
+def _vocab_sizes(model: nn.Module | None) -> set[int]:
+    return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)} if model is not None else set()
+
+
+def is_sequence_logits(path: str, out: torch.Tensor, model: nn.Module | None, inputs: Any) -> bool:
+    """A ``[batch, seq, vocab]`` output that holds logits: it is named ``logits``, or its last dimension
+    is the size of one of the model's ``nn.Embedding`` tables and integer tokens ``[batch, seq]`` are
+    among the inputs (a language model's head). Hidden states ``[batch, seq, hidden]`` are neither."""
+    if out.dim() != 3 or out.shape[-1] < 2:
+        return False
+    if "logits" in path.lower():
+        return True
+    return out.shape[-1] in _vocab_sizes(model) and any(
+        tuple(t.shape) == tuple(out.shape[:2]) for _, t in _token_inputs(inputs))
+
+
+def sequence_targets(out: torch.Tensor, inputs: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Logits and targets for a per-token cross-entropy over ``[batch, seq, vocab]``.
+
+    Next-token targets (position t predicts token t+1, so the last position is dropped) when integer
+    tokens of the same ``[batch, seq]`` below ``vocab`` are among the inputs (``decoder_input_ids``, then
+    ``input_ids``, then any); else random targets ``randint(0, vocab)`` from a generator seeded with ``seed``.
+    """
+    batch, seq, vocab = out.shape
+    if seq >= 2:
+        for name, ids in _token_inputs(inputs):
+            if tuple(ids.shape) == (batch, seq) and 0 <= int(ids.min()) and int(ids.max()) < vocab:
+                return out[:, :-1], ids[:, 1:].to(out.device, torch.long), f"next token of {name}"
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen).to(out.device)
+    return out, labels, f"randint(0, {vocab}, seed={seed}) per token"
+
+
+def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, inputs: Any = None,
+               model: nn.Module | None = None, seed: int = 0) -> LossChoice:
+    """The loss to backpropagate from the model's ``output``.
+
+    ``auto`` picks, in order: the model's own scalar ``loss`` entry (a ModelOutput or dict that has one)
+    or a scalar output; per-token cross-entropy over the last dimension for ``[batch, seq, vocab]``
+    logits (:func:`is_sequence_logits`; targets from :func:`sequence_targets`); cross-entropy against
+    class ``target`` for ``[batch, classes]``; otherwise the mean of squares, ``mean(x**2)`` (its
+    gradient ``2x/numel`` never cancels out the way a sum's does after a normalisation layer).
+    ``inputs`` is ``(args, kwargs)`` of the run (for next-token targets), ``model`` the model (its
+    embedding sizes tell logits from hidden states).
+    """
+    path, out = pick_output(output, output_key, skip_loss=Loss(loss) != Loss.auto)
     loss = Loss(loss)
     if loss == Loss.auto:
-        loss = Loss.ce if out.dim() == 2 and out.shape[1] > 1 else Loss.sum
+        if out.dim() == 0 and (output_key is not None or _is_model_loss(path, out) or path == ""):
+            return LossChoice("model_loss", path, None, out.float(), "the model's own loss")
+        if is_sequence_logits(path, out, model, inputs):
+            loss = Loss.ce
+        elif out.dim() == 2 and out.shape[1] > 1:
+            loss = Loss.ce
+        else:
+            loss = Loss.mean_square
     if loss in (Loss.ce, Loss.nll):
         if out.dim() < 2:
             raise UsageError(f"--loss {loss} needs (batch, classes) output, got shape {shape_of(out)}",
-                             hint="use --loss sum or --loss mean")
+                             hint="use --loss mean_square, sum or mean")
+        fn = F.cross_entropy if loss == Loss.ce else F.nll_loss
+        if out.dim() == 3:  # [batch, seq, vocab]: per token, classes on the last dimension
+            logits, labels, described = sequence_targets(out, inputs, seed)
+            value = fn(logits.float().reshape(-1, out.shape[-1]), labels.reshape(-1))
+            return LossChoice(LOSS_NAMES[loss], path, None, value, described)
         if target >= out.shape[1]:
             raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes",
                              hint=f"give --target 0 to {out.shape[1] - 1}")
-        labels = torch.full((out.shape[0],), target, dtype=torch.long, device=out.device)
-        fn = F.cross_entropy if loss == Loss.ce else F.nll_loss
+        # [batch, classes] or [batch, classes, d1, ...] (segmentation): class ``target`` everywhere
+        labels = torch.full((out.shape[0], *out.shape[2:]), target, dtype=torch.long, device=out.device)
         value = fn(out.float(), labels)
-        return LossChoice(LOSS_NAMES[loss], path, target, value)
+        return LossChoice(LOSS_NAMES[loss], path, target, value)  # ``target`` says it
+    if loss == Loss.mean_square:
+        return LossChoice(LOSS_NAMES[loss], path, None, out.float().square().mean())
     value = out.float().sum() if loss == Loss.sum else out.float().mean()
     return LossChoice(LOSS_NAMES[loss], path, None, value)
+
+
+def reached_from(roots: list[tuple[str, Any]], wanted: set[int]) -> dict[int, list[str]]:
+    """For each parameter id in ``wanted``: the paths of the ``roots`` (output path, ``grad_fn``) whose
+    autograd graph reaches it. Walks the graph's nodes only (no computation; works after backward)."""
+    found: dict[int, list[str]] = {}
+    for path, root in roots:
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
+            if variable is not None and id(variable) in wanted:
+                found.setdefault(id(variable), []).append(path or "(output)")
+            stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+    return found
+
+
+SORT_KEYS = values_of(GradSort)
+
+
+def check_order(sort: str | None, top: int | None) -> None:
+    """UsageError for a ``sort`` key or ``top`` count that ``order_rows`` cannot use."""
+    if sort is not None and sort not in SORT_KEYS:
+        raise UsageError(f"unknown --sort {sort!r}", hint=f"choose one of: {', '.join(SORT_KEYS)}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        raise UsageError(f"--top must be an integer 1 or more, got {top!r}", hint="e.g. --top 10")
+
+
+def _grad_key(grad: dict[str, Any] | None, sort: str) -> float:
+    if not grad:
+        return -math.inf  # no gradient: last
+    value = grad.get("norm") if sort == "norm" else max(abs(grad.get("min") or 0.0), abs(grad.get("max") or 0.0))
+    if value is None:
+        return -math.inf
+    return math.inf if math.isnan(value) else float(value)  # NaN first: it is what one looks for
+
+
+def order_rows(report: Report, *, sort: str | None, top: int | None) -> Report:
+    """The layer and parameter rows sorted by gradient ``norm``, largest ``max`` |gradient| (both
+    descending; NaN first, rows without a gradient last) or ``name``, and cut to the ``top`` N."""
+    if sort is None and top is None:
+        return report
+    key = sort or "norm"
+
+    def ordered(rows: list[Any]) -> list[Any]:
+        if key == "name":
+            rows = sorted(rows, key=lambda r: r.name)
+        else:
+            rows = sorted(rows, key=lambda r: -_grad_key(r.grad, key))
+        return rows[:top] if top is not None else rows
+
+    shown = {"norm": "gradient norm", "max": "largest |gradient|", "name": "name"}[key]
+    total_layers, total_params = len(report.layers), len(report.params or [])
+    report.layers = ordered(report.layers)
+    if report.params is not None:
+        report.params = ordered(report.params)
+    if top is not None and (total_layers > top or total_params > top):
+        report.notes.append(f"showing the top {top} of {total_layers} layer rows and {total_params} parameters "
+                            f"by {shown} (--top)")
+    elif sort is not None:
+        report.notes.append(f"rows sorted by {shown} (--sort)")
+    return report
 
 
 def require_grad(obj: Any) -> Any:
@@ -97,11 +250,12 @@ def require_grad(obj: Any) -> Any:
     return obj
 
 
-def _loss(output: Any, opts: Any) -> LossChoice:
+def _loss(output: Any, opts: Any, inputs: Any = None, model: nn.Module | None = None) -> LossChoice:
     """``build_loss`` on the model's output; a failure there is hookcli's (it cannot build a loss from
     that output: UnsupportedError), never the model's."""
     try:
-        return build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
+        return build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
+                          inputs=inputs, model=model, seed=opts.seed)
     except HookcliError:
         raise
     except Exception as exc:
@@ -208,6 +362,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     cause: BaseException | None = None
     loss_choice: LossChoice | None = None
     grads: dict[int, torch.Tensor | None] = {}
+    unreached: dict[int, list[str]] = {}  # parameter id -> other outputs it feeds (no gradient from the loss)
+    others: list[tuple[str, Any]] = []
     hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops,
                                observe=observer.tensor if observer is not None and observer.wants_tensors else None)
     forward_flops: FlopCounter | None = None
@@ -228,7 +384,10 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                         if observer is not None:
                             session.call(observer.output, output, where="observer of the model output")
                     session.raise_error()
-                    loss_choice = _loss(output, opts)
+                    loss_choice = _loss(output, opts, (args, kwargs), model)
+                    # the other outputs' graphs: which of them a parameter without a gradient still feeds
+                    others = [(path, t.grad_fn) for path, t in iter_tensors(output)
+                              if path != loss_choice.output and t.grad_fn is not None]
                     del output
                     leaves = [p for _, p in all_params if p.requires_grad]
                     leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
@@ -247,6 +406,11 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 if all(g is None for g in results):  # e.g. quantized ops: backward reached nothing
                     raise no_gradients(prep)
                 grads = {id(leaf): g for leaf, g in zip(leaves, results)}
+                missing = {id(p) for _, p in reported if p.requires_grad and grads.get(id(p)) is None}
+                if missing:
+                    reaches = reached_from(others, missing)
+                    unreached = {i: reaches.get(i, []) for i in missing}
+                del others
             except HookcliError:
                 raise
             except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
@@ -294,6 +458,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
             norm=values[n_slot][0],
             grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
             clipped=int(values[c_slot][0]) if c_slot is not None else (0 if opts.clip and p.requires_grad else None),
+            other_outputs=unreached.get(id(p)),
         ))
     report.params = params if opts.params != "none" else None
     if opts.params == "selected" and not params:

@@ -13,8 +13,9 @@ from hookcli.options import RunOptions
 from hookcli.records import ModelList, ModuleRow, ModuleTree
 
 
-def module_tree(options: RunOptions) -> ModuleTree:
-    """Every named module of the model: type, depth, parameters (in its subtree and its own), children."""
+def module_tree(options: RunOptions, depth: int | None = None) -> ModuleTree:
+    """Every named module of the model (down to ``depth``: 0 is the model itself, 1 its children, ...):
+    type, depth, parameters (in its subtree and its own), children."""
     opts = options.validate()
     loaded = load(opts)
     rows = [
@@ -27,6 +28,7 @@ def module_tree(options: RunOptions) -> ModuleTree:
             children=len(module._modules),
         )
         for name, module in loaded.model.named_modules()
+        if depth is None or module_depth(name) <= depth
     ]
     return ModuleTree(model=model_info(loaded, opts.model_source, opts.model_args), modules=rows, version=__version__)
 

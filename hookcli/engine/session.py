@@ -352,8 +352,15 @@ class HookSession:
                 records.append(LayerRecord(
                     name=name, call=0, type=type(module).__name__, called=False,
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
+                    container=is_container(module),
                 ))
         return records, extra_values
+
+
+def is_container(module: nn.Module) -> bool:
+    """A module without a forward of its own (ModuleList, ModuleDict, ParameterList, ...): it holds
+    modules and is never called itself, so "not called" says nothing about it."""
+    return getattr(type(module), "forward", None) is nn.Module.forward
 
 
 def _keepable(call: _Call, path: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,8 @@ class LayerRecord:
     grad_input: list[GradStats | None] | None = None
     raised: bool = False  # the module's forward raised (this is the failing call or one of its parents)
     flops: int | None = None
+    #: a module without a forward of its own (ModuleList, ModuleDict): never called by design
+    container: bool = False
 
     @property
     def label(self) -> str:
@@ -146,6 +148,8 @@ class LayerRecord:
         }
         if self.raised:
             data["raised"] = True
+        if self.container:
+            data["container"] = True
         if self.stats is not None:
             data["stats"] = self.stats
         if self.grad is not None or self.grad_input is not None:
@@ -167,6 +171,9 @@ class ParamRecord:
     norm: float | None
     grad: GradStats | None = None
     clipped: int | None = None
+    #: For a trainable parameter the loss gave no gradient: the other model outputs (paths) that
+    #: still depend on it, e.g. ``['pooler_output']``; ``[]`` when none does (cut off). None otherwise.
+    other_outputs: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -178,6 +185,8 @@ class ParamRecord:
         }
         if self.clipped is not None:
             data["clipped"] = self.clipped
+        if self.other_outputs is not None:
+            data["other_outputs"] = self.other_outputs
         return data
 
 

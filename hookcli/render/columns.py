@@ -53,6 +53,7 @@ class Column(Generic[R]):
     squeeze: int = 0  # table too wide: 0 never crop, else crop in this order (1 first; 2+ after
     #                   the gap between columns narrowed)
     min_width: int = 0  # narrowest width a squeezed column is cropped to
+    drop: int = 0  # table too narrow for the names: 0 never left out, else left out in this order (1 first)
 
 
 def report_kind(report: Report) -> ReportKind:
@@ -104,7 +105,7 @@ def _shape_cell(rec: LayerRecord) -> Cell:
     if rec.raised:
         return Cell("raised", RED)
     if not rec.called:
-        return Cell("not called", DIM)
+        return Cell("container" if rec.container else "not called", DIM)
     return Cell(format_shape(rec.shape))
 
 
@@ -185,11 +186,13 @@ def layer_columns(report: Report) -> list[Column[LayerRecord]]:
     if any_stats:
         for key in STAT_KEYS:
             cols.append(Column(f"stat_{key}", _STAT_HEADERS.get(key, key), _stat_display(key),
-                               _field("stats", key), justify="right", table=stats))
+                               _field("stats", key), justify="right", table=stats,
+                               drop={"norm": 1, "std": 2}.get(key, 0)))
     if any_grad:
         for i, key in enumerate(GRAD_KEYS):
             cols.append(Column(f"grad_{key}", _GRAD_HEADERS.get(key, key), _grad_cell(key, i == 0),
-                               _field("grad", key), justify="right", table=grads))
+                               _field("grad", key), justify="right", table=grads,
+                               drop={"std": 1, "mean": 2}.get(key, 0)))
     if any_grad_input:
         cols.append(Column(
             "grad_input_norm", "Input grad norm",
@@ -255,7 +258,8 @@ def param_columns(report: Report) -> list[Column[ParamRecord]]:
     ]
     for i, key in enumerate(_PARAM_GRAD_KEYS):
         cols.append(Column(f"grad_{key}", _GRAD_HEADERS[key], _param_grad_cell(key, i == 0),
-                           _field("grad", key), justify="right"))
+                           _field("grad", key), justify="right",
+                           drop={"std": 1, "mean": 2, "min": 3, "max": 4}.get(key, 0)))
     cols += [
         Column("norm", "Weight norm", lambda p: _num(p.norm), lambda p: p.norm, justify="right"),
         Column("ratio", "Ratio", lambda p: _num(grad_ratio(p)), grad_ratio, justify="right",

@@ -146,10 +146,11 @@ def _flops_footer(report: Report) -> Line:
 
 def _count_rows(report: Report) -> dict[str, int]:
     kind = report_kind(report)
-    counts = {"rows": len(report.layers), "not_called": 0, "nonfinite": 0, "zero": 0, "no_grad": 0}
+    counts = {"rows": len(report.layers), "not_called": 0, "containers": 0, "nonfinite": 0, "zero": 0,
+              "no_grad": 0}
     for rec in report.layers:
         if not rec.called:
-            counts["not_called"] += 1
+            counts["containers" if rec.container else "not_called"] += 1
             continue
         data = rec.grad if kind == "grads" else rec.stats
         if data and ((data.get("nan_count") or 0) > 0 or (data.get("inf_count") or 0) > 0):
@@ -185,6 +186,8 @@ def footer_lines(report: Renderable) -> list[Line]:
     else:
         parts.append(f"{c['no_grad']} without grad")
     parts.append(f"{c['not_called']} not called")
+    if c["containers"]:
+        parts.append(_plural(c["containers"], "container"))
     return [parts] + ([_flops_footer(report)] if report.flops else [])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rich import box
 from rich.cells import cell_len, set_cell_size
@@ -73,6 +73,53 @@ def crop(text: str, width: int, *, keep_end: bool = False) -> str:
     return lead + "…" + tail
 
 
+def crop_middle(text: str, width: int) -> str:
+    """``text`` shortened in the middle to ``width`` cells (``layer1.…downsample.0``), keeping its indent,
+    its start and, longer, its end (a name's last parts say the most)."""
+    if cell_len(text) <= width:
+        return text
+    body = text.lstrip(" ")
+    lead = text[: len(text) - len(body)]
+    if len(lead) + 4 > width:
+        lead = ""
+    room = width - len(lead) - 1
+    if room < 3:
+        return crop(text, width, keep_end=True)
+    head_len = room // 3
+    head = set_cell_size(body, head_len) if head_len else ""
+    tail = body
+    while cell_len(tail) > room - cell_len(head):
+        tail = tail[1:]
+    return lead + head + "…" + tail
+
+
+def fold(text: str, width: int) -> tuple[str, bool]:
+    """``text`` broken into lines of ``width`` after ``, `` (a shape ``[2, 197, 768]`` over two lines):
+    nothing is lost; a part longer than ``width`` alone is cropped (then the flag is True)."""
+    if cell_len(text) <= width:
+        return text, False
+    parts = text.split(", ")
+    lines, current, cut = [], "", False
+    for i, part in enumerate(parts):
+        piece = part + ("," if i < len(parts) - 1 else "")
+        candidate = f"{current} {piece}" if current else piece
+        if current and cell_len(candidate) > width:
+            lines.append(current)
+            candidate = " " + piece if lines else piece
+        current = candidate
+    lines.append(current)
+    out = []
+    for line in lines:
+        if cell_len(line) > width:
+            line, cut = crop(line, width), True
+        out.append(line)
+    return "\n".join(out), cut
+
+
+#: Columns whose cells fold onto more lines instead of being cropped.
+FOLDED = ("shape", "input_shapes")
+
+
 def wrap_header(header: str, width: int) -> str:
     """A header broken into lines of ``width`` between words (long words cropped)."""
     if cell_len(header) <= width:
@@ -113,11 +160,44 @@ def fit_widths(
     if excess() > 0:
         gap = 1
     names = [i for i, c in enumerate(columns) if c.key == "name"]
-    text = [i for i, c in enumerate(columns) if c.justify != "right" and i not in names]
-    for pool, floor in ((text, 6), (names, 10), (text, 4), (names, 6)):
+    shapes = [i for i, c in enumerate(columns) if c.key in FOLDED]
+    text = [i for i, c in enumerate(columns) if c.justify != "right" and i not in names and i not in shapes]
+    numbers = [i for i, c in enumerate(columns) if c.justify == "right" and i not in names + shapes]
+    # text first, then names (shortened in the middle), shapes (folded onto more lines), numbers
+    # (rounded to fewer digits, never cropped while that is enough), then everything further
+    for pool, floor in ((text, 6), (names, 14), (shapes, 10), (numbers, 8), (names, 8), (shapes, 6),
+                        (text, 4), (names, 6)):
         water_fill(pool, floor)
     water_fill(list(range(len(columns))), 3)
     return widths, gap
+
+
+def _names_squeezed(columns: Sequence[Column[Any]], cells: list[list[Cell]], widths: list[int]) -> bool:
+    """True when a name column is narrower than its names and than its floor (``min_width``, or 16),
+    or a shape column than its shapes and 14 (it would fold onto more than two lines)."""
+    for i, col in enumerate(columns):
+        if col.key == "name" or col.key in FOLDED:
+            longest = max((cell_len(row[i].text) for row in cells), default=0)
+            floor = (col.min_width or 16) if col.key == "name" else 14
+            if widths[i] < min(longest, floor):
+                return True
+    return False
+
+
+def shorten_number(text: str, width: int) -> str:
+    """A number cell in ``width`` cells: rounded to fewer significant digits (``-0.0005701`` ->
+    ``-0.00057``), cropped with … only when even one digit does not fit."""
+    if cell_len(text) <= width:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        return crop(text, width)
+    for digits in (3, 2, 1):
+        short = f"{value:.{digits}g}"
+        if cell_len(short) <= width:
+            return short
+    return crop(text, width)
 
 
 def _escaped(cell: Cell) -> Cell:
@@ -137,17 +217,33 @@ def build_table(
     rows: Sequence[R],
     row_style: Callable[[R], str | None] | None = None,
     width: int = DEFAULT_WIDTH,
+    cropped: set[str] | None = None,
 ) -> Table:
     """A ``rich.table.Table`` of ``rows`` under the table ``columns``, fitted to ``width``.
 
     When the table is too wide: long headers wrap; Type is cropped to its ``min_width``; the gap
-    between columns narrows to one space; names are cropped to theirs (keeping the tail:
-    ``…1.downsample.0``); then text columns (shapes, types), names, and only as the very last
-    resort numbers are cropped, widest first.
+    between columns narrows to one space; names are shortened in the middle to theirs
+    (``layer1.…downsample.0``); then text columns (types), names, and only as the very last resort
+    numbers are cropped, widest first. Shapes fold onto more lines instead. The headers of the
+    columns where a cell was shortened are added to ``cropped`` (the renderer says so: never silently).
     """
     shown = table_columns(columns)
-    cells = [[_escaped(col.display(row)) for col in shown] for row in rows]
-    widths, gap = fit_widths(shown, cells, width)
+    all_cells = [[_escaped(col.display(row)) for col in shown] for row in rows]
+    keep = list(range(len(shown)))
+    while True:  # leave out optional columns (Grad std, ...) while names would be cut short
+        cols = [shown[i] for i in keep]
+        cells = [[row[i] for i in keep] for row in all_cells]
+        widths, gap = fit_widths(cols, cells, width)
+        if not _names_squeezed(cols, cells, widths):
+            break
+        optional = [i for i in keep if shown[i].drop]
+        if not optional:
+            break
+        victim = min(optional, key=lambda i: shown[i].drop)
+        keep.remove(victim)
+        if cropped is not None:
+            cropped.add(f"{shown[victim].header} (left out)")
+    shown = cols
     table = Table(
         title=line_text(title, "bold"),
         title_justify="left",
@@ -162,12 +258,34 @@ def build_table(
         table.add_column(Text(wrap_header(col.header, w)), justify=col.justify, no_wrap=True,
                          overflow="ellipsis", max_width=w, vertical="bottom")
     for row, row_cells in zip(rows, cells, strict=True):
-        texts = [
-            Text(crop(cell.text, w, keep_end=col.key == "name"), style=cell.style or "")
-            for col, cell, w in zip(shown, row_cells, widths, strict=True)
-        ]
+        texts = []
+        for col, cell, w in zip(shown, row_cells, widths, strict=True):
+            if col.key in FOLDED:
+                text, cut = fold(cell.text, w)
+            else:
+                if col.key == "name":
+                    text = crop_middle(cell.text, w)
+                elif col.justify == "right":
+                    text = shorten_number(cell.text, w)
+                else:
+                    text = crop(cell.text, w)
+                cut = "…" in text and text != cell.text
+            if cut and cropped is not None:
+                cropped.add(col.header)
+            texts.append(Text(text, style=cell.style or ""))
         table.add_row(*texts, style=row_style(row) if row_style else None)
     return table
+
+
+def cropped_note(cropped: set[str], width: int) -> str | None:
+    """The line that says cells were shortened to fit, and how to see them whole."""
+    if not cropped:
+        return None
+    left = sorted(c.removesuffix(" (left out)") for c in cropped if c.endswith(" (left out)"))
+    cut = sorted(c for c in cropped if not c.endswith(" (left out)"))
+    parts = ([f"left out {', '.join(left)}"] if left else []) + ([f"shortened {', '.join(cut)} with …"] if cut else [])
+    return (f"to fit {width} columns: {'; '.join(parts)}; --width N or --no-truncate shows everything "
+            "(JSON always has it)")
 
 
 class TableRenderer:
@@ -188,9 +306,14 @@ class TableRenderer:
         for note in summary.notes(report):
             console.print(line_text(note, "dim"))
         console.print()
-        for table in self._tables(report, console.width):
+        cropped: set[str] = set()
+        for table in self._tables(report, console.width, cropped):
             console.print(table)
             console.print()
+        note = cropped_note(cropped, console.width)
+        if note:
+            for line in summary.pack([note], console.width):
+                console.print(line_text(line, "dim"))
         for parts in summary.footer_lines(report):
             for line in summary.pack(parts, console.width):
                 console.print(line_text(line))
@@ -202,20 +325,20 @@ class TableRenderer:
         assert isinstance(out, io.StringIO)
         return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))
 
-    def _tables(self, report: Renderable, width: int) -> list[Table]:
+    def _tables(self, report: Renderable, width: int, cropped: set[str] | None = None) -> list[Table]:
         name = summary.title(report)
         if isinstance(report, ModelList):
-            return [build_table(name, model_list_columns(), report.models, width=width)]
+            return [build_table(name, model_list_columns(), report.models, width=width, cropped=cropped)]
         if isinstance(report, ModuleTree):
-            return [build_table(name, module_columns(), report.modules, width=width)]
+            return [build_table(name, module_columns(), report.modules, width=width, cropped=cropped)]
         if isinstance(report, (FeatureExport, FeatureMaps)):
-            return [build_table(title, cols, rows, width=width)
+            return [build_table(title, cols, rows, width=width, cropped=cropped)
                     for title, cols, rows in exports.table_sections(report)]
         tables = [build_table(name, layer_columns(report), report.layers,
-                              lambda r: layer_row_style(report, r), width)]
+                              lambda r: layer_row_style(report, r), width, cropped)]
         if report.params:
             tables.append(build_table("Parameters", param_columns(report), report.params,
-                                      param_row_style, width))
+                                      param_row_style, width, cropped))
         return tables
 
 
@@ -228,8 +351,13 @@ def check_table(result: CheckResult, *, width: int | None = None, color: bool = 
     for note in checks.notes(result):
         console.print(line_text(note, "dim"))
     console.print()
-    console.print(build_table("check", checks.check_columns(), result.rules, width=console.width))
+    cropped: set[str] = set()
+    console.print(build_table("check", checks.check_columns(), result.rules, width=console.width, cropped=cropped))
     console.print()
+    note = cropped_note(cropped - {"Message"}, console.width)  # FAIL/WARN messages are shown whole below
+    if note:
+        for line in summary.pack([note], console.width):
+            console.print(line_text(line, "dim"))
     console.print(line_text(summary.SEP.join(checks.footer(result))))
     console.print(line_text(checks.verdict(result), "bold green" if result.ok else "bold red"))
     for line in checks.details(result):

@@ -39,6 +39,16 @@ class Observations:
     changes: dict[str, float | None] | None = None
     change_error: str | None = None
     baseline: dict[str, Any] | None = None
+    #: (name, call, output path) of float outputs that do not require grad: constants (masks, zero
+    #: position biases), computed from no parameter and not from the input; never "dead".
+    constant: set[TensorKey] = field(default_factory=set)
+    #: The same measurements on a copy of the model after one SGD step (the second look), or None.
+    stepped: tuple[Report, Observations] | None = None
+    #: parameter -> its gradient norm after the second look's small step, for parameters
+    #: ``params_change`` saw unchanged without a gradient to move them (nonzero: held by their init).
+    grace: dict[str, float | None] = field(default_factory=dict)
+    #: parameter -> the largest |gradient| the params_change steps gave it.
+    grad_max: dict[str, float] = field(default_factory=dict)
 
 
 def _fmt(x: float | None) -> str:
@@ -57,12 +67,19 @@ def _violation(where: str, value: Any, limit: Any, message: str) -> dict[str, An
 
 def _result(rule: RuleConfig, violations: list[dict[str, Any]], *, ok_where: str | None = None,
             ok_value: Any = None, limit: Any = None, ok_message: str, fail_message: str = "") -> RuleResult:
-    """PASS (naming the offender closest to the limit), or FAIL/WARN by severity."""
+    """PASS (naming the offender closest to the limit), or FAIL/WARN by severity.
+
+    A violation may carry ``"severity": "warn"`` (a parameter never called): it WARNs even under an
+    ``error`` rule; the result FAILs when any violation is an error, naming the first error first.
+    """
     if not violations:
         return RuleResult(rule.name, "PASS", rule.severity, ok_message, ok_where, ok_value, limit)
+    if rule.severity == "error":
+        violations = ([v for v in violations if v.get("severity", "error") == "error"]
+                      + [v for v in violations if v.get("severity", "error") != "error"])
     first = violations[0]
     more = f" (+{len(violations) - 1} more)" if len(violations) > 1 and not fail_message else ""
-    status = "FAIL" if rule.severity == "error" else "WARN"
+    status = "FAIL" if rule.severity == "error" and first.get("severity", "error") == "error" else "WARN"
     return RuleResult(rule.name, status, rule.severity, (fail_message or first["message"]) + more,
                       first["where"], first["value"], first["limit"], violations)
 
@@ -73,6 +90,86 @@ def _layers(report: Report, rule: RuleConfig) -> list[LayerRecord]:
 
 def _by_order(obs: Observations) -> Callable[[LayerRecord], int]:
     return lambda r: obs.order.get((r.name, r.call), len(obs.order))
+
+
+def _explained(kind: str, labels: list[str]) -> str:
+    """The PASS message's tail for offenders the second look showed to be initialised so."""
+    if not labels:
+        return ""
+    shown = ", ".join(labels[:3]) + (f", ... ({len(labels)} in all)" if len(labels) > 3 else "")
+    return f"; {kind} at initialisation but live after one SGD step (initialised so, not dead): {shown}"
+
+
+def _zero_rows(rule: RuleConfig, report: Report, obs: Observations) -> list[tuple[Any, ...]]:
+    rows = []
+    for r in _layers(report, rule):
+        frac = (r.stats or {}).get("zero_fraction")
+        if frac is None or (r.name, r.call, r.output) in obs.constant:
+            continue
+        limit = rule.limits(r.name)["value"]
+        rows.append((frac - limit, -obs.order.get((r.name, r.call), 0), r.label, frac, limit))
+    rows.sort(reverse=True)
+    return rows
+
+
+def _channel_rows(rule: RuleConfig, report: Report, obs: Observations) -> list[tuple[Any, ...]]:
+    labels = {(r.name, r.call, r.output): r for r in _layers(report, rule)}
+    rows = []
+    for key, (dead, channels, per_channel) in obs.channels.items():
+        rec = labels.get(key)
+        if rec is None or not channels or key in obs.constant:
+            continue
+        limits = rule.limits(rec.name)
+        if per_channel < limits["min_values"]:
+            continue
+        frac = dead / channels
+        rows.append((frac - limits["value"], -obs.order.get(key[:2], 0), rec.label, frac, limits["value"],
+                     dead, channels, limits["dim"]))
+    rows.sort(reverse=True)
+    return rows
+
+
+def _grad_value(p: Any) -> float:
+    return float((p.grad or {}).get("norm") or 0.0) if p.grad is not None else 0.0
+
+
+def _too_small(rule: RuleConfig, p: Any) -> bool:
+    """A gradient that exists but is below ``min`` (zero included)."""
+    return p.grad is not None and _grad_value(p) < rule.limits(p.name, "param")["min"]
+
+
+def suspects(rules: CheckRules, report: Report, obs: Observations) -> bool:
+    """True when a rule sees zeros that a zero or tiny initialisation could explain (a second look
+    at a stepped copy tells them apart): all-zero outputs, zero channels, gradients below ``min``."""
+    zero, chans, norm = rules.get("max_zero_fraction"), rules.get("dead_channels"), rules.get("grad_norm")
+    return bool((zero is not None and any(row[3] > row[4] for row in _zero_rows(zero, report, obs)))
+                or (chans is not None and any(row[3] > row[4] for row in _channel_rows(chans, report, obs)))
+                or (norm is not None and any(p.requires_grad and not norm.ignored(p.name, "param")
+                                             and _too_small(norm, p) for p in report.params or [])))
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def no_gradient(p: Any, report: Report) -> tuple[str, str]:
+    """Why trainable parameter ``p`` got no gradient from the loss, as (severity, message).
+
+    ``warn``: its module was never called, or it only feeds model outputs the loss does not use (BERT's
+    pooler under a loss on ``last_hidden_state``). ``error``: its module ran, yet nothing it computes
+    reaches the loss or any output: cut off (a ``.detach()`` or ``torch.no_grad()`` in forward).
+    """
+    owner = _owner(p.name)
+    calls = [r.called for r in report.layers if r.name == owner]
+    if calls and not any(calls):
+        return "warn", f"{p.name} gets no gradient: its module {owner or '(model)'} is never called"
+    if p.other_outputs:
+        return "warn", (f"{p.name} gets no gradient: it only feeds the output(s) {', '.join(p.other_outputs)}, "
+                        "which the loss does not use")
+    if calls:
+        return "error", (f"{p.name} gets no gradient although its module {owner or '(model)'} runs: it is cut off "
+                         "from the loss (a .detach() or torch.no_grad() in forward?)")
+    return "error", f"{p.name} gets no gradient (not used by the loss)"
 
 
 # --------------------------------------------------------------------------- rules
@@ -146,85 +243,126 @@ def max_abs_activation(rule: RuleConfig, report: Report, obs: Observations) -> R
                    ok_message=f"largest |activation| {_fmt(top[3])} in {top[2]}" if rows else "no activation stats")
 
 
+def _live_later(rows_of: Callable[[Report, Observations], list[tuple[Any, ...]]], obs: Observations,
+                bad: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """Split violating rows into those still violating on the stepped copy and those that recovered."""
+    if obs.stepped is None or not bad:
+        return bad, []
+    later = {row[2] for row in rows_of(*obs.stepped) if row[3] > row[4]}
+    return [row for row in bad if row[2] in later], [row[2] for row in bad if row[2] not in later]
+
+
 def max_zero_fraction(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
-    rows = []
-    for r in _layers(report, rule):
-        frac = (r.stats or {}).get("zero_fraction")
-        if frac is None:
-            continue
-        limit = rule.limits(r.name)["value"]
-        rows.append((frac - limit, -obs.order.get((r.name, r.call), 0), r.label, frac, limit))
-    rows.sort(reverse=True)
+    rows = _zero_rows(rule, report, obs)
+    over, recovered = _live_later(lambda rep, o: _zero_rows(rule, rep, o), obs, [r for r in rows if r[3] > r[4]])
     bad = [_violation(w, v, lim, f"{v:.1%} of the output of {w} is zero (dead layer; limit {lim:.1%})")
-           for _, _, w, v, lim in rows if v > lim]
-    top = rows[0] if rows else (0, 0, None, None, rule["value"])
+           for _, _, w, v, lim in over]
+    live = [r for r in rows if r[2] not in recovered]
+    top = live[0] if live else (rows[0] if rows else (0, 0, None, None, rule["value"]))
+    ok = f"at most {top[3]:.1%} zeros (in {top[2]})" if live else "no activation stats" if not rows else "no dead layer"
     return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
-                   ok_message=f"at most {top[3]:.1%} zeros (in {top[2]})" if rows else "no activation stats")
+                   ok_message=ok + _explained("all zero", recovered))
 
 
 def dead_channels(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
-    labels = {(r.name, r.call, r.output): r for r in _layers(report, rule)}
-    rows, judged = [], 0
-    for key, (dead, channels, per_channel) in obs.channels.items():
-        rec = labels.get(key)
-        if rec is None or not channels:
-            continue
-        limits = rule.limits(rec.name)
-        if per_channel < limits["min_values"]:
-            continue
-        judged += 1
-        frac = dead / channels
-        rows.append((frac - limits["value"], -obs.order.get(key[:2], 0), rec.label, frac, limits["value"],
-                     dead, channels, limits["dim"]))
-    rows.sort(reverse=True)
+    rows = _channel_rows(rule, report, obs)
+    over, recovered = _live_later(lambda rep, o: _channel_rows(rule, rep, o), obs, [r for r in rows if r[3] > r[4]])
     bad = [_violation(w, f, lim, f"{d} of {c} channels (dim {dim}) of {w} are zero over the whole batch")
-           for _, _, w, f, lim, d, c, dim in rows if f > lim]
-    top = rows[0] if rows else (0, 0, None, None, rule["value"], 0, 0, 0)
+           for _, _, w, f, lim, d, c, dim in over]
+    live = [r for r in rows if r[2] not in recovered]
+    top = live[0] if live else (rows[0] if rows else (0, 0, None, None, rule["value"], 0, 0, 0))
     msg = (f"at most {top[5]} of {top[6]} channels dead (in {top[2]})" if rows else
            f"no output has {rule['min_values']}+ values per channel to judge")
-    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4], ok_message=msg)
+    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
+                   ok_message=msg + _explained("zero channels", recovered))
 
 
 def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Every trainable parameter's gradient norm within [min, max].
+
+    No gradient at all: a warning when its module is never called or it feeds only outputs the loss
+    does not use, a failure when its module runs but is cut off (:func:`no_gradient`). A gradient below
+    ``min`` that is above it after one SGD step on a copy (a zero-initialised norm weight further on
+    blocks it at first) is initialised so, not vanishing.
+    """
     if report.params is None:
         return RuleResult(rule.name, "SKIP", rule.severity, "no parameters reported (--params none)")
-    rows = []
+    later = {p.name: p for p in (obs.stepped[0].params or [])} if obs.stepped is not None else {}
+    # modules with a parameter whose gradient is within limits: a sibling far below them (a bias before
+    # a softmax or a normalisation) is cancelled downstream, not vanishing
+    healthy = {_owner(p.name) for p in report.params if p.requires_grad and p.grad is not None
+               and len(p.shape) >= 2 and not _too_small(rule, p)}
+    rows, recovered, cancelled = [], [], []
     for p in report.params:
         if not p.requires_grad or rule.ignored(p.name, "param"):
             continue
         limits = rule.limits(p.name, "param")
         lo, hi = limits["min"], limits["max"]
-        value = float((p.grad or {}).get("norm") or 0.0) if p.grad is not None else 0.0
+        value = _grad_value(p)
+        severity = "error"
         if math.isnan(value):
-            rows.append((math.inf, p.name, value, [lo, hi], True, f"gradient norm of {p.name} is NaN"))
+            rows.append((math.inf, p.name, value, [lo, hi], True, f"gradient norm of {p.name} is NaN", severity))
             continue
         below = math.log10(lo / value) if value > 0 and lo > 0 else (math.inf if lo > 0 else -math.inf)
         above = math.log10(value / hi) if value > 0 else -math.inf
+        out = value < lo or value > hi
         if p.grad is None:
-            msg = f"{p.name} gets no gradient (not used by the loss)"
+            severity, msg = no_gradient(p, report)
         elif value < lo:
             msg = f"gradient norm {_fmt(value)} of {p.name} is below {_fmt(lo)} (vanishing)"
+            after = later.get(p.name)
+            if after is not None and after.grad is not None and not _too_small(rule, after):
+                recovered.append(p.name)
+                out = False
+            elif len(p.shape) <= 1 and _owner(p.name) in healthy:  # a bias-like shift, its weight learns
+                cancelled.append(p.name)
+                out = False
         else:
             msg = f"gradient norm {_fmt(value)} of {p.name} is above {_fmt(hi)} (exploding)"
-        rows.append((max(below, above), p.name, value, [lo, hi], value < lo or value > hi, msg))
+        explained = bool(recovered and recovered[-1] == p.name or cancelled and cancelled[-1] == p.name)
+        rows.append((-math.inf if explained else max(below, above), p.name, value, [lo, hi], out, msg, severity))
     rows.sort(key=lambda row: -row[0])
-    bad = [_violation(name, v, lim, msg) for _, name, v, lim, out, msg in rows if out]
+    bad = [dict(_violation(name, v, lim, msg), **({"severity": sev} if sev != "error" else {}))
+           for _, name, v, lim, out, msg, sev in rows if out]
     if not rows:
         return _result(rule, [], limit=[rule["min"], rule["max"]], ok_message="no trainable parameters to check")
-    _, name, value, limit, _, _ = rows[0]
+    _, name, value, limit, _, _, _ = rows[0]
     return _result(rule, bad, ok_where=name, ok_value=value, limit=limit,
-                   ok_message=f"{len(rows)} gradient norms within limits (closest: {name})")
+                   ok_message=f"{len(rows)} gradient norms within limits (closest: {name})"
+                   + _explained("gradients below min", recovered)
+                   + (f"; {len(cancelled)} near-zero gradients of parameters whose module's other parameters "
+                      "learn (a shift cancelled downstream by a softmax or normalisation): "
+                      + ", ".join(cancelled[:3]) + (", ..." if len(cancelled) > 3 else "") if cancelled else ""))
 
 
 def params_change(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Every trainable parameter moves in ``steps`` SGD steps on a copy of the model.
+
+    A parameter without a gradient whose module is never called, or that feeds only outputs the loss
+    does not use, is left to grad_norm's warning. One that stays put but moves in one more step (held
+    by a zero or tiny initialisation further on, or a first step below float resolution) is initialised so.
+    """
     steps = f"{rule['steps']} SGD step{'s' if rule['steps'] > 1 else ''} (lr={rule['lr']:g})"
     if obs.change_error is not None:
         return _result(rule, [_violation("(model)", None, None, obs.change_error)], ok_message="")
     if obs.changes is None:
         return RuleResult(rule.name, "SKIP", rule.severity, "not run (no trainable parameters in scope)")
-    rows = [(change if change is not None and not math.isnan(change) else (0.0 if change is None else math.inf),
-             name, change) for name, change in obs.changes.items()
-            if not rule.ignored(name, "param")]
+    records = {p.name: p for p in report.params or []}
+    rows, excused, recovered, rounded = [], [], [], []
+    for name, change in obs.changes.items():
+        if rule.ignored(name, "param"):
+            continue
+        if change is None and name in records and no_gradient(records[name], report)[0] == "warn":
+            excused.append(name)
+            continue
+        if change == 0 and obs.grace.get(name):
+            recovered.append(name)
+            change = obs.grace[name]
+        elif change == 0 and obs.grad_max.get(name, 0.0) > 0:
+            rounded.append(name)  # it has a gradient; lr * gradient is below its values' float resolution
+            change = obs.grad_max[name] * rule["lr"]
+        rows.append((change if change is not None and not math.isnan(change) else (0.0 if change is None else math.inf),
+                     name, change))
     rows.sort(key=lambda row: row[0])
     bad = [_violation(name, 0.0, None, f"{name} did not change after {steps}"
                       + ("" if change is not None else ": it got no gradient")) for _, name, change in rows
@@ -233,8 +371,14 @@ def params_change(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
         return _result(rule, bad, ok_message="", fail_message=f"{len(bad)} of {len(rows)} trainable parameters "
                        f"unchanged after {steps}, first: {bad[0]['where']}")
     top = rows[0] if rows else (None, None, None)
+    tail = f"; {len(excused)} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
     return _result(rule, [], ok_where=top[1], ok_value=top[2],
-                   ok_message=f"all {len(rows)} trainable parameters changed after {steps}")
+                   ok_message=f"all {len(rows)} trainable parameters changed after {steps}" + tail
+                   + (f"; {len(recovered)} get a gradient once a first step has moved what held them "
+                      "(initialised so, e.g. behind a zero-initialised norm weight): "
+                      + ", ".join(recovered[:3]) + (", ..." if len(recovered) > 3 else "") if recovered else "")
+                   + (f"; {len(rounded)} have a gradient whose step is below their float resolution: "
+                      + ", ".join(rounded[:3]) + (", ..." if len(rounded) > 3 else "") if rounded else ""))
 
 
 def _shape_ok(actual: list[int], expected: list[int]) -> bool:

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hookcli.engine import run as engine
 from hookcli._version import __version__
-from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig, parse_checks
+from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
 from hookcli.config import Config, config_options, load_config
 from hookcli.errors import ConfigError, ModelRaisedError, exit_status
 from hookcli.commands.grads import backward_report, build_loss
@@ -30,7 +31,7 @@ from hookcli.engine.session import CompletionOrder, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
-from hookcli.commands.check.rules import Observations, evaluate, load_baseline
+from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
 
 
@@ -41,16 +42,25 @@ class Probe(RunObserver):
 
     def __init__(self, channel_dim: Callable[[str], int] | None) -> None:
         self.channel_dim = channel_dim
-        self.wants_tensors = channel_dim is not None  # no per-call work unless dead_channels is on
+        # every selected output: constants are told apart (cheap: no reduction unless dead_channels is on)
+        self.wants_tensors = True
         self.order: CompletionOrder = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
+        #: Float outputs that do not require grad in this grad-enabled run: constants (masks, zero
+        #: position biases) computed from neither a parameter nor the input.
+        self.constant: set[tuple[str, int, str]] = set()
 
     def tensor(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
-        """Count the dead channels of one selected output tensor (``dead_channels``)."""
+        """Note a constant output (``constant``); count the dead channels of one selected output
+        tensor (``dead_channels``)."""
+        if not t.is_floating_point():
+            return
+        if not t.requires_grad:
+            self.constant.add((name, call, path))
         if self.channel_dim is None:
             return
-        if t.is_nested or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
+        if t.is_nested or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
             return  # (a nested tensor has no channel dimension to speak of)
         dim = self.channel_dim(name)
         d = dim + t.dim() if dim < 0 else dim
@@ -84,47 +94,139 @@ class Probe(RunObserver):
         vectors += [b.reshape(1) for *_, b in self._outputs if b is not None]
         host = iter(row[0] for row in to_host(vectors))
         obs.order = dict(self.order)
+        obs.constant = set(self.constant)
         obs.channels = {key: (int(next(host)), channels, per) for key, channels, per, _ in self._channels}
         obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
                         "nonfinite": int(next(host)) if bad is not None else 0}
                        for path, shape, dtype, bad in self._outputs]
 
 
-def params_change(prep: engine.Prepared, names: list[str], rule: RuleConfig) -> tuple[dict[str, float | None] | None, str | None]:
-    """Step a deep copy of the model with SGD; the largest absolute change of each named parameter.
+class SteppedCopy:
+    """A ``copy.deepcopy`` of the model that SGD steps (``params_change``, the second look): the
+    user's model is only read. ``error`` says why the copy or a step failed (then nothing more runs)."""
 
-    Returns ``(changes, None)``, ``(None, None)`` when no parameter is trainable, or ``(None, why)``
-    when the copy or its step fails. The user's model is only read (by ``copy.deepcopy``).
-    """
-    opts = prep.options
-    try:
-        clone = copy.deepcopy(prep.loaded.model)
-    except Exception as exc:  # noqa: BLE001 - any failure to copy is reported as the rule's failure
-        return None, (f"cannot deep-copy the model ({type(exc).__name__}: {exc}); params_change steps a copy so "
-                      "that your model is never modified: disable it with [checks.params_change] enabled = false")
-    params = dict(clone.named_parameters())
-    tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
-    if not tracked:
-        return None, None
-    with engine.running(replace(prep, loaded=replace(prep.loaded, model=clone))) as (model, args, kwargs):
-        before = [p.detach().clone() for _, p in tracked]
-        optimizer = torch.optim.SGD([p for _, p in tracked], lr=rule["lr"])
+    def __init__(self, prep: engine.Prepared, names: list[str], lr: float) -> None:
+        self.prep, self.error = prep, None
+        self.clone: nn.Module | None = None
+        self.tracked: list[tuple[str, nn.Parameter]] = []
+        self.before: list[torch.Tensor] = []
+        self.lr = lr
         try:
-            for _ in range(rule["steps"]):
+            self.clone = copy.deepcopy(prep.loaded.model)
+        except Exception as exc:  # noqa: BLE001 - any failure to copy is reported as the rule's failure
+            self.error = (f"cannot deep-copy the model ({type(exc).__name__}: {exc}); params_change steps a copy so "
+                          "that your model is never modified: disable it with [checks.params_change] enabled = false")
+            return
+        params = dict(self.clone.named_parameters())
+        self.tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
+        self.before = [p.detach().clone() for _, p in self.tracked]
+        self.got_grad: dict[str, bool] = {}
+        #: parameter -> the largest |gradient| any step gave it (an update below float resolution leaves
+        #: a parameter as it was although it has a gradient: that is not "stuck")
+        self.grad_max: dict[str, float] = {}
+
+    def prepared(self) -> engine.Prepared:
+        """``prep`` with the copy as its model and the copy's modules as the selection."""
+        assert self.clone is not None
+        modules = dict(self.clone.named_modules(remove_duplicate=False))
+        selection = [(name, modules[name]) for name, _ in self.prep.selection if name in modules]
+        return replace(self.prep, loaded=replace(self.prep.loaded, model=self.clone), selection=selection)
+
+    def step(self, steps: int) -> dict[str, float | None] | None:
+        """``steps`` SGD steps on the copy (same inputs, loss and seed as the checked run); the largest
+        absolute change of each tracked parameter since the copy was made (None: it never got a gradient)."""
+        if self.error is not None or not self.tracked:
+            return None
+        opts = self.prep.options
+        with engine.running(self.prepared()) as (model, args, kwargs):
+            optimizer = torch.optim.SGD([p for _, p in self.tracked], lr=self.lr)
+            gmax: dict[str, torch.Tensor] = {}
+            try:
+                for _ in range(steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    with torch.enable_grad():
+                        output = model(*args, **kwargs)
+                        loss = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
+                                          inputs=(args, kwargs), model=model, seed=opts.seed)
+                        del output
+                        loss.value.backward()
+                    with torch.no_grad():
+                        for n, p in self.tracked:
+                            if p.grad is not None:
+                                self.got_grad[n] = True
+                                g = p.grad.detach().abs().max().float()
+                                gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                with torch.enable_grad():
-                    output = model(*args, **kwargs)
-                    loss = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key)
-                    loss.value.backward()
-                optimizer.step()
-        except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
-            return None, f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
-        except SystemExit as exc:  # the model's code called sys.exit on the copy's step
-            return None, f"the model exited with {exit_status(exc.code)} during the SGD step on the copy"
-        with torch.no_grad():
-            deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) for (_, p), b in zip(tracked, before)]
-        values = to_host(deltas)
-        return {n: (v[0] if p.grad is not None else None) for (n, p), v in zip(tracked, values)}, None
+            except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
+                self.error = f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
+                return None
+            except SystemExit as exc:  # the model's code called sys.exit on the copy's step
+                self.error = f"the model exited with {exit_status(exc.code)} during the SGD step on the copy"
+                return None
+            with torch.no_grad():
+                deltas = [(p.detach().float() - b.float()).abs().max().reshape(1)
+                          for (_, p), b in zip(self.tracked, self.before)]
+            named = list(gmax)
+            values = to_host(deltas + [gmax[n].reshape(1) for n in named])
+        self.grad_max.update({n: max(self.grad_max.get(n, 0.0), v[0]) for n, v in zip(named, values[len(deltas):])})
+        return {n: (v[0] if self.got_grad.get(n) else None) for (n, _), v in zip(self.tracked, values)}
+
+
+def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observations, BaseException | None]:
+    """One forward, loss and backward with every hook: the Report and the probe's Observations."""
+    obs = Observations()
+    dead = rules.get("dead_channels")
+    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
+    cause: BaseException | None = None
+    try:
+        report = backward_report(prep, "check", stats=True, observer=probe)
+    except ModelRaisedError as exc:
+        if exc.report is None:
+            raise
+        report, cause = exc.report, exc
+    probe.fill(obs)
+    return report, obs, cause
+
+
+#: The learning rate of the second look's single SGD step: enough to move a zero-initialised weight off
+#: zero, small enough that the loss does not saturate (a saturated loss has no gradient to look at).
+NUDGE_LR = 1e-3
+
+
+def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: Observations) -> None:
+    """``params_change``'s SGD step(s) on a copy and, when a rule sees zeros that a zero or tiny
+    initialisation could explain, a second look at another copy after one small SGD step (``NUDGE_LR``).
+
+    An output that is all zero, channels that are zero, a gradient below ``grad_norm.min`` or a
+    parameter that did not move are "initialised so" (a zero-initialised norm weight, a layer scale of
+    1e-6) when that step brings them to life, and "dead" when it does not (a ReLU behind a bias of -10
+    gets no gradient, so no step changes it). The rules read ``obs.stepped`` (the nudged copy's
+    measurements) and ``obs.grace`` (the nudged gradient norm of each parameter params_change saw unchanged).
+    """
+    change_rule = rules.get("params_change")
+    trainable = [p.name for p in report.params or [] if p.requires_grad]
+    names = [n for n in trainable if change_rule is None or not change_rule.ignored(n, "param")]
+    unchanged: list[str] = []
+    if change_rule is not None:
+        stepped = SteppedCopy(prep, trainable, change_rule["lr"])
+        changes = stepped.step(change_rule["steps"])
+        obs.change_error = stepped.error
+        obs.changes = None if changes is None or not names else {n: changes[n] for n in names if n in changes}
+        obs.grad_max = dict(stepped.grad_max)
+        unchanged = [n for n, c in (obs.changes or {}).items() if c == 0 and not obs.grad_max.get(n)]
+        del stepped
+    if not (suspects(rules, report, obs) or unchanged):
+        return
+    nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    nudged.step(1)
+    if nudged.error is not None:
+        return
+    later, later_obs, later_cause = measure(nudged.prepared(), rules)
+    if later_cause is None:
+        obs.stepped = (later, later_obs)
+        norms = {p.name: float((p.grad or {}).get("norm") or 0.0) for p in later.params or [] if p.grad is not None}
+        obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
 
 
 def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
@@ -147,26 +249,16 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
     if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
         opts = replace(opts, all_modules=True)
     base_rule = rules.get("baseline")
-    obs = Observations(baseline=load_baseline(base_rule["file"], rules.source) if base_rule else None)
+    baseline = load_baseline(base_rule["file"], rules.source) if base_rule else None
     prep = engine.prepare(opts, default_batch=2)
-    dead = rules.get("dead_channels")
-    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
-    cause: BaseException | None = None
     run_started = time.perf_counter()
-    try:
-        report = backward_report(prep, "check", stats=True, observer=probe)
-    except ModelRaisedError as exc:
-        if exc.report is None:
-            raise
-        report, cause = exc.report, exc
-    probe.fill(obs)
+    report, obs, cause = measure(prep, rules)
+    obs.baseline = baseline
     run_seconds = time.perf_counter() - run_started
     step_seconds: float | None = None
-    change_rule = rules.get("params_change")
-    if report.failure is None and change_rule is not None and report.params is not None:
-        names = [p.name for p in report.params if p.requires_grad and not change_rule.ignored(p.name, "param")]
+    if report.failure is None and report.params is not None:
         step_started = time.perf_counter()
-        obs.changes, obs.change_error = params_change(prep, names, change_rule)
+        _second_look(prep, rules, report, obs)
         step_seconds = time.perf_counter() - step_started
     results, notes = evaluate(rules, report, obs)
     if report.failure is None and not any(r.called for r in report.layers):
