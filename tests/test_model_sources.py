@@ -152,8 +152,9 @@ SMOKE = [
 
 
 @pytest.mark.parametrize(("spec", "args"), SMOKE, ids=[s for s, _ in SMOKE])
-def test_shapes_stats_grads_exit_0_with_no_flags_beyond_the_name(cli: Any, spec: str, args: list[str]) -> None:
-    for command in ("shapes", "stats", "grads"):
+def test_shapes_stats_grads_check_exit_0_with_no_flags_beyond_the_name(cli: Any, spec: str, args: list[str]) -> None:
+    """Healthy models, randomly initialised: every command works with the default inputs, loss and rules."""
+    for command in ("shapes", "stats", "grads", "check"):
         result = cli(command, spec, *args)
         assert result.exit_code == 0, (command, result.stderr)
         assert result.stdout.startswith(spec), result.stdout[:200]  # the header names the spec as given
