@@ -1,5 +1,6 @@
 """What the tests compare hookcli with: the dummy input hookcli builds, statistics computed with plain torch
-in float64, and the aten ops a call runs (to prove that nothing was copied)."""
+in float64, module outputs captured with plain forward hooks, and the aten ops a call runs (to prove that
+nothing was copied)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -47,3 +49,29 @@ def aten_ops(fn: Callable[[], object]) -> set[str]:
     with _OpLog() as log:
         fn()
     return log.ops
+
+
+def finished_outputs(model: nn.Module, x: torch.Tensor, *, root: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """(module name, output copy) in the order module calls *finish*, with plain forward hooks; the
+    model itself as ``""`` when ``root``."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    handles = [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
+               for n, m in model.named_modules() if n or root]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def outputs_by_call(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """{(module name, call index): output copy} for every module (the root as ""), plain hooks."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    for name, out in finished_outputs(model, x, root=True):
+        counts[name] = counts.get(name, -1) + 1
+        seen[(name, counts[name])] = out
+    return seen
+

@@ -21,6 +21,7 @@ from torch import nn
 import hookcli
 from hookcli.commands.check.ci import annotations, escape_data, escape_property
 from hookcli.errors import ConfigError
+from reference import finished_outputs
 
 DEFAULT_RULES = ["runs", "finite", "max_abs_activation", "max_zero_fraction", "dead_channels", "grad_norm",
                  "params_change"]
@@ -29,18 +30,7 @@ DEFAULT_RULES = ["runs", "finite", "max_abs_activation", "max_zero_fraction", "d
 # --------------------------------------------------------------------------- plain-torch helpers
 
 
-def finished_outputs(model: nn.Module, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(module name, output copy) in the order module calls *finish*, with plain forward hooks."""
-    seen: list[tuple[str, torch.Tensor]] = []
-    handles = [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
-               for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+
 
 
 def param_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:

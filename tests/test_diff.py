@@ -25,30 +25,11 @@ from torch import nn
 
 import hookcli
 from hookcli.commands.diff_numbers import compare, errors_from
+from reference import outputs_by_call
 
 # --------------------------------------------------------------------------- plain-torch references
 
 
-def outputs_by_call(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
-    """{(module name, call index): output copy} for every module (the root as ""), plain hooks."""
-    seen: dict[tuple[str, int], torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(name: str):
-        def record(_m: nn.Module, _i: object, out: torch.Tensor) -> None:
-            index = counts.get(name, 0)
-            counts[name] = index + 1
-            seen[(name, index)] = out.detach().clone()
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
 
 
 def reference_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
