@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from rich import box
@@ -211,6 +211,20 @@ def line_text(text: str, style: str = "") -> Text:
     return Text(escape_control(text), style=style)
 
 
+def print_lines(console: Console, lines: Iterable[Sequence[str]], style: str = "") -> None:
+    """Print lines made of parts (header, footer), each packed to the console's width."""
+    for parts in lines:
+        for line in summary.pack(parts, console.width):
+            console.print(line_text(line, style))
+
+
+def console_text(console: Console) -> str:
+    """What was printed to a ``make_console`` console, trailing spaces cut."""
+    out = console.file
+    assert isinstance(out, io.StringIO)
+    return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))
+
+
 def build_table(
     title: str,
     columns: Sequence[Column[R]],
@@ -300,9 +314,7 @@ class TableRenderer:
         if isinstance(report, DiffReport):
             return diff_table(report, width=width, color=color)
         console = make_console(width, color)
-        for parts in summary.header_lines(report):
-            for line in summary.pack(parts, console.width):
-                console.print(line_text(line))
+        print_lines(console, summary.header_lines(report))
         for note in summary.notes(report):
             console.print(line_text(note, "dim"))
         console.print()
@@ -312,18 +324,13 @@ class TableRenderer:
             console.print()
         note = cropped_note(cropped, console.width)
         if note:
-            for line in summary.pack([note], console.width):
-                console.print(line_text(line, "dim"))
-        for parts in summary.footer_lines(report):
-            for line in summary.pack(parts, console.width):
-                console.print(line_text(line))
+            print_lines(console, [[note]], "dim")
+        print_lines(console, summary.footer_lines(report))
         if isinstance(report, Report):
             failure = summary.failure_line(report.failure)
             if failure:
                 console.print(line_text(failure, "bold red"))
-        out = console.file
-        assert isinstance(out, io.StringIO)
-        return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))
+        return console_text(console)
 
     def _tables(self, report: Renderable, width: int, cropped: set[str] | None = None) -> list[Table]:
         name = summary.title(report)
@@ -345,9 +352,7 @@ class TableRenderer:
 def check_table(result: CheckResult, *, width: int | None = None, color: bool = False) -> str:
     """Header, the rules table, counts, the verdict and the details of every FAIL/WARN rule."""
     console = make_console(width, color)
-    for parts in checks.header_lines(result):
-        for line in summary.pack(parts, console.width):
-            console.print(line_text(line))
+    print_lines(console, checks.header_lines(result))
     for note in checks.notes(result):
         console.print(line_text(note, "dim"))
     console.print()
@@ -356,14 +361,12 @@ def check_table(result: CheckResult, *, width: int | None = None, color: bool = 
     console.print()
     note = cropped_note(cropped - {"Message"}, console.width)  # FAIL/WARN messages are shown whole below
     if note:
-        for line in summary.pack([note], console.width):
-            console.print(line_text(line, "dim"))
+        print_lines(console, [[note]], "dim")
     console.print(line_text(summary.SEP.join(checks.footer(result))))
     console.print(line_text(checks.verdict(result), "bold green" if result.ok else "bold red"))
     for line in checks.details(result):
         console.print(line_text(line, checks.STATUS_STYLES.get(line.split(" ", 1)[0]) or ""))
-    out = console.file
-    text = "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))  # type: ignore[attr-defined]
+    text = console_text(console)
     if result.report.failure is not None:  # the rows gathered before the model raised
         text += "\npartial report:\n" + TableRenderer().render(result.report, width=width, color=color)
     return text
@@ -372,18 +375,12 @@ def check_table(result: CheckResult, *, width: int | None = None, color: bool = 
 def diff_table(report: DiffReport, *, width: int | None = None, color: bool = False) -> str:
     """Header (run A, run B), the rows, counts, tolerances, the first divergence and the verdict."""
     console = make_console(width, color)
-    for parts in diff.header_lines(report):
-        for line in summary.pack(parts, console.width):
-            console.print(line_text(line))
+    print_lines(console, diff.header_lines(report))
     for note in diff.notes(report):
         console.print(line_text(note, "dim"))
     console.print()
     console.print(build_table("diff", diff.diff_columns(report), report.rows, diff.row_style, console.width))
     console.print()
-    for parts in diff.footer_lines(report):
-        for line in summary.pack(parts, console.width):
-            console.print(line_text(line))
+    print_lines(console, diff.footer_lines(report))
     console.print(line_text(diff.verdict(report), "bold green" if report.ok else "bold red"))
-    out = console.file
-    assert isinstance(out, io.StringIO)
-    return "\n".join(line.rstrip(" ") for line in out.getvalue().split("\n"))
+    return console_text(console)
