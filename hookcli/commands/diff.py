@@ -156,7 +156,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
                 failure = blame(exc, model, phase)
                 raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,
                                        input_shapes=failure.input_shapes, phase=failure.phase) from exc
-            records, _ = session.records(params_by_module(prep.selection))
+            records, _ = session.records(params_by_module(prep))
     return records, loss_info
 
 

@@ -372,7 +372,7 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     total = sum(len(b) for b in batches) if batches else None
     store = FeatureStore(total)
     report = new_report(prep, "features")
-    params = params_by_module(prep.selection)
+    params = params_by_module(prep)
     bar, advance = _progress(progress, total or 0)
     with bar, running(prep) as (model, args, kwargs):
         for index in range(max(1, len(batches))):

@@ -448,7 +448,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 plan.append((name, p, g_slot, n_slot, c_slot))
             if loss_choice is not None:
                 extra.append(loss_choice.value.detach().reshape(1))
-            report.layers, values = session.records(params_by_module(prep.selection), extra)
+            report.layers, values = session.records(params_by_module(prep), extra)
     params: list[ParamRecord] = []
     for name, p, g_slot, n_slot, c_slot in plan:
         params.append(ParamRecord(

@@ -8,6 +8,7 @@ gets an ``InputInfo`` that says where it came from, including when its shape was
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -358,8 +359,8 @@ def model_float_dtype(model: nn.Module) -> torch.dtype:
     floating parameter (the layer that receives the input), else any floating parameter or
     buffer, else float32. Generated float inputs get it, so a float16/bfloat16 model runs."""
     leaf = _first_leaf(model)
-    tensors = list(leaf[1].parameters(False)) if leaf is not None else []
-    tensors += list(model.parameters()) + list(model.buffers())
+    tensors = itertools.chain(leaf[1].parameters(False) if leaf is not None else (), model.parameters(),
+                              model.buffers())  # lazily: the first floating one ends the walk
     return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
 
 

@@ -34,8 +34,8 @@ from hookcli.records import (
     Report,
 )
 from hookcli.engine.selection import select_modules
+from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.state import (
-    lazy_tensor,
     meta_copy,
     model_device,
     needs_meta_copy,
@@ -53,6 +53,8 @@ class Prepared:
     inputs: ModelInputs
     selection: list[tuple[str, nn.Module]]
     info: ModelInfo
+    #: The model's modules, parameters and buffers, walked once (``ModelIndex``).
+    index: ModelIndex
 
 
 def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
@@ -66,7 +68,8 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     if meta:
         opts.device = "meta"
     loaded = load(opts, meta=meta)
-    lazy = lazy_tensor(loaded.model)
+    index = ModelIndex.of(loaded.model)
+    lazy = index.lazy_tensor()
     if lazy is not None:
         raise UnsupportedError(
             f"the model's {lazy} is an uninitialised lazy parameter: a run would initialise it, changing the model",
@@ -74,8 +77,10 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         )
     if opts.device == "meta" and loaded.kind == "instance" and needs_meta_copy(loaded.model):
         loaded = dataclasses.replace(loaded, model=meta_copy(loaded.model))
+        index = ModelIndex.of(loaded.model)
     selection = select_modules(
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
+        named=index.named,
     )
     batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
     inputs = make_inputs(
@@ -83,7 +88,8 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
     )
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
-    return Prepared(opts, loaded, inputs, selection, model_info(loaded, opts.model_source, opts.model_args))
+    info = model_info(loaded, opts.model_source, opts.model_args, index=index)
+    return Prepared(opts, loaded, inputs, selection, info, index)
 
 
 def require_values(prep: Prepared, command: str) -> None:
@@ -121,12 +127,14 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
                               trust_pickle=opts.trust_pickle)
 
 
-def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] | None = None) -> ModelInfo:
+def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] | None = None, *,
+               index: ModelIndex | None = None) -> ModelInfo:
     """Where the model came from (spec, source, weights, ``model_args``) and its size: each parameter
-    tensor counted once, also when shared or tied."""
+    tensor counted once, also when shared or tied (read from ``index`` when given)."""
     model = loaded.model
-    params = list(model.parameters())
-    buffers = list(model.buffers())
+    index = index if index is not None else ModelIndex.of(model)
+    params = index.params
+    buffers = index.buffers
     return ModelInfo(
         spec=loaded.spec,
         source="python" if loaded.kind == "instance" else source,
@@ -140,9 +148,9 @@ def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] |
     )
 
 
-def params_by_module(selection: list[tuple[str, nn.Module]]) -> dict[str, int]:
+def params_by_module(prep: Prepared) -> dict[str, int]:
     """Parameters in each selected module's subtree, each tensor counted once."""
-    return {name: sum(p.numel() for p in module.parameters()) for name, module in selection}
+    return prep.index.subtree_params(prep.selection)
 
 
 def to_device(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -253,7 +261,8 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     """
     opts = prep.options
     model = prep.loaded.model
-    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed):
+    with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
+                   index=prep.index):
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 
@@ -290,20 +299,22 @@ class ForwardPass:
 
 def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    selection: Sequence[tuple[str, nn.Module]], hooks: HookOptions,
-                   params: dict[str, int], *, show_phase: bool = True) -> ForwardPass:
+                   params: dict[str, int], *, show_phase: bool = True,
+                   model_modules: int | None = None) -> ForwardPass:
     """One forward pass of an already placed model (``running``) under ``torch.no_grad``, with the
     session's hooks on ``selection``; the rows of every call, also when the model raised.
 
     A model that raises or exits gives ``failure`` (``blame``) and the rows gathered up to it;
     hookcli's own hook failures raise (InternalError, or the HookcliError a hook raised) after the
     run. ``hooks.flops`` counts forward FLOPs per call (``flops``: the counter's summary).
-    ``show_phase``: the "forward" spinner (off where the command shows its own progress bar).
+    ``show_phase``: the "forward" spinner (off where the command shows its own progress bar);
+    ``model_modules``: the model's module count (``attach`` hooks a large selection process-wide).
     """
     from hookcli.engine.flops import FlopCounter
 
     failure: FailureInfo | None = None
     cause: BaseException | None = None
-    with attach(model, selection, hooks) as session:
+    with attach(model, selection, hooks, model_modules=model_modules) as session:
         counter = FlopCounter(session.add_flops) if hooks.flops else None
         try:
             with torch.no_grad(), counter or nullcontext(), progress.phase("forward") if show_phase else nullcontext():
@@ -338,7 +349,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     report = new_report(prep, command)
     with running(prep) as (model, args, kwargs):
         run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep),
-                             params_by_module(prep.selection))
+                             params_by_module(prep), model_modules=len(prep.index.named))
     report.layers = run.layers
     if run.flops is not None:
         report.flops = run.flops

@@ -45,6 +45,7 @@ def select_modules(
     types: Sequence[str] | str | None = None,
     depth: int | None = None,
     all_modules: bool = False,
+    named: Sequence[tuple[str, nn.Module]] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Return the ``(name, module)`` pairs to hook, in ``named_modules()`` order.
 
@@ -56,9 +57,10 @@ def select_modules(
     - ``types``: class names (``Conv2d,ReLU``); alone they pick every module of those types, with
       ``layers`` they keep the modules of those types inside the chosen layers' subtrees.
 
+    ``named``: ``model.named_modules()`` when the caller has listed them already (``ModelIndex``).
     Raises LayerNotFoundError (with close matches) for a pattern or type that matches nothing.
     """
-    named = list(model.named_modules())
+    named = list(model.named_modules()) if named is None else list(named)
     names = [n for n, _ in named]
     by_name = dict(named)
     layer_patterns = split_patterns(layers)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from hookcli.errors import HookcliError, UnsupportedError, internal_error
@@ -88,7 +89,7 @@ class RunObserver:
         """The run ended: ``order`` says in which order the selected calls returned."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tensor:
     path: str
     shape: list[int]
@@ -98,7 +99,7 @@ class _Tensor:
     wants_grad: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     name: str
     call: int
@@ -113,15 +114,12 @@ class _Call:
     done: int = -1
 
 
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward pass in this thread.
-
-    A forward there is a recomputation, not a call of the model's forward: activation checkpointing
-    (``torch.utils.checkpoint``, either flavour) runs the checkpointed modules again during backward,
-    and the non-reentrant one stops that rerun early by raising an exception through them. Counting
-    those would add calls the forward never made, marked as raised.
-    """
-    return torch._C._current_graph_task_id() != -1
+#: -1 unless autograd's engine runs a backward pass in this thread. A forward there is a
+#: recomputation, not a call of the model's forward: activation checkpointing (``torch.utils.checkpoint``,
+#: either flavour) runs the checkpointed modules again during backward, and the non-reentrant one stops
+#: that rerun early by raising an exception through them. Counting those would add calls the forward
+#: never made, marked as raised.
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class HookSession:
@@ -177,7 +175,7 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if _in_backward():  # a recomputation (torch.utils.checkpoint), not a call of the forward
+            if _graph_task_id() != -1:  # a recomputation (torch.utils.checkpoint), not a call of the forward
                 return
             try:
                 self._pre(name, module, args, kwargs, type_name_cache)
@@ -185,6 +183,41 @@ class HookSession:
                 self.failed(exc, f"forward pre-hook on {name or '(model)'}")
 
         return hook
+
+    def global_hooks(self, names: dict[int, str]) -> tuple[Callable[..., None], Callable[..., None]]:
+        """A process-wide forward pre-hook and forward hook for the modules in ``names`` (``id`` ->
+        name; the selected modules are alive for the session, so their ids are theirs alone).
+
+        Used for a large selection (``attach``): two registrations instead of two per module. They
+        see every module call in the process and ignore all but the selected. Two differences from
+        module hooks, both from torch calling process-wide hooks first: the pre-hook gets no keyword
+        arguments (their shapes join the call's input shapes in the forward hook, so a call that
+        raised lists its positional inputs only), and it runs before the module's own pre-hooks.
+        """
+        type_names: dict[str, str] = {}
+
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            name = names.get(id(module))
+            if name is None or _graph_task_id() != -1:
+                return
+            try:
+                self._pre(name, module, args, {}, type_names)
+            except Exception as exc:  # hookcli's own failure: stored, never the model's
+                self.failed(exc, f"forward pre-hook on {name or '(model)'}")
+
+        def forward_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+            # (kwargs, output); torch passes (output) alone when forward raised
+            name = names.get(id(module))
+            if name is None or _graph_task_id() != -1:
+                return
+            try:
+                if len(rest) == 2 and rest[0] and (stack := self._open.get(name)):
+                    stack[-1].input_shapes += [shape_of(t) for _, t in iter_tensors(rest[0])]
+                self._post(name, rest[-1])
+            except Exception as exc:
+                self.failed(exc, f"forward hook on {name or '(model)'}")
+
+        return pre_hook, forward_hook
 
     def _pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              type_name_cache: dict[str, str]) -> None:
@@ -211,7 +244,7 @@ class HookSession:
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if _in_backward():  # paired with the pre-hook's skip
+            if _graph_task_id() != -1:  # paired with the pre-hook's skip
                 return
             try:
                 self._post(name, output)
@@ -239,11 +272,11 @@ class HookSession:
 
     def _record_outputs(self, call: _Call, output: Any) -> None:
         options = self.options
-        tensors = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
+        tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
         for path, tensor in tensors:
-            entry = _Tensor(path=path, shape=shape_of(tensor), dtype=dtype_name(tensor.dtype))
+            entry = _Tensor(path, shape_of(tensor), dtype_name(tensor.dtype))
             floating = is_float(tensor)
-            if options.stats and floating and tensor.device.type != "meta":
+            if options.stats and floating and not tensor.is_meta:
                 entry.stats = self.reducer.reduce(tensor)
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
@@ -428,11 +461,31 @@ def clipped_gradients(params: Sequence[tuple[str, nn.Parameter]], clip: float | 
         raise internal_error(errors[0], "hookcli's --clip gradient hook") from errors[0]
 
 
+#: A selection of at least this many modules, and of this share of the model's, is hooked process-wide
+#: (``HookSession.global_hooks``): registering and removing two hooks per module costs ~5 us a module,
+#: a tenth of a small model's forward pass, while every call of an unselected module pays torch's
+#: slower hooked call path (~3 us) then.
+GLOBAL_MIN_MODULES = 32
+GLOBAL_MIN_SHARE = 0.75
+
+
+def hooked_globally(selected: int, model_modules: int | None, options: HookOptions) -> bool:
+    """Whether ``attach`` hooks ``selected`` modules of a model of ``model_modules`` process-wide.
+
+    Never for input gradients (their tensor hooks need the keyword inputs the process-wide
+    pre-hook does not get) nor when the caller did not say how many modules the model has.
+    """
+    return (model_modules is not None and not options.input_grads and selected >= GLOBAL_MIN_MODULES
+            and selected >= GLOBAL_MIN_SHARE * model_modules)
+
+
 @contextmanager
 def attach(
     model: nn.Module,
     selection: Sequence[tuple[str, nn.Module]],
     options: HookOptions | None = None,
+    *,
+    model_modules: int | None = None,
 ) -> Iterator[HookSession]:
     """Hook the selected modules for the duration of the ``with`` block; always remove the hooks.
 
@@ -442,20 +495,28 @@ def attach(
 
     Holds the process-wide run lock (``state.run_lock``) while attached: hooks of two runs are never
     on a model at once, so rows never mix (the API takes the lock first, for the whole run).
+    ``model_modules``: how many modules the model has; with it, a selection of most of them is
+    hooked with two process-wide hooks instead of two per module (``hooked_globally``).
     """
     session = HookSession(selection, options or HookOptions())
     handles: list[RemovableHandle] = []
+    names: dict[int, str] = {}
+    for name, module in selection:
+        names.setdefault(id(module), name)  # the same module object under two names: hooked once, as the first
     with run_lock(), gc_paused():
         try:
-            seen: set[int] = set()
-            for name, module in selection:
-                if id(module) in seen:  # the same module object under two names: hook it once
-                    continue
-                seen.add(id(module))
-                handles.append(module.register_forward_pre_hook(session.pre_hook(name), with_kwargs=True))
-                handles.append(module.register_forward_hook(
-                    session.forward_hook(name), with_kwargs=True, always_call=True,
-                ))
+            if hooked_globally(len(names), model_modules, session.options):
+                pre_hook, forward_hook = session.global_hooks(names)
+                handles.append(register_module_forward_pre_hook(pre_hook))
+                handles.append(register_module_forward_hook(forward_hook, with_kwargs=True, always_call=True))
+            else:
+                for name, module in selection:
+                    if names[id(module)] != name:
+                        continue
+                    handles.append(module.register_forward_pre_hook(session.pre_hook(name), with_kwargs=True))
+                    handles.append(module.register_forward_hook(
+                        session.forward_hook(name), with_kwargs=True, always_call=True,
+                    ))
             yield session
         finally:
             for handle in handles:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hookcli.errors import UsageError
+from hookcli.engine.model_index import ModelIndex
 
 #: Held for every run: the RNG states are process-wide, and so is a model two threads share.
 #: Re-entrant, so a run may call hookcli on *another* model from inside its forward.
@@ -147,6 +148,7 @@ def preserved(
     dtype: torch.dtype | None = None,
     train: bool = False,
     seed: int | None = None,
+    index: ModelIndex | None = None,
 ) -> Iterator[nn.Module]:
     """Put ``model`` on ``device``/``dtype`` in train or eval mode for the block, then restore it.
 
@@ -155,24 +157,24 @@ def preserved(
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
     buffers the run changed in place (BatchNorm statistics in train mode, a counter or moving average a
     forward updates in any mode). With ``seed`` the RNGs are seeded for the block and restored after
-    (``seeded_rng``). One traversal of the modules; the run lock is held and the model is marked as
-    running in this thread (see ``exclusive``).
+    (``seeded_rng``). Reads the model through ``index`` (one traversal, made here when not given);
+    the run lock is held and the model is marked as running in this thread (see ``exclusive``).
 
     The meta device cannot be undone in place: run a caller's model there through ``meta_copy``.
     """
     with _RUN_LOCK:
-        modules = list(model.modules())
+        index = index if index is not None and index.model is model else ModelIndex.of(model)
+        modules = index.modules
         training = [m.training for m in modules]
-        param_slots = [(m, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
-        buffer_slots = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
-        params = list({id(p): p for _, _, p in param_slots}.values())
+        param_slots, buffer_slots = index.param_slots, index.buffer_slots
+        params = index.params
         convert = device is not None or dtype is not None  # ``.to`` changes the storage of each tensor
         param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
                         p.grad.data if convert and p.grad is not None else None) for p in params]
         # a forward may update buffers in place in either mode (BatchNorm's running statistics in
         # train mode, a user's step counter or moving average in any); the native batch_norm does so
         # without bumping the version counter, so every buffer's values are kept and copied back
-        buffer_values = [(b, b.detach().clone()) for b in {id(b): b for _, _, b in buffer_slots}.values()]
+        buffer_values = [(b, b.detach().clone()) for b in index.buffers]
         devices = {p.device for p in params}
         if device is not None:
             devices.add(torch.device(device))
@@ -183,7 +185,8 @@ def preserved(
                 try:
                     if convert:
                         model.to(device=device, dtype=dtype)
-                    model.train(train)
+                    if not _in_mode(modules, training, train):
+                        model.train(train)
                     yield model
                 finally:
                     for m, name, p in param_slots:
@@ -195,7 +198,8 @@ def preserved(
                             p.data = data
                         if grad is not None and grad_data is not None:
                             grad.data = grad_data
-                        p.grad = grad
+                        if p.grad is not grad:
+                            p.grad = grad
                         if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
                             p.requires_grad_(requires_grad)
                     with torch.no_grad():
@@ -204,26 +208,16 @@ def preserved(
                             with torch.inference_mode() if b.is_inference() else nullcontext():
                                 b.copy_(snapshot)
                     for m, was_training in zip(modules, training):
-                        m.training = was_training
+                        if m.training != was_training:
+                            m.training = was_training
         finally:
             running.pop()
 
 
-def lazy_tensor(model: nn.Module) -> str | None:
-    """The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None.
-
-    A forward initialises them in place (and changes the module's class): no run could hand such
-    a model back as it came.
-    """
-    from torch.nn.parameter import is_lazy
-
-    for module in model.modules():
-        for kind in (module._parameters, module._buffers):
-            for key, tensor in kind.items():
-                if tensor is not None and is_lazy(tensor):
-                    name = next(n for n, m in model.named_modules() if m is module)
-                    return f"{name}.{key}" if name else key
-    return None
+def _in_mode(modules: list[nn.Module], training: list[bool], train: bool) -> bool:
+    """True when ``model.train(train)`` would change nothing: every module is in that mode already and
+    none overrides ``train`` (an override may do more than set the flags, e.g. freeze BatchNorm)."""
+    return all(flag == train for flag in training) and all(type(m).train is nn.Module.train for m in modules)
 
 
 def needs_meta_copy(model: nn.Module) -> bool:

@@ -23,6 +23,8 @@ from hookcli.records import GRAD_KEYS, STAT_KEYS
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
 _fastreduce = kernel.load()
 
+#: The dtypes the C kernel reads in place, by the name it takes.
+_KERNEL_DTYPES = ({getattr(torch, name): name for name in _fastreduce.DTYPES} if _fastreduce is not None else {})
 #: Order of the values in the vector ``reduce_tensor`` returns.
 _VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
 #: A statistics vector: host floats already (CPU), or a float64 tensor on an accelerator, read once at
@@ -107,13 +109,21 @@ class Reducer:
         hit = self._seen.get(key) if key is not None else None
         if hit is not None and hit[0]() is t:
             return hit[1]
-        x = t.detach()
+        x = t.detach() if t.requires_grad else t
+        kernel_dtype = _KERNEL_DTYPES.get(x.dtype) if self.kernel else None
+        if (kernel_dtype is not None and x.is_cpu and type(x) is torch.Tensor and x.layout == torch.strided
+                and not x.is_nested and x.is_contiguous() and not x.is_neg() and x.numel()):
+            # the common case (a dense CPU activation), without the general path's views: the kernel
+            # takes the tensor's memory as one C-contiguous buffer of any rank
+            passes = _fastreduce.reduce(kernel_buffer(x), kernel_dtype, self.threads)
+            vector: Vector = self._finish(x, (*passes, self.OFFSET_RATIO_FLOAT64), zeros)
+            self._remember(key, t, vector)
+            return vector
         if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
             x = nested_values(x)
         if x.layout != torch.strided:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
         n = x.numel()
-        vector: Vector
         if n == 0 and x.device.type == "cpu":
             vector = (math.nan,) * 4 + (0.0,) * 4
         elif n == 0:
@@ -124,12 +134,16 @@ class Reducer:
             vector = self._reduce_host(x, zeros)
         else:
             vector = self._reduce_accelerator(x, zeros)
+        self._remember(key, t, vector)
+        return vector
+
+    def _remember(self, key: tuple[int, int, bool] | None, t: torch.Tensor, vector: Vector) -> None:
+        """Keep ``t``'s vector for its next sighting unchanged (same object and version)."""
         try:
             if key is not None:
                 self._seen[key] = (weakref.ref(t), vector)
         except TypeError:  # tensor subclasses without weakref support
             pass
-        return vector
 
     # An expanded (stride-0) tensor repeats each value of a smaller one equally often: both paths reduce
     # that one (``unbroadcast``), without materialising the repeats, and scale the counts.
@@ -212,11 +226,17 @@ class Reducer:
         return total, squares, lo, hi, zero_count, ratio
 
     def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> tuple[float, ...]:
-        n = flat.numel()
-        total, squares, lo, hi, zero_count, ratio = self._cpu_passes(flat)
+        return self._finish(flat, self._cpu_passes(flat), zeros)
+
+    def _finish(self, x: torch.Tensor, passes: tuple[float, float, float, float, int | None, float],
+                zeros: bool) -> tuple[float, ...]:
+        """The vector from ``_cpu_passes``' numbers for CPU tensor ``x`` (any shape: the rare passes that
+        read it again, NaN/Inf/zero counts and the two-pass variance, read it as ``flat_view``)."""
+        total, squares, lo, hi, zero_count, ratio = passes
+        n = x.numel()
         nan_count = inf_count = 0
         if not (math.isfinite(total) and math.isfinite(squares)):
-            nan_count, inf_count = self._count(flat, "nan"), self._count(flat, "inf")
+            nan_count, inf_count = self._count(flat_view(x), "nan"), self._count(flat_view(x), "inf")
         if nan_count:
             lo = hi = math.nan  # as torch.aminmax reports them
         mean = total / n
@@ -226,13 +246,13 @@ class Reducer:
             var = squares / n - mean * mean
             # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
             if not math.isfinite(squares) or mean * mean > ratio * max(var, 0.0):
-                mean, m2 = self._exact_moments(flat)
+                mean, m2 = self._exact_moments(flat_view(x))
                 var = m2 / n
             std = math.sqrt(max(var, 0.0))
         if not zeros:
             zero_count = 0
         elif zero_count is None:
-            zero_count = self._count(flat, "zero")
+            zero_count = self._count(flat_view(x), "zero")
         return (mean, std, lo, hi, float(zero_count), float(nan_count), float(inf_count), float(n))
 
     # -- accelerators: branch-free, no host synchronisation ---------------------------------------
@@ -315,33 +335,41 @@ def _clean(value: float) -> float:
     return value if math.isfinite(value) else float(value)
 
 
-def _norm(v: dict[str, float]) -> float:
+def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel: float) -> float:
     """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64."""
-    if v["nan_count"]:
+    if nan_count:
         return math.nan
-    if v["inf_count"]:
+    if inf_count:
         return math.inf
-    if not v["numel"]:
+    if not numel:
         return 0.0  # an empty sum of squares, as torch.linalg.vector_norm of an empty tensor
-    return math.sqrt(v["numel"] * (v["std"] ** 2 + v["mean"] ** 2))
+    return math.sqrt(numel * (std ** 2 + mean ** 2))
+
+
+def _norm(v: dict[str, float]) -> float:
+    """``_norm_of`` a vector as a dict by ``_VECTOR`` names."""
+    return _norm_of(v["mean"], v["std"], v["nan_count"], v["inf_count"], v["numel"])
 
 
 def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """Turn a host copy of ``reduce_tensor``'s vector into the activation stats dict (``STAT_KEYS``)."""
-    v = dict(zip(_VECTOR, values))
-    numel = int(v["numel"])
-    stats: dict[str, float | int | None] = {
-        "mean": _clean(v["mean"]),
-        "std": _clean(v["std"]),
-        "min": _clean(v["min"]),
-        "max": _clean(v["max"]),
-        "norm": _norm(v),
-        "zero_fraction": (v["zero_count"] / numel) if numel else None,
-        "nan_count": int(v["nan_count"]),
-        "inf_count": int(v["inf_count"]),
+    """Turn a host copy of ``reduce_tensor``'s vector into the activation stats dict (``STAT_KEYS``).
+
+    Runs once per reported row: unpacked by position (``_VECTOR``'s order), not through a dict.
+    """
+    mean, std, lo, hi, zero_count, nan_count, inf_count, numel = values
+    return {
+        "mean": _clean(mean),
+        "std": _clean(std),
+        "min": _clean(lo),
+        "max": _clean(hi),
+        "norm": _norm_of(mean, std, nan_count, inf_count, numel),
+        "zero_fraction": (zero_count / int(numel)) if int(numel) else None,
+        "nan_count": int(nan_count),
+        "inf_count": int(inf_count),
     }
-    assert tuple(stats) == STAT_KEYS
-    return stats
+
+
+assert tuple(activation_stats((0.0,) * 7 + (1.0,))) == STAT_KEYS  # one order, by position
 
 
 def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:

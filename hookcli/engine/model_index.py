@@ -1,0 +1,99 @@
+"""One traversal of a model's module tree, shared by every step of a run.
+
+Selecting modules, counting parameters (the model's and each selected module's), checking for lazy
+parameters and saving the state a run must restore all need the modules, parameters and buffers of
+the model. Walking the tree for each of them (``module.parameters()`` per selected module walks its
+subtree again) made a run's setup O(modules x depth) and cost more than the forward pass of a small
+model. ``ModelIndex.of`` walks it once; everything else reads the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+#: (module, key in its ``_parameters`` or ``_buffers``, tensor): one entry per place a tensor is held.
+Slot = tuple[nn.Module, str, torch.Tensor]
+
+
+@dataclass(eq=False)
+class ModelIndex:
+    """The modules of ``model`` in ``named_modules()`` order, and every parameter and buffer slot."""
+
+    model: nn.Module
+    #: ``(name, module)`` as ``model.named_modules()`` lists them: each module object once.
+    named: list[tuple[str, nn.Module]]
+    param_slots: list[Slot]
+    buffer_slots: list[Slot]
+    #: True when a module or a parameter is reachable along two paths (weight tying, a reused
+    #: block): subtree parameter counts are then not additive.
+    shared: bool
+    _subtree: dict[int, int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelIndex:
+        """Index ``model`` with one walk of its module tree."""
+        named = list(model.named_modules())
+        param_slots: list[Slot] = []
+        buffer_slots: list[Slot] = []
+        edges = 0
+        for _, module in named:
+            for key, p in module._parameters.items():
+                if p is not None:
+                    param_slots.append((module, key, p))
+            for key, b in module._buffers.items():
+                if b is not None:
+                    buffer_slots.append((module, key, b))
+            edges += sum(1 for child in module._modules.values() if child is not None)
+        unique = {id(p) for _, _, p in param_slots}
+        shared = edges != len(named) - 1 or len(unique) != len(param_slots)
+        return cls(model, named, param_slots, buffer_slots, shared)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Every module once, in ``named_modules()`` order."""
+        return [module for _, module in self.named]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter tensor once (a tied one is held in two slots), in ``parameters()`` order."""
+        return list({id(p): p for _, _, p in self.param_slots}.values())
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer tensor once, in ``buffers()`` order."""
+        return list({id(b): b for _, _, b in self.buffer_slots}.values())
+
+    def subtree_params(self, selection: Sequence[tuple[str, nn.Module]]) -> dict[str, int]:
+        """Parameters in each selected module's subtree, each tensor counted once (as
+        ``sum(p.numel() for p in module.parameters())``).
+
+        A tree without shared modules or parameters adds its children's counts up, children before
+        parents, in one pass; a model with sharing (tied weights) counts each selected subtree.
+        """
+        if self.shared:
+            return {name: sum(p.numel() for p in module.parameters()) for name, module in selection}
+        if self._subtree is None:
+            total = {id(module): 0 for _, module in self.named}
+            for module, _, p in self.param_slots:
+                total[id(module)] += p.numel()
+            for _, module in reversed(self.named):  # pre-order reversed: every child before its parent
+                for child in module._modules.values():
+                    if child is not None:
+                        total[id(module)] += total[id(child)]
+            self._subtree = total
+        return {name: self._subtree[id(module)] for name, module in selection}
+
+    def lazy_tensor(self) -> str | None:
+        """The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None."""
+        from torch.nn.parameter import is_lazy
+
+        for name, module in self.named:
+            for kind in (module._parameters, module._buffers):
+                for key, tensor in kind.items():
+                    if tensor is not None and is_lazy(tensor):
+                        return f"{name}.{key}" if name else key
+        return None
