@@ -21,6 +21,7 @@ from torch import nn
 from hookcli import progress
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.flops import FlopCounter
+from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
 from hookcli.options import GradSort, Loss, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
@@ -267,14 +268,16 @@ def _loss(output: Any, opts: Any, inputs: Any = None, model: nn.Module | None = 
             "stats and shapes need no loss") from exc
 
 
-def param_scope(model: nn.Module, selection: list[tuple[str, nn.Module]], scope: str) -> list[tuple[str, nn.Parameter]]:
+def param_scope(index: ModelIndex, selection: list[tuple[str, nn.Module]], scope: str) -> list[tuple[str, nn.Parameter]]:
     """Parameters to report, in ``named_parameters()`` order: of the selected modules, all, or none."""
     if scope == "none":
         return []
-    named = list(model.named_parameters())
+    named = index.named_parameters()
     if scope == "all":
         return named
-    wanted = {id(p) for _, module in selection for p in module.parameters()}
+    covered = index.subtree_modules([module for _, module in selection])
+    wanted = {id(p) for _, module in index.named if id(module) in covered
+              for p in module._parameters.values() if p is not None}
     return [(n, p) for n, p in named if id(p) in wanted]
 
 
@@ -318,9 +321,9 @@ def _reentrant_checkpoint(exc: BaseException) -> bool:
     return code.co_name == "backward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
 
 
-def _refuse_inference_tensors(model: nn.Module) -> None:
+def _refuse_inference_tensors(index: ModelIndex) -> None:
     """Parameters/buffers made under ``torch.inference_mode`` cannot take part in a backward pass."""
-    named = list(model.named_parameters()) + list(model.named_buffers())
+    named = index.named_parameters() + index.named_buffers()
     inference = [name for name, t in named if t.is_inference()]
     if inference:
         raise UnsupportedError(
@@ -348,7 +351,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)
-    _refuse_inference_tensors(prep.loaded.model)
+    _refuse_inference_tensors(prep.index)
     with torch.inference_mode(False):
         return _backward_report(prep, command, stats=stats, observer=observer)
 
@@ -370,10 +373,10 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     backward_flops: FlopCounter | None = None
     # parameters are read inside ``running``: moving the model may replace its parameter objects
     with running(prep) as (model, args, kwargs), \
-            clipped_gradients(all_params := list(model.named_parameters()), opts.clip) as clipped:
-        reported = param_scope(model, prep.selection, opts.params)
+            clipped_gradients(all_params := prep.index.named_parameters(), opts.clip) as clipped:
+        reported = param_scope(prep.index, prep.selection, opts.params)
         args, kwargs = require_grad(args), require_grad(kwargs)
-        with attach(model, prep.selection, hook_options) as session:
+        with attach(model, prep.selection, hook_options, model_modules=len(prep.index.named)) as session:
             phase = "forward"
             if opts.flops:
                 forward_flops, backward_flops = FlopCounter(session.add_flops), FlopCounter()

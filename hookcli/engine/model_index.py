@@ -47,7 +47,8 @@ class ModelIndex:
             for key, b in module._buffers.items():
                 if b is not None:
                     buffer_slots.append((module, key, b))
-            edges += sum(1 for child in module._modules.values() if child is not None)
+            children = module._modules
+            edges += len(children) - (list(children.values()).count(None) if None in children.values() else 0)
         unique = {id(p) for _, _, p in param_slots}
         shared = edges != len(named) - 1 or len(unique) != len(param_slots)
         return cls(model, named, param_slots, buffer_slots, shared)
@@ -66,6 +67,37 @@ class ModelIndex:
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer tensor once, in ``buffers()`` order."""
         return list({id(b): b for _, _, b in self.buffer_slots}.values())
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``model.named_parameters()``, read now from the indexed modules (a run may have replaced
+        parameter objects since the index was made: ``.to`` does under torch's swap-tensors mode)."""
+        return self._named_tensors("_parameters")
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``model.named_buffers()``, read now from the indexed modules."""
+        return self._named_tensors("_buffers")
+
+    def _named_tensors(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        out: list[tuple[str, torch.Tensor]] = []
+        for prefix, module in self.named:
+            for key, tensor in getattr(module, kind).items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    out.append((f"{prefix}.{key}" if prefix else key, tensor))
+        return out
+
+    def subtree_modules(self, roots: Sequence[nn.Module]) -> set[int]:
+        """The ids of ``roots`` and every module below them, each module visited once in all."""
+        covered: set[int] = set()
+        stack = list(roots)
+        while stack:
+            module = stack.pop()
+            if id(module) in covered:
+                continue
+            covered.add(id(module))
+            stack.extend(child for child in module._modules.values() if child is not None)
+        return covered
 
     def subtree_params(self, selection: Sequence[tuple[str, nn.Module]]) -> dict[str, int]:
         """Parameters in each selected module's subtree, each tensor counted once (as

@@ -53,8 +53,15 @@ class Prepared:
     inputs: ModelInputs
     selection: list[tuple[str, nn.Module]]
     info: ModelInfo
-    #: The model's modules, parameters and buffers, walked once (``ModelIndex``).
-    index: ModelIndex
+    #: ``index`` as made for the model at hand (a copy of a Prepared with another model remakes it).
+    model_index: ModelIndex | None = None
+
+    @property
+    def index(self) -> ModelIndex:
+        """The model's modules, parameters and buffers, walked once (``ModelIndex``)."""
+        if self.model_index is None or self.model_index.model is not self.loaded.model:
+            self.model_index = ModelIndex.of(self.loaded.model)
+        return self.model_index
 
 
 def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:

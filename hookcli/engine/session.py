@@ -479,6 +479,35 @@ def hooked_globally(selected: int, model_modules: int | None, options: HookOptio
             and selected >= GLOBAL_MIN_SHARE * model_modules)
 
 
+def is_compiled(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether ``model`` is ``torch.compile(module)``'s wrapper, or it or a selected module was compiled
+    in place (``module.compile()``)."""
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    wrapper = getattr(optimized, "OptimizedModule", None)
+    if wrapper is not None and isinstance(model, wrapper):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *(m for _, m in selection)))
+
+
+def _as_is(fn: Callable[..., None]) -> Callable[..., None]:
+    return fn
+
+
+class _ForgetKwargsMark:
+    """Removes what ``register_module_forward_hook(with_kwargs=True)`` leaves after its handle's
+    ``remove()``: the hook's entry in torch's process-wide with-kwargs table."""
+
+    def __init__(self, hook_id: int) -> None:
+        self.hook_id = hook_id
+
+    def remove(self) -> None:
+        from torch.nn.modules import module as torch_module
+
+        marks = getattr(torch_module, "_global_forward_hooks_with_kwargs", None)
+        if marks is not None:
+            marks.pop(self.hook_id, None)
+
+
 @contextmanager
 def attach(
     model: nn.Module,
@@ -486,6 +515,7 @@ def attach(
     options: HookOptions | None = None,
     *,
     model_modules: int | None = None,
+    compiled: bool = False,
 ) -> Iterator[HookSession]:
     """Hook the selected modules for the duration of the ``with`` block; always remove the hooks.
 
@@ -497,25 +527,33 @@ def attach(
     on a model at once, so rows never mix (the API takes the lock first, for the whole run).
     ``model_modules``: how many modules the model has; with it, a selection of most of them is
     hooked with two process-wide hooks instead of two per module (``hooked_globally``).
+    ``compiled``: the model runs under ``torch.compile`` (also found by ``is_compiled``): its hooks
+    are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
     session = HookSession(selection, options or HookOptions())
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle | _ForgetKwargsMark] = []
     names: dict[int, str] = {}
     for name, module in selection:
         names.setdefault(id(module), name)  # the same module object under two names: hooked once, as the first
+    compiled = compiled or is_compiled(model, selection)
     with run_lock(), gc_paused():
         try:
-            if hooked_globally(len(names), model_modules, session.options):
+            if not compiled and hooked_globally(len(names), model_modules, session.options):
                 pre_hook, forward_hook = session.global_hooks(names)
                 handles.append(register_module_forward_pre_hook(pre_hook))
                 handles.append(register_module_forward_hook(forward_hook, with_kwargs=True, always_call=True))
+                # torch's handle forgets the with_kwargs mark of a process-wide hook: removing the hook
+                # leaves it behind, and torch.compile'd modules then warn about hooks that are gone
+                handles.append(_ForgetKwargsMark(handles[-1].id))
             else:
+                # under torch.compile the hooks run as Python, outside the graph (Dynamo would trace them)
+                eager = torch.compiler.disable if compiled else _as_is
                 for name, module in selection:
                     if names[id(module)] != name:
                         continue
-                    handles.append(module.register_forward_pre_hook(session.pre_hook(name), with_kwargs=True))
+                    handles.append(module.register_forward_pre_hook(eager(session.pre_hook(name)), with_kwargs=True))
                     handles.append(module.register_forward_hook(
-                        session.forward_hook(name), with_kwargs=True, always_call=True,
+                        eager(session.forward_hook(name)), with_kwargs=True, always_call=True,
                     ))
             yield session
         finally:
