@@ -239,7 +239,11 @@ class HookSession:
                 if tensor.requires_grad and is_float(tensor):
                     tensor.register_hook(self._input_grad_hook(call, position))
         self.calls.append(call)
-        self._open.setdefault(name, []).append(call)
+        stack = self._open.get(name)
+        if stack is None:
+            self._open[name] = [call]
+        else:
+            stack.append(call)
         self.active.append(call)
 
     def forward_hook(self, name: str) -> Callable[..., None]:
@@ -351,33 +355,31 @@ class HookSession:
         extra_values = values[: len(extra)]
 
         records: list[LayerRecord] = []
+        flops = self.options.flops
+        depths: dict[str, int] = {}
         for call, outs, ins in layout:
-            base = dict(
-                name=call.name,
-                call=call.call,
-                type=call.type,
-                depth=module_depth(call.name),
-                calls=self._counts.get(call.name, 1),
-                input_shapes=call.input_shapes,
-                params=params_by_name.get(call.name, 0),
-                flops=call.flops if self.options.flops else None,
-            )
+            name = call.name
+            depth = depths.get(name)
+            if depth is None:
+                depth = depths[name] = module_depth(name)
+            calls = self._counts.get(name, 1)
+            params = params_by_name.get(name, 0)
+            call_flops = call.flops if flops else None
             grad_input = None
             if call.input_grads is not None:
                 grad_input = [gradient_stats(values[i]) if i is not None else None for i in ins]
             if call.raised or not call.finished or not outs:
-                records.append(LayerRecord(**base, raised=call.raised or not call.finished, grad_input=grad_input))
+                records.append(LayerRecord(name, call.call, call.type, depth=depth, calls=calls,
+                                           input_shapes=call.input_shapes, params=params, flops=call_flops,
+                                           raised=call.raised or not call.finished, grad_input=grad_input))
                 continue
             for entry, stats_i, grad_i in outs:
-                grad = gradient_stats(values[grad_i]) if grad_i is not None else None
                 records.append(LayerRecord(
-                    **base,
-                    output=entry.path,
-                    shape=entry.shape,
-                    dtype=entry.dtype,
+                    name, call.call, call.type, output=entry.path, depth=depth, calls=calls,
+                    input_shapes=call.input_shapes, shape=entry.shape, dtype=entry.dtype, params=params,
                     stats=activation_stats(values[stats_i]) if stats_i is not None else None,
-                    grad=grad,
-                    grad_input=grad_input,
+                    grad=gradient_stats(values[grad_i]) if grad_i is not None else None,
+                    grad_input=grad_input, flops=call_flops,
                 ))
         called = set(self._counts)
         for name, module in self.selection:

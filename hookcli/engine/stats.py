@@ -442,7 +442,7 @@ def shape_of(t: torch.Tensor) -> list[int]:
         if not sizes:
             return [0]
         return [len(sizes)] + [int(d) if all(s[i] == d for s in sizes) else -1 for i, d in enumerate(sizes[0])]
-    return [int(d) for d in t.shape]
+    return list(t.shape)  # torch.Size holds ints (hooks run eagerly, also under torch.compile)
 
 
 def nested_values(t: torch.Tensor) -> torch.Tensor:
