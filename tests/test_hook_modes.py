@@ -199,3 +199,42 @@ def test_a_compiled_model_keeps_module_hooks_run_eagerly(recwarn: pytest.Warning
                   depth=r["depth"] - 1) for r in compiled if r["name"] != "_orig_mod"]
     assert inner == [r for r in eager]
     assert not [w for w in recwarn if "global hooks" in str(w.message)]
+
+
+class Checkpointed(nn.Module):
+    """``a`` -> checkpointed ``block`` (rerun during backward) -> ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.GELU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils import checkpoint
+
+        return self.head(checkpoint.checkpoint(self.block, self.a(x), use_reentrant=False))
+
+
+def test_process_wide_hooks_skip_checkpoint_recomputation_and_give_torch_gradients(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed().eval()
+    x = torch.randn(3, 6)
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    names = ["a", "block", "block.0", "block.1", "head"]
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: outputs.setdefault(n, o))
+               for n in names]
+    with torch.enable_grad():
+        out = model(x)
+        want = dict(zip(names, torch.autograd.grad(out.sum(), [outputs[n] for n in names])))
+    for h in handles:
+        h.remove()
+
+    rows = hookcli.grads(model, inputs=[str(path)], all_modules=True, loss="sum").to_dict()["layers"]
+    assert [(r["name"], r["call"]) for r in rows] == [(n, 0) for n in names]  # no rerun rows
+    assert all(r["called"] and not r.get("raised") for r in rows)
+    for r in rows:
+        g = want[r["name"]].double()
+        assert r["grad"]["norm"] == pytest.approx(g.norm().item(), rel=1e-5, abs=1e-7)
