@@ -307,14 +307,27 @@ def _table_model(case: Any, repeats: int,
     return results, bare_s, rows
 
 
+#: Column headings of the printed table.
+TABLE_HEADINGS = {"stats": "stats", "stats, no C kernel": "no kernel", "shapes": "shapes",
+                  ".item() hooks": ".item() hooks", "torchinfo": "torchinfo"}
+
+
 def _print_table_header() -> None:
-    cols = "".join(f"{v:>20s}" for v in TABLE_VARIANTS)
+    from hookcli import api
+
+    cols = "".join(f"{TABLE_HEADINGS[v]:>14s}" for v in TABLE_VARIANTS)
+    print("  ratios to the bare forward. stats: hookcli.stats(model, input_shapes=[...], all_modules=True);"
+          " no kernel: the same with HOOKCLI_NO_KERNEL=1;\n  shapes: hookcli.shapes(..., device='cpu',"
+          " all_modules=True); .item() hooks: a forward hook on every module, 8 statistics with .item() each;\n"
+          "  torchinfo: torchinfo.summary(model, input_data=x, verbose=0)" + ("" if HAVE_TORCHINFO else " (not installed)"))
+    if api.kernel_status() != "built":
+        print(f"  note: the C kernel is {api.kernel_status()}: the stats and no kernel columns both take torch reductions")
     print(f"  {'model':28s} {'bare s':>8s}{cols}")
     sys.stdout.flush()
 
 
 def _print_table_line(name: str, bare_s: float, ratios: dict[str, float]) -> None:
-    cols = "".join(f"{(f'{ratios[v]:.2f}x' if v in ratios else 'n/a'):>20s}" for v in TABLE_VARIANTS)
+    cols = "".join(f"{(f'{ratios[v]:.2f}x' if v in ratios else 'n/a'):>14s}" for v in TABLE_VARIANTS)
     print(f"  {name:28s} {bare_s:8.4f}{cols}")
     sys.stdout.flush()
 
