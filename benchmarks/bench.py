@@ -262,6 +262,16 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     sys.stdout.flush()
 
 
+def print_goals(rows: list[dict[str, Any]]) -> None:
+    """Goal rows of the table: met or not, what the goal is, what was measured."""
+    for r in rows:
+        simple = r["variant"] == "vs bare"
+        what = f"{r['target']} {r['goal']}x" if simple else r["target"]
+        measured = f"{r['ratio']:.2f}x" if simple else r["variant"]
+        print(f"    {_mark(r['met']):8s} {what:66s} {measured}")
+    sys.stdout.flush()
+
+
 # --------------------------------------------------------------------------- 1. the table of issue 14
 
 TABLE_VARIANTS = ("stats", "stats, no C kernel", "shapes", ".item() hooks", "torchinfo")
@@ -417,11 +427,13 @@ def _chain_model(n_modules: int) -> Any:
 def bench_scaling(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
     """``hookcli.stats(..., all_modules=True)`` on 1,000 and 10,000 small modules: time per module."""
     models = {n: _chain_model(n) for n in (1_000, 10_000)}
+    counts = {n: sum(1 for _ in m.modules()) - 1 for n, m in models.items()}
     # alternating the two sizes: a slow spell of the machine then hits both, not one
-    seconds = alternate({str(n): (lambda m=m: run_stats(m, "4x32")) for n, m in models.items()}, 2 * repeats)
-    per_module = {n: seconds[str(n)] / (sum(1 for _ in m.modules()) - 1) for n, m in models.items()}
+    seconds, ratios = alternate_ratios({str(n): (lambda m=m: run_stats(m, "4x32")) for n, m in models.items()},
+                                       2 * repeats)
+    per_module = {n: seconds[str(n)] / counts[n] for n in models}
     row = _row("scaling", "time per module, 10k vs 1k modules", "hookcli.stats all", None,
-               per_module[10_000] / per_module[1_000], "<= 1.5",
+               ratios["10000"] * counts[1_000] / counts[10_000], "<= 1.5",
                f"{per_module[1_000] * 1e6:.0f} vs {per_module[10_000] * 1e6:.0f} us/module "
                f"({seconds['1000']:.3f} s, {seconds['10000']:.3f} s per call)")
     print_rows([row])
@@ -681,13 +693,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes on 2 cores)")
     parser.add_argument("--only", choices=list(SECTIONS), action="append", help="run only this part (repeatable)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads in this process (default: every core)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(max(1, args.threads))
     machine = machine_line()
     print(machine)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * (os.cpu_count() or 1) and torch.get_num_threads() > 1:
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other processes are running. torch's "
+              "OpenMP threads then wait for each other\n  at every parallel region, which slows small ops many "
+              "times over (seen: 10x per module on 2 busy cores);\n  ratios of this run are indicative only, "
+              "--threads 1 makes them steadier (at one core's speed)")
     print(f"mode: {'--quick' if args.quick else 'full'} ({repeats} rounds at least per ratio, medians)")
     sys.stdout.flush()
     rows: list[dict[str, Any]] = []
@@ -701,7 +721,7 @@ def main() -> None:
         section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick)]
         if name == "table":
             print("  goals:")
-            print_rows([r for r in section_rows if r["section"] == "table goals"])
+            print_goals([r for r in section_rows if r["section"] == "table goals"])
         elif name == "diff":
             print_rows(section_rows)
         rows += section_rows
