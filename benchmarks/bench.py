@@ -1,32 +1,51 @@
-"""hookcli benchmarks: every issue-6 target with its measured ratio (CPU, a few minutes on 2 cores).
+"""hookcli benchmarks: every performance goal (issues 6, 14, 15) with its measured ratio, through the public API.
 
-    python benchmarks/bench.py            # all targets
-    python benchmarks/bench.py --quick    # smaller repeat counts
+    python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores)
+    python benchmarks/bench.py --quick         # fewer repeats (a few minutes)
+    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff (repeatable)
+    python benchmarks/bench.py --json rows.json
 
-Timings are medians of alternating runs in one process (so both sides see the same machine state);
-peak memory is each variant's own process peak (``VmHWM``, median of fresh subprocesses). Nothing here
-is a test: the suite never times anything.
+What is measured is what users call: ``hookcli.stats``/``hookcli.shapes`` on a model instance and the
+``hookcli`` command, with model construction excluded and hook setup, the run, report building and
+restoring the model included. The hookcli measured is the one in this checkout (its root goes first on
+``sys.path`` and ``PYTHONPATH``).
+
+Timings: each variant alternates with its own bare ``torch.no_grad()`` forward of the same model and input
+(bare, variant, bare, variant, ... after one warm-up of each); its ratio is the median over rounds of
+``variant / the bare forward just before it``, so a slow spell of the machine, which hits both runs of a
+round, mostly cancels. Peak memory is each variant's own process peak (``VmHWM`` of a fresh interpreter,
+median of a few). Nothing here is a test: the suite never times anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# measure the hookcli of this checkout, in this process and in every subprocess
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+if HERE not in sys.path:
+    sys.path.insert(1, HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 
-# --------------------------------------------------------------------------- variants (run in-process)
+# --------------------------------------------------------------------------- the variants (run in-process)
 
 def _resnet50_case(batch: int = 8) -> tuple[Any, Any]:
     import torch
@@ -37,88 +56,92 @@ def _resnet50_case(batch: int = 8) -> tuple[Any, Any]:
 
 
 def run_bare(model: Any, x: Any) -> None:
+    """The floor: a plain forward under ``torch.no_grad()``."""
     import torch
 
     with torch.no_grad():
         model(x)
 
 
-def run_hookcli(model: Any, x: Any) -> None:
-    """What `hookcli stats --all` does around the forward: hooks, on-device stats, one transfer."""
-    import torch
+def run_stats(model: Any, spec: str) -> None:
+    """``hookcli.stats(model, input_shapes=[spec], all_modules=True)``: what ``hookcli stats --all`` runs."""
+    import hookcli
 
-    from hookcli.engine.session import HookOptions, attach
-    from hookcli.engine.selection import select_modules
-
-    with attach(model, select_modules(model, all_modules=True), HookOptions(stats=True)) as session:
-        with torch.no_grad():
-            model(x)
-    session.records()
+    hookcli.stats(model, input_shapes=[spec], all_modules=True)
 
 
-def run_hookcli_torch_reductions(model: Any, x: Any) -> None:
-    """The same without the C kernel (HOOKCLI_NO_KERNEL=1): what an install without a C compiler gets."""
+def run_stats_no_kernel(model: Any, spec: str) -> None:
+    """The same with ``HOOKCLI_NO_KERNEL=1``: what an install without a C compiler gets (read per call)."""
     from hookcli.engine.kernel import NO_KERNEL_ENV
 
+    before = os.environ.get(NO_KERNEL_ENV)
     os.environ[NO_KERNEL_ENV] = "1"
     try:
-        run_hookcli(model, x)
+        run_stats(model, spec)
     finally:
-        del os.environ[NO_KERNEL_ENV]
+        if before is None:
+            del os.environ[NO_KERNEL_ENV]
+        else:
+            os.environ[NO_KERNEL_ENV] = before
+
+
+def run_shapes(model: Any, spec: str, device: str = "cpu") -> None:
+    """``hookcli.shapes(model, input_shapes=[spec], device=..., all_modules=True)``: a real forward."""
+    import hookcli
+
+    hookcli.shapes(model, input_shapes=[spec], device=device, all_modules=True)
+
+
+def _tensors(obj: Any) -> list[Any]:
+    """Every tensor in a module's output (a tensor, or tuples/lists/dicts of them)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
 
 
 def run_item_hooks(model: Any, x: Any) -> None:
-    """The naive way: forward hooks calling .item() per statistic (the seeds' ForwardCheck, extended)."""
+    """The naive way from the articles: a forward hook on every module (registered in the timed run) that
+    computes the same statistics as ``stats`` with one ``.item()`` each: mean, std, min, max, norm, zero
+    fraction, NaN count and Inf count of every floating-point output tensor."""
     import torch
 
     rows: list[tuple[float, ...]] = []
 
     def hook(_m: Any, _i: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            o = out.detach()
-            rows.append((o.mean().item(), o.std().item(), o.min().item(), o.max().item(), o.norm().item(),
-                         (o == 0).float().mean().item(), torch.isnan(o).sum().item(), torch.isinf(o).sum().item()))
+        for o in _tensors(out):
+            if o.is_floating_point() and o.numel():
+                o = o.detach()
+                rows.append((o.mean().item(), o.std().item(), o.min().item(), o.max().item(), o.norm().item(),
+                             (o == 0).float().mean().item(), torch.isnan(o).sum().item(),
+                             torch.isinf(o).sum().item()))
 
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # std of one element
             model(x)
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def run_capture_all(model: Any, x: Any) -> None:
-    """A capture-everything tool: keeps a clone of every module output, then computes statistics."""
-    import torch
-
-    kept: list[torch.Tensor] = []
-    handles = [m.register_forward_hook(lambda _m, _i, o: kept.append(o.detach().clone()) if isinstance(o, torch.Tensor) else None)
-               for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            model(x)
-        [(t.mean().item(), t.std().item()) for t in kept]
     finally:
         for h in handles:
             h.remove()
 
 
 def run_torchinfo(model: Any, x: Any) -> None:
-    import torchinfo  # optional: pip install torchinfo
+    """``torchinfo.summary(model, input_data=x, verbose=0)`` (optional: pip install torchinfo)."""
+    import torchinfo
 
-    torchinfo.summary(model, input_data=x, verbose=0, depth=10)
+    torchinfo.summary(model, input_data=x, verbose=0)
 
 
-VARIANTS: dict[str, Callable[[Any, Any], None]] = {
-    "bare forward": run_bare,
-    "hookcli stats --all": run_hookcli,
-    "  without the C kernel": run_hookcli_torch_reductions,
-    "plain .item() hooks": run_item_hooks,
-    "capture everything": run_capture_all,
-    "torchinfo.summary": run_torchinfo,
-}
+HAVE_TORCHINFO = importlib.util.find_spec("torchinfo") is not None
 
+
+# --------------------------------------------------------------------------- timing and memory
 
 def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     """Median seconds per variant, running the variants in turn ``repeats`` times (after a warm-up)."""
@@ -131,6 +154,55 @@ def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, flo
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def alternate_ratios(fns: dict[str, Callable[[], None]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Like ``alternate`` (round-robin after a warm-up), also returning each variant's median over rounds of
+    its time / the time of the first variant (the bare forward) in the same round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    first = next(iter(fns))
+    return ({name: statistics.median(ts) for name, ts in times.items()},
+            {name: statistics.median(t / b for t, b in zip(ts, times[first])) for name, ts in times.items()})
+
+
+def paired(bare: Callable[[], None], variant: Callable[[], None], rounds: int, *, budget_s: float = 0.0,
+           max_rounds: int = 60, sync: Callable[[], None] | None = None, warm: bool = False) -> dict[str, float]:
+    """``variant`` against ``bare``, alternating (bare, variant, bare, variant, ...) after one warm-up of
+    each (of the variant only with ``warm``: the bare forward of the same model and input already ran).
+
+    At least ``rounds`` rounds, more for fast models until ``budget_s`` seconds are spent (at most
+    ``max_rounds``). Returns the medians of both (``bare``, ``variant`` seconds) and ``ratio``: the
+    median over rounds of variant / the bare forward of the same round. ``sync`` (``cuda.synchronize``)
+    runs before each clock read.
+    """
+    sync = sync or (lambda: None)
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    if not warm:
+        timed(bare)
+    timed(variant)
+    bares: list[float] = []
+    variants: list[float] = []
+    spent, began = 0.0, time.perf_counter()
+    while len(bares) < max_rounds and (len(bares) < rounds or spent < budget_s):
+        bares.append(timed(bare))
+        variants.append(timed(variant))
+        spent = time.perf_counter() - began
+    return {"bare": statistics.median(bares), "variant": statistics.median(variants),
+            "ratio": statistics.median(v / b for v, b in zip(variants, bares)), "rounds": len(bares)}
 
 
 def peak_rss_mb(code: str, runs: int = 1) -> float:
@@ -147,7 +219,9 @@ def peak_rss_mb(code: str, runs: int = 1) -> float:
             if line.startswith("VmHWM:"):
                 print("PEAK", line.split()[1])
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=HERE)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE)
+    if out.returncode:
+        raise RuntimeError(f"peak_rss_mb: the subprocess failed:\n{out.stderr[-2000:]}")
     kb = int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("PEAK")))
     return kb / 1024
 
@@ -161,79 +235,188 @@ def command_seconds(args: list[str], repeats: int) -> float:
     return statistics.median(times)
 
 
-# --------------------------------------------------------------------------- targets
+def _row(section: str, target: str, variant: str, seconds: float | None, ratio: float | None, goal: str = "",
+         detail: str = "", met: bool | None = None) -> dict[str, Any]:
+    """One result row. ``goal``: e.g. ``<= 1.05`` (then ``met`` is worked out from ``ratio`` unless given)."""
+    if met is None and goal:
+        m = re.match(r"\s*(<=|<)\s*([0-9.]+)", goal)
+        if m and ratio is not None:
+            met = ratio <= float(m.group(2)) if m.group(1) == "<=" else ratio < float(m.group(2))
+    return {"section": section, "target": target, "variant": variant,
+            "seconds": None if seconds is None else round(seconds, 6), "ratio": None if ratio is None else round(ratio, 3),
+            "goal": goal, "met": met, "detail": detail}
 
-def bench_overhead(repeats: int) -> list[dict[str, Any]]:
-    """Each variant alternates with its own bare forward (bare, variant, bare, variant, ...).
 
-    Pairing matters on this kind of machine: a run right after one that freed a lot of memory (the
-    capture-everything variant frees 1.3 GB) pays for faulting fresh pages, so a single round-robin
-    over all variants would charge that to whichever variant comes next.
-    """
-    import copy
+def _mark(met: bool | None) -> str:
+    return "" if met is None else "met" if met else "NOT MET"
 
-    import torch
 
-    model, x = _resnet50_case()
-    available = dict(VARIANTS)
-    available.pop("bare forward")
-    if importlib.util.find_spec("torchinfo") is None:
-        available.pop("torchinfo.summary")
-    target = "stats overhead, resnet50 b8 224 CPU"
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    """The generic row layout (every section but the table)."""
+    for r in rows:
+        s = r["seconds"]
+        seconds = "" if s is None else f"{s:.3f}" if s >= 0.01 else f"{s:.2e}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        goal = f"goal {r['goal']}: {_mark(r.get('met'))}" if r.get("goal") else ""
+        print(f"  {r['target']:40s} {r['variant']:24s} {seconds:>8s} {ratio:>7s}  {goal}  {r.get('detail', '')}".rstrip())
+    sys.stdout.flush()
+
+
+def print_goals(rows: list[dict[str, Any]]) -> None:
+    """Goal rows of the table: met or not, what the goal is, what was measured."""
+    for r in rows:
+        simple = r["variant"] == "vs bare"
+        what = f"{r['target']} {r['goal']}x" if simple else r["target"]
+        measured = f"{r['ratio']:.2f}x" if simple else r["variant"]
+        print(f"    {_mark(r['met']):8s} {what:66s} {measured}")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- 1. the table of issue 14
+
+TABLE_VARIANTS = ("stats", "stats, no C kernel", "shapes", ".item() hooks", "torchinfo")
+
+
+def bench_table(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Each model of the table, each public call against its own bare forward, in one process."""
+    import models
+
+    budget = 1.0 if quick else 5.0  # seconds per variant: fast models get more rounds
     rows: list[dict[str, Any]] = []
-    for name, fn in available.items():
-        pair = alternate({"bare": lambda: run_bare(model, x), name: lambda fn=fn: fn(model, x)}, repeats)
-        if not rows:
-            rows.append({"target": target, "variant": "bare forward", "seconds": round(pair["bare"], 3),
-                         "ratio": 1.0, "goal": ""})
-        rows.append({"target": target, "variant": name, "seconds": round(pair[name], 3),
-                     "ratio": round(pair[name] / pair["bare"], 2), "goal": "<= 1.15" if name == "hookcli stats --all" else "",
-                     "detail": f"bare {pair['bare']:.3f} s"})
-    half_model, half_x = copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16)  # informative: no target
-    half = alternate({"bare": lambda: run_bare(half_model, half_x),
-                      "hookcli": lambda: run_hookcli(half_model, half_x)}, repeats)
-    rows.append({"target": "same, in bfloat16 (no target)", "variant": "hookcli stats --all",
-                 "seconds": round(half["hookcli"], 3), "ratio": round(half["hookcli"] / half["bare"], 2),
-                 "goal": "", "detail": f"bare {half['bare']:.3f} s"})
-    setup = "import sys; sys.path.insert(0, '.'); from bench import _resnet50_case, VARIANTS; m, x = _resnet50_case()\n"
-    runs = 3 if repeats < 7 else 5
-    bare_mb = peak_rss_mb(setup + "VARIANTS['bare forward'](m, x); VARIANTS['bare forward'](m, x)", runs)
-    hook_mb = peak_rss_mb(setup + "VARIANTS['hookcli stats --all'](m, x); VARIANTS['hookcli stats --all'](m, x)", runs)
-    rows.append({"target": "peak memory, same case", "variant": "hookcli / bare", "seconds": None,
-                 "ratio": round(hook_mb / bare_mb, 3), "goal": "<= 1.10",
-                 "detail": f"{hook_mb:.0f} MB vs {bare_mb:.0f} MB"})
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, _builder, _args in models.TABLE:
+        results[name], bare_s, case_rows = _table_model(models.build(name), repeats, budget)
+        rows += case_rows
+        _print_table_line(name, bare_s, {v: r["ratio"] for v, r in results[name].items()})
+        gc.collect()
+    rows += _table_goals(results)
     return rows
 
 
-def bench_help(repeats: int) -> list[dict[str, Any]]:
-    torch_s = command_seconds([sys.executable, "-c", "import torch"], repeats)
-    help_s = command_seconds([sys.executable, "-m", "hookcli.cli", "--help"], repeats)
-    version_s = command_seconds([sys.executable, "-m", "hookcli.cli", "--version"], repeats)
-    return [
-        {"target": "hookcli --help vs import torch", "variant": "--help", "seconds": round(help_s, 3),
-         "ratio": round(help_s / torch_s, 3), "goal": "<= 0.2"},
-        {"target": "hookcli --version vs import torch", "variant": "--version", "seconds": round(version_s, 3),
-         "ratio": round(version_s / torch_s, 3), "goal": "<= 0.2"},
-    ]
+def _table_model(case: Any, repeats: int,
+                 budget: float) -> tuple[dict[str, dict[str, float]], float, list[dict[str, Any]]]:
+    """One model of the table: each variant paired with its own bare forward."""
+    model, x, spec = case.model, case.x, case.spec
+    fns: dict[str, Callable[[], None]] = {
+        "stats": lambda: run_stats(model, spec),
+        "stats, no C kernel": lambda: run_stats_no_kernel(model, spec),
+        "shapes": lambda: run_shapes(model, spec),
+        ".item() hooks": lambda: run_item_hooks(model, x),
+    }
+    if HAVE_TORCHINFO:
+        fns["torchinfo"] = lambda: run_torchinfo(model, x)
+    results = {variant: paired(lambda: run_bare(model, x), fn, repeats, budget_s=budget, warm=i > 0)
+               for i, (variant, fn) in enumerate(fns.items())}
+    bare_s = statistics.median(r["bare"] for r in results.values())
+    rows = [_row("table", case.name, "bare forward", bare_s, 1.0,
+                 detail=f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, input {spec}, "
+                        f"{sum(1 for _ in model.modules()) - 1} modules")]
+    for variant, r in results.items():
+        rows.append(_row("table", case.name, variant, r["variant"], r["ratio"],
+                         detail=f"bare {r['bare']:.4f} s, {r['rounds']} rounds"))
+    return results, bare_s, rows
 
 
-#: About 7B parameters, shared with tests/test_scale.py (which checks its weights are never allocated).
-BIG_MODEL = os.path.join(os.path.dirname(HERE), "tests", "big_model.py")
+#: Column headings of the printed table.
+TABLE_HEADINGS = {"stats": "stats", "stats, no C kernel": "no kernel", "shapes": "shapes",
+                  ".item() hooks": ".item() hooks", "torchinfo": "torchinfo"}
 
 
-def bench_meta(repeats: int) -> list[dict[str, Any]]:
-    imports_s = command_seconds([sys.executable, "-c", "import torch, torchvision"], repeats)
+def _print_table_header() -> None:
+    from hookcli import api
+
+    cols = "".join(f"{TABLE_HEADINGS[v]:>14s}" for v in TABLE_VARIANTS)
+    print("  ratios to the bare forward. stats: hookcli.stats(model, input_shapes=[...], all_modules=True);"
+          " no kernel: the same with HOOKCLI_NO_KERNEL=1;\n  shapes: hookcli.shapes(..., device='cpu',"
+          " all_modules=True); .item() hooks: a forward hook on every module, 8 statistics with .item() each;\n"
+          "  torchinfo: torchinfo.summary(model, input_data=x, verbose=0)" + ("" if HAVE_TORCHINFO else " (not installed)"))
+    if api.kernel_status() != "built":
+        print(f"  note: the C kernel is {api.kernel_status()}: the stats and no kernel columns both take torch reductions")
+    print(f"  {'model':28s} {'bare s':>8s}{cols}")
+    sys.stdout.flush()
+
+
+def _print_table_line(name: str, bare_s: float, ratios: dict[str, float]) -> None:
+    cols = "".join(f"{(f'{ratios[v]:.2f}x' if v in ratios else 'n/a'):>14s}" for v in TABLE_VARIANTS)
+    print(f"  {name:28s} {bare_s:8.4f}{cols}")
+    sys.stdout.flush()
+
+
+def _table_goals(results: dict[str, dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+    """The goals of issue 14 that the table measures, each with its measurement."""
     rows = []
-    for spec in ("vit_h_14", f"{BIG_MODEL}:Big"):
-        code = f"import hookcli; r = hookcli.shapes({spec!r}); print('PARAMS', r.model.params, r.device)"
-        start = time.perf_counter()
-        mb = peak_rss_mb(code)
-        seconds = time.perf_counter() - start
-        rows.append({"target": "shapes on meta", "variant": os.path.basename(spec), "seconds": round(seconds, 2),
-                     "ratio": round(seconds / imports_s, 2), "goal": "<= 2.0 (time vs import) ; < 1500 MB",
-                     "detail": f"peak {mb:.0f} MB"})
+
+    def ratio(model: str, variant: str) -> float | None:
+        r = results.get(model, {}).get(variant)
+        return None if r is None else r["ratio"]
+
+    resnet, mobile = "resnet50 b8 224", "mobilenet_v3_small b1"
+    for model, variant, goal in ((resnet, "stats", "<= 1.05"), (resnet, "stats, no C kernel", "<= 1.15"),
+                                 (mobile, "stats", "<= 1.5"), (mobile, "stats, no C kernel", "<= 1.5"),
+                                 (mobile, "shapes", "<= 1.4")):
+        if ratio(model, variant) is not None:
+            rows.append(_row("table goals", f"{model}: {variant}", "vs bare", None, ratio(model, variant), goal))
+    for model in results:
+        for ours, peer in (("stats", ".item() hooks"), ("stats, no C kernel", ".item() hooks"), ("shapes", "torchinfo")):
+            a, b = ratio(model, ours), ratio(model, peer)
+            if a is None or b is None:
+                continue
+            rows.append(_row("table goals", f"{model}: {ours} faster than {peer}", f"{a:.2f}x vs {b:.2f}x",
+                             None, a / b, "< 1 (ours / peer)", met=a < b))
     return rows
 
+
+# --------------------------------------------------------------------------- 2. peak memory
+
+def bench_memory(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Peak memory of ``stats`` vs the bare forward on every model of the table: fresh processes, each
+    building the model and running twice (bare, stats, bare, stats, ...), median of a few."""
+    import models
+
+    runs = 2 if quick else 5
+    rows = []
+    for name, _builder, _args in models.TABLE:
+        setup = f"import models, bench; c = models.build({name!r})\n"
+        bare: list[float] = []
+        hooked: list[float] = []
+        for _ in range(runs):
+            bare.append(peak_rss_mb(setup + "bench.run_bare(c.model, c.x); bench.run_bare(c.model, c.x)"))
+            hooked.append(peak_rss_mb(setup + "bench.run_stats(c.model, c.spec); bench.run_stats(c.model, c.spec)"))
+        b, h = statistics.median(bare), statistics.median(hooked)
+        rows.append(_row("memory", f"peak memory, {name}", "stats / bare", None, h / b, "<= 1.10",
+                         f"{h:.0f} MB vs {b:.0f} MB (median of {runs} processes each)"))
+        print_rows(rows[-1:])
+    return rows
+
+
+# --------------------------------------------------------------------------- 3. the command, end to end
+
+def hookcli_command() -> tuple[list[str], str]:
+    """How to run the ``hookcli`` command: the installed entry-point script beside this interpreter (not a
+    pyenv shim, which adds its own start-up), else ``python -m hookcli``."""
+    script = os.path.join(os.path.dirname(sys.executable), "hookcli")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script], "hookcli (entry point)"
+    return [sys.executable, "-m", "hookcli"], "python -m hookcli"
+
+
+def bench_cli(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """``hookcli shapes resnet50`` end to end against building the model in a bare interpreter."""
+    command, label = hookcli_command()
+    reference = [sys.executable, "-c", "import torch, torchvision; torchvision.models.resnet50()"]
+
+    def run(args: list[str]) -> Callable[[], None]:
+        return lambda: subprocess.run(args, capture_output=True, check=True, cwd=HERE)
+
+    r = paired(run(reference), run(command + ["shapes", "resnet50"]), repeats)
+    row = _row("cli", "hookcli shapes resnet50, end to end", "vs import+build", r["variant"], r["ratio"], "<= 1.3",
+               f"{label}; reference {r['bare']:.2f} s: python -c 'import torch, torchvision; "
+               f"torchvision.models.resnet50()'; {r['rounds']} rounds")
+    print_rows([row])
+    return [row]
+
+
+# --------------------------------------------------------------------------- 4. setup is O(modules)
 
 def _chain_model(n_modules: int) -> Any:
     from torch import nn
@@ -241,63 +424,169 @@ def _chain_model(n_modules: int) -> Any:
     return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(n_modules // 3)])
 
 
-def bench_scaling(repeats: int) -> list[dict[str, Any]]:
+def bench_scaling(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """``hookcli.stats(..., all_modules=True)`` on 1,000 and 10,000 small modules: time per module."""
+    models = {n: _chain_model(n) for n in (1_000, 10_000)}
+    counts = {n: sum(1 for _ in m.modules()) - 1 for n, m in models.items()}
+    # alternating the two sizes: a slow spell of the machine then hits both, not one
+    seconds, ratios = alternate_ratios({str(n): (lambda m=m: run_stats(m, "4x32")) for n, m in models.items()},
+                                       2 * repeats)
+    per_module = {n: seconds[str(n)] / counts[n] for n in models}
+    row = _row("scaling", "time per module, 10k vs 1k modules", "hookcli.stats all", None,
+               ratios["10000"] * counts[1_000] / counts[10_000], "<= 1.5",
+               f"{per_module[1_000] * 1e6:.0f} vs {per_module[10_000] * 1e6:.0f} us/module "
+               f"({seconds['1000']:.3f} s, {seconds['10000']:.3f} s per call)")
+    print_rows([row])
+    return [row]
+
+
+# --------------------------------------------------------------------------- 5. GPUs
+
+def gpu_cases(quick: bool = False) -> list[tuple[str, Callable[[], Any]]]:
+    """resnet50 at batch 32, and a ~1.1B-parameter GPT-2-style decoder in bfloat16 (built on demand)."""
     import torch
 
-    x = torch.randn(4, 32)
-    models = {n: _chain_model(n) for n in (1_000, 10_000)}
-    # alternating the two sizes: a slow spell of the machine then hits both, not one
-    seconds = alternate({str(n): (lambda m=m: run_hookcli(m, x)) for n, m in models.items()}, 2 * repeats)
-    per_module = {n: seconds[str(n)] / (sum(1 for _ in m.modules()) - 1) for n, m in models.items()}
-    ratio = per_module[10_000] / per_module[1_000]
-    return [{"target": "time per module, 10k vs 1k modules", "variant": "stats --all", "seconds": None,
-             "ratio": round(ratio, 2), "goal": "<= 1.5",
-             "detail": f"{per_module[1_000] * 1e6:.0f} vs {per_module[10_000] * 1e6:.0f} us/module"}]
+    import models
+
+    def decoder() -> Any:
+        case = models.gpt_case(models.GPT_1B, batch=1, seq=1024, name="gpt2-style 1.1B bf16 b1 s1024")
+        case.model.to(torch.bfloat16)
+        return case
+
+    return [("resnet50 b32 224", lambda: models.torchvision_case("resnet50", 32)),
+            ("gpt2-style 1.1B bf16 b1 s1024", decoder)]
 
 
-def bench_kernel(repeats: int) -> list[dict[str, Any]]:
+def bench_gpu(repeats: int, quick: bool = False, device: str = "cuda",
+              cases: list[tuple[str, Callable[[], Any]]] | None = None) -> list[dict[str, Any]]:
+    """Each GPU case against a bare forward on the device (``torch.cuda.synchronize()`` around every
+    timing), and the peak device memory of ``stats`` against the bare forward's."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("  skipped: no CUDA")
+        return [_row("gpu", "GPU rows", "", None, None, detail="skipped: no CUDA")]
+    on_cuda = device.startswith("cuda")
+    rows: list[dict[str, Any]] = []
+    for name, build in cases or gpu_cases(quick):
+        case_rows = _gpu_model(name, build(), repeats, quick, device)
+        print_rows(case_rows)
+        rows += case_rows
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _gpu_model(name: str, case: Any, repeats: int, quick: bool, device: str) -> list[dict[str, Any]]:
+    """One GPU case: each variant paired with its own bare forward; peak device memory of stats vs bare."""
+    import torch
+
+    on_cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_cuda else None
+    model, x, spec = case.model.to(device), case.x.to(device), case.spec
+    fns: dict[str, Callable[[], None]] = {
+        "stats": lambda: run_stats(model, spec),
+        "shapes": lambda: run_shapes(model, spec, device),
+        ".item() hooks": lambda: run_item_hooks(model, x),
+    }
+    if HAVE_TORCHINFO:
+        fns["torchinfo"] = lambda: run_torchinfo(model, x)
+    rows: list[dict[str, Any]] = []
+    ratios: dict[str, float] = {}
+    label = f"{name} ({torch.cuda.get_device_name() if on_cuda else device})"
+    for variant, fn in fns.items():
+        r = paired(lambda: run_bare(model, x), fn, repeats, budget_s=2.0 if quick else 5.0, sync=sync, warm=bool(ratios))
+        ratios[variant] = r["ratio"]
+        rows.append(_row("gpu", label, variant, r["variant"], r["ratio"],
+                         detail=f"bare {r['bare']:.4f} s, {r['rounds']} rounds"))
+    for ours, peer in (("stats", ".item() hooks"), ("shapes", "torchinfo")):
+        if peer in ratios:
+            rows.append(_row("gpu", f"{name}: {ours} faster than {peer}", f"{ratios[ours]:.2f}x vs {ratios[peer]:.2f}x",
+                             None, ratios[ours] / ratios[peer], "< 1 (ours / peer)", met=ratios[ours] < ratios[peer]))
+    if on_cuda:
+        peaks = {}
+        for variant, fn in (("bare", lambda: run_bare(model, x)), ("stats", fns["stats"])):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peaks[variant] = torch.cuda.max_memory_allocated() / 2**20
+        rows.append(_row("gpu", f"{name}: peak device memory", "stats / bare", None, peaks["stats"] / peaks["bare"],
+                         "<= 1.10", f"{peaks['stats']:.0f} MB vs {peaks['bare']:.0f} MB (max_memory_allocated)"))
+    return rows
+
+
+# --------------------------------------------------------------------------- 6. the rows kept from issue 6
+
+def bench_help(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """``hookcli --help`` / ``--version`` against ``python -c "import torch"`` (help must not import torch)."""
+    command, label = hookcli_command()
+    torch_s = command_seconds([sys.executable, "-c", "import torch"], repeats)
+    rows = []
+    for flag in ("--help", "--version"):
+        s = command_seconds(command + [flag], repeats)
+        rows.append(_row("help", f"hookcli {flag} vs import torch", label, s, s / torch_s, "<= 0.2"))
+    print_rows(rows)
+    return rows
+
+
+#: About 7B parameters, shared with tests/test_scale.py (which checks its weights are never allocated).
+BIG_MODEL = os.path.join(ROOT, "tests", "big_model.py")
+
+
+def bench_meta(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """``hookcli.shapes(spec)`` of big models on the meta device: time vs importing torch+torchvision; peak."""
+    imports_s = command_seconds([sys.executable, "-c", "import torch, torchvision"], repeats)
+    rows = []
+    for spec in ("vit_h_14", f"{BIG_MODEL}:Big"):
+        code = f"import hookcli; r = hookcli.shapes({spec!r}); print('PARAMS', r.model.params, r.device)"
+        start = time.perf_counter()
+        mb = peak_rss_mb(code)
+        seconds = time.perf_counter() - start
+        rows.append(_row("meta", "shapes on meta", os.path.basename(spec), seconds, seconds / imports_s,
+                         "<= 2.0", f"time vs import torch, torchvision ({imports_s:.2f} s); peak {mb:.0f} MB "
+                                   f"(goal < 1500 MB: {_mark(mb < 1500)})", met=seconds / imports_s <= 2.0 and mb < 1500))
+    print_rows(rows)
+    return rows
+
+
+def bench_kernel(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
     """Does the C kernel earn its place? ``hookcli.stats(..., all_modules=True)`` through the public
     API with the kernel and with ``HOOKCLI_NO_KERNEL=1``, alternating with a bare forward (bare, kernel,
-    no kernel, bare, ...), on resnet50 at batch 8 and on two small models at batch 1. Then the kernel
-    and the torch reductions on one activation, and the per-call cost on a small one.
-
-    The API run includes what the bare forward does not: making the randn input, snapshotting and
-    restoring the model's state, the report. The kernel/no-kernel ratio is the number that decides.
+    no kernel, bare, ...), on resnet50 at batch 8 (float32 and bfloat16) and on two small models at
+    batch 1. Then the kernel and the torch reductions on one activation, and the per-call cost on a
+    small one (``Reducer``: the kernel itself, below the API).
     """
     import torch
-    from torchvision import models
 
-    import hookcli
-    from hookcli.engine.kernel import NO_KERNEL_ENV
+    import models
     from hookcli.engine.stats import Reducer
 
-    def api(model: Any, shape: str, kernel: bool) -> None:
-        if kernel:
-            os.environ.pop(NO_KERNEL_ENV, None)
-        else:
-            os.environ[NO_KERNEL_ENV] = "1"
-        try:
-            hookcli.stats(model, input_shapes=[shape], all_modules=True)
-        finally:
-            os.environ.pop(NO_KERNEL_ENV, None)
-
     rows: list[dict[str, Any]] = []
-    cases = [("resnet50", 8, 224), ("resnet18", 1, 224), ("mobilenet_v3_small", 1, 224)]
-    for name, batch, size in cases:
-        torch.manual_seed(0)
-        model = getattr(models, name)(weights=None).eval()
-        x = torch.randn(batch, 3, size, size)
-        shape = f"{batch}x3x{size}x{size}"
-        times = alternate({"bare": lambda: run_bare(model, x),
-                           "kernel": lambda: api(model, shape, True),
-                           "torch": lambda: api(model, shape, False)}, repeats)
-        target = f"kernel: stats API, {name} b{batch} {size}"
+    cases = [("resnet50", 8, None), ("resnet50", 8, torch.bfloat16), ("resnet18", 1, None),
+             ("mobilenet_v3_small", 1, None)]
+    for arch, batch, dtype in cases:
+        case = models.torchvision_case(arch, batch)
+        model, x, spec = case.model, case.x, case.spec
+        if dtype is not None:
+            model, x, spec = model.to(dtype), x.to(dtype), f"{spec}:{str(dtype).removeprefix('torch.')}"
+        times, ratios = alternate_ratios({"bare": lambda: run_bare(model, x),
+                                          "kernel": lambda: run_stats(model, spec),
+                                          "torch": lambda: run_stats_no_kernel(model, spec)}, repeats)
+        target = f"kernel: stats API, {arch} b{batch}" + (f" {str(dtype)[6:]}" if dtype else "")
         for variant, key in (("bare forward", "bare"), ("with the C kernel", "kernel"),
                              ("HOOKCLI_NO_KERNEL=1", "torch")):
-            rows.append({"target": target, "variant": variant, "seconds": round(times[key], 4),
-                         "ratio": round(times[key] / times["bare"], 2), "goal": "",
-                         "detail": "" if key == "bare" else f"vs kernel {times[key] / times['kernel']:.2f}x"})
+            rows.append(_row("kernel", target, variant, times[key], ratios[key],
+                             detail="" if key == "bare" else f"vs kernel {ratios[key] / ratios['kernel']:.2f}x"))
+        print_rows(rows[-3:])
 
+    from hookcli.engine import kernel
+
+    if kernel.load() is None:
+        rows.append(_row("kernel", "kernel: one reduction", "", None, None, detail="skipped: the C kernel is not built"))
+        print_rows(rows[-1:])
+        return rows
     # one activation of resnet50 at batch 8 (layer1's ReLU: 8x256x56x56 float32, 25.7 MB), and a small one
     for label, t in (("one 25.7 MB activation", torch.randn(8, 256, 56, 56).relu()),
                      ("one 4 KB activation", torch.randn(1000).relu())):
@@ -306,9 +595,9 @@ def bench_kernel(repeats: int) -> list[dict[str, Any]]:
         inner = 20 if t.numel() > 10_000 else 2000
         per = alternate({k: (lambda fn=fn: [fn() for _ in range(inner)]) for k, fn in fns.items()}, repeats)
         for variant, key in (("C kernel", "kernel"), ("torch reductions", "torch")):
-            rows.append({"target": f"kernel: {label}", "variant": variant,
-                         "seconds": round(per[key] / inner, 7), "ratio": round(per[key] / per["kernel"], 2),
-                         "goal": "", "detail": f"{per[key] / inner * 1e6:.1f} us per reduce"})
+            rows.append(_row("kernel", f"kernel: {label}", variant, per[key] / inner, per[key] / per["kernel"],
+                             detail=f"{per[key] / inner * 1e6:.1f} us per reduce"))
+        print_rows(rows[-2:])
     return rows
 
 
@@ -344,32 +633,117 @@ def bench_diff(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+
+# --------------------------------------------------------------------------- main
+
+def machine_line() -> str:
+    """Where the numbers come from: CPU, cores, memory, versions, the hookcli measured, load average."""
+    import torch
+    import torchvision
+
+    import hookcli
+    from hookcli import api
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as fh:
+            mem = f", {int(next(line.split()[1] for line in fh if line.startswith('MemTotal'))) / 2**20:.0f} GB"
+    except (OSError, StopIteration, ValueError):
+        mem = ""
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return (f"machine: {cpu}, {os.cpu_count()} cores{mem}{gpu}; torch threads {torch.get_num_threads()}\n"
+            f"versions: Python {platform.python_version()}, torch {torch.__version__}, torchvision "
+            f"{torchvision.__version__}, torchinfo {_torchinfo_version()}, hookcli {hookcli.__version__} from "
+            f"{os.path.dirname(hookcli.__file__)} (C kernel: {api.kernel_status()})\n"
+            f"load average at start: {_load()}")
+
+
+def _torchinfo_version() -> str:
+    if not HAVE_TORCHINFO:
+        return "not installed (its column is skipped)"
+    import torchinfo
+
+    return getattr(torchinfo, "__version__", "installed")
+
+
+def _load() -> str:
+    try:
+        return ", ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1, 5, 15 min)"
+    except OSError:
+        return "unknown"
+
+
+SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
+    "table": ("1. through the public API, each ratio against its own bare torch.no_grad() forward", bench_table),
+    "memory": ("2. peak memory (VmHWM of fresh processes) of hookcli.stats vs the bare forward", bench_memory),
+    "cli": ("3. the command end to end, vs importing torch+torchvision and building resnet50", bench_cli),
+    "scaling": ("4. setup is O(modules): hookcli.stats on 1,000 vs 10,000 modules", bench_scaling),
+    "gpu": ("5. GPU rows (torch.cuda.synchronize() around every timing)", bench_gpu),
+    "help": ("6. start-up of the command without torch", bench_help),
+    "meta": ("7. shapes of big models on the meta device", bench_meta),
+    "kernel": ("8. the optional C kernel, through the API and per reduction", bench_kernel),
+    "diff": ("9. hookcli diff (issue 15)", lambda repeats, quick=False: bench_diff(repeats)),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--only", choices=["overhead", "help", "meta", "scaling", "kernel", "diff"], action="append")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes on 2 cores)")
+    parser.add_argument("--only", choices=list(SECTIONS), action="append", help="run only this part (repeatable)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads in this process (default: every core)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    benches = {"overhead": bench_overhead, "help": bench_help, "meta": bench_meta, "scaling": bench_scaling,
-               "kernel": bench_kernel, "diff": bench_diff}
+    torch.set_num_threads(max(1, args.threads))
+    machine = machine_line()
+    print(machine)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * (os.cpu_count() or 1) and torch.get_num_threads() > 1:
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other processes are running. torch's "
+              "OpenMP threads then wait for each other\n  at every parallel region, which slows small ops many "
+              "times over (seen: 10x per module on 2 busy cores);\n  ratios of this run are indicative only, "
+              "--threads 1 makes them steadier (at one core's speed)")
+    print(f"mode: {'--quick' if args.quick else 'full'} ({repeats} rounds at least per ratio, medians)")
+    sys.stdout.flush()
     rows: list[dict[str, Any]] = []
-    for name, fn in benches.items():
+    started = time.perf_counter()
+    for name, (title, fn) in SECTIONS.items():
         if args.only and name not in args.only:
             continue
-        rows += fn(repeats)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}, torch {torch.__version__}")
-    print(f"{'target':42s} {'variant':22s} {'seconds':>8s} {'ratio':>7s}  goal / detail")
-    for r in rows:
-        seconds = "" if r["seconds"] is None else f"{r['seconds']:.3f}" if r["seconds"] >= 0.01 else f"{r['seconds']:.2e}"
-        print(f"{r['target']:42s} {r['variant']:22s} {seconds:>8s} {r['ratio']:>7.2f}  {r['goal']} {r.get('detail', '')}")
+        print(f"\n{title}")
+        if name == "table":
+            _print_table_header()
+        section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick)]
+        if name == "table":
+            print("  goals:")
+            print_goals([r for r in section_rows if r["section"] == "table goals"])
+        elif name == "diff":
+            print_rows(section_rows)
+        rows += section_rows
+    goals = [r for r in rows if r.get("goal") and r.get("met") is not None]
+    met = sum(1 for r in goals if r["met"])
+    print(f"\ngoals: {met} of {len(goals)} met" + (":" if len(goals) > met else ""))
+    for r in goals:
+        if not r["met"]:
+            print(f"  NOT MET  {r['target']} ({r['variant']}): {r['ratio']:.2f}, goal {r['goal']}")
+    print(f"load average at end: {_load()}; {time.perf_counter() - started:.0f} s in all")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+            json.dump([_row("machine", "machine", "--quick" if args.quick else "full", None, None,
+                            detail=machine + f"; load average at end: {_load()}")] + rows, fh, indent=2)
+
+
+def _normalised(section: str, r: dict[str, Any]) -> dict[str, Any]:
+    """A row from any section (``bench_diff`` writes its own) in the layout of ``_row``."""
+    if "section" in r and "met" in r:
+        return r
+    return _row(section, r["target"], r["variant"], r.get("seconds"), r.get("ratio"), r.get("goal", ""),
+                r.get("detail", ""), r.get("met"))
 
 
 if __name__ == "__main__":
