@@ -180,3 +180,17 @@ def test_only_the_engine_session_registers_hooks(name: str) -> None:
             if isinstance(node, ast.Attribute) and node.attr == name:
                 callers.add(module)
     assert callers <= {"hookcli.engine.session"}, f"{name} called outside the engine session: {callers}"
+
+
+def test_every_public_api_function_is_on_the_package_without_importing_torch() -> None:
+    """``hookcli.X`` is ``hookcli.api.X`` for every name the API exports, and importing the package
+    (what ``hookcli --help`` does) leaves torch unimported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hookcli, hookcli.api as api; "
+            "assert all(getattr(hookcli, n) is getattr(api, n) for n in api.__all__), 'missing'; "
+            "assert set(api.__all__) <= set(hookcli.__all__); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
