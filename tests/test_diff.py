@@ -567,3 +567,22 @@ def test_repeated_and_in_place_outputs_each_row_matches_plain_torch(vs_dtype: st
         (tol,) = [t for t in report.tolerances if t.b_dtype == row.b_dtype]
         within = bool(((a.double() - b.double()).abs() <= tol.atol + tol.rtol * a.double().abs()).all())
         assert got.within == within, row.label
+
+
+def test_no_room_for_run_a_is_a_clear_error_exit_2(tmp_path: Path) -> None:
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files() -> None:  # at most 1 MB per file, and a write beyond it fails instead of killing
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run([sys.executable, "-m", "hookcli", "diff", "resnet18", "--all", "--input-shape", "1x3x64x64"],
+                            capture_output=True, text=True, preexec_fn=small_files, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("Error: diff: cannot keep run A's outputs in ") and "File too large" in lines[0]
+    assert lines[1].startswith("  hint: set TMPDIR") and len(lines) == 2

@@ -1,10 +1,11 @@
 """``hookcli diff``: run a model twice (A, then B with the ``--vs-*`` changes) and find where they part.
 
 Both runs go through the engine (``prepare`` / ``running`` / ``attach`` with ``HookOptions.keep``): run A
-writes every selected output tensor to a disk-backed store (one file-mapped tensor per output, in a
-temporary folder removed in ``finally``); run B compares each of its outputs with A's stored tensor as
-it is produced, reduces the comparison to six numbers on B's device and drops both. Neither run's
-activations are held beyond that, so peak memory is about a bare forward plus two activations.
+writes every selected output tensor to a disk-backed store (one unnamed temporary file, closed in
+``finally``; an output that is the same unchanged tensor object as an earlier one is written once);
+run B compares each of its outputs with A's stored values as it is produced, a chunk at a time, reduces
+the comparison to six numbers and drops both. Neither run's activations are held beyond that and
+nothing is memory-mapped, so peak memory is about a bare forward plus a few chunk buffers.
 The model's own output is always compared (its rows are ``final``): the exit code is decided on it.
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy
 import torch
 
-from hookcli.errors import InternalError
+from hookcli.errors import InternalError, OutputError
 from hookcli.records import Errors, Tolerance
 
 Key = tuple[str, int, str]  # (module name, call index, output path)
@@ -119,13 +119,18 @@ class DiskStore:
         if item is None:
             t = plain_tensor(tensor)
             item = Stored(self.size, list(t.shape), t.dtype)
-            fd = self.file.fileno()
-            for piece in pieces(t, WRITE_CHUNK):
-                raw = memoryview(_bytes_of(piece.cpu())).cast("B")
-                while raw:
-                    written = os.pwrite(fd, raw, self.size)
-                    raw = raw[written:]
-                    self.size += written
+            try:
+                for piece in pieces(t, WRITE_CHUNK):
+                    raw = memoryview(_bytes_of(piece.cpu()))
+                    while raw:
+                        written = os.pwrite(self.file.fileno(), raw, self.size)
+                        raw = raw[written:]
+                        self.size += written
+            except OSError as exc:  # the disk is full, or a file size limit
+                raise OutputError(
+                    f"diff: cannot keep run A's outputs in {tempfile.gettempdir()} ({exc.strerror or exc}; "
+                    f"{self.size / 2**20:.0f} MB written)",
+                    hint="set TMPDIR to a folder with more room, or select fewer modules (--layers, --types)") from exc
             self._seen.remember(tensor, item)
         self.items[key] = item
 
@@ -255,9 +260,10 @@ def compare(a: torch.Tensor | Source, b: torch.Tensor, rtol: float, atol: float 
       terms may have underflowed) is compared again in float64, and so is the tolerance check where
       a difference exceeds ``atol``. It reads each chunk's numbers on the host (no cost on the CPU).
     - Otherwise (float64 or integer values, another device): ``CHUNK`` elements at a time in float64
-      (float32 on MPS, which has none), without a host sync. Cosine near 1 needs the precision.
+      (float32 on MPS, which has none), on ``b``'s device; the host waits only for copying run A's
+      chunks there. Cosine near 1 needs the precision.
     """
-    source: Source = _TensorSource(a) if isinstance(a, torch.Tensor) else a
+    source: Source = _TensorSource(a.to(b.device)) if isinstance(a, torch.Tensor) else a
     if source.numel != b.numel():
         raise InternalError(f"diff: comparing {source.numel} elements with {b.numel()}")
     if b.device.type == "cpu" and source.dtype in FAST_DTYPES and b.dtype in FAST_DTYPES:
