@@ -471,6 +471,7 @@ def test_store_round_trips_every_dtype_and_layout() -> None:
         "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 3),
         "complex": torch.randn(3, dtype=torch.complex64, generator=g),
+        "lazily negated": torch.randn(4, dtype=torch.complex64, generator=g).conj().imag,  # neg bit set
     }
     store = DiskStore()
     try:
@@ -478,10 +479,13 @@ def test_store_round_trips_every_dtype_and_layout() -> None:
             store.put(name, 0, "", t)
         for name, t in tensors.items():
             item = store.items[(name, 0, "")]
-            want = t.resolve_conj()
-            want = torch.view_as_real(want) if want.is_complex() else want
+            want = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t.resolve_neg()
             assert item.shape == list(want.shape) and item.dtype == want.dtype, name
             assert torch.equal(store.source(item).read(0, item.numel), want.reshape(-1)), name
+            max_abs, sa, sb, sd, sab, excess = compare(store.source(item), t, 0.0).tolist()  # with itself
+            want64 = want.double().reshape(-1)
+            assert (max_abs, sd, excess) == (0, 0, 0) and sa == sb == sab, name
+            assert sa == pytest.approx(want64.dot(want64).item(), rel=1e-6), name
     finally:
         store.close()
 

@@ -187,13 +187,14 @@ def pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached dense real tensor: quantized ones dequantized, complex ones as (..., 2) real."""
+    """A detached dense real tensor: quantized ones dequantized, complex ones as (..., 2) real, a lazy
+    negation resolved (its memory is then read as it is)."""
     t = tensor.detach()
     if t.is_quantized:
         t = t.dequantize()
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
-    return t
+    return t.resolve_neg()
 
 
 # --------------------------------------------------------------------------- comparing
@@ -263,7 +264,8 @@ def compare(a: torch.Tensor | Source, b: torch.Tensor, rtol: float, atol: float 
       (float32 on MPS, which has none), on ``b``'s device; the host waits only for copying run A's
       chunks there. Cosine near 1 needs the precision.
     """
-    source: Source = _TensorSource(a.to(b.device)) if isinstance(a, torch.Tensor) else a
+    b = plain_tensor(b)
+    source: Source = _TensorSource(plain_tensor(a).to(b.device)) if isinstance(a, torch.Tensor) else a
     if source.numel != b.numel():
         raise InternalError(f"diff: comparing {source.numel} elements with {b.numel()}")
     if b.device.type == "cpu" and source.dtype in FAST_DTYPES and b.dtype in FAST_DTYPES:
