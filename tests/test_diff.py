@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli.commands.diff_numbers import compare, errors_from
+from hookcli.commands.diff_numbers import DiskStore, compare, errors_from, pieces
 from reference import outputs_by_call
 
 # --------------------------------------------------------------------------- plain-torch references
@@ -376,3 +376,217 @@ def test_store_is_removed_also_when_run_b_raises(cli, tmp_path: Path, monkeypatc
     assert os.listdir(store_root) == []
     assert cli("diff", spec_a, "--input-shape", "2x8").exit_code == 0
     assert os.listdir(store_root) == []
+
+
+# --------------------------------------------------------------------------- the CPU float32 path and run A's store
+
+
+FAST = [torch.float32, torch.float16, torch.bfloat16]
+#: finite, overflowing, underflowing (float32 squares below its smallest normal), signed zeros, NaN, inf
+any_value = st.one_of(st.floats(-1e4, 1e4, width=32), st.floats(width=32),
+                      st.sampled_from([0.0, -0.0, 1e-30, -3e-25, 1e-40, 1e25, -3e38, math.nan, math.inf, -math.inf]))
+
+
+def float64_reference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> dict[str, float | bool]:
+    """compare's numbers computed directly in float64: equal values (NaN against NaN, equal
+    infinities) differ by 0 and are always within tolerance; an infinite or NaN difference never is
+    (as torch.isclose)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = torch.where(same, 0.0, a - b)
+    return {"max_abs": d.abs().max().item(), "sa": a.dot(a).item(), "sb": b.dot(b).item(), "sd": d.dot(d).item(),
+            "sab": a.dot(b).item(), "within": bool((same | (d.isfinite() & (d.abs() <= atol + rtol * a.abs()))).all())}
+
+
+def assert_compare_matches(got: list[float], want: dict[str, float | bool], atol: float) -> None:
+    max_abs, sa, sb, sd, sab, excess = got
+    assert (not math.isnan(excess) and excess <= atol) == want["within"]
+    for value, ref in ((max_abs, want["max_abs"]), (sa, want["sa"]), (sb, want["sb"]), (sd, want["sd"])):
+        if math.isnan(ref) or math.isinf(ref):
+            assert value == ref or (math.isnan(value) and math.isnan(ref))
+        else:
+            assert value == pytest.approx(ref, rel=1e-6, abs=1e-300)
+    if math.isfinite(want["sab"]):
+        assert abs(sab - want["sab"]) <= 1e-6 * math.sqrt(want["sa"] * want["sb"]) + 1e-300
+    else:
+        assert sab == want["sab"] or (math.isnan(sab) and math.isnan(want["sab"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(FAST), st.sampled_from(FAST), st.lists(any_value, min_size=1, max_size=50), st.data(),
+       st.sampled_from([1, 3, 8, 64]), st.sampled_from([(0.0, 0.0), (1e-3, 1e-5), (0.1, 1e-2), (0.0, 0.5)]),
+       st.booleans())
+def test_float32_path_matches_float64_torch(dtype_a: torch.dtype, dtype_b: torch.dtype, values: list[float],
+                                            data: st.DataObject, chunk: int, tolerance: tuple[float, float],
+                                            stored: bool) -> None:
+    a = torch.tensor(values, dtype=torch.float64).to(dtype_a)
+    b = a.to(dtype_b)  # b: a with some elements changed (so that some chunks are equal, others not)
+    for i, v in data.draw(st.dictionaries(st.integers(0, len(values) - 1), any_value, max_size=len(values))).items():
+        b[i] = v
+    rtol, atol = tolerance
+    store = DiskStore()
+    try:
+        if stored:
+            store.put("m", 0, "", a)
+        source = store.source(store.items[("m", 0, "")]) if stored else a
+        got = compare(source, b, rtol, atol, chunk=chunk).tolist()
+    finally:
+        store.close()
+    assert_compare_matches(got, float64_reference(a, b, rtol, atol), atol)
+
+
+@pytest.mark.parametrize("make_b", [lambda a: a.clone(), lambda a: a * (1 + 1e-4), lambda a: a.to(torch.bfloat16)])
+def test_float32_path_sums_keep_float64_precision_over_many_elements(make_b) -> None:
+    # a constant: the worst case of a plain float32 running sum (it is off by ~1e-3 here)
+    a = torch.full((3 << 20,), 0.1) + torch.arange(3 << 20) % 7 * 1e-3
+    b = make_b(a)
+    got = compare(a, b, 1e-5, 1e-5).tolist()
+    assert_compare_matches(got, float64_reference(a, b, 1e-5, 1e-5), 1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=4), st.data(), st.integers(1, 40))
+def test_pieces_walk_any_layout_in_row_major_order(shape: list[int], data: st.DataObject, limit: int) -> None:
+    base = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    order = data.draw(st.permutations(range(len(shape))))
+    t = base.permute(tuple(order))  # transposed, channels-last-like, or contiguous
+    if t.dim() and data.draw(st.booleans()):
+        t = t[..., ::2]  # strided
+    parts = list(pieces(t, limit))
+    assert all(p.dim() == 1 and p.is_contiguous() and 0 < p.numel() <= limit for p in parts)
+    joined = torch.cat(parts) if parts else torch.empty(0)
+    assert torch.equal(joined, t.reshape(-1))
+
+
+def test_store_round_trips_every_dtype_and_layout() -> None:
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "float32": torch.randn(3, 5, generator=g),
+        "transposed": torch.randn(4, 6, generator=g).t(),
+        "channels_last": torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+        "bfloat16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "float64": torch.randn(2, 2, generator=g).double(),
+        "int64": torch.arange(-5, 5),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "complex": torch.randn(3, dtype=torch.complex64, generator=g),
+        "lazily negated": torch.randn(4, dtype=torch.complex64, generator=g).conj().imag,  # neg bit set
+    }
+    store = DiskStore()
+    try:
+        for name, t in tensors.items():
+            store.put(name, 0, "", t)
+        for name, t in tensors.items():
+            item = store.items[(name, 0, "")]
+            want = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t.resolve_neg()
+            assert item.shape == list(want.shape) and item.dtype == want.dtype, name
+            assert torch.equal(store.source(item).read(0, item.numel), want.reshape(-1)), name
+            max_abs, sa, sb, sd, sab, excess = compare(store.source(item), t, 0.0).tolist()  # with itself
+            want64 = want.double().reshape(-1)
+            assert (max_abs, sd, excess) == (0, 0, 0) and sa == sb == sab, name
+            assert sa == pytest.approx(want64.dot(want64).item(), rel=1e-6), name
+    finally:
+        store.close()
+
+
+def test_store_writes_a_repeated_tensor_once_and_a_changed_one_again() -> None:
+    store = DiskStore()
+    try:
+        t = torch.arange(6.0)
+        store.put("child", 0, "", t)
+        size = store.size
+        store.put("parent", 0, "", t)  # the same object, unchanged: a Sequential and its last child
+        assert store.items[("parent", 0, "")] is store.items[("child", 0, "")] and store.size == size
+        store.put("view", 0, "", t[:])  # another tensor object on the same memory: written
+        assert store.size == 2 * size
+        t.add_(1)  # changed in place since (as an in-place ReLU does to its input)
+        store.put("after", 0, "", t)
+        assert store.size == 3 * size
+        read = {k: store.source(v).read(0, 6).clone() for k, v in store.items.items()}
+        assert torch.equal(read[("child", 0, "")], torch.arange(6.0))  # as it was when kept
+        assert torch.equal(read[("after", 0, "")], torch.arange(6.0) + 1)
+    finally:
+        store.close()
+
+
+class _AddInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1)  # the same object, changed: must be compared anew
+
+
+class _Transposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t()  # a non-contiguous view
+
+
+class PassThrough(nn.Module):
+    """Outputs that are other calls' output objects: a Sequential and its in-place ReLU, an Identity
+    (called twice), a module that changes its input in place and returns it, a transposed view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True))
+        self.keep = nn.Identity()
+        self.bump = _AddInPlace()
+        self.flip = _Transposed()
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.keep(self.bump(self.keep(self.body(x))))
+        return self.head(self.flip(h))
+
+
+@pytest.mark.parametrize("vs_dtype", [None, "bfloat16", "float64"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_repeated_and_in_place_outputs_each_row_matches_plain_torch(vs_dtype: str | None, chunk: int | None,
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import hookcli.commands.diff_numbers as numbers
+
+    if chunk is not None:  # chunk boundaries inside every tensor
+        monkeypatch.setattr(numbers, "FAST_CHUNK", chunk)
+        monkeypatch.setattr(numbers, "CHUNK", chunk)
+    torch.manual_seed(0)
+    model = PassThrough().eval()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(6))
+    report = hookcli.diff(model, inputs=[save_input(tmp_path, x)], all_modules=True, vs_dtype=vs_dtype)
+    ref_a = outputs_by_call(model, x)
+    dtype = {None: torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[vs_dtype]
+    ref_b = outputs_by_call(copy.deepcopy(model).to(dtype), x.to(dtype))
+    assert {(r.name, r.call) for r in report.rows} == set(ref_a)
+    assert torch.equal(ref_a[("keep", 1)], ref_a[("keep", 0)] + 1)  # the test's premise: changed in place
+    for row in report.rows:
+        a, b = ref_a[(row.name, row.call)], ref_b[(row.name, row.call)]
+        want = reference_errors(a, b)
+        got = row.errors
+        assert got is not None, row.label
+        assert got.max_abs == pytest.approx(want["max_abs"], rel=1e-6, abs=1e-12), row.label
+        if want["max_abs"] == 0:
+            assert (got.rel_l2, got.cosine, got.sqnr_db, got.within) == (0.0, 1.0, math.inf, True), row.label
+        else:
+            assert got.rel_l2 == pytest.approx(want["rel_l2"], rel=1e-5), row.label
+            assert got.cosine == pytest.approx(want["cosine"], abs=1e-6), row.label
+            assert got.sqnr_db == pytest.approx(want["sqnr_db"], abs=1e-4), row.label
+        (tol,) = [t for t in report.tolerances if t.b_dtype == row.b_dtype]
+        within = bool(((a.double() - b.double()).abs() <= tol.atol + tol.rtol * a.double().abs()).all())
+        assert got.within == within, row.label
+
+
+def test_no_room_for_run_a_is_a_clear_error_exit_2(tmp_path: Path) -> None:
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files() -> None:  # at most 1 MB per file, and a write beyond it fails instead of killing
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run([sys.executable, "-m", "hookcli", "diff", "resnet18", "--all", "--input-shape", "1x3x64x64"],
+                            capture_output=True, text=True, preexec_fn=small_files, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("Error: diff: cannot keep run A's outputs in ") and "File too large" in lines[0]
+    assert lines[1].startswith("  hint: set TMPDIR") and len(lines) == 2

@@ -1,10 +1,11 @@
 """``hookcli diff``: run a model twice (A, then B with the ``--vs-*`` changes) and find where they part.
 
 Both runs go through the engine (``prepare`` / ``running`` / ``attach`` with ``HookOptions.keep``): run A
-writes every selected output tensor to a disk-backed store (one file-mapped tensor per output, in a
-temporary folder removed in ``finally``); run B compares each of its outputs with A's stored tensor as
-it is produced, reduces the comparison to six numbers on B's device and drops both. Neither run's
-activations are held beyond that, so peak memory is about a bare forward plus two activations.
+writes every selected output tensor to a disk-backed store (one unnamed temporary file, closed in
+``finally``; an output that is the same unchanged tensor object as an earlier one is written once);
+run B compares each of its outputs with A's stored values as it is produced, a chunk at a time, reduces
+the comparison to six numbers and drops both. Neither run's activations are held beyond that and
+nothing is memory-mapped, so peak memory is about a bare forward plus a few chunk buffers.
 The model's own output is always compared (its rows are ``final``): the exit code is decided on it.
 """
 
@@ -35,7 +36,15 @@ from hookcli.engine.selection import module_depth
 from hookcli.engine.session import HookOptions, attach
 from hookcli.engine.stats import dtype_name, iter_tensors
 from hookcli.options import DTYPES, RunOptions, model_is_instance
-from hookcli.commands.diff_numbers import DiskStore, Key, compare, errors_from, plain_tensor, tolerance_for
+from hookcli.commands.diff_numbers import (
+    DiskStore,
+    Key,
+    SeenTensors,
+    compare,
+    errors_from,
+    plain_tensor,
+    tolerance_for,
+)
 from hookcli.records import DiffReport, DiffRow, Errors, LayerRecord, Tolerance
 
 @dataclass
@@ -86,6 +95,7 @@ class _Comparer:
         self.pending: dict[Key, torch.Tensor] = {}
         self.tolerances: dict[Key, Tolerance] = {}
         self.b_meta: dict[Key, tuple[list[int], str]] = {}  # in the order B produced them
+        self.seen = SeenTensors()  # B's tensors compared already: (A's item, tolerance, result)
 
     def __call__(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
         key = (name, call, path)
@@ -94,10 +104,14 @@ class _Comparer:
         stored = self.store.items.get(key)
         if stored is None or stored.shape != list(b.shape):
             return  # only in B, or another shape: said by the row, nothing to compare
-        a = self.store.get(key)
         tol = tolerance_for(dtype_name(stored.dtype), dtype_name(b.dtype), self.vs.rtol, self.vs.atol)
         self.tolerances[key] = tol
-        self.pending[key] = compare(a, b, tol.rtol)
+        before = self.seen.get(tensor)
+        if before is not None and before[0] is stored and before[1] == tol:
+            self.pending[key] = before[2]  # the same pair of tensors as an earlier call's
+            return
+        self.pending[key] = compare(self.store.source(stored), b, tol.rtol, tol.atol)
+        self.seen.remember(tensor, (stored, tol, self.pending[key]))
 
     def results(self) -> dict[Key, Errors]:
         """Every comparison, with one host transfer."""

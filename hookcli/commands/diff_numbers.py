@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+import numpy
 import torch
 
+from hookcli.errors import InternalError, OutputError
 from hookcli.records import Errors, Tolerance
 
 Key = tuple[str, int, str]  # (module name, call index, output path)
@@ -46,92 +50,312 @@ def tolerance_for(a_dtype: str, b_dtype: str, rtol: float | None, atol: float | 
 # --------------------------------------------------------------------------- run A's store
 
 
-@dataclass
-class _Stored:
-    path: str | None  # None: an empty tensor (nothing to map)
+@dataclass(eq=False)
+class Stored:
+    """One tensor in a DiskStore: where its bytes start in the file, its shape and dtype."""
+
+    offset: int
     shape: list[int]
     dtype: torch.dtype
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
-class DiskStore:
-    """Tensors kept on disk: each one a file mapped with ``torch.from_file``, read back lazily.
 
-    Holding run A's activations here costs page cache, which the kernel can drop, not process memory.
-    ``close`` removes the folder.
+class SeenTensors:
+    """Recognises a tensor seen before: the same object, unchanged since (its version counter).
+
+    A module often returns its last child's output object itself (a Sequential, a residual block
+    ending in a ReLU, the model ending in its head): that tensor is then written and compared once.
+    Holds weak references only. In-place writes that bypass the version counter (through
+    ``.data`` or NumPy) are not seen.
     """
 
     def __init__(self) -> None:
-        self.folder = tempfile.mkdtemp(prefix="hookcli-diff-")
-        self.items: dict[Key, _Stored] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, Any]] = {}
+
+    def get(self, tensor: torch.Tensor) -> Any:
+        """What ``remember`` stored with ``tensor``, or None when it is new or changed since."""
+        entry = self._seen.get(id(tensor))
+        if entry is None:
+            return None
+        ref, version, value = entry
+        return value if ref() is tensor and _version(tensor) == version else None
+
+    def remember(self, tensor: torch.Tensor, value: Any) -> None:
+        version = _version(tensor)
+        if version is not None:
+            self._seen[id(tensor)] = (weakref.ref(tensor), version, value)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor._version)
+    except (RuntimeError, AttributeError):  # an inference tensor has no version counter
+        return None
+
+
+class DiskStore:
+    """Tensors kept in one unnamed temporary file, written and read with plain file I/O.
+
+    Holding run A's activations here costs page cache, which the kernel can drop or write out, not
+    process memory: nothing is memory-mapped, and reads go through one chunk-sized buffer. The file
+    has no name (it is gone even if the process is killed); ``close`` frees it.
+    """
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile(prefix="hookcli-diff-")
+        self.size = 0
+        self.items: dict[Key, Stored] = {}
+        self._seen = SeenTensors()
+        self._buffer: torch.Tensor | None = None
 
     def put(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` under (name, call, path): a ``HookOptions.keep`` callback."""
+        """Keep ``tensor`` under (name, call, path): a ``HookOptions.keep`` callback. A tensor seen
+        before and unchanged since is not written again."""
         key = (name, call, path)
-        t = plain_tensor(tensor)
-        file = None
-        if t.numel():
-            file = os.path.join(self.folder, f"{len(self.items)}.bin")
-            disk = torch.from_file(file, shared=True, size=t.numel(), dtype=t.dtype)
-            disk.view(t.shape).copy_(t)
-            del disk  # unmapped; the values stay in the file
-        self.items[key] = _Stored(file, list(t.shape), t.dtype)
+        item = self._seen.get(tensor)
+        if item is None:
+            t = plain_tensor(tensor)
+            item = Stored(self.size, list(t.shape), t.dtype)
+            try:
+                for piece in pieces(t, WRITE_CHUNK):
+                    raw = memoryview(_bytes_of(piece.cpu()))
+                    while raw:
+                        written = os.pwrite(self.file.fileno(), raw, self.size)
+                        raw = raw[written:]
+                        self.size += written
+            except OSError as exc:  # the disk is full, or a file size limit
+                raise OutputError(
+                    f"diff: cannot keep run A's outputs in {tempfile.gettempdir()} ({exc.strerror or exc}; "
+                    f"{self.size / 2**20:.0f} MB written)",
+                    hint="set TMPDIR to a folder with more room, or select fewer modules (--layers, --types)") from exc
+            self._seen.remember(tensor, item)
+        self.items[key] = item
 
-    def get(self, key: Key) -> torch.Tensor:
-        item = self.items[key]
-        if item.path is None:
-            return torch.empty(item.shape, dtype=item.dtype)
-        return torch.from_file(item.path, shared=False, size=math.prod(item.shape), dtype=item.dtype).view(item.shape)
+    def source(self, item: Stored) -> Source:
+        """A reader of ``item``'s values, chunk by chunk (through this store's one buffer)."""
+        return _FileSource(self, item)
+
+    def read(self, item: Stored, start: int, count: int) -> torch.Tensor:
+        """Elements ``start:start+count`` of ``item`` (flat, row-major) as a 1-D CPU tensor that
+        lives in a buffer reused by the next read."""
+        size = count * item.dtype.itemsize
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = torch.empty(max(size, READ_BUFFER), dtype=torch.uint8)
+        view = self._buffer[:size]
+        raw = memoryview(view.numpy())
+        offset, done = item.offset + start * item.dtype.itemsize, 0
+        while done < size:
+            got = os.preadv(self.file.fileno(), [raw[done:]], offset + done)
+            if got <= 0:
+                raise InternalError(f"diff store: read {done} of {size} bytes at {offset}")
+            done += got
+        return view.view(item.dtype)
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.file.close()
+        self._buffer = None
+
+
+def _bytes_of(flat: torch.Tensor) -> Any:
+    """A dense 1-D CPU tensor's memory as a buffer-protocol object (no copy)."""
+    return flat.view(torch.uint8).numpy()
+
+
+def pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """``t``'s elements in row-major order as 1-D contiguous tensors of at most ``limit`` elements:
+    views where ``t`` is contiguous, copies of at most ``limit`` elements where it is not (so a
+    transposed or channels-last tensor never costs a copy of itself)."""
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), limit):
+            yield flat[start:start + limit]
+    elif t.dim() <= 1:
+        for start in range(0, t.numel(), limit):
+            yield t[start:start + limit].contiguous()
+    elif t.numel():
+        row = t[0].numel()
+        if row <= limit:
+            step = limit // row
+            for start in range(0, t.shape[0], step):
+                yield t[start:start + step].contiguous().view(-1)
+        else:
+            for i in range(t.shape[0]):
+                yield from pieces(t[i], limit)
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached dense real tensor: quantized ones dequantized, complex ones as (..., 2) real."""
+    """A detached dense real tensor: quantized ones dequantized, complex ones as (..., 2) real, a lazy
+    negation resolved (its memory is then read as it is)."""
     t = tensor.detach()
     if t.is_quantized:
         t = t.dequantize()
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
-    return t
+    return t.resolve_neg()
 
 
 # --------------------------------------------------------------------------- comparing
 
 
-#: Elements compared at a time: the float64 working copies never exceed this (8 MB each).
-CHUNK = 1 << 20
+#: Elements per chunk where the comparison runs in float64: 2 MB working copies.
+CHUNK = 1 << 18
+#: Elements per chunk of the CPU float32 path: 128 KB working copies, which stay in cache.
+FAST_CHUNK = 1 << 15
+#: Elements per write of a tensor that has to be copied first (on another device, or not contiguous).
+WRITE_CHUNK = 1 << 20
+#: Bytes of the store's read buffer: the largest chunk of the widest dtype.
+READ_BUFFER = CHUNK * 8
+#: The dtypes the CPU path compares in float32: each converts to it exactly.
+FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: A float32 sum of squares below this may have lost terms to underflow (a term loses at most
+#: 2**-126, a chunk has at most 2**15 of them): that chunk is compared again in float64.
+_TINY = 2.0 ** -80
 
 
-def compare(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Six numbers on ``b``'s device, no host sync: max|a-b|, ||a||^2, ||b||^2, ||a-b||^2, <a,b>, and
-    max(|a-b| - rtol |a|) (within tolerance when it is <= atol).
+class Source(Protocol):
+    """Run A's values of one tensor, read flat (row-major) a chunk at a time."""
 
-    Equal values (also equal infinities, and NaN against NaN) differ by 0. Computed in float64 (float32
-    on MPS, which has none; cosine near 1 needs the precision), CHUNK elements at a time, so the
-    working copies stay small next to the activations; sums of squares as dot products (no temporaries).
+    dtype: torch.dtype
+    numel: int
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        """Elements ``start:start+count`` as a 1-D tensor, valid until the next read."""
+        ...
+
+
+class _TensorSource:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.flat = tensor.detach().reshape(-1)
+        self.dtype, self.numel = tensor.dtype, tensor.numel()
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        return self.flat[start:start + count]
+
+
+class _FileSource:
+    def __init__(self, store: DiskStore, item: Stored) -> None:
+        self.store, self.item = store, item
+        self.dtype, self.numel = item.dtype, item.numel
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        return self.store.read(self.item, start, count)
+
+
+def compare(a: torch.Tensor | Source, b: torch.Tensor, rtol: float, atol: float = 0.0, *,
+            chunk: int | None = None) -> torch.Tensor:
+    """Six float64 numbers on ``b``'s device: max|a-b|, ||a||^2, ||b||^2, ||a-b||^2, <a,b>, and an
+    excess that is <= ``atol`` exactly when every element is within tolerance (equal, or
+    |a-b| <= atol + rtol |a|; the excess is max(|a-b| - rtol |a|) where it matters).
+
+    ``a`` is a tensor or a ``Source`` (run A's stored values) with ``b``'s number of elements, read
+    in ``b``'s row-major order. Equal values (also equal infinities, and NaN against NaN) differ by 0.
+    Nothing activation-sized is allocated: ``b`` is walked in chunks (``pieces``).
+
+    - On the CPU with both sides float32, float16 or bfloat16: in float32, ``FAST_CHUNK`` elements
+      at a time. A chunk equal in both runs costs an equality test and one sum of squares; any other
+      a difference and four sums of products (float32 cascade sums, each chunk's added in float64).
+      A chunk whose float32 numbers could be off (NaN, infinity or overflow; sums so small that
+      terms may have underflowed) is compared again in float64, and so is the tolerance check where
+      a difference exceeds ``atol``. It reads each chunk's numbers on the host (no cost on the CPU).
+    - Otherwise (float64 or integer values, another device): ``CHUNK`` elements at a time in float64
+      (float32 on MPS, which has none), on ``b``'s device; the host waits only for copying run A's
+      chunks there. Cosine near 1 needs the precision.
     """
+    b = plain_tensor(b)
+    source: Source = _TensorSource(plain_tensor(a).to(b.device)) if isinstance(a, torch.Tensor) else a
+    if source.numel != b.numel():
+        raise InternalError(f"diff: comparing {source.numel} elements with {b.numel()}")
+    if b.device.type == "cpu" and source.dtype in FAST_DTYPES and b.dtype in FAST_DTYPES:
+        return _compare_float32(source, b, rtol, atol, chunk or FAST_CHUNK)
+    return _compare_exact(source, b, rtol, chunk or CHUNK)
+
+
+def _compare_exact(source: Source, b: torch.Tensor, rtol: float, chunk: int) -> torch.Tensor:
     ct = torch.float32 if b.device.type == "mps" else torch.float64
-    a = a.to(device=b.device).reshape(-1)
-    b = b.reshape(-1)
-    zero = torch.zeros((), dtype=ct, device=b.device)
-    parts = []
-    for start in range(0, a.numel(), CHUNK):
-        x = a[start:start + CHUNK].to(ct)
-        y = b[start:start + CHUNK].to(ct)
-        same = x == y  # also equal infinities, whose difference is NaN
-        same |= x.isnan() & y.isnan()
-        d = torch.where(same, zero, x - y)
-        low, high = torch.aminmax(d)
-        sums = [torch.dot(x, x), torch.dot(y, y), torch.dot(d, d), torch.dot(x, y)]
-        d.abs_()
-        if rtol:
-            d.sub_(x.abs(), alpha=rtol)  # x may be the caller's own tensor: never in place
-        parts.append(torch.stack([torch.maximum(-low, high), *sums, d.amax()]))
+    parts, start = [], 0
+    for y in pieces(b, chunk):
+        x = source.read(start, y.numel()).to(device=b.device, dtype=ct)
+        start += y.numel()
+        parts.append(_exact_chunk(x, y.to(ct), rtol))
     if not parts:
         return torch.zeros(6, dtype=torch.float64, device=b.device)
     acc = torch.stack(parts)
     return torch.cat([acc[:, 0].amax().reshape(1), acc[:, 1:5].sum(0), acc[:, 5].amax().reshape(1)]).to(torch.float64)
+
+
+def _exact_chunk(x: torch.Tensor, y: torch.Tensor, rtol: float) -> torch.Tensor:
+    """``compare``'s six numbers for one chunk, in ``x``'s dtype (never written: it may be the
+    caller's own tensor)."""
+    same = x == y  # also equal infinities, whose difference is NaN
+    same |= x.isnan() & y.isnan()
+    d = torch.where(same, 0.0, x - y)
+    sums = [torch.dot(x, x), torch.dot(y, y), torch.dot(d, d), torch.dot(x, y)]
+    d.abs_()
+    max_abs = d.amax()
+    if rtol:
+        d.sub_(x.abs(), alpha=rtol)
+        d.masked_fill_(same, 0.0)  # equal is within, also NaN against NaN (NaN - rtol |NaN| is not)
+    return torch.stack([max_abs, *sums, d.amax() if rtol else max_abs])
+
+
+def _compare_float32(source: Source, b: torch.Tensor, rtol: float, atol: float, chunk: int) -> torch.Tensor:
+    f32 = torch.float32
+    size = min(chunk, b.numel())
+    xbuf, ybuf, dbuf, tbuf = (torch.empty(size, dtype=f32) for _ in range(4))
+    rows: list[list[float]] = []
+    start = 0
+    shortcut = atol * (1 - 2.0 ** -20)  # a float32 max|a-b| up to this is an exact one up to atol
+    for y in pieces(b, chunk):
+        n = y.numel()
+        x = source.read(start, n)
+        start += n
+        equal = x.dtype == y.dtype and _same_bits(x, y)
+        x = x if x.dtype == f32 else xbuf[:n].copy_(x)
+        t = tbuf[:n]
+        if equal:
+            s = torch.mul(x, x, out=t).sum().item()
+            if not _TINY <= s < math.inf and (s != 0 or bool(x.any())):
+                s = torch.dot(x.double(), x.double()).item()  # overflowed, underflowed, or NaN
+            rows.append([0.0, s, s, 0.0, s, 0.0])
+            continue
+        y = y if y.dtype == f32 else ybuf[:n].copy_(y)
+        d = torch.sub(x, y, out=dbuf[:n])
+        row = torch.stack([torch.mul(x, x, out=t).sum(), torch.mul(y, y, out=t).sum(), torch.mul(d, d, out=t).sum(),
+                           torch.mul(x, y, out=t).sum(), d.amax(), d.amin()]).tolist()
+        sx, sy, sd, sxy, high, low = row
+        max_abs = max(high, -low)
+        if not (all(math.isfinite(v) for v in row) and sx >= _TINY and sy >= _TINY and (sd >= _TINY or max_abs == 0)):
+            rows.append(_exact_chunk(x.double(), y.double(), rtol).tolist())
+            continue
+        excess = max_abs
+        if max_abs > shortcut:  # the tolerance check, and max|a-b|, in float64
+            x64 = x.double()
+            e = x64.sub(y.double()).abs_()
+            max_abs = e.amax().item()
+            excess = e.sub_(x64.abs_(), alpha=rtol).amax().item() if rtol else max_abs
+        rows.append([max_abs, sx, sy, sd, sxy, excess])
+    if not rows:
+        return torch.zeros(6, dtype=torch.float64)
+    cols = list(zip(*rows))
+    return torch.tensor([_max(cols[0]), *(sum(c) for c in cols[1:5]), _max(cols[5])], dtype=torch.float64)
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two dense 1-D CPU tensors of one dtype hold the same bytes (faster than torch.equal;
+    also NaN against the same NaN, as ``compare`` counts it; not -0.0 against 0.0, which then take
+    the path that finds them equal)."""
+    xb, yb = _bytes_of(x), _bytes_of(y)
+    if xb.size % 8 == 0:
+        xb, yb = xb.view(numpy.uint64), yb.view(numpy.uint64)
+    return bool(numpy.array_equal(xb, yb))
+
+
+def _max(values: Sequence[float]) -> float:
+    """The largest value, NaN if any is NaN (as torch's amax)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def errors_from(values: list[float], atol: float) -> Errors:
@@ -173,4 +397,5 @@ def errors_from(values: list[float], atol: float) -> Errors:
     return Errors(max_abs, rel, cos, sqnr, within)
 
 
-__all__ = ["CHUNK", "DEFAULT_TOLERANCES", "DiskStore", "Key", "compare", "errors_from", "plain_tensor", "tolerance_for"]
+__all__ = ["CHUNK", "DEFAULT_TOLERANCES", "FAST_CHUNK", "DiskStore", "Key", "SeenTensors", "Source", "Stored", "compare",
+           "errors_from", "pieces", "plain_tensor", "tolerance_for"]
