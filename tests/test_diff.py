@@ -590,3 +590,21 @@ def test_no_room_for_run_a_is_a_clear_error_exit_2(tmp_path: Path) -> None:
     lines = result.stderr.splitlines()
     assert lines[0].startswith("Error: diff: cannot keep run A's outputs in ") and "File too large" in lines[0]
     assert lines[1].startswith("  hint: set TMPDIR") and len(lines) == 2
+
+
+def test_vs_compile_compares_every_module_of_the_compiled_run(recwarn: pytest.WarningsRecorder) -> None:
+    """Run B under torch.compile: its hooks run eagerly (no warning from torch about hooks), every
+    selected module gets a row, and the compiled numbers agree with the eager ones within float32
+    tolerance, as plain torch says they do."""
+    torch.compiler.reset()  # a graph another test compiled for the same structure would run without hooks
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))).eval()
+    report = hookcli.diff(model, input_shapes=["2x8"], all_modules=True, vs_compile=True)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))  # the input hookcli made (seed 0)
+    with torch.no_grad():
+        want = (model(x) - torch.compile(model)(x)).abs().max().item()
+    assert report.ok and report.first_divergence is None
+    assert {r.name for r in report.rows} == {n for n, _ in model.named_modules()}
+    final = next(r for r in report.rows if r.final)
+    assert final.errors is not None and final.errors.max_abs == pytest.approx(want, abs=1e-6)
+    assert not [w for w in recwarn if "hooks" in str(w.message)]

@@ -238,3 +238,18 @@ def test_process_wide_hooks_skip_checkpoint_recomputation_and_give_torch_gradien
     for r in rows:
         g = want[r["name"]].double()
         assert r["grad"]["norm"] == pytest.approx(g.norm().item(), rel=1e-5, abs=1e-7)
+
+
+def test_a_model_compiled_before_the_hooks_were_attached_is_refused_not_reported_as_not_called() -> None:
+    """torch.compile reuses a graph compiled before hookcli's hooks existed (it does not guard on
+    hooks): no hook fires. That is said, exit 2, instead of a report of modules "not called"."""
+    torch.compiler.reset()  # what earlier tests compiled would decide which graph runs
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))).eval()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    with pytest.raises(hookcli.errors.UnsupportedError, match="no hook fired") as info:
+        hookcli.stats(compiled, input_shapes=["2x8"], all_modules=True)
+    assert "torch.compiler.reset()" in (info.value.hint or "")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in compiled.modules())

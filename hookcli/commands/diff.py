@@ -146,7 +146,8 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
         if grads:
             args, kwargs = require_grad(args), require_grad(kwargs)
         options = HookOptions(grads=grads, keep=keep, keep_grad=keep_grad)
-        with attach(model, prep.selection, options) as session:
+        with attach(model, prep.selection, options, model_modules=len(prep.index.named),
+                    compiled=compile_model) as session:
             phase = "forward"
             try:
                 with torch.enable_grad() if grads else torch.no_grad():

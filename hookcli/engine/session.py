@@ -561,3 +561,9 @@ def attach(
         finally:
             for handle in handles:
                 handle.remove()
+    if compiled and selection and not session.calls and session.error is None:
+        raise UnsupportedError(
+            "no hook fired in the torch.compile'd model: it ran a graph compiled before hookcli attached its "
+            "hooks (torch does not recompile when hooks are added)",
+            hint="run hookcli in a fresh process, call torch.compiler.reset() first, or pass the module "
+            "without torch.compile")
