@@ -145,15 +145,7 @@ HAVE_TORCHINFO = importlib.util.find_spec("torchinfo") is not None
 
 def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     """Median seconds per variant, running the variants in turn ``repeats`` times (after a warm-up)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return alternate_ratios(fns, repeats)[0]
 
 
 def alternate_ratios(fns: dict[str, Callable[[], None]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,15 +56,19 @@ def finished_outputs(model: nn.Module, x: torch.Tensor, *, root: bool = False) -
     """(module name, output copy) in the order module calls *finish*, with plain forward hooks; the
     model itself as ``""`` when ``root``."""
     seen: list[tuple[str, torch.Tensor]] = []
-    handles = [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
-               for n, m in model.named_modules() if n or root]
+    forward_with(model, x, [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
+                            for n, m in model.named_modules() if n or root])
+    return seen
+
+
+def forward_with(model: nn.Module, x: torch.Tensor, handles: list[Any]) -> None:
+    """One ``torch.no_grad`` forward of ``model`` with the test's own hooks ``handles``, removed after."""
     try:
         with torch.no_grad():
             model(x)
     finally:
         for h in handles:
             h.remove()
-    return seen
 
 
 def outputs_by_call(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:

@@ -23,7 +23,7 @@ from hookcli.engine.selection import select_modules
 from hookcli.engine.session import HookOptions, attach
 from hookcli.records import LayerRecord
 
-from tests.reference import float64_stats
+from tests.reference import float64_stats, forward_with
 
 
 class Block(nn.Module):
@@ -106,17 +106,12 @@ def calls_by_hand(model: nn.Module, x: torch.Tensor) -> list[tuple[str, list[lis
         outs = out if isinstance(out, tuple) else tuple(out.values()) if isinstance(out, dict) else (out,)
         row[2].extend(o.detach().clone() for o in outs)
 
+    modules = dict(model.named_modules())
     handles = []
-    for module_id, name in names.items():
-        module = dict(model.named_modules())[name]
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    for name in names.values():
+        handles.append(modules[name].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(modules[name].register_forward_hook(post, with_kwargs=True))
+    forward_with(model, x, handles)
     return rows
 
 
