@@ -38,11 +38,11 @@ from hookcli.cli.options import (
     input_options,
     loss_options,
     model_options,
+    model_run_options,
     output_options,
     prepare_output,
     run_options,
     run_fields,
-    selection_options,
 )
 
 class Terminated(BaseException):
@@ -258,10 +258,7 @@ main.command_class = HookcliCommand
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call and in total (torch.utils.flop_counter).")
 @output_options
 def shapes(**values: Any) -> None:
@@ -275,10 +272,7 @@ def shapes(**values: Any) -> None:
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @output_options
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""
@@ -287,10 +281,7 @@ def stats(**values: Any) -> None:
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @click.option("--sort", type=click.Choice(values_of(GradSort)),
@@ -306,10 +297,7 @@ def grads(**values: Any) -> None:
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @grad_options
 @check_options
 @output_options
@@ -336,10 +324,7 @@ def check(**values: Any) -> None:
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @diff_options
 @loss_options
 @output_options
@@ -401,10 +386,7 @@ def models(pattern: str | None, source: str, **values: Any) -> None:
 
 
 @main.command()
-@model_options
-@input_options
-@selection_options
-@run_options
+@model_run_options
 @file_output_options("File to save the tensors to: .safetensors, .pt or .npz (by extension).")
 def features(**values: Any) -> None:
     """Save the outputs of the selected modules (every call, every tensor) to a tensor file."""

@@ -182,6 +182,9 @@ run_options = _compose(
 )
 """Where and how the model runs."""
 
+model_run_options = _compose(model_options, input_options, selection_options, run_options)
+"""The model, its input, the modules to hook and how it runs: what every command that runs a model takes."""
+
 output_options = _compose(
     click.option("--format", "-f", "format", type=_choice(OutputFormat), default=OutputFormat.TABLE.value,
                  show_default=True,
