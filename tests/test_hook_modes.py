@@ -8,6 +8,7 @@ hooks the test registers itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -248,3 +249,28 @@ def test_a_model_compiled_before_the_hooks_were_attached_is_refused_not_reported
         hookcli.stats(compiled, input_shapes=["2x8"], all_modules=True)
     assert "torch.compiler.reset()" in (info.value.hint or "")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in compiled.modules())
+
+
+@pytest.mark.parametrize("case", ["timm resnet18", "hf gpt2", "hf t5"])
+def test_third_party_models_give_the_same_rows_both_ways(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Models nobody here wrote, with keyword calls inside (Hugging Face), reused modules and tuple
+    outputs: process-wide and per-module hooks give the same rows for stats and grads."""
+    transformers = pytest.importorskip("transformers")
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    if case == "timm resnet18":
+        model, spec = timm.create_model("resnet18", pretrained=False).eval(), ["1x3x64x64"]
+    elif case == "hf gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+        model, spec = transformers.GPT2LMHeadModel(config).eval(), ["input_ids=1x8:int64"]
+    else:
+        config = transformers.T5Config(num_layers=2, d_model=32, num_heads=2, d_ff=64, vocab_size=100, d_kv=16)
+        model = transformers.T5ForConditionalGeneration(config).eval()
+        spec = ["input_ids=1x8:int64", "decoder_input_ids=1x4:int64"]
+    for command in (hookcli.stats, hookcli.grads):
+        monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 1)
+        process_wide = command(model, input_shapes=spec, all_modules=True).to_dict()["layers"]
+        monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 10**9)
+        per_module = command(model, input_shapes=spec, all_modules=True).to_dict()["layers"]
+        assert json.dumps(process_wide, sort_keys=True) == json.dumps(per_module, sort_keys=True)
+        assert any(len(r["input_shapes"]) > 1 for r in process_wide) or case == "timm resnet18"
