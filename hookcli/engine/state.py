@@ -168,7 +168,11 @@ def preserved(
         training = [m.training for m in modules]
         param_slots, buffer_slots = index.param_slots, index.buffer_slots
         params = index.params
-        convert = device is not None or dtype is not None  # ``.to`` changes the storage of each tensor
+        # ``.to`` changes the storage of each tensor; skipped when every one is there already (walking
+        # the modules to change nothing costs more than a small model's forward pass)
+        convert = (device is not None or dtype is not None) and not _placed(
+            [*params, *(p.grad for p in params if p.grad is not None), *index.buffers],
+            None if device is None else torch.device(device), dtype)
         param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
                         p.grad.data if convert and p.grad is not None else None) for p in params]
         # a forward may update buffers in place in either mode (BatchNorm's running statistics in
@@ -212,6 +216,14 @@ def preserved(
                             m.training = was_training
         finally:
             running.pop()
+
+
+def _placed(tensors: list[torch.Tensor], device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """True when ``model.to(device=device, dtype=dtype)`` would change none of ``tensors``: each is on
+    ``device`` already, and each floating or complex one has ``dtype`` (``.to`` casts only those)."""
+    return all((device is None or t.device == device)
+               and (dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex()))
+               for t in tensors)
 
 
 def _in_mode(modules: list[nn.Module], training: list[bool], train: bool) -> bool:
