@@ -206,16 +206,27 @@ def preserved(
                             p.grad = grad
                         if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
                             p.requires_grad_(requires_grad)
-                    with torch.no_grad():
-                        for b, snapshot in buffer_values:
-                            # an inference tensor (made under inference_mode) is written only in that mode
-                            with torch.inference_mode() if b.is_inference() else nullcontext():
-                                b.copy_(snapshot)
+                    _copy_back(buffer_values)
                     for m, was_training in zip(modules, training):
                         if m.training != was_training:
                             m.training = was_training
         finally:
             running.pop()
+
+
+def _copy_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``target.copy_(snapshot)`` for every pair: in one ``torch._foreach_copy_`` (hundreds of small
+    BatchNorm buffers cost a copy call each otherwise); an inference tensor (made under
+    ``inference_mode``) only inside that mode, where it may be written."""
+    inference = [(b, v) for b, v in values if b.is_inference()]
+    plain = [(b, v) for b, v in values if not b.is_inference()]
+    with torch.no_grad():
+        if plain:
+            torch._foreach_copy_([b for b, _ in plain], [v for _, v in plain])
+        if inference:
+            with torch.inference_mode():
+                for b, v in inference:
+                    b.copy_(v)
 
 
 def _placed(tensors: list[torch.Tensor], device: torch.device | None, dtype: torch.dtype | None) -> bool:
