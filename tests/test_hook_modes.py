@@ -274,3 +274,22 @@ def test_third_party_models_give_the_same_rows_both_ways(monkeypatch: pytest.Mon
         per_module = command(model, input_shapes=spec, all_modules=True).to_dict()["layers"]
         assert json.dumps(process_wide, sort_keys=True) == json.dumps(per_module, sort_keys=True)
         assert any(len(r["input_shapes"]) > 1 for r in process_wide) or case == "timm resnet18"
+
+
+def test_a_compiled_model_whose_selected_modules_are_unused_is_reported_not_refused() -> None:
+    """Only a model whose own top module never fired is refused: a selection of modules the forward
+    does not use gives "not called" rows, compiled or not."""
+    torch.compiler.reset()
+
+    class WithSpare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(8, 8)
+            self.spare = nn.Linear(8, 8)  # never called
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    compiled = torch.compile(WithSpare().eval())
+    rows = hookcli.stats(compiled, input_shapes=["2x8"], layers="_orig_mod.spare").to_dict()["layers"]
+    assert [(r["name"], r["called"]) for r in rows] == [("_orig_mod.spare", False)]

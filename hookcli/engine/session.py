@@ -561,7 +561,11 @@ def attach(
         finally:
             for handle in handles:
                 handle.remove()
-    if compiled and selection and not session.calls and session.error is None:
+    # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
+    # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
+    inner = getattr(model, "_orig_mod", model)
+    must_run = {name for name, module in selection if module is model or module is inner}
+    if compiled and must_run and not must_run & set(session._counts) and session.error is None:
         raise UnsupportedError(
             "no hook fired in the torch.compile'd model: it ran a graph compiled before hookcli attached its "
             "hooks (torch does not recompile when hooks are added)",
