@@ -137,6 +137,41 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
     assert zeros == int((x == 0).sum())
 
 
+@needs_kernel
+@pytest.mark.parametrize("numel", [1, 17, 1000, (1 << 16) + 5, 3 * (1 << 16) + 77])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_centred_pass_matches_float64_at_every_length_thread_count_and_dtype(
+        numel: int, threads: int, dtype: torch.dtype) -> None:
+    """The second pass of the two-pass variance: sums of ``x - shift`` and its square, in float64."""
+    x = (seeded(numel) * 0.01 + 300.0).to(dtype)
+    shift = 299.99
+    d = x.double() - shift
+    memory = x.view(torch.int16) if dtype == torch.bfloat16 else x
+    total, squares = _fastreduce.centred(memory.numpy(), str(dtype).removeprefix("torch."), threads, shift)
+    assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-12)
+    assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("numel", [7, 240, 100_000, 300_001])
+@pytest.mark.parametrize("offset", [0.5, -1e4, 3e6])
+def test_near_constant_data_keeps_its_small_std_to_many_digits(path: str, dtype: torch.dtype, numel: int,
+                                                              offset: float) -> None:
+    """A large offset over a small spread (a squeeze-and-excite gate near 0.5, a feature with a big
+    bias): ``E[x^2] - mean^2`` would cancel every digit of the variance, so the corrected two-pass
+    formula runs. Std and mean are checked relative to the std itself, not to the values."""
+    spread = abs(offset) * (1e-5 if dtype == torch.float64 else 1e-2)
+    t = (seeded(numel).double() * spread + offset).to(dtype)
+    d = t.double()
+    got = stats_of(t, path)
+    std = float(d.std(correction=0))
+    assert std > 0
+    assert got["std"] == pytest.approx(std, rel=1e-9)
+    assert got["mean"] == pytest.approx(float(d.mean()), abs=1e-9 * std)
+
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_nan_and_inf_in_a_large_tensor_are_counted_across_threads(path: str) -> None:
     """Non-finite values in the second thread's range of a multi-threaded reduction."""
@@ -174,6 +209,8 @@ def test_kernel_takes_no_address_and_refuses_memory_that_is_not_one_dense_block(
     for name, t in not_dense.items():
         with pytest.raises((ValueError, BufferError), match="contiguous"):
             _fastreduce.reduce(t.numpy(), "float32", 1)
+        with pytest.raises((ValueError, BufferError), match="contiguous"):  # the second pass: same checks
+            _fastreduce.centred(t.numpy(), "float32", 1, 0.0)
     with pytest.raises(ValueError, match="format"):  # float64 memory read as float32
         _fastreduce.reduce(x.double().numpy(), "float32", 1)
     with pytest.raises(ValueError, match="format"):  # float32 memory read as bfloat16
@@ -182,6 +219,10 @@ def test_kernel_takes_no_address_and_refuses_memory_that_is_not_one_dense_block(
         _fastreduce.reduce(b"\0" * 16, "float32", 1)
     with pytest.raises(ValueError, match="aligned"):
         _fastreduce.reduce(np.zeros(9, dtype=np.uint8)[1:].view(np.float32), "float32", 1)
+    with pytest.raises(ValueError, match="aligned"):
+        _fastreduce.centred(np.zeros(9, dtype=np.uint8)[1:].view(np.float32), "float32", 1, 0.0)
+    with pytest.raises(ValueError, match="format"):
+        _fastreduce.centred(x.double().numpy(), "float32", 1, 0.0)
     with pytest.raises(ValueError, match="unsupported dtype"):
         _fastreduce.reduce(x.double().numpy(), "float64", 1)
     assert _fastreduce.reduce(torch.empty(0).numpy(), "float32", 1)[4] == 0

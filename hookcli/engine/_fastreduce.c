@@ -16,7 +16,9 @@
  *
  * Numerics: sums and sums of squares are accumulated in float64 in 16 independent lanes per thread
  * (float32 squares cannot overflow a double; bfloat16 and float16 widen to float32 exactly); min/max ignore NaN (the caller counts NaN/Inf with
- * torch when the sum is not finite, which happens exactly when the buffer holds one).
+ * torch when the sum is not finite, which happens exactly when the buffer holds one). `centred` is a
+ * second pass, only for data with a large offset: sums of x - shift and its square (the corrected
+ * two-pass variance), where E[x^2] - mean^2 would cancel the variance's digits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -143,27 +145,71 @@ DEFINE_REDUCE_RANGE(float32)
 DEFINE_REDUCE_RANGE(bfloat16)
 DEFINE_REDUCE_RANGE(float16)
 
+/* centred_range_<dtype>: sum of (x - shift) and of (x - shift)^2 in float64 lanes (into out->sum and
+ * out->sumsq): the second pass of the corrected two-pass variance, for data with a large offset. */
+#define DEFINE_CENTRED_RANGE(DTYPE)                                                                 \
+    HK_CLONES static void centred_range_##DTYPE(const void *x, int64_t n, double shift, partial_t *out) { \
+        double sum[LANES] = {0}, sumsq[LANES] = {0};                                                \
+        const int64_t blocks = n / LANES;                                                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            for (int j = 0; j < LANES; j++) {                                                       \
+                const double d = (double)load_##DTYPE(x, b * LANES + j) - shift;                    \
+                sum[j] += d;                                                                        \
+                sumsq[j] += d * d;                                                                  \
+            }                                                                                       \
+        }                                                                                           \
+        double s = 0.0, q = 0.0;                                                                    \
+        for (int j = 0; j < LANES; j++) {                                                           \
+            s += sum[j];                                                                            \
+            q += sumsq[j];                                                                          \
+        }                                                                                           \
+        for (int64_t i = blocks * LANES; i < n; i++) {                                              \
+            const double d = (double)load_##DTYPE(x, i) - shift;                                    \
+            s += d;                                                                                 \
+            q += d * d;                                                                             \
+        }                                                                                           \
+        out->sum = s;                                                                               \
+        out->sumsq = q;                                                                             \
+        out->lo = INFINITY;                                                                         \
+        out->hi = -INFINITY;                                                                        \
+        out->zeros = 0;                                                                             \
+    }
+
+DEFINE_CENTRED_RANGE(float32)
+DEFINE_CENTRED_RANGE(bfloat16)
+DEFINE_CENTRED_RANGE(float16)
+
 typedef void (*range_fn)(const void *x, int64_t n, partial_t *out);
+typedef void (*centred_fn)(const void *x, int64_t n, double shift, partial_t *out);
 
 typedef struct {
     const char *name;
     range_fn range;
+    centred_fn centred;
     Py_ssize_t itemsize;
     const char *formats; /* the buffer-protocol item formats (struct module codes) accepted */
 } kind_t;
 
 static const kind_t KINDS[] = {
-    {"float32", reduce_range_float32, 4, "f"},
-    {"bfloat16", reduce_range_bfloat16, 2, "hH"},
-    {"float16", reduce_range_float16, 2, "e"},
+    {"float32", reduce_range_float32, centred_range_float32, 4, "f"},
+    {"bfloat16", reduce_range_bfloat16, centred_range_bfloat16, 2, "hH"},
+    {"float16", reduce_range_float16, centred_range_float16, 2, "e"},
 };
 #define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
-static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int threads, partial_t *total) {
+/* One pass on up to `threads` threads: `reduce_range` when `centred` is 0, else `centred_range` with
+ * `shift` (then only the sum and sumsq fields of `total` are meaningful). */
+static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int threads, int centred, double shift,
+                            partial_t *total) {
     partial_t parts[MAX_THREADS];
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if ((int64_t)threads > n / MIN_PER_THREAD) threads = (int)(n / MIN_PER_THREAD);
     if (threads < 1) threads = 1;
+    if (threads == 1) { /* no parallel region to enter: small buffers are most calls */
+        if (centred) kind->centred(x, n, shift, total);
+        else kind->range(x, n, total);
+        return;
+    }
     /* equal ranges, each starting on a 64-element boundary of the buffer */
     int64_t per = (n + threads - 1) / threads;
     per = (per + 63) & ~(int64_t)63;
@@ -174,7 +220,8 @@ static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int th
         int64_t start = (int64_t)t * per, stop = start + per;
         if (start > n) start = n;
         if (stop > n) stop = n;
-        kind->range(x + start * kind->itemsize, stop - start, &parts[t]);
+        if (centred) kind->centred(x + start * kind->itemsize, stop - start, shift, &parts[t]);
+        else kind->range(x + start * kind->itemsize, stop - start, &parts[t]);
     }
     *total = parts[0];
     for (int t = 1; t < threads; t++) {
@@ -209,48 +256,83 @@ static int format_matches(const kind_t *kind, const char *format) {
     return strchr(kind->formats, format[0]) != NULL;
 }
 
+/* Export `obj`'s memory into `view` and check it is one C-contiguous, aligned block of `dtype`'s items;
+ * sets *kind. Returns 0, or -1 with an exception set (and nothing left to release). */
+static int acquire(PyObject *obj, const char *dtype, Py_buffer *view, const kind_t **kind) {
+    *kind = NULL;
+    for (int k = 0; k < N_KINDS; k++) {
+        if (strcmp(KINDS[k].name, dtype) == 0) *kind = &KINDS[k];
+    }
+    if (*kind == NULL) {
+        PyErr_Format(PyExc_ValueError, "unsupported dtype %s", dtype);
+        return -1;
+    }
+    /* The exporter refuses (BufferError/ValueError) when its memory is not one C-contiguous block:
+     * a stride-0 (expanded), sliced-with-step or transposed array never reaches the loops above. */
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *problem = NULL;
+    if (!PyBuffer_IsContiguous(view, 'C')) problem = "buffer is not C-contiguous";
+    else if (view->itemsize != (*kind)->itemsize || !format_matches(*kind, view->format))
+        problem = "buffer's item format does not match dtype";
+    else if (view->len % (*kind)->itemsize != 0) problem = "buffer length is not a whole number of items";
+    else if (view->len > 0 && (view->buf == NULL || (uintptr_t)view->buf % (uintptr_t)(*kind)->itemsize != 0))
+        problem = "buffer is not aligned to its item size";
+    if (problem != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s (dtype %s, format '%s', itemsize %zd)", problem, dtype,
+                     view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *reduce(PyObject *self, PyObject *args) {
     PyObject *obj;
     const char *dtype;
     int threads;
     (void)self;
     if (!PyArg_ParseTuple(args, "Osi", &obj, &dtype, &threads)) return NULL;
-    const kind_t *kind = NULL;
-    for (int k = 0; k < N_KINDS; k++) {
-        if (strcmp(KINDS[k].name, dtype) == 0) kind = &KINDS[k];
-    }
-    if (kind == NULL) {
-        PyErr_Format(PyExc_ValueError, "unsupported dtype %s", dtype);
-        return NULL;
-    }
-    /* The exporter refuses (BufferError/ValueError) when its memory is not one C-contiguous block:
-     * a stride-0 (expanded), sliced-with-step or transposed array never reaches the loop below. */
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
-    const char *problem = NULL;
-    if (!PyBuffer_IsContiguous(&view, 'C')) problem = "buffer is not C-contiguous";
-    else if (view.itemsize != kind->itemsize || !format_matches(kind, view.format))
-        problem = "buffer's item format does not match dtype";
-    else if (view.len % kind->itemsize != 0) problem = "buffer length is not a whole number of items";
-    else if (view.len > 0 && (view.buf == NULL || (uintptr_t)view.buf % (uintptr_t)kind->itemsize != 0))
-        problem = "buffer is not aligned to its item size";
-    if (problem != NULL) {
-        PyErr_Format(PyExc_ValueError, "%s (dtype %s, format '%s', itemsize %zd)", problem, dtype,
-                     view.format ? view.format : "B", view.itemsize);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
+    const kind_t *kind;
+    if (acquire(obj, dtype, &view, &kind) < 0) return NULL;
     const int64_t numel = (int64_t)(view.len / kind->itemsize);
     partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
     if (numel > 0) {
         /* the buffer stays exported (its owner alive and its memory in place) until released */
         Py_BEGIN_ALLOW_THREADS
-        reduce_parallel(kind, (const char *)view.buf, numel, threads, &total);
+        reduce_parallel(kind, (const char *)view.buf, numel, threads, 0, 0.0, &total);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&view);
     return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
                          (long long)total.zeros);
+}
+
+PyDoc_STRVAR(centred_doc,
+             "centred(buffer, dtype, threads, shift) -> (sum of (x - shift), sum of (x - shift)**2)\n\n"
+             "A second pass over the values of `buffer` (taken and checked as by `reduce`), in float64:\n"
+             "with `shift` near the mean it gives the variance of data with a large offset without the\n"
+             "cancellation of E[x^2] - mean^2 (the corrected two-pass algorithm).");
+
+static PyObject *centred(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    const char *dtype;
+    int threads;
+    double shift;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Osid", &obj, &dtype, &threads, &shift)) return NULL;
+    Py_buffer view;
+    const kind_t *kind;
+    if (acquire(obj, dtype, &view, &kind) < 0) return NULL;
+    const int64_t numel = (int64_t)(view.len / kind->itemsize);
+    partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
+    if (numel > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        reduce_parallel(kind, (const char *)view.buf, numel, threads, 1, shift, &total);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(dd)", total.sum, total.sumsq);
 }
 
 static PyObject *has_openmp(PyObject *self, PyObject *unused) {
@@ -265,6 +347,7 @@ static PyObject *has_openmp(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"reduce", reduce, METH_VARARGS, reduce_doc},
+    {"centred", centred, METH_VARARGS, centred_doc},
     {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs on several threads."},
     {NULL, NULL, 0, NULL},
 };
@@ -276,7 +359,7 @@ static struct PyModuleDef module = {
 
 /* Bump with every change to the functions' signatures or results: hookcli.engine.kernel ignores a
  * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
-#define HK_ABI 3
+#define HK_ABI 4
 
 PyMODINIT_FUNC PyInit__fastreduce(void) {
     PyObject *m = PyModule_Create(&module);

@@ -183,19 +183,29 @@ class Reducer:
             total += int(buf.sum())
         return total
 
-    def _exact_moments(self, flat: torch.Tensor) -> tuple[float, float]:
-        """Mean and sum of squared deviations by the two-pass formula, chunked, in float64.
+    def _exact_moments(self, flat: torch.Tensor, total: float) -> tuple[float, float]:
+        """Mean and sum of squared deviations by the corrected two-pass formula, in float64.
 
-        The rare path for ill-conditioned data (a large offset): there a float32 mean's own error
-        would bias the centred sum, so the mean is recomputed in float64 first.
+        The rare path for ill-conditioned data (a large offset, where ``E[x^2] - mean^2`` cancels):
+        one more pass sums ``d = x - shift`` and ``d^2`` around ``shift = total / n`` (the first
+        pass's mean), and ``sum(d^2) - sum(d)^2 / n`` removes what the shift's own error adds, so a
+        float32 first-pass sum is good enough as the shift. The C kernel does that pass where it
+        reads the tensor (tiny squeeze-and-excite gates near 0.5 take this path on every call), torch
+        in float64 chunks elsewhere.
         """
-        chunks = flat.split(self.CHUNK)
-        mean = sum(float(c.sum(dtype=torch.float64)) for c in chunks) / flat.numel()
-        m2 = 0.0
-        for chunk in chunks:
-            centred = chunk.double() - mean
-            m2 += float(torch.dot(centred, centred))
-        return mean, m2
+        n = flat.numel()
+        shift = total / n
+        if not math.isfinite(shift):  # a float32 first-pass sum overflowed: the mean in float64 first
+            shift = sum(float(c.sum(dtype=torch.float64)) for c in flat.split(self.CHUNK)) / n
+        if self._kernel_reads(flat):
+            s1, s2 = _fastreduce.centred(kernel_buffer(flat), dtype_name(flat.dtype), self.threads, shift)
+        else:
+            s1 = s2 = 0.0
+            for chunk in flat.split(self.CHUNK):
+                centred = chunk.double() - shift
+                s1 += float(centred.sum())
+                s2 += float(torch.dot(centred, centred))
+        return shift + s1 / n, s2 - s1 * s1 / n
 
     def _kernel_reads(self, flat: torch.Tensor) -> bool:
         """Whether the C kernel takes ``flat`` (a 1-D CPU tensor): a plain tensor of its dtypes whose
@@ -246,7 +256,7 @@ class Reducer:
             var = squares / n - mean * mean
             # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
             if not math.isfinite(squares) or mean * mean > ratio * max(var, 0.0):
-                mean, m2 = self._exact_moments(flat_view(x))
+                mean, m2 = self._exact_moments(flat_view(x), total)
                 var = m2 / n
             std = math.sqrt(max(var, 0.0))
         if not zeros:
