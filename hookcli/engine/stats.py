@@ -88,6 +88,8 @@ class Reducer:
         if self.kernel and _fastreduce is None:
             raise RuntimeError("hookcli.engine._fastreduce is not built (a C compiler was missing at install time)")
         self.threads = torch.get_num_threads()
+        #: dtype -> the name the kernel reads it by; empty when the kernel is not used
+        self._kernel_dtypes = _KERNEL_DTYPES if self.kernel else {}
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}
 
@@ -110,13 +112,21 @@ class Reducer:
         if hit is not None and hit[0]() is t:
             return hit[1]
         x = t.detach() if t.requires_grad else t
-        kernel_dtype = _KERNEL_DTYPES.get(x.dtype) if self.kernel else None
-        if (kernel_dtype is not None and x.is_cpu and type(x) is torch.Tensor and x.layout == torch.strided
-                and not x.is_nested and x.is_contiguous() and not x.is_neg() and x.numel()):
+        kernel_dtype = self._kernel_dtypes.get(x.dtype)
+        if (kernel_dtype is not None and type(x) is torch.Tensor and x.is_cpu and x.layout == torch.strided
+                and not x.is_nested and x.is_contiguous() and not x.is_neg() and (n := x.numel())):
             # the common case (a dense CPU activation), without the general path's views: the kernel
             # takes the tensor's memory as one C-contiguous buffer of any rank
-            passes = _fastreduce.reduce(kernel_buffer(x), kernel_dtype, self.threads)
-            vector: Vector = self._finish(x, (*passes, self.OFFSET_RATIO_FLOAT64), zeros)
+            total, squares, lo, hi, zero_count = _fastreduce.reduce(kernel_buffer(x), kernel_dtype, self.threads)
+            mean = total / n
+            var = squares / n - mean * mean
+            vector: Vector
+            if 0.0 <= var and mean * mean <= self.OFFSET_RATIO_FLOAT64 * var:
+                # finite (a NaN or Inf makes the sum NaN or infinite, and var NaN) and well conditioned:
+                # what _finish computes, without its rare branches
+                vector = (mean, math.sqrt(var), lo, hi, float(zero_count) if zeros else 0.0, 0.0, 0.0, float(n))
+            else:
+                vector = self._finish(x, (total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64), zeros)
             self._remember(key, t, vector)
             return vector
         if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
