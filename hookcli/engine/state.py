@@ -178,7 +178,8 @@ def preserved(
         # a forward may update buffers in place in either mode (BatchNorm's running statistics in
         # train mode, a user's step counter or moving average in any); the native batch_norm does so
         # without bumping the version counter, so every buffer's values are kept and copied back
-        buffer_values = [(b, b.detach().clone()) for b in index.buffers]
+        with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
+            buffer_values = [(b, b.clone()) for b in index.buffers]
         devices = {p.device for p in params}
         if device is not None:
             devices.add(torch.device(device))
@@ -240,7 +241,8 @@ def _placed(tensors: list[torch.Tensor], device: torch.device | None, dtype: tor
 def _in_mode(modules: list[nn.Module], training: list[bool], train: bool) -> bool:
     """True when ``model.train(train)`` would change nothing: every module is in that mode already and
     none overrides ``train`` (an override may do more than set the flags, e.g. freeze BatchNorm)."""
-    return all(flag == train for flag in training) and all(type(m).train is nn.Module.train for m in modules)
+    return all(flag == train for flag in training) and all(
+        cls.train is nn.Module.train for cls in {type(m) for m in modules})
 
 
 def needs_meta_copy(model: nn.Module) -> bool:
