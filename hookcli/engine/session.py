@@ -223,16 +223,16 @@ class HookSession:
              type_name_cache: dict[str, str]) -> None:
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        type_name = type_name_cache.get(name)
+        if type_name is None:
+            type_name = type_name_cache[name] = type(module).__name__
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not args[0].is_nested:
             inputs = [("[0]", args[0])]  # the common case, without the generic walk
+            input_shapes: list[list[int] | None] = [list(args[0].shape)]
         else:
             inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
-        call = _Call(
-            name=name,
-            call=index,
-            type=type_name_cache.setdefault(name, type(module).__name__),
-            input_shapes=[shape_of(t) for _, t in inputs],
-        )
+            input_shapes = [shape_of(t) for _, t in inputs]
+        call = _Call(name, index, type_name, input_shapes)
         if self.options.input_grads:
             call.input_grads = [None] * len(inputs)
             for position, (_, tensor) in enumerate(inputs):
@@ -278,8 +278,8 @@ class HookSession:
         options = self.options
         tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
         for path, tensor in tensors:
-            entry = _Tensor(path, shape_of(tensor), dtype_name(tensor.dtype))
-            floating = is_float(tensor)
+            entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype))
+            floating = tensor.is_floating_point()  # (is_float, inline: once per output tensor)
             if options.stats and floating and not tensor.is_meta:
                 entry.stats = self.reducer.reduce(tensor)
             if options.grads and floating and tensor.requires_grad:

@@ -351,10 +351,6 @@ def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> Vector:
     return Reducer().reduce(t, zeros=zeros)
 
 
-def _clean(value: float) -> float:
-    return value if math.isfinite(value) else float(value)
-
-
 def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel: float) -> float:
     """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64."""
     if nan_count:
@@ -378,10 +374,10 @@ def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
     """
     mean, std, lo, hi, zero_count, nan_count, inf_count, numel = values
     return {
-        "mean": _clean(mean),
-        "std": _clean(std),
-        "min": _clean(lo),
-        "max": _clean(hi),
+        "mean": float(mean),
+        "std": float(std),
+        "min": float(lo),
+        "max": float(hi),
         "norm": _norm_of(mean, std, nan_count, inf_count, numel),
         "zero_fraction": (zero_count / int(numel)) if int(numel) else None,
         "nan_count": int(nan_count),
@@ -395,7 +391,7 @@ assert tuple(activation_stats((0.0,) * 7 + (1.0,))) == STAT_KEYS  # one order, b
 def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:
     """Turn a host copy of ``reduce_tensor``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
     v = dict(zip(_VECTOR, values))
-    stats: dict[str, float | int | None] = {key: _clean(v[key]) for key in ("mean", "std", "min", "max")}
+    stats: dict[str, float | int | None] = {key: float(v[key]) for key in ("mean", "std", "min", "max")}
     stats["norm"] = _norm(v)
     stats["nan_count"] = int(v["nan_count"])
     stats["inf_count"] = int(v["inf_count"])
