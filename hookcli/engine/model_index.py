@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 #: (module, key in its ``_parameters`` or ``_buffers``, tensor): one entry per place a tensor is held.
 Slot = tuple[nn.Module, str, torch.Tensor]
@@ -31,6 +32,9 @@ class ModelIndex:
     #: True when a module or a parameter is reachable along two paths (weight tying, a reused
     #: block): subtree parameter counts are then not additive.
     shared: bool
+    #: The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None:
+    #: a run would initialise it, changing the model.
+    lazy_tensor: str | None = None
     _subtree: dict[int, int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -40,18 +44,23 @@ class ModelIndex:
         param_slots: list[Slot] = []
         buffer_slots: list[Slot] = []
         edges = 0
-        for _, module in named:
+        lazy: str | None = None
+        for prefix, module in named:
             for key, p in module._parameters.items():
                 if p is not None:
                     param_slots.append((module, key, p))
+                    if lazy is None and isinstance(p, UninitializedTensorMixin):
+                        lazy = f"{prefix}.{key}" if prefix else key
             for key, b in module._buffers.items():
                 if b is not None:
                     buffer_slots.append((module, key, b))
+                    if lazy is None and isinstance(b, UninitializedTensorMixin):
+                        lazy = f"{prefix}.{key}" if prefix else key
             children = module._modules
             edges += len(children) - (list(children.values()).count(None) if None in children.values() else 0)
         unique = {id(p) for _, _, p in param_slots}
         shared = edges != len(named) - 1 or len(unique) != len(param_slots)
-        return cls(model, named, param_slots, buffer_slots, shared)
+        return cls(model, named, param_slots, buffer_slots, shared, lazy)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -118,14 +127,3 @@ class ModelIndex:
                         total[id(module)] += total[id(child)]
             self._subtree = total
         return {name: self._subtree[id(module)] for name, module in selection}
-
-    def lazy_tensor(self) -> str | None:
-        """The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None."""
-        from torch.nn.parameter import is_lazy
-
-        for name, module in self.named:
-            for kind in (module._parameters, module._buffers):
-                for key, tensor in kind.items():
-                    if tensor is not None and is_lazy(tensor):
-                        return f"{name}.{key}" if name else key
-        return None

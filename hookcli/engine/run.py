@@ -76,7 +76,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         opts.device = "meta"
     loaded = load(opts, meta=meta)
     index = ModelIndex.of(loaded.model)
-    lazy = index.lazy_tensor()
+    lazy = index.lazy_tensor
     if lazy is not None:
         raise UnsupportedError(
             f"the model's {lazy} is an uninitialised lazy parameter: a run would initialise it, changing the model",
