@@ -286,24 +286,31 @@ static int acquire(PyObject *obj, const char *dtype, Py_buffer *view, const kind
     return 0;
 }
 
+/* One pass (see reduce_parallel) over the values of buffer-protocol object `obj`, after `acquire`
+ * checked it, without holding the GIL. Returns 0, or -1 with an exception set. */
+static int run_pass(PyObject *obj, const char *dtype, int threads, int centred, double shift, partial_t *total) {
+    Py_buffer view;
+    const kind_t *kind;
+    if (acquire(obj, dtype, &view, &kind) < 0) return -1;
+    const int64_t numel = (int64_t)(view.len / kind->itemsize);
+    if (numel > 0) {
+        /* the buffer stays exported (its owner alive and its memory in place) until released */
+        Py_BEGIN_ALLOW_THREADS
+        reduce_parallel(kind, (const char *)view.buf, numel, threads, centred, shift, total);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&view);
+    return 0;
+}
+
 static PyObject *reduce(PyObject *self, PyObject *args) {
     PyObject *obj;
     const char *dtype;
     int threads;
     (void)self;
     if (!PyArg_ParseTuple(args, "Osi", &obj, &dtype, &threads)) return NULL;
-    Py_buffer view;
-    const kind_t *kind;
-    if (acquire(obj, dtype, &view, &kind) < 0) return NULL;
-    const int64_t numel = (int64_t)(view.len / kind->itemsize);
     partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
-    if (numel > 0) {
-        /* the buffer stays exported (its owner alive and its memory in place) until released */
-        Py_BEGIN_ALLOW_THREADS
-        reduce_parallel(kind, (const char *)view.buf, numel, threads, 0, 0.0, &total);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&view);
+    if (run_pass(obj, dtype, threads, 0, 0.0, &total) < 0) return NULL;
     return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
                          (long long)total.zeros);
 }
@@ -321,17 +328,8 @@ static PyObject *centred(PyObject *self, PyObject *args) {
     double shift;
     (void)self;
     if (!PyArg_ParseTuple(args, "Osid", &obj, &dtype, &threads, &shift)) return NULL;
-    Py_buffer view;
-    const kind_t *kind;
-    if (acquire(obj, dtype, &view, &kind) < 0) return NULL;
-    const int64_t numel = (int64_t)(view.len / kind->itemsize);
     partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
-    if (numel > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        reduce_parallel(kind, (const char *)view.buf, numel, threads, 1, shift, &total);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&view);
+    if (run_pass(obj, dtype, threads, 1, shift, &total) < 0) return NULL;
     return Py_BuildValue("(dd)", total.sum, total.sumsq);
 }
 
