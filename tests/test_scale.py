@@ -121,3 +121,36 @@ def test_no_host_synchronisation_per_layer_on_cuda() -> None:
             torch.cuda.set_sync_debug_mode("default")
     records, _ = session.records()  # the one transfer, after the run
     assert all(r.stats is not None and r.grad is not None for r in records if r.called)
+
+
+@pytest.mark.parametrize("hooks", ["per-module", "process-wide"])
+def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_host(hooks: str) -> None:
+    """Where CI has no GPU, the same property on the meta device: a meta tensor has no values, so any
+    host read of one (``item``, ``float``, ``bool``, ``tolist``, ``cpu``) raises. The accelerator path
+    of the reducer on every layout, and a hooked forward and backward with gradient statistics, must
+    leave every statistic a device tensor, read later in one transfer."""
+    from torchvision.models import resnet18
+
+    from hookcli.commands.grads import build_loss
+    from hookcli.engine.selection import select_modules
+    from hookcli.engine.session import HookOptions, attach
+    from hookcli.engine.stats import Reducer
+
+    base = torch.empty(4, 8, 6, 5, device="meta")
+    layouts = [base, base.transpose(1, 3), base.contiguous(memory_format=torch.channels_last), base[:, ::2],
+               torch.empty(5, device="meta").expand(3, 5), base.half(), base.bfloat16(), base.double(),
+               torch.empty(0, 3, device="meta"), torch.empty((), device="meta")]
+    for t in layouts:
+        vector = Reducer().reduce(t)
+        assert isinstance(vector, torch.Tensor) and vector.is_meta and vector.shape == (8,)
+
+    model = resnet18().to("meta").eval()
+    x = torch.randn(2, 3, 64, 64, device="meta", requires_grad=True)
+    model_modules = 1 if hooks == "process-wide" else None  # (1: the whole model is selected)
+    with attach(model, select_modules(model, all_modules=True), HookOptions(grads=True),
+                model_modules=model_modules) as session:
+        loss = build_loss(model(x), loss="auto", target=0, output_key=None).value
+        torch.autograd.grad(loss, [x])
+    session.raise_error()  # a host read inside a hook is stored there, then raised here
+    grads = [t.grad for call in session.calls for t in call.outputs if t.wants_grad]
+    assert len(grads) == len(session.calls) and all(isinstance(g, torch.Tensor) and g.is_meta for g in grads)
