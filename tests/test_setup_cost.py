@@ -95,3 +95,33 @@ def test_a_run_visits_each_module_a_constant_number_of_times(monkeypatch: pytest
     large = visits_per_module(monkeypatch, 40, command, options)
     assert large <= 3.0, f"{large:.1f} visits per module"
     assert large <= small * 1.1 + 0.1, (small, large)  # flat in the model's size, not O(modules x depth)
+
+
+HEAVY_IMPORTS = """
+import sys
+
+import torch
+from torch import nn
+
+import hookcli
+
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+hookcli.stats(model, input_shapes=["2x8"], all_modules=True)
+hookcli.shapes(model, input_shapes=["2x8"])
+hookcli.grads(model, input_shapes=["2x8"])
+print(sorted(name for name in ("torch._dynamo", "torch.utils.flop_counter", "sympy") if name in sys.modules))
+hookcli.shapes(model, input_shapes=["2x8"], flops=True)
+print("torch.utils.flop_counter" in sys.modules)
+"""
+
+
+def test_a_run_imports_neither_dynamo_nor_the_flop_counter_it_does_not_use() -> None:
+    """Checking whether a model is compiled must not import ``torch._dynamo`` (torch imports it lazily
+    on first attribute access, and it brings sympy and the inductor: ~1.4 s and ~100 MB in every
+    process whose model never imported it), and only ``--flops`` needs ``torch.utils.flop_counter``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HEAVY_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True"]

@@ -12,7 +12,7 @@ import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +20,14 @@ from torch import nn
 
 from hookcli import progress
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
-from hookcli.engine.flops import FlopCounter
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
 from hookcli.options import GradSort, Loss, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
+
+if TYPE_CHECKING:  # (imported where FLOPs are counted: torch.utils.flop_counter costs 0.15 s)
+    from hookcli.engine.flops import FlopCounter
 
 LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
               Loss.mean: "mean"}
@@ -379,6 +381,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         with attach(model, prep.selection, hook_options, model_modules=len(prep.index.named)) as session:
             phase = "forward"
             if opts.flops:
+                from hookcli.engine.flops import FlopCounter
+
                 forward_flops, backward_flops = FlopCounter(session.add_flops), FlopCounter()
             try:
                 with torch.enable_grad():

@@ -483,8 +483,12 @@ def hooked_globally(selected: int, model_modules: int | None, options: HookOptio
 
 def is_compiled(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> bool:
     """Whether ``model`` is ``torch.compile(module)``'s wrapper, or it or a selected module was compiled
-    in place (``module.compile()``)."""
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    in place (``module.compile()``).
+
+    Dynamo is looked up in ``sys.modules``, never imported: nothing was compiled in a process that has
+    not imported it, and ``torch._dynamo`` (an attribute torch imports lazily on first access) brings
+    sympy and the inductor with it: about 1.4 s and 100 MB on the first run of every process."""
+    optimized = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(optimized, "OptimizedModule", None)
     if wrapper is not None and isinstance(model, wrapper):
         return True
