@@ -112,3 +112,38 @@ def test_gradients_are_taken_at_the_output_the_users_hook_returned() -> None:
     (row,) = [r for r in everything.layers if r.name == "2.0"]
     assert_stats(row.grad, expected, rel=1e-4)
     assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- shapes: meta build fallback
+
+READS_VALUES = '''
+import torch
+from torch import nn
+
+class ReadsValues(nn.Module):
+    """Its __init__ reads a tensor's value (as quantize_dynamic, or a scale computed once, do)."""
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.k = int(torch.ones(2).sum().item())
+    def forward(self, x):
+        return self.fc(x) * self.k
+
+def broken():
+    return int(torch.ones(1).sum().item()) / 0
+'''
+
+
+def test_shapes_of_a_model_whose_init_reads_values_falls_back_to_a_real_run(tmp_path: Any, cli: Any) -> None:
+    (tmp_path / "reads.py").write_text(READS_VALUES)
+    report = hookcli.shapes(f"{tmp_path / 'reads.py'}:ReadsValues", input_shapes=["3x4"], model_args={"width": 4})
+    assert report.device == "cpu"
+    assert any("cannot run on the meta device" in n and ".item()" in n for n in report.notes)
+    assert [(r.name, r.input_shapes, r.shape) for r in report.layers] == [("fc", [[3, 4]], [3, 4])]
+
+    # a build that fails for real as well still reports the model's own error, exit 2 as before
+    result = cli("shapes", f"{tmp_path / 'reads.py'}:broken", "--input-shape", "3x4")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[0] == f"Error: building '{tmp_path / 'reads.py'}:broken' failed: " \
+        "ZeroDivisionError: division by zero"
+    assert "hint:" in result.stderr and "Traceback" not in result.stderr
