@@ -8,6 +8,7 @@ process-wide hooks (``all_modules=True`` on a model of >= 32 modules) and per-mo
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from typing import Any
@@ -147,3 +148,192 @@ def test_shapes_of_a_model_whose_init_reads_values_falls_back_to_a_real_run(tmp_
     assert result.stderr.splitlines()[0] == f"Error: building '{tmp_path / 'reads.py'}:broken' failed: " \
         "ZeroDivisionError: division by zero"
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- wrapped and rewritten models
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything of the model's that hookcli must hand back: values, modes, flags, gradients, hooks."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.Tensor)},
+        "training": [m.training for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grad": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "hooks": hook_counts(model),
+    }
+
+
+def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert after["state"][key].dtype == value.dtype and torch.equal(after["state"][key], value), key
+    for key in ("training", "requires_grad", "hooks"):
+        assert after[key] == before[key], key
+    for a, b in zip(before["grad"], after["grad"], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def plain_outputs(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """{(name, call): output copy} of every submodule returning one tensor, with plain hooks."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def keep(name: str, out: Any) -> None:
+        counts[name] = counts.get(name, -1) + 1
+        if isinstance(out, torch.Tensor):
+            seen[(name, counts[name])] = out.detach().clone()
+
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: keep(n, out)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def spectral_and_weight_norm() -> nn.Sequential:
+    model = mlp()
+    for i in range(0, 20, 3):
+        torch.nn.utils.parametrizations.weight_norm(model[i][0])
+        torch.nn.utils.parametrizations.spectral_norm(model[i + 1][0])  # power iteration updates u, v in train
+    return model
+
+
+@pytest.mark.parametrize("case", ["parametrized, train", "fx GraphModule", "DataParallel", "quantize_dynamic"])
+def test_wrapped_models_give_torchs_numbers_in_both_hook_modes_and_come_back_unchanged(case: str) -> None:
+    torch.manual_seed(0)
+    shape = [2, 8]
+    if case == "parametrized, train":
+        model = spectral_and_weight_norm().train()
+        model[0][0].parametrizations.weight.original1.grad = torch.ones(8, 8)
+    elif case == "fx GraphModule":
+        torchvision = pytest.importorskip("torchvision")
+        model, shape = torch.fx.symbolic_trace(torchvision.models.resnet18(weights=None, num_classes=5)).eval(), \
+            [1, 3, 32, 32]
+    elif case == "DataParallel":
+        model = nn.DataParallel(mlp()).eval()  # on CPU it calls the wrapped module directly
+    else:
+        with pytest.warns(Warning):  # torch.ao.quantization is deprecated
+            model = torch.ao.quantization.quantize_dynamic(mlp(), {nn.Linear}, dtype=torch.qint8)
+    text = "x".join(map(str, shape))
+    before = snapshot(model)
+    # plain torch on a copy: spectral norm's u, v move in train mode
+    expected = plain_outputs(copy.deepcopy(model), dummy(*shape))
+
+    everything = hookcli.stats(model, all_modules=True, input_shapes=[text])
+    assert_same(before, snapshot(model))
+    picked = sorted({r.name for r in everything.layers if r.called and r.stats})[:3]
+    few = hookcli.stats(model, layers=picked, input_shapes=[text])
+    assert_same(before, snapshot(model))
+
+    assert rows(everything, set(picked)) == rows(few, set(picked))
+    checked = 0
+    for r in everything.layers:
+        if r.output == "" and (r.name, r.call) in expected and r.stats is not None:
+            assert_stats(r.stats, expected[(r.name, r.call)], rel=1e-4)
+            checked += 1
+    assert checked >= 30
+
+
+class PackedLSTM(nn.Module):
+    """A bidirectional LSTM on a packed batch of sequences of different lengths: its output is
+    (PackedSequence, (h, c)), a namedtuple holding integer tensors inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor([x.shape[1]] + [x.shape[1] - 2] * (x.shape[0] - 1))
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _state = self.rnn(packed)
+        return self.head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0])
+
+
+def test_packed_sequence_outputs_get_torchs_stats_and_gradients() -> None:
+    torch.manual_seed(0)
+    model = PackedLSTM().eval()
+    x = dummy(3, 5, 8)
+    captured: dict[str, Any] = {}
+    probe = model.rnn.register_forward_hook(lambda _m, _a, out: captured.__setitem__("out", out))
+    loss = (model(x) ** 2).mean()
+    probe.remove()
+    packed, (h, c) = captured["out"]
+    (grad_data,) = torch.autograd.grad(loss, [packed.data])
+
+    stats = {r.output: r for r in hookcli.stats(model, layers=["rnn"], input_shapes=["3x5x8"]).layers}
+    grads = {r.output: r for r in hookcli.grads(model, layers=["rnn"], input_shapes=["3x5x8"], loss="mean_square",
+                                                  params="none").layers}
+
+    assert list(stats) == ["[0].data", "[0].batch_sizes", "[0].sorted_indices", "[0].unsorted_indices",
+                           "[1][0]", "[1][1]"]
+    assert stats["[0].data"].shape == [11, 12] and stats["[0].batch_sizes"].stats is None  # integers: shape only
+    assert stats["[0].batch_sizes"].dtype == "int64"
+    for path, tensor in (("[0].data", packed.data), ("[1][0]", h), ("[1][1]", c)):
+        assert_stats(stats[path].stats, tensor)
+    assert_stats(grads["[0].data"].grad, grad_data, rel=1e-4)
+    assert grads["[1][0]"].grad is None  # the final states are not used: no gradient reaches them
+
+
+COUNTER = '''
+import torch
+from torch import nn
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer and scales its output by the count; dropout in train mode."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("calls", torch.zeros(()))
+    def forward(self, x):
+        self.calls += 1
+        return self.drop(self.fc(x)) * self.calls
+
+def quantized():
+    return torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), {nn.Linear})
+'''
+
+
+@pytest.mark.parametrize("mode", ["--eval", "--train"])
+def test_diff_of_a_model_that_updates_a_buffer_in_forward_against_itself_is_identical(
+        tmp_path: Any, cli: Any, mode: str) -> None:
+    (tmp_path / "counter.py").write_text(COUNTER)
+    result = cli("diff", f"{tmp_path / 'counter.py'}:Counter", "--input-shape", "2x4", "--all", "--grads", mode,
+                 "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["summary"]["diverged"] == 0 and report["summary"]["ok"] >= 2
+    assert all(r["status"] == "ok" and r["grad_status"] in ("ok", None) for r in report["rows"])
+    assert result.stderr == ""
+
+    table = cli("diff", f"{tmp_path / 'counter.py'}:Counter", "--input-shape", "2x4", mode)
+    assert table.exit_code == 0 and "first divergence: none" in table.stdout and table.stderr == ""
+
+
+def test_an_instance_that_updates_buffers_in_forward_comes_back_with_its_values_and_diffs_identical() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+    model[1].running_mean.fill_(0.25)
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+    report = hookcli.diff(model, input_shapes=["4x4"], all_modules=True, train=True, grads=True)
+    assert report.ok and report.first_divergence is None and report.first_grad_divergence is None
+    assert_same(before, snapshot(model))
+    assert int(model[1].num_batches_tracked) == 0 and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_grads_of_a_dynamically_quantized_model_is_a_clear_exit_2(tmp_path: Any, cli: Any) -> None:
+    (tmp_path / "counter.py").write_text(COUNTER)
+    result = cli("grads", f"{tmp_path / 'counter.py'}:quantized", "--input-shape", "2x4")
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("Error:", "  hint:"))]
+    assert len(lines) == 2 and "quantized" in lines[0] and "Traceback" not in result.stderr
+    stats = cli("stats", f"{tmp_path / 'counter.py'}:quantized", "--input-shape", "2x4", "-f", "json")
+    assert stats.exit_code == 0
+    assert [r["name"] for r in json.loads(stats.stdout)["layers"] if r["called"]] == ["0", "1"]
