@@ -337,3 +337,39 @@ def test_grads_of_a_dynamically_quantized_model_is_a_clear_exit_2(tmp_path: Any,
     stats = cli("stats", f"{tmp_path / 'counter.py'}:quantized", "--input-shape", "2x4", "-f", "json")
     assert stats.exit_code == 0
     assert [r["name"] for r in json.loads(stats.stdout)["layers"] if r["called"]] == ["0", "1"]
+
+
+class GrowsInForward(nn.Module):
+    """Adds a submodule the first time it runs (a lazy-init pattern): the tree changes during the run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "proj"):
+            self.proj = nn.Linear(4, 3)
+        return self.proj(self.fc(x))
+
+
+@pytest.mark.parametrize("command", ["grads", "diff", "check"])
+def test_a_model_that_adds_a_submodule_in_forward_runs_and_counts_its_parameters(command: str) -> None:
+    torch.manual_seed(0)
+    model = GrowsInForward()
+    options: dict[str, Any] = {"input_shapes": ["2x4"], "layers": ["(model)", "fc"]}
+    report = getattr(hookcli, command)(model, **options)  # was a KeyError from the parameter count: exit 3
+    assert report.ok and hasattr(model, "proj")
+    if command == "grads":
+        reference = GrowsInForward()
+        reference.load_state_dict(model.state_dict(), strict=False)
+        reference.proj = model.proj
+        kept: dict[str, torch.Tensor] = {}
+        probe = reference.fc.register_forward_hook(lambda _m, _a, out: kept.__setitem__("fc", out))
+        loss = nn.functional.cross_entropy(reference(dummy(2, 4)), torch.zeros(2, dtype=torch.long))
+        probe.remove()
+        (expected,) = torch.autograd.grad(loss, [kept["fc"]])
+        by_name = {r.name: r for r in report.layers}
+        assert by_name[""].params == sum(p.numel() for p in model.parameters()) == 20 + 15
+        assert by_name["fc"].params == 20
+        assert_stats(by_name["fc"].grad, expected, rel=1e-4)
+        assert model.proj.weight.grad is None and model.fc.weight.grad is None
