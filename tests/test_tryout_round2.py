@@ -373,3 +373,47 @@ def test_a_model_that_adds_a_submodule_in_forward_runs_and_counts_its_parameters
         assert by_name["fc"].params == 20
         assert_stats(by_name["fc"].grad, expected, rel=1e-4)
         assert model.proj.weight.grad is None and model.fc.weight.grad is None
+
+
+class LearnedQueries(nn.Module):
+    """Returns its parameter itself (DETR-style learned queries): the output is a leaf tensor that
+    outlives the run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = LearnedQueries()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj(self.queries()).T
+
+
+@pytest.mark.parametrize("input_grads", [False, True])
+def test_no_gradient_hook_is_left_on_a_parameter_a_module_returned(input_grads: bool) -> None:
+    torch.manual_seed(0)
+    model = Decoder()
+    weight = model.queries.weight
+    loss = nn.functional.cross_entropy(model(dummy(2, 4)), torch.zeros(2, dtype=torch.long))
+    (expected,) = torch.autograd.grad(loss, [weight])
+
+    report = hookcli.grads(model, input_shapes=["2x4"], layers=["queries", "proj"], input_grads=input_grads,
+                           params="none")
+
+    (row,) = [r for r in report.layers if r.name == "queries"]
+    assert_stats(row.grad, expected, rel=1e-4)
+    if input_grads:
+        (proj,) = [r for r in report.layers if r.name == "proj"]
+        assert proj.grad_input is not None
+        assert_stats(proj.grad_input[0], expected, rel=1e-4)  # proj's input is that parameter
+    assert not weight._backward_hooks and weight.grad is None  # hookcli's hooks went with its run
+    model(dummy(2, 4)).sum().backward()  # the user's own backward afterwards calls nothing of hookcli's
+    assert weight.grad is not None and not weight._backward_hooks

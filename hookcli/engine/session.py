@@ -141,6 +141,9 @@ class HookSession:
         self.error: Exception | None = None
         self.error_where = ""
         self._done = 0
+        #: Gradient hooks on leaf tensors (a parameter a module returned or took as input): they outlive
+        #: the run with the tensor, so ``attach`` removes them (hooks on activations go with the graph).
+        self.leaf_hooks: list[RemovableHandle] = []
 
     def failed(self, exc: Exception, where: str) -> None:
         """Remember the first exception of hookcli's hook code (``where``: which hook, on what)."""
@@ -237,7 +240,7 @@ class HookSession:
             call.input_grads = [None] * len(inputs)
             for position, (_, tensor) in enumerate(inputs):
                 if tensor.requires_grad and is_float(tensor):
-                    tensor.register_hook(self._input_grad_hook(call, position))
+                    self._hook_grad(tensor, self._input_grad_hook(call, position))
         self.calls.append(call)
         stack = self._open.get(name)
         if stack is None:
@@ -284,12 +287,17 @@ class HookSession:
                 entry.stats = self.reducer.reduce(tensor)
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
-                tensor.register_hook(self._output_grad_hook(call, entry))
+                self._hook_grad(tensor, self._output_grad_hook(call, entry))
             if options.observe is not None:
                 options.observe(call.name, call.call, path, tensor)
             if options.keep is not None:
                 options.keep(call.name, call.call, path, _keepable(call, path, tensor))
             call.outputs.append(entry)
+
+    def _hook_grad(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        handle = tensor.register_hook(hook)
+        if tensor.grad_fn is None:
+            self.leaf_hooks.append(handle)
 
     def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor | None) -> None:
@@ -566,7 +574,7 @@ def attach(
                     ))
             yield session
         finally:
-            for handle in handles:
+            for handle in (*handles, *session.leaf_hooks):
                 handle.remove()
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
