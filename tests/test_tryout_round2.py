@@ -417,3 +417,33 @@ def test_no_gradient_hook_is_left_on_a_parameter_a_module_returned(input_grads: 
     assert not weight._backward_hooks and weight.grad is None  # hookcli's hooks went with its run
     model(dummy(2, 4)).sum().backward()  # the user's own backward afterwards calls nothing of hookcli's
     assert weight.grad is not None and not weight._backward_hooks
+
+
+def test_the_users_process_wide_hooks_stay_registered_and_both_hook_modes_see_what_they_return() -> None:
+    model = mlp().eval()
+    target = model[2][0]
+    seen: list[str] = []
+
+    def scale(module: nn.Module, _args: Any, out: Any) -> Any:
+        if module is target:
+            seen.append("scaled")
+            return out * 100
+        return None
+
+    handle = torch_module.register_module_forward_hook(scale)
+    try:
+        probe = target.register_forward_hook(lambda _m, _a, out: seen.append(out.detach().clone()))
+        with torch.no_grad():
+            model(dummy(2, 8))
+        probe.remove()
+        expected = seen[-1]
+        everything = hookcli.stats(model, all_modules=True, input_shapes=["2x8"])
+        few = hookcli.stats(model, layers=["2.0"], input_shapes=["2x8"])
+        assert handle.id in torch_module._global_forward_hooks  # the user's hook is still there
+        assert seen.count("scaled") == 3
+    finally:
+        handle.remove()
+    assert rows(everything, {"2.0"}) == rows(few, {"2.0"})
+    (row,) = [r for r in everything.layers if r.name == "2.0"]
+    assert_stats(row.stats, expected)
+    assert float64_stats(expected)["max"] > 1  # the scaled output, not the Linear's own
