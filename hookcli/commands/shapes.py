@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hookcli.engine.run import forward_report, prepare
-from hookcli.errors import HookcliError, ModelRaisedError
+from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.records import Report
 
@@ -26,6 +26,13 @@ def shapes_report(options: RunOptions) -> Report:
             report = forward_report(prepare(opts, meta=True), "shapes", stats=False, flops=opts.flops)
             report.notes.append(META_NOTE)
             return report
+        except ModelImportError as exc:
+            cause = exc.__cause__
+            if cause is None:
+                raise  # not the model's own code (no such class, not a module): the same on any device
+            # the model's code raised while it was imported or built on meta (an init that reads values:
+            # .item(), quantize_dynamic); built for real it runs, or raises the same error again
+            fallback = f"{type(cause).__name__}: {cause}"
         except HookcliError as exc:
             if not isinstance(exc, ModelRaisedError):
                 raise  # a usage error (unknown layer, bad input) is the same on any device

@@ -115,15 +115,22 @@ class ModelIndex:
         A tree without shared modules or parameters adds its children's counts up, children before
         parents, in one pass; a model with sharing (tied weights) counts each selected subtree.
         """
-        if self.shared:
+        if not self.shared and self._subtree is None:
+            self._subtree = self._added_up()
+        if self._subtree is None:  # sharing, or the tree changed since it was indexed
             return {name: sum(p.numel() for p in module.parameters()) for name, module in selection}
-        if self._subtree is None:
-            total = {id(module): 0 for _, module in self.named}
-            for module, _, p in self.param_slots:
-                total[id(module)] += p.numel()
-            for _, module in reversed(self.named):  # pre-order reversed: every child before its parent
-                for child in module._modules.values():
-                    if child is not None:
-                        total[id(module)] += total[id(child)]
-            self._subtree = total
         return {name: self._subtree[id(module)] for name, module in selection}
+
+    def _added_up(self) -> dict[int, int] | None:
+        """Each indexed module's subtree parameter count, children added into parents; None when a
+        module now has a child the index does not hold (its forward added one: ``self.proj = ...``)."""
+        total = {id(module): 0 for _, module in self.named}
+        for module, _, p in self.param_slots:
+            total[id(module)] += p.numel()
+        for _, module in reversed(self.named):  # pre-order reversed: every child before its parent
+            for child in module._modules.values():
+                if child is not None:
+                    if id(child) not in total:
+                        return None
+                    total[id(module)] += total[id(child)]
+        return total

@@ -141,6 +141,9 @@ class HookSession:
         self.error: Exception | None = None
         self.error_where = ""
         self._done = 0
+        #: Gradient hooks on leaf tensors (a parameter a module returned or took as input): they outlive
+        #: the run with the tensor, so ``attach`` removes them (hooks on activations go with the graph).
+        self.leaf_hooks: list[RemovableHandle] = []
 
     def failed(self, exc: Exception, where: str) -> None:
         """Remember the first exception of hookcli's hook code (``where``: which hook, on what)."""
@@ -189,10 +192,10 @@ class HookSession:
         name; the selected modules are alive for the session, so their ids are theirs alone).
 
         Used for a large selection (``attach``): two registrations instead of two per module. They
-        see every module call in the process and ignore all but the selected. Two differences from
-        module hooks, both from torch calling process-wide hooks first: the pre-hook gets no keyword
-        arguments (their shapes join the call's input shapes in the forward hook, so a call that
-        raised lists its positional inputs only), and it runs before the module's own pre-hooks.
+        see every module call in the process and ignore all but the selected. One difference from
+        module hooks: the pre-hook gets no keyword arguments (their shapes join the call's input
+        shapes in the forward hook, so a call that raised lists its positional inputs only). Torch
+        runs them before a module's own hooks, so ``attach`` leaves modules with hooks out of ``names``.
         """
         type_names: dict[str, str] = {}
 
@@ -237,7 +240,7 @@ class HookSession:
             call.input_grads = [None] * len(inputs)
             for position, (_, tensor) in enumerate(inputs):
                 if tensor.requires_grad and is_float(tensor):
-                    tensor.register_hook(self._input_grad_hook(call, position))
+                    self._hook_grad(tensor, self._input_grad_hook(call, position))
         self.calls.append(call)
         stack = self._open.get(name)
         if stack is None:
@@ -284,12 +287,17 @@ class HookSession:
                 entry.stats = self.reducer.reduce(tensor)
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
-                tensor.register_hook(self._output_grad_hook(call, entry))
+                self._hook_grad(tensor, self._output_grad_hook(call, entry))
             if options.observe is not None:
                 options.observe(call.name, call.call, path, tensor)
             if options.keep is not None:
                 options.keep(call.name, call.call, path, _keepable(call, path, tensor))
             call.outputs.append(entry)
+
+    def _hook_grad(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        handle = tensor.register_hook(hook)
+        if tensor.grad_fn is None:
+            self.leaf_hooks.append(handle)
 
     def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor | None) -> None:
@@ -544,17 +552,24 @@ def attach(
     compiled = compiled or is_compiled(model, selection)
     with run_lock(), gc_paused():
         try:
+            per_module = selection
             if not compiled and hooked_globally(len(names), model_modules, session.options):
-                pre_hook, forward_hook = session.global_hooks(names)
+                # torch runs process-wide hooks before a module's own: a module with hooks of its own (the
+                # user's, a library's) keeps per-module hooks, run after theirs, to see the inputs and
+                # output its own hooks replaced (what the model goes on with), as with a small selection
+                own = {id(m) for _, m in selection if m._forward_hooks or m._forward_pre_hooks}
+                pre_hook, forward_hook = session.global_hooks(
+                    {key: name for key, name in names.items() if key not in own} if own else names)
                 handles.append(register_module_forward_pre_hook(pre_hook))
                 handles.append(register_module_forward_hook(forward_hook, with_kwargs=True, always_call=True))
                 # torch's handle forgets the with_kwargs mark of a process-wide hook: removing the hook
                 # leaves it behind, and torch.compile'd modules then warn about hooks that are gone
                 handles.append(_ForgetKwargsMark(handles[-1].id))
-            else:
+                per_module = [(name, module) for name, module in selection if id(module) in own]
+            if per_module:
                 # under torch.compile the hooks run as Python, outside the graph (Dynamo would trace them)
                 eager = torch.compiler.disable if compiled else _as_is
-                for name, module in selection:
+                for name, module in per_module:
                     if names[id(module)] != name:
                         continue
                     handles.append(module.register_forward_pre_hook(eager(session.pre_hook(name)), with_kwargs=True))
@@ -563,7 +578,7 @@ def attach(
                     ))
             yield session
         finally:
-            for handle in handles:
+            for handle in (*handles, *session.leaf_hooks):
                 handle.remove()
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
