@@ -76,7 +76,9 @@ class Reducer:
       through a reusable scratch buffer, so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
-    ReLU's output, a Sequential's *is* its last child's) reuses its vector. An expanded tensor
+    ReLU's output, a Sequential's *is* its last child's) reuses its vector. The one change this cannot
+    see is an in-place write through ``.data`` (which has a version counter of its own): a parent
+    returning its child's output after ``y.data.mul_(2)`` shows the child's statistics. An expanded tensor
     (stride 0: a broadcast mask, the gradient of ``sum``) is reduced without its repeats.
     """
 
