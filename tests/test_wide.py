@@ -187,3 +187,12 @@ def test_fmaps_channel_dim_on_the_command_line(cli, tmp_path) -> None:
     bad = cli("fmaps", f"{__file__}:ChannelsLast", "--layer", "stage", "--input-shape", "1x3x6x6",
               "--channel-dim", "2")
     assert bad.exit_code == 2 and bad.stdout == ""
+
+
+def test_sort_by_name_orders_block_numbers_by_value() -> None:
+    """``blocks.9`` comes before ``blocks.10`` (not after ``blocks.1``, as a plain string sort puts it)."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
+    report = hookcli.grads(model, input_shapes=["2x4"], params="all", sort="name", all_modules=True)
+    expected = [f"{i}.{kind}" for i in range(12) for kind in ("bias", "weight")]
+    assert [p.name for p in report.params] == expected
+    assert [r.name for r in report.layers] == [str(i) for i in range(12)]

@@ -285,7 +285,8 @@ def stats(**values: Any) -> None:
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @click.option("--sort", type=click.Choice(values_of(GradSort)),
-              help="Order layer and parameter rows: gradient norm or largest |gradient| (descending), or name.")
+              help="Order layer and parameter rows: gradient norm or largest |gradient| (descending), or name "
+                   "(numbers by value: blocks.9 before blocks.10).")
 @click.option("--top", type=click.IntRange(min=1), metavar="N",
               help="Show only the first N layer rows and parameters (by gradient norm unless --sort).")
 @output_options

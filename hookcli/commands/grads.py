@@ -9,6 +9,7 @@ hooks that the engine session (``engine.session.attach``) registers on every sel
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -210,16 +211,22 @@ def _grad_key(grad: dict[str, Any] | None, sort: str) -> float:
     return math.inf if math.isnan(value) else float(value)  # NaN first: it is what one looks for
 
 
+def natural_key(name: str) -> list[str | int]:
+    """Sort key that orders the numbers inside a name by value: ``blocks.9`` before ``blocks.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def order_rows(report: Report, *, sort: str | None, top: int | None) -> Report:
     """The layer and parameter rows sorted by gradient ``norm``, largest ``max`` |gradient| (both
-    descending; NaN first, rows without a gradient last) or ``name``, and cut to the ``top`` N."""
+    descending; NaN first, rows without a gradient last) or ``name`` (numbers by value: ``natural_key``),
+    and cut to the ``top`` N."""
     if sort is None and top is None:
         return report
     key = sort or "norm"
 
     def ordered(rows: list[Any]) -> list[Any]:
         if key == "name":
-            rows = sorted(rows, key=lambda r: r.name)
+            rows = sorted(rows, key=lambda r: natural_key(r.name))
         else:
             rows = sorted(rows, key=lambda r: -_grad_key(r.grad, key))
         return rows[:top] if top is not None else rows
