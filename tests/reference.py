@@ -53,10 +53,15 @@ def aten_ops(fn: Callable[[], object]) -> set[str]:
 
 
 def finished_outputs(model: nn.Module, x: torch.Tensor, *, root: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """(module name, output copy) in the order module calls *finish*, with plain forward hooks; the
-    model itself as ``""`` when ``root``."""
+    """(module name, output copy) in the order module calls *finish*, with plain forward hooks, for the
+    calls that return one tensor; the model itself as ``""`` when ``root``."""
     seen: list[tuple[str, torch.Tensor]] = []
-    forward_with(model, x, [m.register_forward_hook(lambda _m, _i, o, n=n: seen.append((n, o.detach().clone())))
+
+    def keep(name: str, out: object) -> None:
+        if isinstance(out, torch.Tensor):
+            seen.append((name, out.detach().clone()))
+
+    forward_with(model, x, [m.register_forward_hook(lambda _m, _i, o, n=n: keep(n, o))
                             for n, m in model.named_modules() if n or root])
     return seen
 

@@ -20,7 +20,7 @@ from torch.nn.modules import module as torch_module
 
 import hookcli
 
-from tests.reference import dummy, float64_stats
+from reference import dummy, float64_stats, outputs_by_call
 
 STAT_KEYS = ("mean", "std", "min", "max", "norm")
 
@@ -177,22 +177,7 @@ def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
 
 def plain_outputs(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
     """{(name, call): output copy} of every submodule returning one tensor, with plain hooks."""
-    seen: dict[tuple[str, int], torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def keep(name: str, out: Any) -> None:
-        counts[name] = counts.get(name, -1) + 1
-        if isinstance(out, torch.Tensor):
-            seen[(name, counts[name])] = out.detach().clone()
-
-    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: keep(n, out)) for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    return {key: out for key, out in outputs_by_call(model, x).items() if key[0]}
 
 
 def spectral_and_weight_norm() -> nn.Sequential:
