@@ -467,3 +467,54 @@ def test_uninitialised_lazy_modules_are_refused_and_left_lazy() -> None:
     report = hookcli.stats(model, input_shapes=["2x3"], dtype="float64", train=True)
     assert [r.shape for r in report.layers] == [[2, 4], [2, 2]]
     assert_same(before, snapshot(model))
+
+
+class ReshapesItself(nn.Module):
+    """A forward that changes the module tree every way a model can (lazy heads, caches, swapped
+    activations): the run must hand back the tree it was given."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.gone = nn.Identity()
+        self.register_buffer("cache", None)
+        self.register_module("slot", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.register_buffer("made", torch.ones(3, dtype=x.dtype))  # a buffer made on first call
+        self.cache = x.detach().sum(0)  # a None buffer filled
+        self.head = nn.Linear(4, 2).to(x.dtype)  # a lazily made head
+        self.act = nn.Tanh()  # a submodule swapped
+        del self.gone  # a submodule removed
+        self.slot = nn.Identity()  # a None submodule filled
+        self.fc.register_parameter("scale", nn.Parameter(torch.ones(4, dtype=x.dtype)))  # on a child
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.head(self.act(self.fc(x)) * self.fc.scale)
+
+
+@pytest.mark.parametrize("call", ["stats", "grads", "shapes"])
+@pytest.mark.parametrize("fail", [False, True])
+def test_what_a_forward_adds_swaps_or_removes_in_the_tree_is_put_back(call: str, fail: bool) -> None:
+    """The model comes back as it was given, not initialised by hookcli's seeded run in its --dtype:
+    added submodules, parameters and buffers are removed, swapped and removed ones put back, filled
+    None entries emptied again (also when the forward raises)."""
+    model = ReshapesItself(fail)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    if fail:
+        with pytest.raises(HookcliError):
+            getattr(hookcli, call)(model, input_shapes=["2x4"], dtype="float64", device="cpu", all_modules=True)
+    else:
+        getattr(hookcli, call)(model, input_shapes=["2x4"], dtype="float64", device="cpu", all_modules=True)
+    assert_same(before, snapshot(model))
+    assert [n for n, _ in model.named_modules()] == ["", "fc", "act", "gone"]
+    assert model.cache is None and model._modules["slot"] is None and "made" not in model._buffers
+    if not fail:  # and its own first call does what it would have done without hookcli
+        x = torch.randn(3, 4)
+        torch.manual_seed(1)
+        expected = reference(x)
+        torch.manual_seed(1)
+        assert torch.equal(model(x), expected)

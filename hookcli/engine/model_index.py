@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,12 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 #: (module, key in its ``_parameters`` or ``_buffers``, tensor): one entry per place a tensor is held.
 Slot = tuple[nn.Module, str, torch.Tensor]
+_MISSING = object()
+
+
+def _entry(held: Any, key: str) -> Any:
+    """``held[key]``, or ``_MISSING``: the dicts of a TorchScript module are mappings without ``get``."""
+    return held[key] if key in held else _MISSING
 
 
 @dataclass(eq=False)
@@ -35,6 +42,13 @@ class ModelIndex:
     #: The name of the first uninitialised lazy parameter or buffer (``nn.LazyLinear`` & co.), or None:
     #: a run would initialise it, changing the model.
     lazy_tensor: str | None = None
+    #: The rest of the tree's structure, for ``preserved`` to put back what a forward changed: every
+    #: ``_modules`` entry ``(parent, key, child or None)``, every parameter or buffer key that holds
+    #: None ``(module, "_parameters" or "_buffers", key)``, and each module's number of entries in its
+    #: three dicts (aligned with ``named``).
+    child_slots: list[tuple[nn.Module, str, nn.Module | None]] = field(default_factory=list, repr=False)
+    empty_slots: list[tuple[nn.Module, str, str]] = field(default_factory=list, repr=False)
+    sizes: list[int] = field(default_factory=list, repr=False)
     _subtree: dict[int, int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -43,24 +57,65 @@ class ModelIndex:
         named = list(model.named_modules())
         param_slots: list[Slot] = []
         buffer_slots: list[Slot] = []
+        child_slots: list[tuple[nn.Module, str, nn.Module | None]] = []
+        empty_slots: list[tuple[nn.Module, str, str]] = []
+        sizes: list[int] = []
         edges = 0
         lazy: str | None = None
         for prefix, module in named:
-            for key, p in module._parameters.items():
-                if p is not None:
-                    param_slots.append((module, key, p))
-                    if lazy is None and isinstance(p, UninitializedTensorMixin):
-                        lazy = f"{prefix}.{key}" if prefix else key
-            for key, b in module._buffers.items():
-                if b is not None:
-                    buffer_slots.append((module, key, b))
-                    if lazy is None and isinstance(b, UninitializedTensorMixin):
-                        lazy = f"{prefix}.{key}" if prefix else key
-            children = module._modules
-            edges += len(children) - (list(children.values()).count(None) if None in children.values() else 0)
+            parameters, buffers, children = module._parameters, module._buffers, module._modules
+            for key, p in parameters.items():
+                if p is None:
+                    empty_slots.append((module, "_parameters", key))
+                    continue
+                param_slots.append((module, key, p))
+                if lazy is None and isinstance(p, UninitializedTensorMixin):
+                    lazy = f"{prefix}.{key}" if prefix else key
+            for key, b in buffers.items():
+                if b is None:
+                    empty_slots.append((module, "_buffers", key))
+                    continue
+                buffer_slots.append((module, key, b))
+                if lazy is None and isinstance(b, UninitializedTensorMixin):
+                    lazy = f"{prefix}.{key}" if prefix else key
+            for key, child in children.items():
+                child_slots.append((module, key, child))
+                edges += child is not None
+            sizes.append(len(parameters) + len(buffers) + len(children))
         unique = {id(p) for _, _, p in param_slots}
         shared = edges != len(named) - 1 or len(unique) != len(param_slots)
-        return cls(model, named, param_slots, buffer_slots, shared, lazy)
+        return cls(model, named, param_slots, buffer_slots, shared, lazy, child_slots, empty_slots, sizes)
+
+    def restore_structure(self) -> None:
+        """Put back the tree as indexed, where a run changed it: submodules replaced or removed come
+        back, None entries become None again, and what a forward *added* (a submodule, parameter or
+        buffer made on first call: lazy initialisation, a cache) is removed, so the model is as before
+        the run, not one initialised by hookcli's seeded run in its ``--dtype`` and ``--device``.
+        Parameter and buffer tensors are put back by ``preserved`` (it also restores their data)."""
+        for parent, key, child in self.child_slots:
+            if _entry(parent._modules, key) is not child:
+                parent._modules[key] = child
+        for module, kind, key in self.empty_slots:
+            held = getattr(module, kind)
+            if _entry(held, key) is not None:
+                held[key] = None
+        for (_, module), size in zip(self.named, self.sizes):
+            if len(module._parameters) + len(module._buffers) + len(module._modules) != size:
+                self._drop_added(module)
+
+    def _drop_added(self, module: nn.Module) -> None:
+        """Remove ``module``'s entries that were not there when it was indexed (the rare path)."""
+        kept: dict[str, set[str]] = {"_parameters": set(), "_buffers": set(), "_modules": set()}
+        for kind, slots in (("_parameters", self.param_slots), ("_buffers", self.buffer_slots)):
+            kept[kind].update(key for owner, key, _ in slots if owner is module)
+        kept["_modules"].update(key for owner, key, _ in self.child_slots if owner is module)
+        for owner, kind, key in self.empty_slots:
+            if owner is module:
+                kept[kind].add(key)
+        for kind, keys in kept.items():
+            held = getattr(module, kind)
+            for key in [k for k in held if k not in keys]:
+                del held[key]
 
     @property
     def modules(self) -> list[nn.Module]:

@@ -152,8 +152,10 @@ def preserved(
 ) -> Iterator[nn.Module]:
     """Put ``model`` on ``device``/``dtype`` in train or eval mode for the block, then restore it.
 
-    Restored in ``finally`` (also when the block raises): each module's ``training`` flag and the
-    parameter and buffer objects in each module (``.to`` may replace them), each parameter's storage
+    Restored in ``finally`` (also when the block raises): each module's ``training`` flag, the tree
+    as indexed (``ModelIndex.restore_structure``: a submodule, parameter or buffer the forward added is
+    removed, one it replaced or removed is put back), the parameter and buffer objects in each module
+    (``.to`` may replace them), each parameter's storage
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
     buffers the run changed in place (BatchNorm statistics in train mode, a counter or moving average a
     forward updates in any mode). With ``seed`` the RNGs are seeded for the block and restored after
@@ -194,6 +196,7 @@ def preserved(
                         model.train(train)
                     yield model
                 finally:
+                    index.restore_structure()  # submodules, None entries, what the forward added
                     for m, name, p in param_slots:
                         m._parameters[name] = p
                     for m, name, b in buffer_slots:
