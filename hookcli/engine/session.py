@@ -495,7 +495,7 @@ def is_compiled(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) ->
 
     Dynamo is looked up in ``sys.modules``, never imported: nothing was compiled in a process that has
     not imported it, and ``torch._dynamo`` (an attribute torch imports lazily on first access) brings
-    sympy and the inductor with it: about 1.4 s and 100 MB on the first run of every process."""
+    sympy and the inductor with it: about 1.4 s and 55 MB on the first run of every process."""
     optimized = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(optimized, "OptimizedModule", None)
     if wrapper is not None and isinstance(model, wrapper):
