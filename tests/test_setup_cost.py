@@ -117,7 +117,7 @@ print("torch.utils.flop_counter" in sys.modules)
 
 def test_a_run_imports_neither_dynamo_nor_the_flop_counter_it_does_not_use() -> None:
     """Checking whether a model is compiled must not import ``torch._dynamo`` (torch imports it lazily
-    on first attribute access, and it brings sympy and the inductor: ~1.4 s and ~100 MB in every
+    on first attribute access, and it brings sympy and the inductor: ~1.4 s and ~55 MB in every
     process whose model never imported it), and only ``--flops`` needs ``torch.utils.flop_counter``."""
     import subprocess
     import sys
