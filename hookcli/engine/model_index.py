@@ -64,20 +64,14 @@ class ModelIndex:
         lazy: str | None = None
         for prefix, module in named:
             parameters, buffers, children = module._parameters, module._buffers, module._modules
-            for key, p in parameters.items():
-                if p is None:
-                    empty_slots.append((module, "_parameters", key))
-                    continue
-                param_slots.append((module, key, p))
-                if lazy is None and isinstance(p, UninitializedTensorMixin):
-                    lazy = f"{prefix}.{key}" if prefix else key
-            for key, b in buffers.items():
-                if b is None:
-                    empty_slots.append((module, "_buffers", key))
-                    continue
-                buffer_slots.append((module, key, b))
-                if lazy is None and isinstance(b, UninitializedTensorMixin):
-                    lazy = f"{prefix}.{key}" if prefix else key
+            for kind, held, slots in (("_parameters", parameters, param_slots), ("_buffers", buffers, buffer_slots)):
+                for key, tensor in held.items():
+                    if tensor is None:
+                        empty_slots.append((module, kind, key))
+                        continue
+                    slots.append((module, key, tensor))
+                    if lazy is None and isinstance(tensor, UninitializedTensorMixin):
+                        lazy = f"{prefix}.{key}" if prefix else key
             for key, child in children.items():
                 child_slots.append((module, key, child))
                 edges += child is not None
