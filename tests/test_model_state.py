@@ -480,9 +480,11 @@ class ReshapesItself(nn.Module):
         self.act = nn.ReLU()
         self.gone = nn.Identity()
         self.register_buffer("cache", None)
+        self.register_buffer("kept", torch.arange(3.0))
         self.register_module("slot", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        del self.kept  # a buffer removed and another added: the same number of entries
         self.register_buffer("made", torch.ones(3, dtype=x.dtype))  # a buffer made on first call
         self.cache = x.detach().sum(0)  # a None buffer filled
         self.head = nn.Linear(4, 2).to(x.dtype)  # a lazily made head
@@ -518,3 +520,25 @@ def test_what_a_forward_adds_swaps_or_removes_in_the_tree_is_put_back(call: str,
         expected = reference(x)
         torch.manual_seed(1)
         assert torch.equal(model(x), expected)
+
+
+class TradesABuffer(nn.Module):
+    """Removes one buffer and adds another in forward: the module holds as many entries as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("kept", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        del self.kept
+        self.register_buffer("made", torch.ones(3))
+        return self.fc(x)
+
+
+def test_a_buffer_traded_for_another_is_put_back() -> None:
+    model = TradesABuffer()
+    before = snapshot(model)
+    hookcli.stats(model, input_shapes=["2x4"])
+    assert_same(before, snapshot(model))
+    assert list(model._buffers) == ["kept"]

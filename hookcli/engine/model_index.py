@@ -85,7 +85,8 @@ class ModelIndex:
         back, None entries become None again, and what a forward *added* (a submodule, parameter or
         buffer made on first call: lazy initialisation, a cache) is removed, so the model is as before
         the run, not one initialised by hookcli's seeded run in its ``--dtype`` and ``--device``.
-        Parameter and buffer tensors are put back by ``preserved`` (it also restores their data)."""
+        Call it after the parameter and buffer slots are put back (``preserved`` does, and restores
+        their data): an entry count above the indexed one then means an added entry."""
         for parent, key, child in self.child_slots:
             if _entry(parent._modules, key) is not child:
                 parent._modules[key] = child

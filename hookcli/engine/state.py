@@ -196,11 +196,12 @@ def preserved(
                         model.train(train)
                     yield model
                 finally:
-                    index.restore_structure()  # submodules, None entries, what the forward added
                     for m, name, p in param_slots:
                         m._parameters[name] = p
                     for m, name, b in buffer_slots:
                         m._buffers[name] = b
+                    # after the slots are back: then a module with more entries than indexed holds added ones
+                    index.restore_structure()  # submodules, None entries, what the forward added
                     for p, data, requires_grad, grad, grad_data in param_state:
                         if data is not None:
                             p.data = data
