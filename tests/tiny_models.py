@@ -99,14 +99,26 @@ class TinyLSTM(nn.Module):
         return self.head(out[:, -1])
 
 
+class CheckedLinear(nn.Linear):
+    """A Linear that names a feature-count mismatch in its own words before torch would.
+
+    The documented failure (docs/stats.md, tests/golden/) must not show torch's error text, which
+    changes between releases (``addmm: mat1 and mat2 ...`` in one, ``mat1 and mat2 ...`` in another)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise RuntimeError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        return super().forward(x)
+
+
 class Raises(nn.Module):
-    """Forward raises inside ``bad`` (a shape mismatch), after ``good`` has run."""
+    """Forward raises inside ``bad`` (a feature-count mismatch), after ``good`` has run."""
 
     def __init__(self) -> None:
         super().__init__()
         self.good = nn.Linear(4, 6)
         self.act = nn.ReLU()
-        self.bad = nn.Linear(5, 2)  # expects 5 features, gets 6
+        self.bad = CheckedLinear(5, 2)  # expects 5 features, gets 6
         self.never = nn.Linear(2, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
