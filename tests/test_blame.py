@@ -354,7 +354,7 @@ def test_model_that_calls_failing_hookcli_code_in_a_run_is_internal() -> None:
 def test_the_model_raising_is_still_exit_1(cli) -> None:
     """The control: the model's own exception stays 'the model raised', exit 1, partial rows."""
     result = cli("stats", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json")
-    assert_one_error(result, 1, "the model raised in forward at bad (Linear)")
+    assert_one_error(result, 1, "the model raised in forward at bad (CheckedLinear)")
     assert json.loads(result.stdout)["failure"]["module"] == "bad"
 
 

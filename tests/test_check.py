@@ -194,7 +194,7 @@ def test_model_that_raises_fails_runs_and_still_writes_junit(cli, tmp_path: Path
     junit = tmp_path / "out" / "check.xml"
     junit.parent.mkdir()
     out = cli("check", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json", "--junit", junit)
-    assert out.exit_code == 1 and "bad (Linear)" in out.stderr
+    assert out.exit_code == 1 and "bad (CheckedLinear)" in out.stderr
     data = as_json(out)
     assert data["rules"][0]["rule"] == "runs" and data["rules"][0]["status"] == "FAIL"
     assert {r["status"] for r in data["rules"][1:]} == {"SKIP"}

@@ -166,7 +166,7 @@ def test_model_that_raises_prints_partial_rows_and_exits_1(cli) -> None:
     assert [(r["name"], r["called"], r.get("raised", False)) for r in report["layers"]] == [
         ("good", True, False), ("act", True, False), ("bad", True, True), ("never", False, False)]
     assert report["failure"]["module"] == "bad" and report["failure"]["input_shapes"] == [[2, 6]]
-    assert "bad (Linear)" in result.stderr and "2x6" in result.stderr
+    assert "bad (CheckedLinear)" in result.stderr and "2x6" in result.stderr
     assert "Traceback" not in result.stderr
     debug = cli("stats", "tiny_models:Raises", "--input-shape", "2x4", "--debug")
     assert debug.exit_code == 1 and "Traceback" in debug.stderr

@@ -186,7 +186,7 @@ def test_the_failure_sentence_is_the_same_in_every_output(cli) -> None:
     result = cli("stats", "tiny_models:Raises", "--input-shape", "2x4")
     assert result.exit_code == 1
     error = result.stderr.splitlines()[0].removeprefix("Error: ")
-    assert error.startswith("the model raised in forward at bad (Linear) with input shape(s) 2x6: RuntimeError")
+    assert error.startswith("the model raised in forward at bad (CheckedLinear) with input shape(s) 2x6: RuntimeError")
     assert error in " ".join(result.stdout.split())  # the table's footer says the same sentence
     check = cli("check", "tiny_models:Raises", "--input-shape", "2x4", "-f", "json")
     runs = json.loads(check.stdout)["rules"][0]
