@@ -24,6 +24,7 @@ from transcripts import one_thread
 from hookcli.engine.selection import select_modules
 from hookcli.engine.session import HookOptions, HookSet
 from hookcli.engine.state import run_lock
+from hookcli.errors import UsageError
 
 
 class ConvMLP(nn.Module):
@@ -161,11 +162,11 @@ def test_user_backward_with_accumulation_gives_the_gradient_of_the_summed_loss(
     # activations: one record per call (one call per micro-step), each with its own micro-step's gradient
     assert [(r.name, r.call) for r in records.layers] == [("fc1", i) for i in range(micro_steps)]
     for x, row in zip(xs, records.layers):
-        out = {}
-        handle = reference.fc1.register_forward_hook(lambda m, a, o: out.setdefault("fc1", o))
+        out: list[torch.Tensor] = []
+        handle = reference.fc1.register_forward_hook(lambda m, a, o, out=out: out.append(o))
         loss = reference(x).pow(2).mean()
         handle.remove()
-        (g,) = torch.autograd.grad(loss, [out["fc1"]])
+        (g,) = torch.autograd.grad(loss, out)
         _assert_grad_stats(row.grad, g)
 
 
@@ -214,18 +215,17 @@ def test_no_hook_is_left_after_removal_also_when_the_loop_raises(process_wide: b
     selection = select_modules(model, all_modules=True)
     x = torch.randn(2, 4, requires_grad=True)  # a leaf input: its gradient hook is a leaf hook
     hooks = HookSet()
-    with pytest.raises(Boom):
-        with hooks.install(model, selection, HookOptions(stats=True, grads=True, input_grads=not process_wide),
-                           params=list(model.named_parameters()),
-                           model_modules=len(list(model.modules())) if process_wide else None):
-            assert bool(torch_module._global_forward_hooks) == process_wide
-            model(x).sum().backward()
-            assert hooks.session is not None
-            assert bool(hooks.session.leaf_hooks) != process_wide
-            hooks.step_records()
-            assert not x._backward_hooks  # leaf hooks go at the step boundary
-            model(x)  # a step in progress, with the loop raising
-            raise Boom
+    with pytest.raises(Boom), hooks.install(
+            model, selection, HookOptions(stats=True, grads=True, input_grads=not process_wide),
+            params=list(model.named_parameters()), model_modules=len(list(model.modules())) if process_wide else None):
+        assert bool(torch_module._global_forward_hooks) == process_wide
+        model(x).sum().backward()
+        assert hooks.session is not None
+        assert bool(hooks.session.leaf_hooks) != process_wide
+        hooks.step_records()
+        assert not x._backward_hooks  # leaf hooks go at the step boundary
+        model(x)  # a step in progress, with the loop raising
+        raise Boom
     assert _hooked_anywhere(model, [x, *model.parameters()]) == []
     hooks.remove()  # twice is fine
 
@@ -248,3 +248,15 @@ def test_a_hook_failure_is_raised_at_the_boundary_and_the_next_step_starts_clean
             model(torch.randn(1, 2, 5, 5))
         records = hooks.step_records()
     assert records.step == 1 and [(r.name, r.call) for r in records.layers] == [("fc2", 0)]
+
+
+def test_a_hook_set_is_installed_once_and_records_only_once_installed() -> None:
+    model = ConvMLP()
+    hooks = HookSet()
+    with pytest.raises(UsageError, match="not installed"):
+        hooks.step_records()
+    with hooks.install(model, select_modules(model)):
+        with pytest.raises(UsageError, match="installed already"):
+            hooks.install(model, select_modules(model))
+        assert model.conv._forward_hooks  # the refused second install took nothing away
+    assert _hooked_anywhere(model, list(model.parameters())) == []

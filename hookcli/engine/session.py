@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -703,7 +703,7 @@ class HookSet:
         for handle in handles:
             handle.remove()
 
-    def __enter__(self) -> HookSet:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -736,10 +736,10 @@ def attach(
     are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
     hooks = HookSet()
-    with run_lock(), gc_paused():
-        with hooks.install(model, selection, options, model_modules=model_modules, compiled=compiled):
-            assert hooks.session is not None
-            yield hooks.session
+    with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
+                                                compiled=compiled):
+        assert hooks.session is not None
+        yield hooks.session
     session = hooks.session
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
