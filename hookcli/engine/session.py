@@ -14,17 +14,18 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from hookcli.errors import HookcliError, UnsupportedError, internal_error
-from hookcli.records import LayerRecord
+from hookcli.errors import HookcliError, UnsupportedError, UsageError, internal_error
+from hookcli.records import LayerRecord, ParamRecord
 from hookcli.engine.stats import (
     activation_stats,
+    device_float,
     dtype_name,
     gradient_stats,
     is_float,
@@ -123,7 +124,7 @@ _graph_task_id = torch._C._current_graph_task_id
 
 
 class HookSession:
-    """Collects the calls of the selected modules during one run."""
+    """Collects the calls of the selected modules during one run (one step of a ``HookSet``)."""
 
     def __init__(self, selection: Sequence[tuple[str, nn.Module]], options: HookOptions) -> None:
         self.selection = list(selection)
@@ -142,8 +143,30 @@ class HookSession:
         self.error_where = ""
         self._done = 0
         #: Gradient hooks on leaf tensors (a parameter a module returned or took as input): they outlive
-        #: the run with the tensor, so ``attach`` removes them (hooks on activations go with the graph).
+        #: the run with the tensor, so ``reset`` (each step boundary) and ``HookSet.remove`` remove them
+        #: (hooks on activations go with the graph).
         self.leaf_hooks: list[RemovableHandle] = []
+
+    def reset(self) -> None:
+        """Empty the per-step state (a hook set's step boundary): the calls, their counts, the stored
+        hook error, the reducer's caches, and the gradient hooks on leaf tensors."""
+        for handle in self.leaf_hooks:
+            handle.remove()
+        self.leaf_hooks = []
+        self.calls = []
+        self._open = {}
+        self._counts = {}
+        self.active = []
+        self.last_grad_call = None
+        self.error, self.error_where = None, ""
+        self._done = 0
+        self.reducer.clear()
+
+    def sizes(self) -> dict[str, int]:
+        """How many entries each per-step container holds (the reducer's included): all 0 after ``reset``."""
+        return {"calls": len(self.calls), "open": sum(len(s) for s in self._open.values()),
+                "counts": len(self._counts), "active": len(self.active), "leaf_hooks": len(self.leaf_hooks),
+                "reducer_seen": len(self.reducer._seen), "reducer_scratch": len(self.reducer._scratch)}
 
     def failed(self, exc: Exception, where: str) -> None:
         """Remember the first exception of hookcli's hook code (``where``: which hook, on what)."""
@@ -522,6 +545,171 @@ class _ForgetKwargsMark:
             marks.pop(self.hook_id, None)
 
 
+@dataclass
+class StepRecords:
+    """What a hook set recorded in one step, handed back at the step boundary (``HookSet.step_records``).
+
+    ``layers``: one record per call of a selected module in the step (a module called in two
+    accumulation micro-steps has calls 0 and 1), as a one-shot run gives them. ``params``: each
+    watched parameter's ``.grad`` as it stands at the boundary, i.e. summed over every backward of the
+    step (``grad`` None when no backward of this step accumulated into it). ``accumulations``: how
+    many times each parameter's ``.grad`` was accumulated into during the step. ``extra``: the host
+    values of the caller's ``extra`` vectors.
+    """
+
+    step: int
+    layers: list[LayerRecord]
+    params: list[ParamRecord] = field(default_factory=list)
+    accumulations: dict[str, int] = field(default_factory=dict)
+    extra: list[list[float]] = field(default_factory=list)
+
+
+class HookSet:
+    """The engine's hooks on one model, installed once and kept over many steps (a training loop).
+
+    >>> with HookSet().install(model, select_modules(model), HookOptions(stats=True, grads=True),
+    ...                        params=list(model.named_parameters())) as hooks:
+    ...     for batch in data:
+    ...         loss_fn(model(batch)).backward()      # any number of backward() per step
+    ...         step = hooks.step_records()            # before optimizer.zero_grad()
+    ...         optimizer.step(); optimizer.zero_grad()
+
+    A step is what lies between two ``step_records`` calls (the first starts at ``install``).
+    ``step_records`` hands back that step's records and empties every per-step container (calls,
+    counts, the reducer's caches, gradient hooks on leaf tensors): between steps the set holds no
+    lock, pauses no garbage collection and grows nothing. Parameter gradients come from
+    ``Tensor.register_post_accumulate_grad_hook``, so the user's own ``backward()`` is seen; the
+    statistics are those of the accumulated ``.grad`` at the boundary. ``remove`` (also the ``with``
+    block's exit, whatever it raised) takes every hook away; the records of the last step stay readable
+    through ``session``. One-shot runs use it through ``attach``.
+    """
+
+    def __init__(self) -> None:
+        self.session: HookSession | None = None
+        self.step = 0
+        self._handles: list[RemovableHandle | _ForgetKwargsMark] = []
+        self._params: list[tuple[str, nn.Parameter]] = []
+        self._accumulated: dict[str, int] = {}
+        #: The hooks run eagerly under torch.compile (set by ``install``: asked for, or ``is_compiled``).
+        self.compiled = False
+
+    def install(
+        self,
+        model: nn.Module,
+        selection: Sequence[tuple[str, nn.Module]],
+        options: HookOptions | None = None,
+        *,
+        params: Sequence[tuple[str, nn.Parameter]] = (),
+        model_modules: int | None = None,
+        compiled: bool = False,
+    ) -> HookSet:
+        """Hook the selected modules (and the ``params``' gradient accumulation) until ``remove``.
+
+        ``model_modules`` and ``compiled`` as for ``attach``. UsageError when installed already;
+        what registration raises leaves nothing hooked."""
+        if self.session is not None:
+            raise UsageError("this hook set is installed already", hint="make a new HookSet for another model")
+        self.session = HookSession(selection, options or HookOptions())
+        try:
+            self.compiled = compiled or is_compiled(model, selection)
+            self._hook_modules(selection, model_modules, self.compiled)
+            seen: set[int] = set()
+            for name, p in params:
+                if id(p) not in seen:  # a tied parameter: counted once, under its first name
+                    seen.add(id(p))
+                    self._params.append((name, p))
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._accumulate_hook(name)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _hook_modules(self, selection: Sequence[tuple[str, nn.Module]], model_modules: int | None,
+                      compiled: bool) -> None:
+        """The forward pre-hooks and forward hooks: process-wide or per module (see ``attach``)."""
+        session, handles = self.session, self._handles
+        assert session is not None
+        names: dict[int, str] = {}
+        for name, module in selection:
+            names.setdefault(id(module), name)  # the same module object under two names: hooked once, as the first
+        per_module = selection
+        if not compiled and hooked_globally(len(names), model_modules, session.options):
+            # torch runs process-wide hooks before a module's own: a module with hooks of its own (the
+            # user's, a library's) keeps per-module hooks, run after theirs, to see the inputs and
+            # output its own hooks replaced (what the model goes on with), as with a small selection
+            own = {id(m) for _, m in selection if m._forward_hooks or m._forward_pre_hooks}
+            pre_hook, forward_hook = session.global_hooks(
+                {key: name for key, name in names.items() if key not in own} if own else names)
+            handles.append(register_module_forward_pre_hook(pre_hook))
+            handles.append(register_module_forward_hook(forward_hook, with_kwargs=True, always_call=True))
+            # torch's handle forgets the with_kwargs mark of a process-wide hook: removing the hook
+            # leaves it behind, and torch.compile'd modules then warn about hooks that are gone
+            handles.append(_ForgetKwargsMark(handles[-1].id))
+            per_module = [(name, module) for name, module in selection if id(module) in own]
+        # under torch.compile the hooks run as Python, outside the graph (Dynamo would trace them)
+        eager = torch.compiler.disable if compiled else _as_is
+        for name, module in per_module:
+            if names[id(module)] != name:
+                continue
+            handles.append(module.register_forward_pre_hook(eager(session.pre_hook(name)), with_kwargs=True))
+            handles.append(module.register_forward_hook(
+                eager(session.forward_hook(name)), with_kwargs=True, always_call=True,
+            ))
+
+    def _accumulate_hook(self, name: str) -> Callable[[nn.Parameter], None]:
+        def hook(_param: nn.Parameter) -> None:  # after each accumulation into .grad (one per backward)
+            self._accumulated[name] = self._accumulated.get(name, 0) + 1
+
+        return hook
+
+    def step_records(self, params_by_name: dict[str, int] | None = None,
+                     extra: Sequence[Vector] = ()) -> StepRecords:
+        """This step's records (one host transfer, ``extra`` vectors included); then the per-step state
+        is emptied and the next step begins. Raises what a hook raised during the step (as
+        ``HookSession.raise_error``), after emptying it too."""
+        session = self.session
+        if session is None:
+            raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
+        try:
+            session.raise_error()
+            plan: list[tuple[str, nn.Parameter, int | None, int]] = []
+            vectors: list[Vector] = list(extra)
+            for name, p in self._params:
+                g_slot = None
+                if self._accumulated.get(name) and p.grad is not None:
+                    vectors.append(session.reducer.reduce(p.grad, zeros=False))
+                    g_slot = len(vectors) - 1
+                vectors.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
+                plan.append((name, p, g_slot, len(vectors) - 1))
+            layers, values = session.records(params_by_name, vectors)
+            params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad,
+                                  norm=values[n_slot][0],
+                                  grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None)
+                      for name, p, g_slot, n_slot in plan]
+            return StepRecords(self.step, layers, params, dict(self._accumulated), values[: len(extra)])
+        finally:
+            session.reset()
+            self._accumulated.clear()
+            self.step += 1
+
+    def remove(self) -> None:
+        """Take every hook of the set away (module, process-wide, parameter and leaf-tensor hooks);
+        the session's records of the step in progress stay readable. Safe to call twice."""
+        handles, self._handles = self._handles, []
+        if self.session is not None:
+            handles += self.session.leaf_hooks
+            self.session.leaf_hooks = []
+        for handle in handles:
+            handle.remove()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
 @contextmanager
 def attach(
     model: nn.Module,
@@ -537,54 +725,27 @@ def attach(
     ...     model(x)
     >>> records, _ = session.records()
 
-    Holds the process-wide run lock (``state.run_lock``) while attached: hooks of two runs are never
-    on a model at once, so rows never mix (the API takes the lock first, for the whole run).
+    The one-shot run of the commands: a ``HookSet`` used for one step, whose records the caller reads
+    from the session after the block. Only here, around that one run and never around a user's loop,
+    the process-wide run lock (``state.run_lock``) is held, so hooks of two runs are never on a model
+    at once and rows never mix (the API takes the lock first, for the whole run), and the garbage
+    collector is paused (``gc_paused``: its full passes make a run over a large model quadratic).
     ``model_modules``: how many modules the model has; with it, a selection of most of them is
     hooked with two process-wide hooks instead of two per module (``hooked_globally``).
     ``compiled``: the model runs under ``torch.compile`` (also found by ``is_compiled``): its hooks
     are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
-    session = HookSession(selection, options or HookOptions())
-    handles: list[RemovableHandle | _ForgetKwargsMark] = []
-    names: dict[int, str] = {}
-    for name, module in selection:
-        names.setdefault(id(module), name)  # the same module object under two names: hooked once, as the first
-    compiled = compiled or is_compiled(model, selection)
-    with run_lock(), gc_paused():
-        try:
-            per_module = selection
-            if not compiled and hooked_globally(len(names), model_modules, session.options):
-                # torch runs process-wide hooks before a module's own: a module with hooks of its own (the
-                # user's, a library's) keeps per-module hooks, run after theirs, to see the inputs and
-                # output its own hooks replaced (what the model goes on with), as with a small selection
-                own = {id(m) for _, m in selection if m._forward_hooks or m._forward_pre_hooks}
-                pre_hook, forward_hook = session.global_hooks(
-                    {key: name for key, name in names.items() if key not in own} if own else names)
-                handles.append(register_module_forward_pre_hook(pre_hook))
-                handles.append(register_module_forward_hook(forward_hook, with_kwargs=True, always_call=True))
-                # torch's handle forgets the with_kwargs mark of a process-wide hook: removing the hook
-                # leaves it behind, and torch.compile'd modules then warn about hooks that are gone
-                handles.append(_ForgetKwargsMark(handles[-1].id))
-                per_module = [(name, module) for name, module in selection if id(module) in own]
-            if per_module:
-                # under torch.compile the hooks run as Python, outside the graph (Dynamo would trace them)
-                eager = torch.compiler.disable if compiled else _as_is
-                for name, module in per_module:
-                    if names[id(module)] != name:
-                        continue
-                    handles.append(module.register_forward_pre_hook(eager(session.pre_hook(name)), with_kwargs=True))
-                    handles.append(module.register_forward_hook(
-                        eager(session.forward_hook(name)), with_kwargs=True, always_call=True,
-                    ))
-            yield session
-        finally:
-            for handle in (*handles, *session.leaf_hooks):
-                handle.remove()
+    hooks = HookSet()
+    with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
+                                                compiled=compiled):
+        assert hooks.session is not None
+        yield hooks.session
+    session = hooks.session
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
     inner = getattr(model, "_orig_mod", model)
     must_run = {name for name, module in selection if module is model or module is inner}
-    if compiled and must_run and not must_run & set(session._counts) and session.error is None:
+    if hooks.compiled and must_run and not must_run & set(session._counts) and session.error is None:
         raise UnsupportedError(
             "no hook fired in the torch.compile'd model: it ran a graph compiled before hookcli attached its "
             "hooks (torch does not recompile when hooks are added)",

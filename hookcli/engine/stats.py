@@ -100,6 +100,12 @@ class Reducer:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}
 
+    def clear(self) -> None:
+        """Forget every tensor seen and free the scratch buffers: a long-lived hook set calls this at
+        each step boundary, so neither grows with the steps nor keeps an activation-sized buffer."""
+        self._seen.clear()
+        self._scratch.clear()
+
     def scratch(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
         """A float32 buffer of ``numel`` (default ``like.numel()``) elements on ``like``'s device, reused."""
         size = like.numel() if numel is None else numel
