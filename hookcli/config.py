@@ -9,6 +9,7 @@ the config file's directory, so a config works from any working directory. Never
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -83,12 +84,33 @@ def _str_list(value: Any) -> list[str]:
     raise Invalid
 
 
-def integer(minimum: int | None = None) -> Callable[[Any], int]:
-    """A validator of a TOML integer (not a boolean) of at least ``minimum``."""
+def integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
+    """A validator of a TOML integer (not a boolean) from ``minimum`` to ``maximum``."""
+    expected = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
+        f" and <= {maximum}" if maximum is not None else "")
+
     def check(value: Any) -> int:
-        if not _is_int(value) or (minimum is not None and value < minimum):
-            raise Invalid("an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise Invalid(expected)
         return int(value)
+
+    return check
+
+
+def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[Any], float]:
+    """A validator of a finite TOML number (integer or float, not a boolean) from ``low`` to
+    ``high`` (``low`` excluded when ``low_open``). Every numeric threshold goes through it: ``inf``
+    would turn a failing gate into a pass, and ``nan`` compares false with everything."""
+    expected = (f"a finite number > {low:g}" if low_open else f"a finite number >= {low:g}") + (
+        f" and <= {high:g}" if high < math.inf else "")
+    if low == 0 and high == 1 and not low_open:
+        expected = "a number from 0 to 1"
+
+    def check(value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                or not (value > low if low_open else value >= low) or not value <= high:
+            raise Invalid(expected)
+        return float(value)
 
     return check
 
