@@ -20,6 +20,7 @@ from typing import Any
 import tomllib
 
 from hookcli.errors import ConfigError, did_you_mean
+from hookcli.targets import is_inside
 from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
 
 FILLS = values_of(Fill)
@@ -196,6 +197,10 @@ class Config:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and normalize_key(key) in self.values
 
+    def roots(self) -> tuple[str, ...]:
+        """The directories the model this config names must come from (``read_roots``)."""
+        return tuple(read_roots(self.path)) if self.path is not None else ()
+
 
 def normalize_key(key: str) -> str:
     """``input-shape`` -> ``input_shape``."""
@@ -229,7 +234,9 @@ def _is_pyproject(path: Path, data: dict[str, Any]) -> bool:
 
 
 def _resolve(value: str, base: Path) -> str:
-    if not value or value == "-" or "://" in value:
+    """A path a config names, absolute: ``~`` expanded, relative to the config's directory. Every
+    value is a path (``-`` too: a file of that name), so what is checked is what gets opened."""
+    if not value:
         return value
     p = Path(value).expanduser()
     return str(p if p.is_absolute() else (base / p).resolve())
@@ -256,6 +263,73 @@ def _resolve_model(spec: str, base: Path) -> str:
 def _resolve_weights(value: str, base: Path) -> str:
     """Resolve a weights *file*; keep a torchvision weights name (``DEFAULT``, ``X_Weights.V1``)."""
     return _resolve(value, base) if looks_like_weights_file(value, base) else value
+
+
+#: The flag that names each path key on the command line, where the user's own choice may go anywhere.
+PATH_FLAGS = {"output": "-o FILE", "input": "--input FILE", "weights": "--weights FILE", "model": "MODEL",
+              "baseline": "--baseline FILE"}
+
+
+def confine_write(path: Path, key: str, used: str) -> None:
+    """A path a config makes hookcli *write* must lie inside the config's own directory tree (after
+    symlinks and ``..``): a config may come from someone else's repository, and ``output =
+    "~/.bashrc"`` must not replace a file of the user's. The command line's ``-o`` stays free."""
+    root = os.path.realpath(path.parent)
+    if not is_inside(os.path.expanduser(used), [root]):
+        raise ConfigError(
+            f"{path}: key {key!r} names {used!r}, outside the config's directory {root}; a config may only write "
+            "files inside its own directory tree",
+            hint=f"give a path under {root}, or pass {PATH_FLAGS.get(key, key)} on the command line")
+
+
+def read_roots(path: Path) -> list[str]:
+    """Where the files a config names may be read from: the config's directory tree and the working
+    directory's (the repository being checked)."""
+    return list(dict.fromkeys([os.path.realpath(path.parent), os.path.realpath(os.getcwd())]))
+
+
+def confine_read(path: Path, key: str, used: str) -> None:
+    """A file a config makes hookcli *read* (or import) must lie in the repository: the config's
+    directory tree or the working directory's, after symlinks and ``..``. Reading elsewhere would
+    put facts about the runner's other files in a public CI log, and ``--trust-pickle`` vouches for
+    the repository's files, not for any file a config picks."""
+    if not is_inside(os.path.expanduser(used), read_roots(path)):
+        raise ConfigError(
+            f"{path}: key {key!r} names {used!r}, outside the config's directory and the working directory; a "
+            "config may only name files of the repository it comes from",
+            hint=f"move the file into the repository, or pass {PATH_FLAGS.get(key, key)} on the command line")
+
+
+def _confine_model(spec: str, path: Path) -> None:
+    """A config's model must be the repository's own code: a ``file.py`` inside it, an import path
+    whose top-level package is found inside it (``numpy:load``, ``pickle:loads``, ``torch:load``
+    and ``transformers:...`` are not), or an ``hf:DIR`` inside it. Judged before anything is
+    imported; the loader checks what the attribute resolves to (``hookcli.engine.loading``)."""
+    from hookcli.targets import import_target_module, module_locations
+
+    text = spec.strip()
+    if text.lower().startswith(("timm:", "torchvision:")):
+        return
+    if text.lower().startswith("hf:"):
+        folder = text[3:].strip()
+        if folder and os.path.isdir(os.path.expanduser(folder)):
+            confine_read(path, "model", folder)
+        return
+    module = import_target_module(text)
+    if module is not None:
+        roots = read_roots(path)
+        outside = [w for w in module_locations(module) if w == "built-in" or not is_inside(w, roots)]
+        if outside:
+            where = outside[0]
+            raise ConfigError(
+                f"{path}: key 'model' names {spec!r}, whose module {module.partition('.')[0]!r} is not the "
+                f"repository's own code ({where}); refusing to import or call it from a config",
+                hint="a config may name a model of its repository (pkg.mod:Net, net.py:build) or a torchvision, "
+                "timm: or hf: model; name any other code on the command line")
+        return
+    target = text.rpartition(":")[0].strip() if ":" in text else text
+    if target.endswith(".py"):
+        confine_read(path, "model", target)
 
 
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
@@ -309,12 +383,19 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
         _refuse_stdlib_model(values["model"], path)
+        _confine_model(values["model"], path)
     if "weights" in values:
         values["weights"] = _resolve_weights(values["weights"], base)
+        if looks_like_weights_file(values["weights"], base):
+            confine_read(path, "weights", values["weights"])
     if "output" in values:
         values["output"] = _resolve(values["output"], base)
+        confine_write(path, "output", values["output"])
     if "input" in values:
         values["input"] = [_resolve_input(v, base) for v in values["input"]]
+        for value in values["input"]:
+            match = _KEYWORD_INPUT.match(value)
+            confine_read(path, "input", match.group(2) if match else value)
     return values, checks
 
 

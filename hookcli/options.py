@@ -275,6 +275,9 @@ class RunOptions:
 
     model: Any = _flag("model")  # a spec string, an nn.Module, or None for the default (MODEL argument)
     model_source: str = "argument"
+    #: set when a config named the model: the directories its code must come from (the repository),
+    #: see ``hookcli.config.read_roots``; empty when the user named it
+    model_roots: tuple[str, ...] = ()
     model_args: Mapping[str, Any] = _flag("--model-arg", default_factory=dict)  # config: model_args
     weights: str | None = _flag("--weights")
     # let torch.load unpickle arbitrary objects from weights/input files (runs code from them);

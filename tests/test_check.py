@@ -265,9 +265,10 @@ def test_bad_checks_table_exits_2_naming_key_and_file(cli, tmp_path: Path, text:
 
 
 def test_pyproject_tool_hookcli_checks(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a config names its repository's own code: a module of tmp_path
+    (tmp_path / "check_repo_models.py").write_text("from broken_models import Healthy\n")
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.hookcli]\nmodel = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n'
+        '[tool.hookcli]\nmodel = "check_repo_models:Healthy"\ninput_shape = "2x3x8x8"\n'
         '[tool.hookcli.checks]\noutput_shape = [2, 3]\n[tool.hookcli.checks.grad_norm]\nmax = 1e3\n')
     out = cli("check")
     assert out.exit_code == 1 and "output_shape at (model)" in out.stderr

@@ -313,6 +313,7 @@ def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
         fields["model_source"] = "default"
     elif ctx.get_parameter_source("model") == ParameterSource.DEFAULT_MAP and config is not None:
         fields["model_source"] = config.origin
+        fields["model_roots"] = config.roots()
     else:
         fields["model_source"] = "argument"
     return fields

@@ -36,7 +36,7 @@ from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
     describe_exception, did_you_mean, exit_status, one_line,
 )
-from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
+from hookcli.targets import OWN_CODE_HINT, is_inside, is_stdlib_module, is_stdlib_path
 
 TORCHVISION_PREFIX = "torchvision:"
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
@@ -330,8 +330,25 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
     return result
 
 
+def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
+    """A model a config names must be the repository's own code (``roots``: its directories).
+
+    The config reader has checked the module's location before the import; this checks what the
+    attribute resolves to: a function or method re-exported from elsewhere (``mymod:load`` after
+    ``from numpy import load``) is refused before it is called. An ``nn.Module`` class from anywhere
+    stays allowed: building a module is what a MODEL spec is for."""
+    if not roots or isinstance(obj, nn.Module) or (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        return
+    origin, what = _origin(obj)
+    where = getattr(sys.modules.get(origin), "__file__", None)
+    if where is None or not is_inside(where, roots):
+        raise UsageError(f"refusing model {label!r} from a config: it names {origin}.{what}, which is not the "
+                         "repository's own code", hint="a config may name only the repository's own code (its "
+                         "model class or factory); name any other code on the command line")
+
+
 def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
-               weights: str | None, trust_pickle: bool = False) -> LoadedModel:
+               weights: str | None, trust_pickle: bool = False, own_code: Sequence[str] = ()) -> LoadedModel:
     is_file = target.endswith(".py")
     if not attr or not target:
         example = "path/to/net.py:Net" if is_file else "package.module:Net"
@@ -339,7 +356,11 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
                          hint=f"e.g. {example}")
     _refuse_stdlib_target(target, spec, is_file)
     module = _import_file(target) if is_file else _import_module(target)
-    model = _build(_resolve_attr(module, attr, target), spec, model_args)
+    obj = _resolve_attr(module, attr, target)
+    if own_code:  # the general refusal first (it names the standard library or PyTorch), then the config's
+        check_target(obj, spec)
+        check_own_code(obj, spec, own_code)
+    model = _build(obj, spec, model_args)
     loaded: str | None = None
     if weights is not None:
         if not looks_like_weights_file(weights):
@@ -469,7 +490,7 @@ def _load_state_dict_file(model: nn.Module, path: Path, *, trust_pickle: bool = 
 
 
 def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
-               weights: str | None = None, trust_pickle: bool = False) -> LoadedModel:
+               weights: str | None = None, trust_pickle: bool = False, own_code: Sequence[str] = ()) -> LoadedModel:
     """Build the model a spec names, with random weights unless ``weights`` says otherwise.
 
     ``weights`` is a state-dict file (any model) or a torchvision weights name such as ``DEFAULT``
@@ -494,7 +515,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
         raise UsageError(f"model spec {spec!r} names a file but no attribute",
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
-    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle)
+    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle, tuple(own_code))
 
 
 def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights: str | None,
