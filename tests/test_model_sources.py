@@ -11,6 +11,7 @@ of the loss for gradients.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -330,11 +331,47 @@ def test_hf_directory_from_save_pretrained_loads_its_weights(cli: Any, tmp_path:
     assert_layers_match(report["layers"], outputs, "stats")
 
 
+def _no_sockets(monkeypatch: Any) -> list[str]:
+    """Make every name lookup and connection fail, and record it (patching the OS interface, not torch)."""
+    import socket
+
+    opened: list[str] = []
+
+    def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(f"getaddrinfo {host}")
+        raise OSError("this test allows no network")
+
+    def connect(self: Any, address: Any) -> Any:
+        opened.append(f"connect {address}")
+        raise OSError("this test allows no network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return opened
+
+
 def test_hub_name_not_in_the_local_cache_is_exit_2_without_network(cli: Any, monkeypatch: Any, tmp_path: Any) -> None:
+    """Issue #20: ``hf:ORG/NAME`` not in the cache opened a connection (DNS and TCP) while saying that
+    network access is not attempted. The run is offline: no socket at all."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing to find locally
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)  # as a process that imported it online has it
+    opened = _no_sockets(monkeypatch)
     result = cli("shapes", "hf:no-such-org/no-such-model-xyz")
     assert result.exit_code == 2 and result.stdout == ""
     assert "not in the local Hugging Face cache" in result.stderr and "network access is not attempted" in result.stderr
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    import hookcli
+    from hookcli.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        hookcli.modules("hf:no-such-org/no-such-model-xyz")
+    assert opened == []
+    # the Python caller's process is handed back as it was: online, environment untouched
+    assert hub.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ and "TRANSFORMERS_OFFLINE" not in os.environ
 
 
 def test_unknown_model_type_and_config_field_are_exit_2(cli: Any) -> None:
