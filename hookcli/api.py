@@ -91,7 +91,7 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
 
 def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
             model_source: str | None = None, trust_pickle: bool = False, depth: int | None = None,
-            model_roots: tuple[str, ...] = ()) -> ModuleTree:
+            model_roots: tuple[str, ...] = (), trust_remote_code: bool = False) -> ModuleTree:
     """The model's module tree (names, types, parameter counts), to choose ``--layers`` from;
     ``depth``: only modules down to that depth (0: the model, 1: its children, ...)."""
     from hookcli.commands.modules import module_tree
@@ -102,7 +102,8 @@ def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weig
     with exclusive(model):
         return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
                                             "model_source": model_source, "trust_pickle": trust_pickle,
-                                            "model_roots": model_roots}), depth)
+                                            "model_roots": model_roots, "trust_remote_code": trust_remote_code}),
+                           depth)
 
 
 def models(pattern: str | None = None, source: str = "torchvision") -> ModelList:

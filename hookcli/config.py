@@ -178,7 +178,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
 RAW_TABLES = ("checks",)
 #: Options a config may never set (key -> the command-line flag): configs often come from someone
 #: else's repository, so opting in to running code from a file must be the user's own.
-CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle"}
+CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle", "trust_remote_code": "--trust-remote-code"}
 
 
 @dataclass
@@ -344,6 +344,13 @@ def _refuse_stdlib_model(spec: str, path: Path) -> None:
                           "model; refusing to import or call it", hint=OWN_CODE_HINT)
 
 
+def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list[str]:
+    """The keys of a config's ``model_args``: a table's keys, or the KEY of each ``"KEY=VALUE"``."""
+    if isinstance(model_args, dict):
+        return [str(k) for k in model_args]
+    return [text.partition("=")[0].strip() for text in model_args]
+
+
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     values: dict[str, Any] = {}
     checks: dict[str, Any] = {}
@@ -365,7 +372,7 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
             raise ConfigError(
                 f"{path}: key {raw_key!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[key]} "
                 "on the command line instead",
-                hint="unpickling runs code from the file, and a config may come from someone else's repository")
+                hint="it runs code from files, and a config may come from someone else's repository")
         spec = OPTION_KEYS.get(key)
         if spec is None:
             hint = did_you_mean(key, known)
@@ -379,6 +386,12 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
             raise ConfigError(
                 f"{path}: key {raw_key!r} expects {spec.expected}, got {got}",
                 hint=f"{raw_key}: {spec.description}") from None
+    for name in _model_arg_names(values.get("model_args", ())):
+        if name in CLI_ONLY_KEYS:  # model_args = { trust_remote_code = true } is the same opt-in
+            raise ConfigError(
+                f"{path}: model_args key {name!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[name]} on the "
+                "command line instead", hint="it runs code from files, and a config may come from someone else's "
+                "repository")
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)

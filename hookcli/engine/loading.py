@@ -490,7 +490,8 @@ def _load_state_dict_file(model: nn.Module, path: Path, *, trust_pickle: bool = 
 
 
 def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
-               weights: str | None = None, trust_pickle: bool = False, own_code: Sequence[str] = ()) -> LoadedModel:
+               weights: str | None = None, trust_pickle: bool = False, own_code: Sequence[str] = (),
+               trust_remote_code: bool = False) -> LoadedModel:
     """Build the model a spec names, with random weights unless ``weights`` says otherwise.
 
     ``weights`` is a state-dict file (any model) or a torchvision weights name such as ``DEFAULT``
@@ -504,7 +505,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
     lowered = text.lower()
     if lowered.startswith(("timm:", "hf:")):
-        return _load_extra_source(spec, text, args, weights, trust_pickle)
+        return _load_extra_source(spec, text, args, weights, trust_pickle, trust_remote_code)
     if lowered.startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
     if ":" not in text and not text.endswith(".py"):
@@ -519,7 +520,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
 
 
 def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights: str | None,
-                       trust_pickle: bool) -> LoadedModel:
+                       trust_pickle: bool, trust_remote_code: bool = False) -> LoadedModel:
     """``timm:NAME`` or ``hf:TYPE|DIR|ORG/NAME`` (optional extras), random init unless a weights file."""
     from hookcli.engine import sources
 
@@ -533,7 +534,7 @@ def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights
             model = sources.build_timm(name, model_args)
             kind, config = "timm", sources.timm_input_config(model, model_args)
         else:
-            model, kind, config = sources.build_hf(name, model_args), "hf", None
+            model, kind, config = sources.build_hf(name, model_args, trust_remote_code=trust_remote_code), "hf", None
     except SystemExit as exc:
         raise model_exited(exc, f"building {spec!r}") from exc
     loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle) if weights is not None else None
