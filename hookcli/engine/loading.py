@@ -127,6 +127,11 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
     kwargs: dict[str, Any] = {"weights": None}
     if "weights_backbone" in inspect.signature(tvm.get_model_builder(tv_name)).parameters:
         kwargs["weights_backbone"] = None
+    for key in ("weights", "weights_backbone"):  # --weights is the one way in (a config's, or the user's)
+        if key in model_args:
+            raise UsageError(f"--model-arg {key} would download weights past --weights; hookcli builds {tv_name} "
+                             f"with {key}=None", hint="drop it; name pretrained weights with --weights (DEFAULT, "
+                             "IMAGENET1K_V1, ...) or give a file")
     kwargs.update(model_args)
     try:  # the DEFAULT entry, for metadata and preset transforms; touching it downloads nothing
         weights_enum = tvm.get_model_weights(tv_name).DEFAULT

@@ -72,6 +72,10 @@ def timm_input_config(model: nn.Module, model_args: Mapping[str, Any]) -> dict[s
             "crop_pct": float(cfg.get("crop_pct") or 0.875)}
 
 
+#: ``timm.create_model`` keywords that load weights rather than shape the model.
+TIMM_LOADER_ARGS = frozenset({"pretrained", "checkpoint_path", "pretrained_cfg_overlay", "cache_dir"})
+
+
 def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     """``timm.create_model(name, pretrained=False, **model_args)``; unknown names get close matches."""
     timm = require_extra("timm")
@@ -79,9 +83,11 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     if not timm.is_model(name):
         hint = did_you_mean(name, timm.list_models()) or "run 'hookcli models --source timm' to list them"
         raise ModelNotFoundError(f"unknown timm model {name!r}", hint=hint)
-    if "pretrained" in model_args:
-        raise UsageError("timm models are built with pretrained=False (hookcli never downloads)",
-                         hint="drop --model-arg pretrained; give a weights file with --weights FILE")
+    loader = sorted(set(model_args) & TIMM_LOADER_ARGS)
+    if loader:  # each would download or read a file past --weights and its checks
+        raise UsageError(f"timm models are built with pretrained=False and no checkpoint (hookcli never downloads); "
+                         f"--model-arg {loader[0]} is not a model argument",
+                         hint=f"drop --model-arg {loader[0]}; give a weights file with --weights FILE")
     try:
         return timm.create_model(name, pretrained=False, **model_args)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
