@@ -2,9 +2,16 @@
 
 A config is flat: option keys at the top level (or in ``[tool.hookcli]`` of a pyproject.toml),
 plus a ``[checks]`` table kept raw for the ``check`` command. Keys may use ``-`` or ``_``.
-``trust_pickle`` is refused: only the command line (or a Python keyword) may opt in to unpickling.
 Relative paths (``input``, ``weights``, ``output``, a ``file.py:attr`` model) are resolved against
 the config file's directory, so a config works from any working directory. Never imports torch.
+
+A config may come from someone else's repository (bare ``hookcli check`` reads ./pyproject.toml), so
+it names only what that repository is entitled to (docs/options.md, "What a config may name"):
+``trust_pickle`` and ``trust_remote_code`` are refused (as keys and in ``model_args``: only the command
+line or a Python keyword opts in to running code from files); files it writes lie in its own
+directory tree (``confine_write``), files it reads in that tree or the working directory's
+(``confine_read``), and its model is the repository's own code (``_confine_model``, then
+``hookcli.engine.loading.check_own_code``).
 """
 
 from __future__ import annotations
