@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hookcli.config import OPTION_KEYS, Config, load_config
 from hookcli.errors import ConfigError
@@ -384,3 +387,33 @@ def test_a_config_still_names_its_own_model(cli, repo: Path, model: str) -> None
     out = cli("shapes", "--config", cfg, "-f", "json")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["model"]["spec"].endswith(model.split("/")[-1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.lists(st.sampled_from(["..", ".", "a", "b", "link", "~", "$HOME"]), min_size=1, max_size=6))
+def test_output_from_a_config_is_accepted_exactly_when_it_stays_in_the_tree(tmp_path_factory: Any,
+                                                                          parts: list[str]) -> None:
+    """Walk the path by hand (``link`` leads to a folder outside, ``..`` leaves the folder the walk is
+    in, ``~`` is home only as the first part): the config is accepted exactly when the walk never
+    ends outside the config's tree, and then ``output`` names the file the walk ends at."""
+    root = tmp_path_factory.mktemp("walk")
+    tree, outside = root / "repo" / "cfg", root / "elsewhere"
+    tree.mkdir(parents=True)
+    outside.mkdir()
+    (tree / "link").symlink_to(outside)
+    cfg = write(tree / "h.toml", f'output = "{"/".join(parts)}/r.json"\n')
+    where = [Path.home()] if parts[0] == "~" else [tree]
+    for part in parts[1:] if parts[0] == "~" else parts:
+        if part == "..":
+            where.append(where[-1].resolve().parent)
+        elif part == "link" and where[-1].resolve() == tree.resolve():
+            where.append(outside)
+        elif part != ".":
+            where.append(where[-1] / part)
+    end = (where[-1].resolve() / "r.json")
+    inside = end.is_relative_to(tree.resolve())
+    if inside:
+        assert Path(load_config(cfg).values["output"]).resolve() == end
+    else:
+        with pytest.raises(ConfigError, match="'output'"):
+            load_config(cfg)
