@@ -90,15 +90,20 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
 
 
 def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
-            model_source: str | None = None, trust_pickle: bool = False, depth: int | None = None) -> ModuleTree:
+            model_source: str | None = None, trust_pickle: bool = False, depth: int | None = None,
+            model_roots: tuple[str, ...] = (), trust_remote_code: bool = False) -> ModuleTree:
     """The model's module tree (names, types, parameter counts), to choose ``--layers`` from;
     ``depth``: only modules down to that depth (0: the model, 1: its children, ...)."""
     from hookcli.commands.modules import module_tree
+    from hookcli.engine.state import exclusive
     from hookcli.options import _check_int
 
     depth = _check_int("--depth", depth, 0, optional=True, hint="--depth N lists modules down to depth N")
-    return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
-                                        "model_source": model_source, "trust_pickle": trust_pickle}), depth)
+    with exclusive(model):
+        return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
+                                            "model_source": model_source, "trust_pickle": trust_pickle,
+                                            "model_roots": model_roots, "trust_remote_code": trust_remote_code}),
+                           depth)
 
 
 def models(pattern: str | None = None, source: str = "torchvision") -> ModelList:

@@ -2,13 +2,21 @@
 
 A config is flat: option keys at the top level (or in ``[tool.hookcli]`` of a pyproject.toml),
 plus a ``[checks]`` table kept raw for the ``check`` command. Keys may use ``-`` or ``_``.
-``trust_pickle`` is refused: only the command line (or a Python keyword) may opt in to unpickling.
 Relative paths (``input``, ``weights``, ``output``, a ``file.py:attr`` model) are resolved against
 the config file's directory, so a config works from any working directory. Never imports torch.
+
+A config may come from someone else's repository (bare ``hookcli check`` reads ./pyproject.toml), so
+it names only what that repository is entitled to (docs/options.md, "What a config may name"):
+``trust_pickle`` and ``trust_remote_code`` are refused (as keys and in ``model_args``: only the command
+line or a Python keyword opts in to running code from files); files it writes lie in its own
+directory tree (``confine_write``), files it reads in that tree or the working directory's
+(``confine_read``), and its model is the repository's own code (``_confine_model``, then
+``hookcli.engine.loading.check_own_code``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +27,7 @@ from typing import Any
 import tomllib
 
 from hookcli.errors import ConfigError, did_you_mean
+from hookcli.targets import is_inside
 from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
 
 FILLS = values_of(Fill)
@@ -83,12 +92,33 @@ def _str_list(value: Any) -> list[str]:
     raise Invalid
 
 
-def integer(minimum: int | None = None) -> Callable[[Any], int]:
-    """A validator of a TOML integer (not a boolean) of at least ``minimum``."""
+def integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
+    """A validator of a TOML integer (not a boolean) from ``minimum`` to ``maximum``."""
+    expected = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (
+        f" and <= {maximum}" if maximum is not None else "")
+
     def check(value: Any) -> int:
-        if not _is_int(value) or (minimum is not None and value < minimum):
-            raise Invalid("an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise Invalid(expected)
         return int(value)
+
+    return check
+
+
+def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[Any], float]:
+    """A validator of a finite TOML number (integer or float, not a boolean) from ``low`` to
+    ``high`` (``low`` excluded when ``low_open``). Every numeric threshold goes through it: ``inf``
+    would turn a failing gate into a pass, and ``nan`` compares false with everything."""
+    expected = (f"a finite number > {low:g}" if low_open else f"a finite number >= {low:g}") + (
+        f" and <= {high:g}" if high < math.inf else "")
+    if low == 0 and high == 1 and not low_open:
+        expected = "a number from 0 to 1"
+
+    def check(value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                or not (value > low if low_open else value >= low) or not value <= high:
+            raise Invalid(expected)
+        return float(value)
 
     return check
 
@@ -155,7 +185,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
 RAW_TABLES = ("checks",)
 #: Options a config may never set (key -> the command-line flag): configs often come from someone
 #: else's repository, so opting in to running code from a file must be the user's own.
-CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle"}
+CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle", "trust_remote_code": "--trust-remote-code"}
 
 
 @dataclass
@@ -173,6 +203,10 @@ class Config:
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and normalize_key(key) in self.values
+
+    def roots(self) -> tuple[str, ...]:
+        """The directories the model this config names must come from (``read_roots``)."""
+        return tuple(read_roots(self.path)) if self.path is not None else ()
 
 
 def normalize_key(key: str) -> str:
@@ -207,7 +241,9 @@ def _is_pyproject(path: Path, data: dict[str, Any]) -> bool:
 
 
 def _resolve(value: str, base: Path) -> str:
-    if not value or value == "-" or "://" in value:
+    """A path a config names, absolute: ``~`` expanded, relative to the config's directory. Every
+    value is a path (``-`` too: a file of that name), so what is checked is what gets opened."""
+    if not value:
         return value
     p = Path(value).expanduser()
     return str(p if p.is_absolute() else (base / p).resolve())
@@ -236,6 +272,73 @@ def _resolve_weights(value: str, base: Path) -> str:
     return _resolve(value, base) if looks_like_weights_file(value, base) else value
 
 
+#: The flag that names each path key on the command line, where the user's own choice may go anywhere.
+PATH_FLAGS = {"output": "-o FILE", "input": "--input FILE", "weights": "--weights FILE", "model": "MODEL",
+              "baseline": "--baseline FILE"}
+
+
+def confine_write(path: Path, key: str, used: str) -> None:
+    """A path a config makes hookcli *write* must lie inside the config's own directory tree (after
+    symlinks and ``..``): a config may come from someone else's repository, and ``output =
+    "~/.bashrc"`` must not replace a file of the user's. The command line's ``-o`` stays free."""
+    root = os.path.realpath(path.parent)
+    if not is_inside(os.path.expanduser(used), [root]):
+        raise ConfigError(
+            f"{path}: key {key!r} names {used!r}, outside the config's directory {root}; a config may only write "
+            "files inside its own directory tree",
+            hint=f"give a path under {root}, or pass {PATH_FLAGS.get(key, key)} on the command line")
+
+
+def read_roots(path: Path) -> list[str]:
+    """Where the files a config names may be read from: the config's directory tree and the working
+    directory's (the repository being checked)."""
+    return list(dict.fromkeys([os.path.realpath(path.parent), os.path.realpath(os.getcwd())]))
+
+
+def confine_read(path: Path, key: str, used: str) -> None:
+    """A file a config makes hookcli *read* (or import) must lie in the repository: the config's
+    directory tree or the working directory's, after symlinks and ``..``. Reading elsewhere would
+    put facts about the runner's other files in a public CI log, and ``--trust-pickle`` vouches for
+    the repository's files, not for any file a config picks."""
+    if not is_inside(os.path.expanduser(used), read_roots(path)):
+        raise ConfigError(
+            f"{path}: key {key!r} names {used!r}, outside the config's directory and the working directory; a "
+            "config may only name files of the repository it comes from",
+            hint=f"move the file into the repository, or pass {PATH_FLAGS.get(key, key)} on the command line")
+
+
+def _confine_model(spec: str, path: Path) -> None:
+    """A config's model must be the repository's own code: a ``file.py`` inside it, an import path
+    whose top-level package is found inside it (``numpy:load``, ``pickle:loads``, ``torch:load``
+    and ``transformers:...`` are not), or an ``hf:DIR`` inside it. Judged before anything is
+    imported; the loader checks what the attribute resolves to (``hookcli.engine.loading``)."""
+    from hookcli.targets import import_target_module, module_locations
+
+    text = spec.strip()
+    if text.lower().startswith(("timm:", "torchvision:")):
+        return
+    if text.lower().startswith("hf:"):
+        folder = text[3:].strip()
+        if folder and os.path.isdir(os.path.expanduser(folder)):
+            confine_read(path, "model", folder)
+        return
+    module = import_target_module(text)
+    if module is not None:
+        roots = read_roots(path)
+        outside = [w for w in module_locations(module) if w == "built-in" or not is_inside(w, roots)]
+        if outside:
+            where = outside[0]
+            raise ConfigError(
+                f"{path}: key 'model' names {spec!r}, whose module {module.partition('.')[0]!r} is not the "
+                f"repository's own code ({where}); refusing to import or call it from a config",
+                hint="a config may name a model of its repository (pkg.mod:Net, net.py:build) or a torchvision, "
+                "timm: or hf: model; name any other code on the command line")
+        return
+    target = text.rpartition(":")[0].strip() if ":" in text else text
+    if target.endswith(".py"):
+        confine_read(path, "model", target)
+
+
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
     """A config's ``model`` naming Python's own module or file (``os:system``) is refused as the
     file is read, before anything is imported or called; the error names the file. (The loader
@@ -246,6 +349,13 @@ def _refuse_stdlib_model(spec: str, path: Path) -> None:
     if found is not None:
         raise ConfigError(f"{path}: key 'model' names {spec!r}, from Python's standard library ({found}), not a "
                           "model; refusing to import or call it", hint=OWN_CODE_HINT)
+
+
+def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list[str]:
+    """The keys of a config's ``model_args``: a table's keys, or the KEY of each ``"KEY=VALUE"``."""
+    if isinstance(model_args, dict):
+        return [str(k) for k in model_args]
+    return [text.partition("=")[0].strip() for text in model_args]
 
 
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -269,7 +379,7 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
             raise ConfigError(
                 f"{path}: key {raw_key!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[key]} "
                 "on the command line instead",
-                hint="unpickling runs code from the file, and a config may come from someone else's repository")
+                hint="it runs code from files, and a config may come from someone else's repository")
         spec = OPTION_KEYS.get(key)
         if spec is None:
             hint = did_you_mean(key, known)
@@ -283,16 +393,29 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
             raise ConfigError(
                 f"{path}: key {raw_key!r} expects {spec.expected}, got {got}",
                 hint=f"{raw_key}: {spec.description}") from None
+    for name in _model_arg_names(values.get("model_args", ())):
+        if name in CLI_ONLY_KEYS:  # model_args = { trust_remote_code = true } is the same opt-in
+            raise ConfigError(
+                f"{path}: model_args key {name!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[name]} on the "
+                "command line instead", hint="it runs code from files, and a config may come from someone else's "
+                "repository")
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
         _refuse_stdlib_model(values["model"], path)
+        _confine_model(values["model"], path)
     if "weights" in values:
         values["weights"] = _resolve_weights(values["weights"], base)
+        if looks_like_weights_file(values["weights"], base):
+            confine_read(path, "weights", values["weights"])
     if "output" in values:
         values["output"] = _resolve(values["output"], base)
+        confine_write(path, "output", values["output"])
     if "input" in values:
         values["input"] = [_resolve_input(v, base) for v in values["input"]]
+        for value in values["input"]:
+            match = _KEYWORD_INPUT.match(value)
+            confine_read(path, "input", match.group(2) if match else value)
     return values, checks
 
 

@@ -275,11 +275,16 @@ class RunOptions:
 
     model: Any = _flag("model")  # a spec string, an nn.Module, or None for the default (MODEL argument)
     model_source: str = "argument"
+    #: set when a config named the model: the directories its code must come from (the repository),
+    #: see ``hookcli.config.read_roots``; empty when the user named it
+    model_roots: tuple[str, ...] = ()
     model_args: Mapping[str, Any] = _flag("--model-arg", default_factory=dict)  # config: model_args
     weights: str | None = _flag("--weights")
     # let torch.load unpickle arbitrary objects from weights/input files (runs code from them);
     # only the command line or a Python keyword sets it, never a config file
     trust_pickle: bool = _flag("--trust-pickle", False)
+    # let an hf: model run the Python code that comes with it (auto_map); command line or Python only
+    trust_remote_code: bool = _flag("--trust-remote-code", False)
     input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
     inputs: Sequence[str | os.PathLike[str]] = _flag("--input", ())
     batch_size: int | None = _flag("--batch-size")
@@ -341,6 +346,9 @@ class RunOptions:
         if not isinstance(opts.trust_pickle, bool):
             raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
                              hint="pass trust_pickle=True only for files you trust")
+        if not isinstance(opts.trust_remote_code, bool):
+            raise UsageError(f"trust_remote_code must be True or False, got {opts.trust_remote_code!r}",
+                             hint="pass trust_remote_code=True only for model code you trust")
         if opts.specs and opts.inputs:
             raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
         for path in opts.inputs:

@@ -40,7 +40,8 @@ def _site_dirs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs if d))
 
 
-def _inside(path: str, dirs: Sequence[str]) -> bool:
+def is_inside(path: str, dirs: Sequence[str]) -> bool:
+    """Whether ``path`` (symlinks and ``..`` resolved) is one of ``dirs`` (real paths) or inside one."""
     real = os.path.realpath(path)
     return any(real == d or real.startswith(d + os.sep) for d in dirs)
 
@@ -49,7 +50,7 @@ def _is_stdlib_file(location: str | None) -> bool:
     """Whether a module at ``location`` (a file, or None/'built-in'/'frozen') is part of Python."""
     if not location or location in ("built-in", "frozen"):
         return True
-    return _inside(location, _stdlib_dirs()) and not _inside(location, _site_dirs())
+    return is_inside(location, _stdlib_dirs()) and not is_inside(location, _site_dirs())
 
 
 def is_stdlib_module(name: str) -> bool:
@@ -86,6 +87,27 @@ def _cwd_on_sys_path() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
+def module_locations(name: str) -> tuple[str, ...]:
+    """Where the top-level package of module ``name`` would be imported from (as the loader imports:
+    the working directory first on sys.path): its file, or each folder of a namespace package;
+    ``("built-in",)`` for one compiled into Python; ``()`` when it is not found. Executes nothing."""
+    top = name.partition(".")[0]
+    module = sys.modules.get(top)
+    spec = getattr(module, "__spec__", None) if module is not None else None
+    if module is None:
+        try:
+            with _cwd_on_sys_path():
+                spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return ()
+    if spec is None:
+        found = getattr(module, "__file__", None) if module is not None else None
+        return (found,) if found else (("built-in",) if module is not None else ())
+    if spec.origin and spec.origin != "namespace":
+        return ("built-in",) if spec.origin in ("built-in", "frozen") else (spec.origin,)
+    return tuple(spec.submodule_search_locations or ())
+
+
 def is_stdlib_path(path: str | os.PathLike[str]) -> bool:
     """Whether a ``file.py`` of a MODEL spec is a file of Python's standard library."""
     try:
@@ -118,4 +140,5 @@ def import_target_module(spec: str) -> str | None:
     return None if not target or target.endswith(".py") else target
 
 
-__all__ = ["OWN_CODE_HINT", "import_target_module", "is_stdlib_module", "is_stdlib_path", "stdlib_target"]
+__all__ = ["OWN_CODE_HINT", "import_target_module", "is_stdlib_module", "is_inside", "is_stdlib_path", "module_locations",
+           "stdlib_target"]

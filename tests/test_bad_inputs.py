@@ -83,6 +83,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "pickle.toml").write_text("trust_pickle = true\n")
     (tmp_path / "negseed.toml").write_text("seed = -1\n")
     (tmp_path / "badrule.toml").write_text("[checks]\nfinit = true\n")
+    (tmp_path / "escape.toml").write_text('output = "~/.bashrc"\n')
+    (tmp_path / "readout.toml").write_text('input = "/etc/hostname"\n')
+    (tmp_path / "numpyload.toml").write_text('model = "numpy:load"\nmodel_args = { file = "x.npy", allow_pickle = true }\n')
+    (tmp_path / "inflr.toml").write_text("[checks.params_change]\nlr = inf\n")
     (tmp_path / "folder").mkdir()
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -107,6 +111,11 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("negative num_classes", ["stats", *R18, "--model-arg", "num_classes=-5"], 2, "num_classes=-5"),
     ("negative num_classes (shapes)", ["shapes", "resnet18", "--model-arg", "num_classes=-5"], 2, "num_classes=-5"),
     ("unknown torchvision kwarg", ["stats", *R18, "--model-arg", "bogus=1"], 2, "bogus"),
+    ("torchvision weights through model-arg", ["stats", *R18, "--model-arg", "weights='DEFAULT'"], 2, "past --weights"),
+    ("backbone weights through model-arg", ["shapes", "fasterrcnn_resnet50_fpn", "--model-arg",
+                                            "weights_backbone='DEFAULT'"], 2, "weights_backbone would"),
+    ("timm checkpoint through model-arg", ["stats", "timm:resnet18", "--model-arg", "checkpoint_path='good.pt'"], 2,
+     "checkpoint_path is not a model argument"),
     ("unparseable model-arg", ["stats", LIN, "--model-arg", "width=[1,2"], 2, "not a Python literal"),
     ("empty model-arg value", ["stats", LIN, "--model-arg", "width="], 2, "empty value"),
     ("model-arg without =", ["stats", LIN, "--model-arg", "width"], 2, "KEY=VALUE"),
@@ -156,6 +165,10 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("negative seed in config", ["stats", LIN, "--config", "negseed.toml"], 2, "seed"),
     ("trust_pickle in config", ["stats", LIN, "--config", "pickle.toml"], 2, "trust_pickle"),
     ("unknown check rule", ["check", LIN, "--config", "badrule.toml"], 2, "finit"),
+    ("config output outside its directory", ["stats", LIN, "--config", "escape.toml"], 2, "'output'"),
+    ("config input outside the repository", ["stats", LIN, "--config", "readout.toml"], 2, "'input'"),
+    ("config model numpy:load", ["stats", "--config", "numpyload.toml"], 2, "numpy:load"),
+    ("infinite threshold in config", ["check", LIN, "--config", "inflr.toml"], 2, "'lr'"),
     # check baselines and CI outputs
     ("malformed baseline JSON", ["check", LIN, "--baseline", "malformed.json"], 2, "baseline"),
     ("baseline not an object", ["check", LIN, "--baseline", "list.json"], 2, "baseline"),

@@ -16,10 +16,13 @@ from pathlib import Path
 import broken_models as bm
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
 from hookcli.commands.check.ci import annotations, escape_data, escape_property
+from hookcli.commands.check.schema import DEFAULTS, OVERRIDE_KEYS, parse_checks
 from hookcli.errors import ConfigError
 from reference import finished_outputs
 
@@ -262,9 +265,10 @@ def test_bad_checks_table_exits_2_naming_key_and_file(cli, tmp_path: Path, text:
 
 
 def test_pyproject_tool_hookcli_checks(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a config names its repository's own code: a module of tmp_path
+    (tmp_path / "check_repo_models.py").write_text("from broken_models import Healthy\n")
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.hookcli]\nmodel = "broken_models:Healthy"\ninput_shape = "2x3x8x8"\n'
+        '[tool.hookcli]\nmodel = "check_repo_models:Healthy"\ninput_shape = "2x3x8x8"\n'
         '[tool.hookcli.checks]\noutput_shape = [2, 3]\n[tool.hookcli.checks.grad_norm]\nmax = 1e3\n')
     out = cli("check")
     assert out.exit_code == 1 and "output_shape at (model)" in out.stderr
@@ -419,3 +423,54 @@ def test_annotations_point_at_the_config_file(tmp_path: Path, monkeypatch: pytes
                          config=str(tmp_path / "ci" / "gate.toml"))
     # a newline inside one message (from a name or an exception) is shown as \n, not a line break
     assert annotations(result) == ["::warning file=ci/gate.toml,title=hookcli check finite at x (a%3Ab)::50%25,\\na:b"]
+
+
+# --------------------------------------------------------------------------- numeric thresholds
+
+
+
+def _numeric_keys() -> list[tuple[str, str]]:
+    """Every (rule, key) whose default is a number: read from the schema, so a new threshold is covered."""
+    keys = [(rule, key) for rule, settings in DEFAULTS.items() for key, value in settings.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    assert ("params_change", "lr") in keys and ("grad_norm", "max") in keys and ("max_abs_activation", "value") in keys
+    return keys
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("rule, key", _numeric_keys())
+def test_every_numeric_threshold_must_be_finite(rule: str, key: str, bad: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_checks({rule: {key: bad}}, source="h.toml")
+    assert f"'{key}'" in str(info.value) and "h.toml" in str(info.value) and info.value.exit_code == 2
+    for pattern_key in OVERRIDE_KEYS.get(rule, ()):  # and through a per-layer override
+        with pytest.raises(ConfigError, match=pattern_key):
+            parse_checks({rule: {"overrides": {"fc": {pattern_key: bad}}}}, source="h.toml")
+
+
+def test_params_change_steps_are_bounded() -> None:
+    with pytest.raises(ConfigError, match="'steps'"):
+        parse_checks({"params_change": {"steps": 10**9}})
+    assert parse_checks({"params_change": {"steps": 1000}}).rules["params_change"]["steps"] == 1000
+
+
+def test_infinite_lr_from_a_config_is_refused_not_passed(cli, tmp_path: Path) -> None:
+    """Issue #20: ``lr = inf`` turned a failing gate into PASSED (``nan`` was already refused)."""
+    config = tmp_path / "inf.toml"
+    config.write_text('model = "broken_models:DetachedBranch"\ninput_shape = "4x4"\n'
+                      "[checks.params_change]\nlr = inf\n")
+    out = cli("check", "--config", config)
+    assert out.exit_code == 2 and out.stdout == "", out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("  hint: "), out.stderr
+    assert lines[0].startswith("Error: ") and "'lr'" in lines[0] and "finite" in lines[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.floats(allow_nan=True, allow_infinity=True))
+def test_lr_accepts_exactly_the_finite_positive_numbers(value: float) -> None:
+    if 0 < value < float("inf"):
+        assert parse_checks({"params_change": {"lr": value}}).rules["params_change"]["lr"] == value
+    else:
+        with pytest.raises(ConfigError):
+            parse_checks({"params_change": {"lr": value}})

@@ -194,9 +194,10 @@ def test_config_file_and_pyproject_defaults(cli, tmp_path: Path, monkeypatch: py
     # the command line wins over the config
     result = cli("shapes", "--config", config, "--layers", "head")
     assert [r["name"] for r in json.loads(result.stdout)["layers"]] == ["head"]
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a config names its repository's own code: a module of tmp_path
+    (tmp_path / "cli_repo_models.py").write_text("from tiny_models import Reused\n")
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.hookcli]\nmodel = "tiny_models:Reused"\ninput_shape = "2x4"\nformat = "json"\n')
+        '[tool.hookcli]\nmodel = "cli_repo_models:Reused"\ninput_shape = "2x4"\nformat = "json"\n')
     result = cli("shapes")
     report = json.loads(result.stdout)
     assert result.exit_code == 0 and report["model"]["source"] == "pyproject"

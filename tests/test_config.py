@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hookcli.config import OPTION_KEYS, Config, load_config
 from hookcli.errors import ConfigError
@@ -123,14 +128,15 @@ def test_config_cannot_opt_in_to_unpickling(cli, tmp_path: Path, monkeypatch: py
 
     torch.save(tiny_models.Scaled(), tmp_path / "whole.pt")  # a pickled module: needs --trust-pickle
     torch.save(torch.randn(2, 4), tmp_path / "x.pt")
-    cfg = write(tmp_path / "h.toml", 'model = "tiny_models:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n'
+    write(tmp_path / "own.py", "from tiny_models import Scaled\n")  # the repository's own model file
+    cfg = write(tmp_path / "h.toml", 'model = "own.py:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n'
                                       "trust_pickle = true\n")
     result = cli("stats", "--config", cfg)
     assert result.exit_code == 2 and result.stdout == ""
     assert "trust_pickle" in result.stderr and "--trust-pickle on the command line" in result.stderr
     assert "Traceback" not in result.stderr
     monkeypatch.chdir(tmp_path)  # [tool.hookcli] read on its own: refused the same way
-    write(tmp_path / "pyproject.toml", "[tool.hookcli]\nmodel = 'tiny_models:Scaled'\ntrust-pickle = true\n")
+    write(tmp_path / "pyproject.toml", "[tool.hookcli]\nmodel = 'own.py:Scaled'\ntrust-pickle = true\n")
     result = cli("modules")
     assert result.exit_code == 2 and "--trust-pickle on the command line" in result.stderr
     (tmp_path / "pyproject.toml").unlink()
@@ -139,7 +145,7 @@ def test_config_cannot_opt_in_to_unpickling(cli, tmp_path: Path, monkeypatch: py
     with pytest.raises(ConfigError, match="--trust-pickle"):
         hookcli.check(config=cfg)
     # without the key the config's files load only when the command line trusts them
-    cfg.write_text('model = "tiny_models:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n', encoding="utf-8")
+    cfg.write_text('model = "own.py:Scaled"\nweights = "whole.pt"\ninput = "x.pt"\n', encoding="utf-8")
     result = cli("stats", "--config", cfg, "-f", "json")
     assert result.exit_code == 2 and "--trust-pickle" in result.stderr
     result = cli("stats", "--config", cfg, "--trust-pickle", "-f", "json")
@@ -191,10 +197,10 @@ def test_toml_syntax_error(tmp_path: Path) -> None:
 
 
 def test_relative_paths_resolve_against_config_dir(tmp_path: Path, monkeypatch) -> None:
-    cfg = write(tmp_path / "configs" / "h.toml", """
+    cfg = write(tmp_path / "configs" / "h.toml", f"""
 model = "../models/net.py:Net"
 weights = "w.pt"
-input = ["img.png", "mask=masks/m.pt", "/abs/x.pt"]
+input = ["img.png", "mask=masks/m.pt", "{tmp_path}/abs/x.pt"]
 output = "out/report.json"
 """)
     monkeypatch.chdir(tmp_path.parent)
@@ -203,19 +209,17 @@ output = "out/report.json"
     assert values["model"] == f"{(tmp_path / 'models' / 'net.py').resolve()}:Net"
     assert values["weights"] == str(base / "w.pt")
     assert values["input"] == [str(base / "img.png"), f"mask={base / 'masks' / 'm.pt'}",
-                               "/abs/x.pt"]
+                               f"{tmp_path}/abs/x.pt"]
     assert values["output"] == str(base / "out" / "report.json")
 
 
 def test_non_path_values_are_kept(tmp_path: Path) -> None:
     cfg = write(tmp_path / "h.toml", """
-model = "torchvision.models:resnet18"
+model = "torchvision:resnet18"
 weights = "ResNet18_Weights.IMAGENET1K_V1"
-output = "-"
 """)
     values = load_config(cfg).values
-    assert values == {"model": "torchvision.models:resnet18",
-                      "weights": "ResNet18_Weights.IMAGENET1K_V1", "output": "-"}
+    assert values == {"model": "torchvision:resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1"}
 
 
 def test_hyphen_keys(tmp_path: Path) -> None:
@@ -240,3 +244,176 @@ anything = {nested = [1, 2]}
     config = load_config(cfg)
     assert config.checks == {"max_nan": 0, "anything": {"nested": [1, 2]}}
     assert "checks" not in config.values
+
+
+# --------------------------------------------------------------------------- issue #20: what a config may name
+
+import os  # noqa: E402
+import pickle  # noqa: E402
+import sys  # noqa: E402
+
+NET = "import torch\n\n\ndef build(width=4):\n    return torch.nn.Linear(width, 2)\n"
+
+
+class Explode:
+    """Unpickling this creates the file ``path`` (code execution from a pickle)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A repository checkout as the working directory (its own model in net.py), and a HOME
+    beside it holding the user's .bashrc."""
+    root = tmp_path / "repo"
+    write(root / "net.py", NET)
+    home = tmp_path / "home"
+    write(home / ".bashrc", "the user's shell setup\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(root)
+    sys.modules.pop("net", None)
+    yield root
+    sys.modules.pop("net", None)
+
+
+def _refused(out, key: str) -> None:
+    lines = out.stderr.splitlines()
+    assert out.exit_code == 2 and out.stdout == "", out.output
+    assert len(lines) == 2 and lines[0].startswith("Error: ") and lines[1].startswith("  hint: "), out.stderr
+    assert f"'{key}'" in lines[0] and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("value", ["~/.bashrc", "../home/.bashrc", "{home}/.bashrc", "$HOME/.bashrc",
+                                   "sub/../../home/.bashrc", "link/.bashrc", "tolink.json"])
+@pytest.mark.parametrize("where", ["pyproject", "config"])
+def test_a_config_cannot_write_outside_its_directory(cli, repo: Path, value: str, where: str) -> None:
+    home = repo.parent / "home"
+    (repo / "link").symlink_to(home)  # a symlink inside the tree that leads out of it
+    (repo / "tolink.json").symlink_to(home / ".bashrc")
+    body = f'model = "net:build"\ninput_shape = "1x4"\noutput = "{value.format(home=home)}"\n'
+    if where == "pyproject":
+        write(repo / "pyproject.toml", "[tool.hookcli]\n" + body)
+        out = cli("stats")  # bare: reads ./pyproject.toml by itself
+    else:
+        out = cli("stats", "--config", write(repo / "ci.toml", body))
+    if value.startswith("$HOME"):  # not expanded: a folder named "$HOME" inside the tree, which is fine
+        assert out.exit_code == 0, out.output
+    else:
+        _refused(out, "output")
+    assert (home / ".bashrc").read_text() == "the user's shell setup\n"
+
+
+def test_a_config_may_write_inside_its_tree_and_the_command_line_anywhere(cli, repo: Path) -> None:
+    cfg = write(repo / "ci" / "hookcli.toml", 'model = "net:build"\ninput_shape = "1x4"\noutput = "out/r.json"\n')
+    out = cli("stats", "--config", cfg)
+    assert out.exit_code == 0, out.output
+    assert json.loads((repo / "ci" / "out" / "r.json").read_text())["command"] == "stats"
+    elsewhere = repo.parent / "home" / "mine.json"  # -o is the user's own choice: free
+    out = cli("stats", "--config", cfg, "-o", elsewhere)
+    assert out.exit_code == 0 and json.loads(elsewhere.read_text())["command"] == "stats"
+
+
+@pytest.mark.parametrize("line, key", [
+    ('input = "{home}/x.pt"', "input"),
+    ('input = "x={home}/x.pt"', "input"),
+    ('input = "~/x.pt"', "input"),
+    ('weights = "~/w.pt"', "weights"),
+    ('weights = "link/w.pt"', "weights"),
+    ('model = "{home}/evil.py:build"', "model"),
+    ('model = "link/evil.py:build"', "model"),
+    ('[checks]\nbaseline = "~/b.json"', "baseline"),
+])
+def test_a_config_reads_only_files_of_its_repository(cli, repo: Path, line: str, key: str) -> None:
+    import torch
+
+    home = repo.parent / "home"
+    (repo / "link").symlink_to(home)
+    torch.save(torch.zeros(1, 4), home / "x.pt")
+    torch.save({"weight": torch.zeros(2, 4), "bias": torch.zeros(2)}, home / "w.pt")
+    write(home / "evil.py", f"open({str(home / 'ran')!r}, 'w')\n" + NET)
+    write(home / "b.json", "{}")
+    model = "" if line.startswith("model") else 'model = "net:build"\n'
+    text = model + 'input_shape = "1x4"\n' * ("input =" not in line) + line.format(home=home) + "\n"
+    out = cli("check", "--config", write(repo / "ci.toml", text))
+    _refused(out, key)
+    assert not (home / "ran").exists()
+    # the same file from the command line is the user's own choice
+    if key == "weights":
+        assert cli("stats", "net:build", "--input-shape", "1x4", "--weights", home / "w.pt").exit_code == 0
+
+
+@pytest.mark.parametrize("target", ["numpy:load", "torch:load", "pickle:loads", "builtins:eval", "subprocess:run",
+                                    "transformers:AutoModel.from_pretrained", "torchvision.models:resnet18",
+                                    "own:load", "own:Loader.load"])
+@pytest.mark.parametrize("where", ["pyproject", "config", "api"])
+def test_a_config_names_only_its_repositorys_own_code(cli, repo: Path, target: str, where: str) -> None:
+    """Issue #20: ``model = "numpy:load"`` with ``allow_pickle = true`` unpickled a file (code
+    execution). A config's model must be the repository's own code; re-exports are caught too."""
+    sentinel = repo / "ran"
+    (repo / "evil.npy").write_bytes(pickle.dumps(Explode(str(sentinel))))
+    write(repo / "own.py", "from numpy import load\n\nclass Loader:\n    load = staticmethod(load)\n")
+    sys.modules.pop("own", None)
+    body = f'model = "{target}"\nmodel_args = {{ file = "evil.npy", allow_pickle = true }}\n'
+    try:
+        if where == "api":
+            import hookcli
+
+            with pytest.raises(hookcli.errors.UsageError) as info:
+                hookcli.check(config=write(repo / "ci.toml", body))
+            assert info.value.exit_code == 2 and target in str(info.value)
+        else:
+            if where == "pyproject":
+                write(repo / "pyproject.toml", "[tool.hookcli]\n" + body)
+                out = cli("check")
+            else:
+                out = cli("check", "--config", write(repo / "ci.toml", body))
+            assert out.exit_code == 2 and out.stdout == "" and target in out.stderr, out.output
+            assert len(out.stderr.splitlines()) == 2
+    finally:
+        sys.modules.pop("own", None)
+    assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("model", ["net:build", "net.py:build", "models/deep.py:build", "resnet18"])
+def test_a_config_still_names_its_own_model(cli, repo: Path, model: str) -> None:
+    write(repo / "models" / "blocks.py", NET)
+    write(repo / "models" / "deep.py", "from blocks import build\n")  # a re-export inside the repository
+    sys.modules.pop("blocks", None)
+    cfg = write(repo / "ci.toml", f'model = "{model}"\ninput_shape = "{"1x3x32x32" if model == "resnet18" else "1x4"}"\n')
+    out = cli("shapes", "--config", cfg, "-f", "json")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["model"]["spec"].endswith(model.split("/")[-1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.lists(st.sampled_from(["..", ".", "a", "b", "link", "~", "$HOME"]), min_size=1, max_size=6))
+def test_output_from_a_config_is_accepted_exactly_when_it_stays_in_the_tree(tmp_path_factory: Any,
+                                                                          parts: list[str]) -> None:
+    """Walk the path by hand (``link`` leads to a folder outside, ``..`` leaves the folder the walk is
+    in, ``~`` is home only as the first part): the config is accepted exactly when the walk never
+    ends outside the config's tree, and then ``output`` names the file the walk ends at."""
+    root = tmp_path_factory.mktemp("walk")
+    tree, outside = root / "repo" / "cfg", root / "elsewhere"
+    tree.mkdir(parents=True)
+    outside.mkdir()
+    (tree / "link").symlink_to(outside)
+    cfg = write(tree / "h.toml", f'output = "{"/".join(parts)}/r.json"\n')
+    where = [Path.home()] if parts[0] == "~" else [tree]
+    for part in parts[1:] if parts[0] == "~" else parts:
+        if part == "..":
+            where.append(where[-1].resolve().parent)
+        elif part == "link" and where[-1].resolve() == tree.resolve():
+            where.append(outside)
+        elif part != ".":
+            where.append(where[-1] / part)
+    end = (where[-1].resolve() / "r.json")
+    inside = end.is_relative_to(tree.resolve())
+    if inside:
+        assert Path(load_config(cfg).values["output"]).resolve() == end
+    else:
+        with pytest.raises(ConfigError, match="'output'"):
+            load_config(cfg)

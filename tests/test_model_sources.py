@@ -11,6 +11,7 @@ of the loss for gradients.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -330,11 +331,47 @@ def test_hf_directory_from_save_pretrained_loads_its_weights(cli: Any, tmp_path:
     assert_layers_match(report["layers"], outputs, "stats")
 
 
+def _no_sockets(monkeypatch: Any) -> list[str]:
+    """Make every name lookup and connection fail, and record it (patching the OS interface, not torch)."""
+    import socket
+
+    opened: list[str] = []
+
+    def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(f"getaddrinfo {host}")
+        raise OSError("this test allows no network")
+
+    def connect(self: Any, address: Any) -> Any:
+        opened.append(f"connect {address}")
+        raise OSError("this test allows no network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return opened
+
+
 def test_hub_name_not_in_the_local_cache_is_exit_2_without_network(cli: Any, monkeypatch: Any, tmp_path: Any) -> None:
+    """Issue #20: ``hf:ORG/NAME`` not in the cache opened a connection (DNS and TCP) while saying that
+    network access is not attempted. The run is offline: no socket at all."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache: nothing to find locally
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)  # as a process that imported it online has it
+    opened = _no_sockets(monkeypatch)
     result = cli("shapes", "hf:no-such-org/no-such-model-xyz")
     assert result.exit_code == 2 and result.stdout == ""
     assert "not in the local Hugging Face cache" in result.stderr and "network access is not attempted" in result.stderr
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    import hookcli
+    from hookcli.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        hookcli.modules("hf:no-such-org/no-such-model-xyz")
+    assert opened == []
+    # the Python caller's process is handed back as it was: online, environment untouched
+    assert hub.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ and "TRANSFORMERS_OFFLINE" not in os.environ
 
 
 def test_unknown_model_type_and_config_field_are_exit_2(cli: Any) -> None:
@@ -437,3 +474,94 @@ def test_timm_weights_file_is_loaded(cli: Any, tmp_path: Any) -> None:
     x = torch.randn((1, *model.pretrained_cfg["input_size"]), generator=torch.Generator().manual_seed(0))
     outputs, _ = reference_outputs(model, x)
     assert_layers_match(report["layers"], outputs, "stats")
+
+
+# --------------------------------------------------------------------------- a model's own code (issue #20)
+
+REMOTE_CONFIG = '''
+from transformers import PretrainedConfig
+
+open({sentinel!r}, "a").close()  # importing this file is running the folder's code
+
+
+class RemoteConfig(PretrainedConfig):
+    model_type = "hookcli-remote-test"
+
+    def __init__(self, width=4, **kwargs):
+        self.width = width
+        super().__init__(**kwargs)
+'''
+REMOTE_MODEL = '''
+import torch
+from transformers import PreTrainedModel
+
+from .configuration_remote import RemoteConfig
+
+
+class RemoteModel(PreTrainedModel):
+    config_class = RemoteConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lin = torch.nn.Linear(config.width, 2)
+        self.post_init()
+
+    def forward(self, x):
+        return self.lin(x)
+'''
+
+
+@pytest.fixture
+def remote_code_dir(tmp_path: Any) -> Any:
+    """A save_pretrained-style folder whose config.json points at its own Python code (auto_map)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    sentinel = tmp_path / "code-ran"
+    (folder / "configuration_remote.py").write_text(REMOTE_CONFIG.format(sentinel=str(sentinel)))
+    (folder / "modeling_remote.py").write_text(REMOTE_MODEL)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "hookcli-remote-test", "width": 4, "architectures": ["RemoteModel"],
+        "auto_map": {"AutoConfig": "configuration_remote.RemoteConfig", "AutoModel": "modeling_remote.RemoteModel"}}))
+    weight = torch.arange(8, dtype=torch.float32).reshape(2, 4) / 8
+    save_file({"lin.weight": weight, "lin.bias": torch.tensor([0.5, -0.5])}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder, sentinel, weight
+
+
+@pytest.mark.parametrize("how", ["no flag", "model-arg", "config model_args", "config key"])
+def test_a_models_own_code_runs_only_with_the_flag_and_never_asks(cli: Any, remote_code_dir: Any, tmp_path: Any,
+                                                                  how: str) -> None:
+    """Issue #20: ``--model-arg trust_remote_code=True`` (or a config's ``model_args``) ran the folder's
+    code, and transformers' "[y/N]" prompt went to stdout, answered by ``yes |`` on stdin."""
+    folder, sentinel, _ = remote_code_dir
+    argv = ["stats", f"hf:{folder}", "--input-shape", "1x4"]
+    if how == "model-arg":
+        argv += ["--model-arg", "trust_remote_code=True"]
+    elif how.startswith("config"):
+        line = "model_args = { trust_remote_code = true }" if how == "config model_args" else "trust_remote_code = true"
+        config = tmp_path / "hookcli.toml"
+        config.write_text(f'model = "hf:{folder}"\ninput_shape = "1x4"\n{line}\n')
+        argv = ["stats", "--config", config]
+    result = cli(*argv, input="y\ny\ny\n")  # as `yes | hookcli ...`
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Error: ") and "--trust-remote-code" in result.stderr
+    assert not sentinel.exists()
+
+
+def test_trust_remote_code_flag_builds_the_model_and_numbers_match_torch(cli: Any, remote_code_dir: Any,
+                                                                         tmp_path: Any) -> None:
+    folder, sentinel, weight = remote_code_dir
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    torch.save(x, tmp_path / "x.pt")
+    result = cli("stats", f"hf:{folder}", "--trust-remote-code", "--input", tmp_path / "x.pt", "-f", "json",
+                 input="")  # nothing on stdin: nothing is asked
+    assert result.exit_code == 0, result.output
+    assert sentinel.exists()
+    row = json.loads(result.stdout)["layers"][0]
+    expected = (x.double() @ weight.double().T + torch.tensor([0.5, -0.5], dtype=torch.float64))
+    assert row["name"] == "lin" and row["shape"] == [3, 2]
+    assert row["stats"]["mean"] == pytest.approx(expected.mean().item(), rel=1e-5, abs=1e-6)
+    assert row["stats"]["max"] == pytest.approx(expected.max().item(), rel=1e-5, abs=1e-6)

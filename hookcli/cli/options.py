@@ -29,10 +29,10 @@ META_CONFIG = "hookcli.config"
 META_CONFIG_KEYS = "hookcli.config_keys"
 META_HELP = "hookcli.help"
 
-#: Parameters a config never sets: unpickling is the user's own opt-in (load_config refuses the key),
+#: Parameters a config never sets: unpickling and running a model's own code are the user's own opt-ins (load_config refuses the key),
 #: a config does not name a config, and the file ``features``/``fmaps`` write (their ``--output``) is
 #: not the report file a config's ``output`` names.
-NEVER_FROM_CONFIG = frozenset({"trust_pickle", "config_path", "save_to"})
+NEVER_FROM_CONFIG = frozenset({"trust_pickle", "trust_remote_code", "config_path", "save_to"})
 
 F = Callable[..., Any]
 
@@ -143,6 +143,9 @@ model_options = _compose(
     click.option("--trust-pickle", "trust_pickle", is_flag=True,
                  help="Let torch.load unpickle arbitrary Python objects from --weights/--input files. "
                  "Unpickling runs code from the file: use it only for files you trust (never from a config)."),
+    click.option("--trust-remote-code", "trust_remote_code", is_flag=True,
+                 help="Let an hf: model run the Python code that comes with it (auto_map in its config.json). "
+                 "Use it only for code you trust (never from a config; hookcli never asks on stdin)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE", is_eager=True,
                  callback=_read_config,
                  help="TOML config giving defaults for any option (else [tool.hookcli] in ./pyproject.toml)."),
@@ -313,6 +316,7 @@ def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
         fields["model_source"] = "default"
     elif ctx.get_parameter_source("model") == ParameterSource.DEFAULT_MAP and config is not None:
         fields["model_source"] = config.origin
+        fields["model_roots"] = config.roots()
     else:
         fields["model_source"] = "argument"
     return fields

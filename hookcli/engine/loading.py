@@ -36,7 +36,7 @@ from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
     describe_exception, did_you_mean, exit_status, one_line,
 )
-from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
+from hookcli.targets import OWN_CODE_HINT, is_inside, is_stdlib_module, is_stdlib_path
 
 TORCHVISION_PREFIX = "torchvision:"
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
@@ -127,6 +127,11 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
     kwargs: dict[str, Any] = {"weights": None}
     if "weights_backbone" in inspect.signature(tvm.get_model_builder(tv_name)).parameters:
         kwargs["weights_backbone"] = None
+    for key in ("weights", "weights_backbone"):  # --weights is the one way in (a config's, or the user's)
+        if key in model_args:
+            raise UsageError(f"--model-arg {key} would download weights past --weights; hookcli builds {tv_name} "
+                             f"with {key}=None", hint="drop it; name pretrained weights with --weights (DEFAULT, "
+                             "IMAGENET1K_V1, ...) or give a file")
     kwargs.update(model_args)
     try:  # the DEFAULT entry, for metadata and preset transforms; touching it downloads nothing
         weights_enum = tvm.get_model_weights(tv_name).DEFAULT
@@ -330,8 +335,25 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
     return result
 
 
+def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
+    """A model a config names must be the repository's own code (``roots``: its directories).
+
+    The config reader has checked the module's location before the import; this checks what the
+    attribute resolves to: a function or method re-exported from elsewhere (``mymod:load`` after
+    ``from numpy import load``) is refused before it is called. An ``nn.Module`` class from anywhere
+    stays allowed: building a module is what a MODEL spec is for."""
+    if not roots or isinstance(obj, nn.Module) or (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        return
+    origin, what = _origin(obj)
+    where = getattr(sys.modules.get(origin), "__file__", None)
+    if where is None or not is_inside(where, roots):
+        raise UsageError(f"refusing model {label!r} from a config: it names {origin}.{what}, which is not the "
+                         "repository's own code", hint="a config may name only the repository's own code (its "
+                         "model class or factory); name any other code on the command line")
+
+
 def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
-               weights: str | None, trust_pickle: bool = False) -> LoadedModel:
+               weights: str | None, trust_pickle: bool = False, own_code: Sequence[str] = ()) -> LoadedModel:
     is_file = target.endswith(".py")
     if not attr or not target:
         example = "path/to/net.py:Net" if is_file else "package.module:Net"
@@ -339,7 +361,11 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
                          hint=f"e.g. {example}")
     _refuse_stdlib_target(target, spec, is_file)
     module = _import_file(target) if is_file else _import_module(target)
-    model = _build(_resolve_attr(module, attr, target), spec, model_args)
+    obj = _resolve_attr(module, attr, target)
+    if own_code:  # the general refusal first (it names the standard library or PyTorch), then the config's
+        check_target(obj, spec)
+        check_own_code(obj, spec, own_code)
+    model = _build(obj, spec, model_args)
     loaded: str | None = None
     if weights is not None:
         if not looks_like_weights_file(weights):
@@ -469,7 +495,8 @@ def _load_state_dict_file(model: nn.Module, path: Path, *, trust_pickle: bool = 
 
 
 def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
-               weights: str | None = None, trust_pickle: bool = False) -> LoadedModel:
+               weights: str | None = None, trust_pickle: bool = False, own_code: Sequence[str] = (),
+               trust_remote_code: bool = False) -> LoadedModel:
     """Build the model a spec names, with random weights unless ``weights`` says otherwise.
 
     ``weights`` is a state-dict file (any model) or a torchvision weights name such as ``DEFAULT``
@@ -483,7 +510,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
     lowered = text.lower()
     if lowered.startswith(("timm:", "hf:")):
-        return _load_extra_source(spec, text, args, weights, trust_pickle)
+        return _load_extra_source(spec, text, args, weights, trust_pickle, trust_remote_code)
     if lowered.startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
     if ":" not in text and not text.endswith(".py"):
@@ -494,11 +521,11 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
         raise UsageError(f"model spec {spec!r} names a file but no attribute",
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
-    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle)
+    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle, tuple(own_code))
 
 
 def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights: str | None,
-                       trust_pickle: bool) -> LoadedModel:
+                       trust_pickle: bool, trust_remote_code: bool = False) -> LoadedModel:
     """``timm:NAME`` or ``hf:TYPE|DIR|ORG/NAME`` (optional extras), random init unless a weights file."""
     from hookcli.engine import sources
 
@@ -512,7 +539,7 @@ def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights
             model = sources.build_timm(name, model_args)
             kind, config = "timm", sources.timm_input_config(model, model_args)
         else:
-            model, kind, config = sources.build_hf(name, model_args), "hf", None
+            model, kind, config = sources.build_hf(name, model_args, trust_remote_code=trust_remote_code), "hf", None
     except SystemExit as exc:
         raise model_exited(exc, f"building {spec!r}") from exc
     loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle) if weights is not None else None

@@ -131,7 +131,8 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed):
         with torch.device("meta") if meta else nullcontext():
             return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
-                              trust_pickle=opts.trust_pickle)
+                              trust_pickle=opts.trust_pickle, own_code=opts.model_roots,
+                              trust_remote_code=opts.trust_remote_code)
 
 
 def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] | None = None, *,

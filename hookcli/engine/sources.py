@@ -72,6 +72,10 @@ def timm_input_config(model: nn.Module, model_args: Mapping[str, Any]) -> dict[s
             "crop_pct": float(cfg.get("crop_pct") or 0.875)}
 
 
+#: ``timm.create_model`` keywords that load weights rather than shape the model.
+TIMM_LOADER_ARGS = frozenset({"pretrained", "checkpoint_path", "pretrained_cfg_overlay", "cache_dir"})
+
+
 def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     """``timm.create_model(name, pretrained=False, **model_args)``; unknown names get close matches."""
     timm = require_extra("timm")
@@ -79,9 +83,11 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     if not timm.is_model(name):
         hint = did_you_mean(name, timm.list_models()) or "run 'hookcli models --source timm' to list them"
         raise ModelNotFoundError(f"unknown timm model {name!r}", hint=hint)
-    if "pretrained" in model_args:
-        raise UsageError("timm models are built with pretrained=False (hookcli never downloads)",
-                         hint="drop --model-arg pretrained; give a weights file with --weights FILE")
+    loader = sorted(set(model_args) & TIMM_LOADER_ARGS)
+    if loader:  # each would download or read a file past --weights and its checks
+        raise UsageError(f"timm models are built with pretrained=False and no checkpoint (hookcli never downloads); "
+                         f"--model-arg {loader[0]} is not a model argument",
+                         hint=f"drop --model-arg {loader[0]}; give a weights file with --weights FILE")
     try:
         return timm.create_model(name, pretrained=False, **model_args)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
@@ -130,17 +136,27 @@ def model_types() -> list[str]:
     return sorted(transformers.CONFIG_MAPPING.keys())
 
 
-def build_hf(name: str, model_args: Mapping[str, Any]) -> nn.Module:
+#: The hint wherever a model's own code would be needed: the user's explicit, command-line-only opt-in.
+TRUST_REMOTE_CODE_HINT = ("pass --trust-remote-code on the command line if you trust the code in that folder (a config "
+                          "cannot set it, and hookcli never asks on stdin)")
+
+
+def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: bool = False) -> nn.Module:
     """A transformers model: random init from a model type's config, or a local directory / the
-    local cache (``local_files_only``). ``model_args`` set config fields."""
+    local cache (``local_files_only``). ``model_args`` set config fields, nothing else: loader
+    settings (``trust_remote_code``, ``cache_dir``, ``revision``...) are no config field. A model
+    with its own code (``auto_map``) is built only with ``trust_remote_code``, which is always passed
+    explicitly so transformers never prompts."""
     transformers = require_extra("transformers")
+    if "trust_remote_code" in model_args:
+        raise UsageError("--model-arg trust_remote_code cannot run a model's own code", hint=TRUST_REMOTE_CODE_HINT)
     text = name.strip()
     if not text:
         raise UsageError("hf: needs a model type, a directory or ORG/NAME", hint="e.g. hf:gpt2, hf:./my_model")
     path = Path(text).expanduser()
     types = transformers.CONFIG_MAPPING.keys()
     if path.is_dir():
-        return _from_pretrained(transformers, str(path), model_args, local=True)
+        return _from_pretrained(transformers, str(path), model_args, local=True, trust_remote_code=trust_remote_code)
     if text in types and os.sep not in text and "/" not in text:
         try:
             config = transformers.AutoConfig.for_model(text, **model_args)
@@ -163,7 +179,7 @@ def build_hf(name: str, model_args: Mapping[str, Any]) -> nn.Module:
         raise ModelNotFoundError(f"{text!r} is not a transformers model type or a local directory",
                                  hint=f"{hint}; or ORG/NAME from the local cache" if hint else
                                  "e.g. hf:gpt2, hf:bert (model types), hf:DIR or hf:ORG/NAME (local cache)")
-    return _from_pretrained(transformers, text, model_args, local=False)
+    return _from_pretrained(transformers, text, model_args, local=False, trust_remote_code=trust_remote_code)
 
 
 def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) -> None:
@@ -176,11 +192,14 @@ def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) ->
                          hint=did_you_mean(unknown[0], known) or f"fields: {', '.join(sorted(known)[:20])}, ...")
 
 
-def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any], *, local: bool) -> nn.Module:
-    """Config and weights from a directory or the local cache, never the network."""
+def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any], *, local: bool,
+                     trust_remote_code: bool = False) -> nn.Module:
+    """Config and weights from a directory or the local cache, never the network; ``model_args``
+    then set fields of the config (each one it has)."""
     where = f"directory {name}" if local else f"{name}"
     try:
-        config = transformers.AutoConfig.from_pretrained(name, local_files_only=True, **model_args)
+        config = transformers.AutoConfig.from_pretrained(name, local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
     except OSError as exc:
         if local:
             raise ModelNotFoundError(f"{where} is not a transformers model directory: {describe_exception(exc, 120)}",
@@ -188,15 +207,27 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         raise ModelNotFoundError(f"hf:{name} is not in the local Hugging Face cache; network access is not attempted",
                                  hint=NOT_CACHED_HINT) from exc
     except (ValueError, KeyError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise UsageError(f"hf:{name} comes with its own Python code (auto_map in its config.json), which "
+                             "hookcli runs only when told to", hint=TRUST_REMOTE_CODE_HINT) from exc
         raise UsageError(f"could not read the config of {where}: {describe_exception(exc, 160)}",
                          hint="is config.json from a transformers model (with a model_type)?") from exc
+    _check_config_args(config, model_args, f"hf:{name}")
+    for key, value in model_args.items():
+        setattr(config, key, value)
     cls = _class_from_config(transformers, config)
+    auto = {"trust_remote_code": trust_remote_code} if cls.__name__.startswith("Auto") else {}
     try:
-        return cls.from_pretrained(name, config=config, local_files_only=True)
+        return cls.from_pretrained(name, config=config, local_files_only=True, **auto)
     except OSError as exc:
         raise WeightsError(f"could not load the weights of {where}: {describe_exception(exc, 160)}",
                            hint="the directory needs model.safetensors or pytorch_model.bin from save_pretrained"
                            if local else NOT_CACHED_HINT) from exc
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UsageError(f"hf:{name} comes with its own Python code (auto_map in its config.json), which "
+                             "hookcli runs only when told to", hint=TRUST_REMOTE_CODE_HINT) from exc
+        raise
 
 
 def hf_config(model: nn.Module) -> Any:

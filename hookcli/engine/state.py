@@ -8,12 +8,14 @@
   weight is copied, and the caller's model is only read.
 - ``exclusive``: one run at a time in the process (the RNG and the model being run are shared
   state), and a clear refusal when a run re-enters a model it is running (a hookcli call from
-  inside a hooked forward).
+  inside a hooked forward); the run is ``offline``.
+- ``offline``: the model libraries' offline switches, on for the run and put back afterwards.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
 import sys
 import threading
@@ -54,6 +56,37 @@ def _refuse_reentry(model: nn.Module, running: list[nn.Module]) -> None:
             )
 
 
+#: The switches that keep the model libraries off the network (huggingface_hub, and transformers and
+#: timm through it): hookcli never downloads a model, and a lookup that only *may* download (a name
+#: not in the local cache, the hub client's own metadata fetches) must open no socket either.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+@contextmanager
+def offline() -> Iterator[None]:
+    """The block runs with ``OFFLINE_ENV`` set, and with huggingface_hub's offline constant on
+    (read once when it is imported, so an import before the run, or during it, would keep its own
+    value); both are put back afterwards, so a Python caller's process is left as it was."""
+    saved_env = {key: os.environ.get(key) for key in OFFLINE_ENV}
+    hub = sys.modules.get("huggingface_hub.constants")
+    had_hub, saved_hub = hub is not None, getattr(hub, "HF_HUB_OFFLINE", None)
+    os.environ.update(OFFLINE_ENV)
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        hub = sys.modules.get("huggingface_hub.constants")
+        if hub is not None:  # imported during the run: its constant follows the restored environment
+            hub.HF_HUB_OFFLINE = saved_hub if had_hub else os.environ.get("HF_HUB_OFFLINE", os.environ.get(
+                "TRANSFORMERS_OFFLINE", "")).upper() in {"1", "ON", "YES", "TRUE"}
+
+
 @contextmanager
 def exclusive(model: Any = None) -> Iterator[None]:
     """Hold the process-wide run lock for the block: runs from other threads wait their turn.
@@ -61,12 +94,13 @@ def exclusive(model: Any = None) -> Iterator[None]:
     Taken by every API call that reads or runs a model, so that no run sees another's half-changed
     model (train mode, another dtype) and hooks never collect another run's calls. A call from
     inside a run of the same thread (a user's hook calling hookcli) is refused with UsageError when
-    it would run a model that run is using, instead of deadlocking or mixing rows.
+    it would run a model that run is using, instead of deadlocking or mixing rows. The run is
+    ``offline``: no model library opens a socket.
     """
     running = _running_here()
     if running and isinstance(model, nn.Module):
         _refuse_reentry(model, running)
-    with _RUN_LOCK:
+    with _RUN_LOCK, offline():
         yield
 
 

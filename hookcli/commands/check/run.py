@@ -24,7 +24,7 @@ from torch import nn
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
-from hookcli.config import Config, config_options, load_config
+from hookcli.config import Config, config_options, confine_read, load_config
 from hookcli.errors import ConfigError, ModelRaisedError, exit_status
 from hookcli.commands.grads import backward_report, build_loss
 from hookcli.engine.session import CompletionOrder, RunObserver
@@ -301,6 +301,11 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
     source: str | None = os.fspath(config.path) if config is not None and config.path is not None else None
     section = "tool.hookcli.checks" if config is not None and config.path is not None and (
         config.path.name == "pyproject.toml") else "checks"
+    base_dir = config.path.parent if config is not None and config.path is not None else None
+    if config is not None and config.path is not None:  # the config's own baseline file: in its repository
+        own = parse_checks(table, source=source, base_dir=base_dir, section=section).rules["baseline"]["file"]
+        if own is not None:
+            confine_read(config.path, "baseline", own)
     if checks is not None:
         if not isinstance(checks, Mapping):
             raise ConfigError(f"checks must be a dict of rules, got {type(checks).__name__}",
@@ -311,7 +316,6 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
         entry = table.get("baseline")
         entry = dict(entry) if isinstance(entry, dict) else {}
         table["baseline"] = {**entry, "enabled": True, "file": str(Path(os.fspath(baseline)).resolve())}
-    base_dir = config.path.parent if config is not None and config.path is not None else None
     return parse_checks(table, source=source, base_dir=base_dir, section=section)
 
 
@@ -320,10 +324,11 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.
     """``hookcli.check``: options from ``config`` (if given), keyword options over them."""
     cfg = load_config(config) if config is not None else None
     fields = config_options(cfg) if cfg is not None else {}
-    if "model" in fields:
-        fields["model_source"] = cfg.origin if cfg is not None else None
+    if "model" in fields and cfg is not None:
+        fields["model_source"], fields["model_roots"] = cfg.origin, cfg.roots()
     if model is not None:
         fields.pop("model_source", None)
+        fields.pop("model_roots", None)
         fields["model"] = model
     if isinstance(fields.get("model_args"), dict) and isinstance(options.get("model_args"), dict):
         options = {**options, "model_args": {**fields["model_args"], **options["model_args"]}}  # key by key

@@ -28,7 +28,6 @@ An exact name wins over globs; among globs the first one written wins.
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from hookcli.config import Invalid, boolean, describe_value, integer
+from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.options import values_of
 
@@ -99,22 +98,13 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _positive(value: Any) -> float:
-    if not _number(value) or not value > 0 or math.isnan(value):
-        raise Invalid("a number > 0")
-    return float(value)
-
-
-def _non_negative(value: Any) -> float:
-    if not _number(value) or not value >= 0:
-        raise Invalid("a number >= 0")
-    return float(value)
-
-
-def _fraction(value: Any) -> float:
-    if not _number(value) or not 0 <= value <= 1:
-        raise Invalid("a number from 0 to 1")
-    return float(value)
+#: The most SGD steps ``params_change`` takes (each is a forward and a backward of the model).
+MAX_STEPS = 1000
+#: The numeric thresholds, each through ``number``: finite (``inf`` would make a failing gate pass)
+#: and in range.
+_positive = number(0, low_open=True)
+_non_negative = number(0)
+_fraction = number(0, 1)
 
 
 def _severity(value: Any) -> str:
@@ -164,7 +154,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "min": _non_negative,
     "max": _positive,
     "lr": _positive,
-    "steps": integer(1),
+    "steps": integer(1, MAX_STEPS),
     "dim": integer(None),
     "min_values": integer(1),
     "file": _file,
