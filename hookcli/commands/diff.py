@@ -110,7 +110,7 @@ class _Comparer:
         if before is not None and before[0] is stored and before[1] == tol:
             self.pending[key] = before[2]  # the same pair of tensors as an earlier call's
             return
-        self.pending[key] = compare(self.store.source(stored), b, tol.rtol, tol.atol)
+        self.pending[key] = compare(self.store.source(stored), b, tol.rtol or 0.0, tol.atol or 0.0)
         self.seen.remember(tensor, (stored, tol, self.pending[key]))
 
     def results(self) -> dict[Key, Errors]:
@@ -119,7 +119,12 @@ class _Comparer:
             return {}
         keys = list(self.pending)
         host = torch.stack([self.pending[k].cpu() for k in keys]).tolist()
-        return {k: errors_from(v, self.tolerances[k].atol) for k, v in zip(keys, host)}
+        out = {}
+        for key, values in zip(keys, host):
+            tol = self.tolerances[key]
+            errors = errors_from(values, tol.atol or 0.0)
+            out[key] = dataclasses.replace(errors, within=tol.accepts(errors))
+        return out
 
 
 # --------------------------------------------------------------------------- runs
@@ -253,7 +258,7 @@ def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
 def _distinct(tolerances: list[Tolerance]) -> list[Tolerance]:
     seen: dict[tuple[Any, ...], Tolerance] = {}
     for t in tolerances:
-        seen.setdefault((t.a_dtype, t.b_dtype, t.rtol, t.atol, t.source), t)
+        seen.setdefault(dataclasses.astuple(t), t)
     return list(seen.values())
 
 
