@@ -59,7 +59,7 @@ class Rule(StrEnum):
 DEFAULTS: dict[str, dict[str, Any]] = {
     Rule.finite: {"enabled": True, "severity": "error"},
     Rule.output_shape: {"enabled": False, "severity": "error", "value": None},
-    Rule.max_abs_activation: {"enabled": True, "severity": "error", "value": 1e4},
+    Rule.max_abs_activation: {"enabled": True, "severity": "warn", "value": 1e4},
     Rule.max_zero_fraction: {"enabled": True, "severity": "error", "value": 0.99},
     Rule.dead_channels: {"enabled": True, "severity": "warn", "value": 0.5, "dim": 1, "min_values": 16},
     Rule.grad_norm: {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
