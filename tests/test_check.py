@@ -136,6 +136,44 @@ def test_dead_channels_counts_channels_zero_over_the_batch(cli, tmp_path: Path) 
     assert out.exit_code == 1 and "dead_channels at relu" in out.stderr
 
 
+def dead_fraction(t: torch.Tensor, dim: int) -> float:
+    """The fraction of ``t``'s slices along ``dim`` that are zero everywhere (plain torch)."""
+    others = [i for i in range(t.dim()) if i != dim % t.dim()]
+    return (t.abs().amax(dim=others) == 0).float().mean().item()
+
+
+def test_dead_channels_of_a_1d_convolution_are_dim_1(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = bm.DeadChannels1d(), torch.randn(2, 4, 16)
+    relu = dict(finished_outputs(model, x))["relu"]
+    assert dead_fraction(relu, 1) == 0.75 and dead_fraction(relu, -1) < 0.5  # channels dead, positions not
+    rule = check_on(model, x, tmp_path).rule("dead_channels")
+    assert rule.status == "WARN" and rule.offender == "relu" and rule.value == pytest.approx(0.75)
+    assert "6 of 8 channels (dim 1) of relu" in rule.violations[0]["message"]
+
+
+def test_dead_channels_of_a_transformer_are_its_last_dim(cli, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # 96 of the 128 MLP features of block 0 are pushed far below zero: GELU gives 0
+        model.transformer.h[0].mlp.c_fc.bias[32:] = -100.0
+    model.save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    act = dict(finished_outputs(model.transformer.h[0].mlp, model.transformer.h[0].ln_2(
+        model.transformer.wpe(torch.arange(20)) + model.transformer.wte(ids))))["act"]
+    assert list(act.shape) == [1, 20, 128]
+    assert dead_fraction(act, -1) == 0.75 and dead_fraction(act, 1) == 0  # features dead, no position
+    out = cli("check", f"hf:{tmp_path / 'gpt2'}", "--seq-len", "20", "-f", "json")
+    assert out.exit_code == 0, out.stderr  # a warning
+    rule = next(r for r in as_json(out)["rules"] if r["rule"] == "dead_channels")
+    assert rule["status"] == "WARN" and rule["offender"] == "transformer.h.0.mlp.act"
+    assert rule["value"] == pytest.approx(0.75)
+    assert "96 of 128 channels (dim 2)" in rule["message"] or \
+        any("96 of 128 channels (dim 2)" in v["message"] for v in rule.get("violations", []))
+
+
 def test_cut_off_parameter_fails_params_change_but_frozen_is_fine(cli, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x = bm.DetachedBranch(), torch.randn(4, 4)
