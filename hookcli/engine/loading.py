@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hookcli.options import (
-    WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
+    HF_PREFIX, TIMM_PREFIX, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
 )
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
@@ -482,7 +482,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
     if not text:
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
     lowered = text.lower()
-    if lowered.startswith(("timm:", "hf:")):
+    if lowered.startswith((TIMM_PREFIX, HF_PREFIX)):
         return _load_extra_source(spec, text, args, weights, trust_pickle)
     if lowered.startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)

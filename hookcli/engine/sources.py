@@ -18,9 +18,8 @@ from typing import Any
 from torch import nn
 
 from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
+from hookcli.options import HF_PREFIX, TIMM_PREFIX
 
-TIMM_PREFIX = "timm:"
-HF_PREFIX = "hf:"
 EXTRAS = {"timm": ("timm", "timm"), "transformers": ("hf", "transformers")}
 
 
