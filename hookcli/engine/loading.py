@@ -136,6 +136,8 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
     if weights is not None and not looks_like_weights_file(weights):
         kwargs["weights"] = weights_enum = _resolve_weights_name(tv_name, weights)
         named = weights
+        if "progress" in inspect.signature(tvm.get_model_builder(tv_name)).parameters:
+            kwargs.setdefault("progress", False)  # torch.hub's download bar is not hookcli's output
         if families[tv_name] == "quantization":  # quantized weights only fit a quantized model
             kwargs.setdefault("quantize", True)
     try:
