@@ -146,6 +146,16 @@ def test_a_wrong_bfloat16_path_fails_the_default_limits(cli, tmp_path: Path) -> 
     assert "Traceback" not in out.stderr
 
 
+def test_run_b_gets_run_a_weights_also_for_a_versioned_state_dict(cli) -> None:
+    """torchvision's MNASNet refuses a state dict without its modules' versions (``_metadata``): run B
+    gets run A's weights through one (was: ValueError, exit 3)."""
+    report = hookcli.diff("mnasnet0_5", vs_model="mnasnet0_5", input_shapes=["1x3x32x32"])
+    assert report.ok and report.rows[0].final
+    assert report.rows[0].errors.max_abs == 0  # B runs A's weights: the same numbers
+    out = cli("diff", "mnasnet0_5", "--input-shape", "1x3x32x32", "--vs-dtype", "bfloat16")
+    assert out.exit_code == 0 and out.stderr == ""
+
+
 # --------------------------------------------------------------------------- two checkpoints
 
 

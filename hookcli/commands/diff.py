@@ -198,7 +198,10 @@ def _share_weights(a: nn.Module, b: nn.Module) -> list[str]:
     """Copy A's parameters and buffers into B where name and shape match; the names that did not."""
     own = b.state_dict()
     theirs = a.state_dict()
-    fits = {k: v for k, v in theirs.items() if k in own and own[k].shape == v.shape}
+    fits = type(theirs)((k, v) for k, v in theirs.items() if k in own and own[k].shape == v.shape)
+    # the modules' state-dict versions travel along: a module may refuse a state without its version
+    # (torchvision's MNASNet raises ValueError)
+    fits._metadata = getattr(theirs, "_metadata", None)  # type: ignore[attr-defined]
     b.load_state_dict(fits, strict=False)
     return sorted(set(own) - set(fits))
 
