@@ -122,6 +122,22 @@ def test_healthy_models_pass_bfloat16_with_the_default_limits(cli, spec: str, ar
     assert "PASSED" in result.stdout and result.stderr == ""
 
 
+def test_a_pair_of_dtypes_takes_the_looser_row_and_given_rtol_atol_replace_it() -> None:
+    from hookcli.commands.diff_numbers import tolerance_for
+
+    bf16 = tolerance_for("float32", "bfloat16", None, None)
+    assert (bf16.rtol, bf16.atol, bf16.rel_l2, bf16.cosine_distance) == (None, None, 0.13, 3.7e-3)
+    assert tolerance_for("bfloat16", "float16", None, None).rel_l2 == 0.13  # bfloat16's row is below float16's
+    f64 = tolerance_for("float64", "float32", None, None)
+    assert (f64.rtol, f64.atol, f64.rel_l2, f64.cosine_distance) == (1e-5, 1e-5, None, None)
+    assert (tolerance_for("float8_e4m3fn", "bfloat16", None, None).rtol) == 0.1  # any other float: last row
+    given = tolerance_for("float32", "bfloat16", 0.1, None)
+    assert (given.rtol, given.atol, given.rel_l2, given.cosine_distance, given.source) == (0.1, 1e-5, None, None,
+                                                                                        "given")
+    exact = tolerance_for("int64", "int64", 0.5, 0.5)
+    assert (exact.rtol, exact.atol, exact.source) == (0.0, 0.0, "exact")
+
+
 def test_a_wrong_bfloat16_path_fails_the_default_limits(cli, tmp_path: Path) -> None:
     from tiny_models import BrokenInBfloat16
 

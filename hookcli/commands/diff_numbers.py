@@ -50,18 +50,25 @@ DEFAULT_TOLERANCES: dict[str, Limits] = {
 }
 #: Any other floating dtype (float8 kinds).
 LOOSEST_TOLERANCE = Limits(1e-1, 1e-1)
-_ORDER = [*DEFAULT_TOLERANCES.values(), LOOSEST_TOLERANCE]
+
+
+def _limits(dtype: str) -> tuple[int, Limits]:
+    """A floating dtype's row, with its place in the table (any other float comes last)."""
+    key = dtype.replace("complex128", "float64").replace("complex64", "float32")
+    names = list(DEFAULT_TOLERANCES)
+    return (names.index(key), DEFAULT_TOLERANCES[key]) if key in DEFAULT_TOLERANCES else (len(names), LOOSEST_TOLERANCE)
 
 
 def tolerance_for(a_dtype: str, b_dtype: str, rtol: float | None, atol: float | None) -> Tolerance:
     """The tolerance two tensors are compared with: ``rtol``/``atol`` when either is given (elementwise
-    only, the other from the dtypes' rows or 0), else the looser dtype's default limits."""
+    only; the other is the looser elementwise default of the two dtypes, 0 if neither has one), else
+    the looser dtype's default limits."""
     floating = [d for d in (a_dtype, b_dtype) if d.startswith(("float", "bfloat", "complex"))]
     if not floating:
         return Tolerance(a_dtype, b_dtype, 0.0, 0.0, "exact")
-    rows = [DEFAULT_TOLERANCES.get(d.replace("complex128", "float64").replace("complex64", "float32"),
-                                   LOOSEST_TOLERANCE) for d in floating]
-    limits = max(rows, key=_ORDER.index)
+    ranked = [_limits(d) for d in floating]
+    rows = [row for _, row in ranked]
+    limits = max(ranked, key=lambda r: r[0])[1]
     if rtol is None and atol is None:
         return Tolerance(a_dtype, b_dtype, limits.rtol, limits.atol, "default", limits.rel_l2, limits.cosine_distance)
     elementwise = [r for r in rows if r.rtol is not None]
