@@ -209,7 +209,7 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
 
     ``vs_model``: another spec (or module) with the same module names; it gets A's weights where
     names and shapes match, unless ``vs_weights``. ``rtol``/``atol``: ``|a - b| <= atol + rtol |a|``
-    elementwise (defaults from the dtypes compared). ``grads``: also compare the gradient of the loss
+    elementwise, replacing the dtypes' default limits (bfloat16's are on rel L2 and cosine distance). ``grads``: also compare the gradient of the loss
     (``loss``, ``target``, ``output_key`` options) w.r.t. each output. ``report.ok`` is whether the
     model's final outputs agree; ``report.first_divergence`` the first row beyond tolerance.
 

@@ -24,6 +24,24 @@ if TYPE_CHECKING:
 
 
 DEFAULT_MODEL = "resnet50"
+#: Prefixes of the model sources that optional extras provide (``hookcli.engine.sources``).
+TIMM_PREFIX = "timm:"
+HF_PREFIX = "hf:"
+#: Every form of a MODEL spec, with an example: the one list that help texts are written from.
+MODEL_SOURCES: tuple[tuple[str, str], ...] = (
+    ("a torchvision name", DEFAULT_MODEL),
+    (f"{TIMM_PREFIX}NAME (timm, random init)", f"{TIMM_PREFIX}resnet18"),
+    (f"{HF_PREFIX}TYPE, {HF_PREFIX}DIR or {HF_PREFIX}ORG/NAME (transformers: a config type, a save_pretrained "
+     "directory or the local cache)", f"{HF_PREFIX}gpt2"),
+    ("an import path", "pkg.mod:Net"),
+    ("a file", "path/net.py:build"),
+)
+
+
+def model_sources_text() -> str:
+    """``a torchvision name (resnet50), timm:NAME (...) (timm:resnet18), ...``: every MODEL form."""
+    parts = [f"{what} ({example})" for what, example in MODEL_SOURCES]
+    return ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
 # --------------------------------------------------------------------------- closed vocabularies
@@ -479,7 +497,7 @@ def model_is_instance(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
+__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "TIMM_PREFIX", "model_sources_text", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
 
 if TYPE_CHECKING:  # keep type checkers aware of the nn import used in annotations
     _ = nn

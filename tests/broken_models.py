@@ -77,6 +77,23 @@ class DeadChannels(nn.Module):
         return self.fc(torch.flatten(self.pool(self.relu(self.conv(x))), 1))
 
 
+class DeadChannels1d(nn.Module):
+    """A 1-D convolution over [B, 4, L]: 6 of the 8 channels of ``conv`` (dim 1) have bias -100, so after
+    ``relu`` they are zero everywhere; no position (the last dim) is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        with torch.no_grad():
+            self.conv.bias[2:] = -100.0
+        self.relu = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.relu(self.conv(x))), 1))
+
+
 class UnusedParam(nn.Module):
     """``unused`` is never called; ``frozen`` is used but has requires_grad=False (legitimately still)."""
 

@@ -169,7 +169,7 @@ def test_healthy_net_and_never_called_branch_pass() -> None:
     (_dead_relu, "params_change", "fc1."),
     (lambda: Detached(), "grad_norm", "fc1."),
     (lambda: MakesNaN(), "finite", "head"),
-    (_exploding, "max_abs_activation", "fc2"),
+    (_exploding, "grad_norm", "head."),  # fc2 weights x 1e6: the head gets the exploding gradient
 ])
 def test_injected_bugs_fail_naming_the_module(build, rule: str, where: str) -> None:
     torch.manual_seed(0)
@@ -178,6 +178,26 @@ def test_injected_bugs_fail_naming_the_module(build, rule: str, where: str) -> N
     failed = result.rule(rule)
     assert failed.status == "FAIL", str(result)
     assert failed.offender.startswith(where), failed
+
+
+def test_exploding_activation_warns_by_default_and_fails_as_an_error(tmp_path) -> None:
+    torch.manual_seed(0)
+    net = _exploding()
+    x = torch.randn(8, 16)
+    peaks = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: peaks.__setitem__(n, o.abs().max().item()))
+             for n, m in net.named_children()]
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    worst = max(peaks, key=peaks.get)
+    assert peaks[worst] > 1e4
+    torch.save(x, tmp_path / "x.pt")
+    rule = hookcli.check(net, inputs=[tmp_path / "x.pt"]).rule("max_abs_activation")
+    assert rule.status == "WARN" and rule.offender == worst == "fc2"
+    strict = hookcli.check(net, inputs=[tmp_path / "x.pt"], checks={"max_abs_activation": {"severity": "error"}})
+    assert strict.rule("max_abs_activation").status == "FAIL" and not strict.ok
 
 
 def test_detach_is_cut_off_not_never_called() -> None:

@@ -21,6 +21,23 @@ def _help_and_version() -> list[list[str]]:
     return [["--help"], ["--version"], *([name, "--help"] for name in sorted(main.commands))]
 
 
+def test_help_names_every_model_source(cli) -> None:
+    """``hookcli --help`` names each form of MODEL, and each example it gives is one hookcli takes."""
+    from hookcli.options import MODEL_SOURCES
+
+    result = cli("--help")
+    assert result.exit_code == 0 and result.stderr == ""
+    text = " ".join(result.stdout.split())  # click wraps lines at spaces
+    for form in ("a torchvision name (resnet50)", "timm:NAME", "hf:TYPE", "hf:DIR", "hf:ORG/NAME",
+                 "an import path (pkg.mod:Net)", "a file (path/net.py:build)"):
+        assert form in text, form
+    assert [example for _, example in MODEL_SOURCES][:3] == ["resnet50", "timm:resnet18", "hf:gpt2"]
+    for spec in ("timm:resnet18", "hf:gpt2"):  # each builds offline (listed by `hookcli modules`)
+        pytest.importorskip(spec.split(":")[0].replace("hf", "transformers"))
+        out = cli("modules", spec, "--depth", "1", "-f", "json")
+        assert out.exit_code == 0, out.stderr
+
+
 @pytest.mark.parametrize("args", _help_and_version(), ids=" ".join)
 def test_help_and_version_do_not_import_torch(args: list[str]) -> None:
     """In a fresh interpreter: the help (every option of the command listed) or the version line,

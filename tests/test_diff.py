@@ -44,6 +44,20 @@ def reference_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     }
 
 
+def reference_within(a: torch.Tensor, b: torch.Tensor, tol) -> bool:
+    """Every limit ``tol`` sets, checked in float64: elementwise |a-b| <= atol + rtol |a|, and the
+    whole tensor's ||a-b|| / ||a|| and 1 - cosine (None: not checked)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    ok = True
+    if tol.rtol is not None:
+        ok &= bool(((a - b).abs() <= tol.atol + tol.rtol * a.abs()).all())
+    if tol.rel_l2 is not None:
+        ok &= bool((a - b).norm() <= tol.rel_l2 * a.norm())
+    if tol.cosine_distance is not None:
+        ok &= bool(1 - a @ b / (a.norm() * b.norm()) <= tol.cosine_distance)
+    return ok
+
+
 def save_input(tmp_path: Path, x: torch.Tensor) -> str:
     path = tmp_path / "x.pt"
     torch.save(x, path)
@@ -86,11 +100,76 @@ def test_resnet18_float32_vs_bfloat16_every_row_matches_plain_torch(resnet: nn.M
         assert got.rel_l2 == pytest.approx(want["rel_l2"], rel=1e-3), row.label
         assert got.cosine == pytest.approx(want["cosine"], abs=1e-6), row.label
         assert got.sqnr_db == pytest.approx(want["sqnr_db"], abs=0.01), row.label
-        within = bool(((a.double() - b.double()).abs() <= tol.atol + tol.rtol * a.double().abs()).all())
+        within = reference_within(a, b, tol)
         assert got.within == within and row.status == ("ok" if within else "diverged"), row.label
     finals = [r for r in rows if r.final]
     assert [r.name for r in finals] == [""]
     assert report.ok == finals[0].errors.within
+
+
+@pytest.mark.parametrize("spec, args", [
+    ("resnet50", ["--input-shape", "1x3x64x64"]),  # its output failed the elementwise rtol 5e-2, atol 1e-2
+    ("timm:test_vit", []),
+    ("hf:gpt2", ["--model-arg", "n_layer=2", "--model-arg", "n_embd=32", "--model-arg", "n_head=2",
+                 "--model-arg", "vocab_size=1000", "--seq-len", "8"]),
+    ("seq_models:EmbedLSTM", ["--seq-len", "12"]),
+])
+def test_healthy_models_pass_bfloat16_with_the_default_limits(cli, spec: str, args: list[str]) -> None:
+    pytest.importorskip({"timm": "timm", "hf": "transformers"}.get(spec.split(":")[0], "torch"))
+    result = cli("diff", spec, *args, "--vs-dtype", "bfloat16", "--all")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "tolerance float32 vs bfloat16: rel L2 <= 0.13, cosine distance <= 0.0037 (default)" in result.stdout
+    assert "PASSED" in result.stdout and result.stderr == ""
+
+
+def test_a_pair_of_dtypes_takes_the_looser_row_and_given_rtol_atol_replace_it() -> None:
+    from hookcli.commands.diff_numbers import tolerance_for
+
+    bf16 = tolerance_for("float32", "bfloat16", None, None)
+    assert (bf16.rtol, bf16.atol, bf16.rel_l2, bf16.cosine_distance) == (None, None, 0.13, 3.7e-3)
+    assert tolerance_for("bfloat16", "float16", None, None).rel_l2 == 0.13  # bfloat16's row is below float16's
+    f64 = tolerance_for("float64", "float32", None, None)
+    assert (f64.rtol, f64.atol, f64.rel_l2, f64.cosine_distance) == (1e-5, 1e-5, None, None)
+    assert (tolerance_for("float8_e4m3fn", "bfloat16", None, None).rtol) == 0.1  # any other float: last row
+    given = tolerance_for("float32", "bfloat16", 0.1, None)
+    assert (given.rtol, given.atol, given.rel_l2, given.cosine_distance, given.source) == (0.1, 1e-5, None, None,
+                                                                                        "given")
+    exact = tolerance_for("int64", "int64", 0.5, 0.5)
+    assert (exact.rtol, exact.atol, exact.source) == (0.0, 0.0, "exact")
+
+
+def test_a_wrong_bfloat16_path_fails_the_default_limits(cli, tmp_path: Path) -> None:
+    from tiny_models import BrokenInBfloat16
+
+    torch.manual_seed(0)
+    model = BrokenInBfloat16().eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    report = hookcli.diff(model, inputs=[save_input(tmp_path, x)], all_modules=True, vs_dtype="bfloat16")
+    ref_a = outputs_by_call(model, x)
+    ref_b = outputs_by_call(copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16))
+    (tol,) = report.tolerances
+    for row in report.rows:  # each verdict is the limits applied to plain torch's tensors
+        a, b = ref_a[(row.name, row.call)], ref_b[(row.name, row.call)]
+        assert row.errors.within == reference_within(a, b, tol), row.label
+        assert row.errors.rel_l2 == pytest.approx(reference_errors(a, b)["rel_l2"], rel=1e-3), row.label
+    assert reference_within(ref_a[("fc1", 0)], ref_b[("fc1", 0)], tol)  # the layers before are healthy
+    assert not reference_within(ref_a[("fc2", 0)], ref_b[("fc2", 0)], tol)
+    assert not report.ok and report.first_divergence.name == "fc2"
+    out = cli("diff", "tiny_models:BrokenInBfloat16", "--input-shape", "8x16", "--vs-dtype", "bfloat16")
+    assert out.exit_code == 1
+    assert "first divergence: fc2" in out.stdout and "FAILED" in out.stdout
+    assert out.stderr.startswith("Error: diff: final outputs differ beyond tolerance; first divergence: fc2")
+    assert "Traceback" not in out.stderr
+
+
+def test_run_b_gets_run_a_weights_also_for_a_versioned_state_dict(cli) -> None:
+    """torchvision's MNASNet refuses a state dict without its modules' versions (``_metadata``): run B
+    gets run A's weights through one (was: ValueError, exit 3)."""
+    report = hookcli.diff("mnasnet0_5", vs_model="mnasnet0_5", input_shapes=["1x3x32x32"])
+    assert report.ok and report.rows[0].final
+    assert report.rows[0].errors.max_abs == 0  # B runs A's weights: the same numbers
+    out = cli("diff", "mnasnet0_5", "--input-shape", "1x3x32x32", "--vs-dtype", "bfloat16")
+    assert out.exit_code == 0 and out.stderr == ""
 
 
 # --------------------------------------------------------------------------- two checkpoints
@@ -156,7 +235,8 @@ def test_identical_runs_all_differences_zero_exit_0(cli, spec: str, shape: str) 
     else:  # tuple and dict outputs, an integer mask compared exactly
         assert {r["output"] for r in data["rows"] if r["name"] == "split"} == {"[0]", "[1]", "[2]"}
         assert {r["output"] for r in data["rows"] if r["final"]} == {"['out']", "['aux']"}
-        assert {"a_dtype": "int64", "b_dtype": "int64", "rtol": 0.0, "atol": 0.0, "source": "exact"} \
+        assert {"a_dtype": "int64", "b_dtype": "int64", "rtol": 0.0, "atol": 0.0, "rel_l2": None,
+                "cosine_distance": None, "source": "exact"} \
             in data["tolerances"]
 
 
@@ -569,7 +649,7 @@ def test_repeated_and_in_place_outputs_each_row_matches_plain_torch(vs_dtype: st
             assert got.cosine == pytest.approx(want["cosine"], abs=1e-6), row.label
             assert got.sqnr_db == pytest.approx(want["sqnr_db"], abs=1e-4), row.label
         (tol,) = [t for t in report.tolerances if t.b_dtype == row.b_dtype]
-        within = bool(((a.double() - b.double()).abs() <= tol.atol + tol.rtol * a.double().abs()).all())
+        within = reference_within(a, b, tol)
         assert got.within == within, row.label
 
 

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import hookcli
 from hookcli.options import InputSpec, parse_input_shape
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")  # nn.Transformer's own
@@ -348,6 +349,56 @@ def _no_sockets(monkeypatch: Any) -> list[str]:
     monkeypatch.setattr(socket, "getaddrinfo", lookup)
     monkeypatch.setattr(socket.socket, "connect", connect)
     return opened
+
+
+#: What transformers, huggingface_hub and torch.hub print on their own while a model loads and runs.
+CHATTER = ("[transformers]", "bos_token_id", "Loading weights", "Loading checkpoint shards", "it/s]",
+           "Downloading")
+
+
+def test_third_party_logging_and_progress_bars_stay_off_the_terminal(cli: Any, capfd: Any, tmp_path: Any) -> None:
+    """A tiny GPT-2 (vocabulary 1000: its config's bos/eos token 50256 makes transformers warn) saved with
+    save_pretrained (loading it draws a progress bar): hookcli's CLI and API print none of that, and
+    the Python caller's transformers verbosity and progress-bar setting are as they were after."""
+    from transformers.utils import logging
+
+    build_hf("gpt2").save_pretrained(tmp_path / "tiny-gpt2")
+    spec = f"hf:{tmp_path / 'tiny-gpt2'}"
+    capfd.readouterr()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-gpt2")  # the premise: it is noisy
+    noisy = capfd.readouterr().err
+    assert any(c in noisy for c in CHATTER), noisy
+    result = cli("stats", spec, "--seq-len", "6")
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "GPT2LMHeadModel" in result.stdout
+    for command in ("shapes", "grads"):
+        assert cli(command, spec, "--seq-len", "6").stderr == ""
+    logging.set_verbosity_info()
+    logging.enable_progress_bar()
+    try:
+        hookcli.stats(spec, seq_len=6)
+        assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.INFO, True)
+    finally:
+        logging.set_verbosity_warning()
+    captured = capfd.readouterr()
+    assert not [c for c in CHATTER if c in captured.err], captured.err
+
+
+def test_torch_hub_download_line_is_dropped_only_inside_a_run(capfd: Any, tmp_path: Any) -> None:
+    from hookcli.engine.quiet import quiet
+
+    state = tmp_path / "weights-0123abcd.pth"
+    torch.save({"w": torch.ones(2)}, state)
+    url = state.as_uri()  # torch.hub fetches a file:// URL as it fetches https://
+    with quiet():
+        got = torch.hub.load_state_dict_from_url(url, model_dir=str(tmp_path / "hub"), progress=False)
+        print("kept", file=sys.stderr)
+    assert torch.equal(got["w"], torch.ones(2))
+    captured = capfd.readouterr()
+    assert "Downloading" not in captured.out + captured.err and "kept" in captured.err
+    torch.hub.load_state_dict_from_url(url, model_dir=str(tmp_path / "hub2"), progress=False)
+    captured = capfd.readouterr()  # the premise: torch.hub writes it (stdout or stderr); both are back
+    assert 'Downloading: "' in captured.out + captured.err
 
 
 def test_hub_name_not_in_the_local_cache_is_exit_2_without_network(cli: Any, monkeypatch: Any, tmp_path: Any) -> None:

@@ -190,3 +190,27 @@ def build_scaled(width: int = 4, scale: float = 1.0) -> Scaled:
 
 
 instance = Reused()
+
+
+class BiasDroppedInLowPrecision(nn.Linear):
+    """A Linear whose bfloat16/float16 path forgets its bias: a wrong low-precision kernel, the kind of bug
+    ``diff --vs-dtype bfloat16`` is for (float32 is right)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16):
+            return nn.functional.linear(x, self.weight)
+        return super().forward(x)
+
+
+class BrokenInBfloat16(nn.Module):
+    """Linear -> GELU -> a Linear that drops its bias in bfloat16 -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.GELU()
+        self.fc2 = BiasDroppedInLowPrecision(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(self.act(self.fc1(x))))

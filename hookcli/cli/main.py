@@ -24,7 +24,7 @@ from hookcli.errors import (
     EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
 )
 
-from hookcli.options import GradSort, values_of
+from hookcli.options import DEFAULT_MODEL, GradSort, model_sources_text, values_of
 from hookcli.cli.options import (
     META_CONFIG,
     META_DEBUG,
@@ -244,14 +244,15 @@ def main() -> None:
     """Inspect PyTorch models from the command line: per-layer shapes, activation statistics and
     gradients through hooks, as tables (or JSON, CSV, Markdown).
 
-    \b
-    MODEL is a torchvision name (resnet50), an import path (pkg.mod:Net) or a file (path/net.py:build);
-    without it: --config FILE, then [tool.hookcli] in ./pyproject.toml, then resnet50.
+    MODEL is {sources}; without it: --config FILE, then [tool.hookcli] in ./pyproject.toml, then {default}.
 
     \b
     Exit codes: 0 ok, 1 the model raised or exited (or a check failed), 2 bad usage or input or
     something hookcli does not support, 3 a bug in hookcli.
     """
+
+
+main.help = (main.help or "").format(sources=model_sources_text(), default=DEFAULT_MODEL)
 
 
 main.command_class = HookcliCommand

@@ -245,7 +245,8 @@ diff_options = _compose(
                  "names and shapes match, unless --vs-weights)."),
     click.option("--vs-compile", "vs_compile", is_flag=True, help="Run B runs the model through torch.compile."),
     click.option("--rtol", type=click.FloatRange(min=0), metavar="R",
-                 help="Relative tolerance: |a-b| <= atol + rtol*|a| elementwise (default: from the dtypes)."),
+                 help="Relative tolerance: |a-b| <= atol + rtol*|a| elementwise, instead of the dtypes' default "
+                 "limits (bfloat16's are rel L2 and cosine distance: docs/diff.md)."),
     click.option("--atol", type=click.FloatRange(min=0), metavar="A",
                  help="Absolute tolerance (default: from the dtypes)."),
     click.option("--grads", is_flag=True, help="Also compare the gradient of the loss w.r.t. each selected output."),

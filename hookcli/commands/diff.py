@@ -110,7 +110,7 @@ class _Comparer:
         if before is not None and before[0] is stored and before[1] == tol:
             self.pending[key] = before[2]  # the same pair of tensors as an earlier call's
             return
-        self.pending[key] = compare(self.store.source(stored), b, tol.rtol, tol.atol)
+        self.pending[key] = compare(self.store.source(stored), b, tol.rtol or 0.0, tol.atol or 0.0)
         self.seen.remember(tensor, (stored, tol, self.pending[key]))
 
     def results(self) -> dict[Key, Errors]:
@@ -119,7 +119,12 @@ class _Comparer:
             return {}
         keys = list(self.pending)
         host = torch.stack([self.pending[k].cpu() for k in keys]).tolist()
-        return {k: errors_from(v, self.tolerances[k].atol) for k, v in zip(keys, host)}
+        out = {}
+        for key, values in zip(keys, host):
+            tol = self.tolerances[key]
+            errors = errors_from(values, tol.atol or 0.0)
+            out[key] = dataclasses.replace(errors, within=tol.accepts(errors))
+        return out
 
 
 # --------------------------------------------------------------------------- runs
@@ -193,7 +198,10 @@ def _share_weights(a: nn.Module, b: nn.Module) -> list[str]:
     """Copy A's parameters and buffers into B where name and shape match; the names that did not."""
     own = b.state_dict()
     theirs = a.state_dict()
-    fits = {k: v for k, v in theirs.items() if k in own and own[k].shape == v.shape}
+    fits = type(theirs)((k, v) for k, v in theirs.items() if k in own and own[k].shape == v.shape)
+    # the modules' state-dict versions travel along: a module may refuse a state without its version
+    # (torchvision's MNASNet raises ValueError)
+    fits._metadata = getattr(theirs, "_metadata", None)  # type: ignore[attr-defined]
     b.load_state_dict(fits, strict=False)
     return sorted(set(own) - set(fits))
 
@@ -253,7 +261,7 @@ def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
 def _distinct(tolerances: list[Tolerance]) -> list[Tolerance]:
     seen: dict[tuple[Any, ...], Tolerance] = {}
     for t in tolerances:
-        seen.setdefault((t.a_dtype, t.b_dtype, t.rtol, t.atol, t.source), t)
+        seen.setdefault(dataclasses.astuple(t), t)
     return list(seen.values())
 
 

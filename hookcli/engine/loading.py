@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hookcli.options import (
-    WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
+    HF_PREFIX, TIMM_PREFIX, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
 )
 from hookcli.errors import (
     ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
@@ -141,6 +141,8 @@ def _load_torchvision(spec: str, name: str, model_args: Mapping[str, Any],
     if weights is not None and not looks_like_weights_file(weights):
         kwargs["weights"] = weights_enum = _resolve_weights_name(tv_name, weights)
         named = weights
+        if "progress" in inspect.signature(tvm.get_model_builder(tv_name)).parameters:
+            kwargs.setdefault("progress", False)  # torch.hub's download bar is not hookcli's output
         if families[tv_name] == "quantization":  # quantized weights only fit a quantized model
             kwargs.setdefault("quantize", True)
     try:
@@ -509,7 +511,7 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
     if not text:
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
     lowered = text.lower()
-    if lowered.startswith(("timm:", "hf:")):
+    if lowered.startswith((TIMM_PREFIX, HF_PREFIX)):
         return _load_extra_source(spec, text, args, weights, trust_pickle, trust_remote_code)
     if lowered.startswith(TORCHVISION_PREFIX):
         return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)

@@ -25,6 +25,7 @@ from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, exit_
 from hookcli.engine.session import HookOptions, KeepFn, attach
 from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
+from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.engine.stats import iter_tensors, shape_of
 from hookcli.records import (
@@ -128,7 +129,7 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed):
+    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed), quiet():
         with torch.device("meta") if meta else nullcontext():
             return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
                               trust_pickle=opts.trust_pickle, own_code=opts.model_roots,
@@ -265,12 +266,13 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
 
     The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
-    seed) and the caller's RNG states are restored after (``preserved``).
+    seed) and the caller's RNG states are restored after (``preserved``). Third-party logging and
+    progress bars are off meanwhile (``quiet``), as while the model is built.
     """
     opts = prep.options
     model = prep.loaded.model
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
-                   index=prep.index):
+                   index=prep.index), quiet():
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 

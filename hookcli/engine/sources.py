@@ -18,9 +18,8 @@ from typing import Any
 from torch import nn
 
 from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
+from hookcli.engine.quiet import quiet_imported
 
-TIMM_PREFIX = "timm:"
-HF_PREFIX = "hf:"
 EXTRAS = {"timm": ("timm", "timm"), "transformers": ("hf", "transformers")}
 
 
@@ -28,7 +27,9 @@ def require_extra(module: str) -> Any:
     """Import the package of an optional source, or raise a UsageError with the install line."""
     extra, package = EXTRAS[module]
     try:
-        return importlib.import_module(module)
+        imported = importlib.import_module(module)
+        quiet_imported()  # inside a run: its logging and progress bars off from the start
+        return imported
     except ImportError as exc:
         raise UsageError(f"this model source needs the {package} package, which is not installed "
                          f"({describe_exception(exc, 80)})",

@@ -38,17 +38,32 @@ class Errors:
 
 @dataclass
 class Tolerance:
-    """``|a - b| <= atol + rtol * |a|`` elementwise (a = run A), for tensors of these two dtypes."""
+    """What counts as within tolerance for tensors of these two dtypes: every limit that is set holds.
+
+    ``rtol``/``atol``: ``|a - b| <= atol + rtol * |a|`` elementwise (a = run A); ``rel_l2``: at most this
+    ``||a - b|| / ||a||``; ``cosine_distance``: at most this ``1 - cos(a, b)``. None: not checked.
+    """
 
     a_dtype: str
     b_dtype: str
-    rtol: float
-    atol: float
-    source: str  # "default" (from the dtypes) or "given" (--rtol/--atol)
+    rtol: float | None
+    atol: float | None
+    source: str  # "default" (from the dtypes), "given" (--rtol/--atol) or "exact" (integers, bool)
+    rel_l2: float | None = None
+    cosine_distance: float | None = None
+
+    def accepts(self, errors: Errors) -> bool:
+        """Whether ``errors`` (whose ``within`` is the elementwise check) meet every limit that is set.
+        NaN errors never do."""
+        if self.rtol is not None and not errors.within:
+            return False
+        if self.rel_l2 is not None and not errors.rel_l2 <= self.rel_l2:
+            return False
+        return self.cosine_distance is None or 1.0 - errors.cosine <= self.cosine_distance
 
     def to_dict(self) -> dict[str, Any]:
         return {"a_dtype": self.a_dtype, "b_dtype": self.b_dtype, "rtol": self.rtol, "atol": self.atol,
-                "source": self.source}
+                "rel_l2": self.rel_l2, "cosine_distance": self.cosine_distance, "source": self.source}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from hookcli.records import DiffReport, DiffRow, Errors
+from hookcli.records import DiffReport, DiffRow, Errors, Tolerance
 from hookcli.render import summary
 from hookcli.render.columns import BOLD_RED, DIM, RED, YELLOW, Cell, Column, csv_shape, indent
 from hookcli.render.formats import format_number, format_shape, plain
@@ -130,12 +130,24 @@ def header_lines(report: DiffReport) -> list[list[str]]:
     return lines
 
 
+def tolerance_text(t: Tolerance) -> str:
+    """``rtol 1e-05, atol 1e-05`` or ``rel L2 <= 0.05, cosine distance <= 0.001``: the limits that are set."""
+    parts = []
+    if t.rtol is not None:
+        parts.append(f"rtol {format_number(t.rtol)}, atol {format_number(t.atol)}")
+    if t.rel_l2 is not None:
+        parts.append(f"rel L2 <= {format_number(t.rel_l2)}")
+    if t.cosine_distance is not None:
+        parts.append(f"cosine distance <= {format_number(t.cosine_distance)}")
+    return ", ".join(parts)
+
+
 def tolerance_line(report: DiffReport) -> list[str]:
-    """``tolerance float32 vs bfloat16: rtol 0.05, atol 0.01 (default)``, one part per dtype pair."""
+    """``tolerance float32 vs bfloat16: rel L2 <= 0.05, cosine distance <= 0.001 (default)``, one part per
+    dtype pair."""
     if not report.tolerances:
         return ["tolerance: nothing compared"]
-    return [f"tolerance {t.a_dtype} vs {t.b_dtype}: rtol {format_number(t.rtol)}, atol {format_number(t.atol)} "
-            f"({t.source})" for t in report.tolerances]
+    return [f"tolerance {t.a_dtype} vs {t.b_dtype}: {tolerance_text(t)} ({t.source})" for t in report.tolerances]
 
 
 def footer_lines(report: DiffReport) -> list[list[str]]:

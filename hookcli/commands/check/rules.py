@@ -33,8 +33,8 @@ class Observations:
     order: dict[LayerKey, int] = field(default_factory=dict)
     #: The model's output tensors: ``{"path", "shape", "dtype", "nonfinite"}``.
     outputs: list[dict[str, Any]] = field(default_factory=list)
-    #: (name, call, output path) -> (dead channels, channels, values per channel).
-    channels: dict[TensorKey, tuple[int, int, int]] = field(default_factory=dict)
+    #: (name, call, output path) -> (dead channels, channels, values per channel, the channel dimension).
+    channels: dict[TensorKey, tuple[int, int, int, int]] = field(default_factory=dict)
     #: parameter -> largest absolute change after the SGD step(s); None: it got no gradient.
     changes: dict[str, float | None] | None = None
     change_error: str | None = None
@@ -115,7 +115,7 @@ def _zero_rows(rule: RuleConfig, report: Report, obs: Observations) -> list[tupl
 def _channel_rows(rule: RuleConfig, report: Report, obs: Observations) -> list[tuple[Any, ...]]:
     labels = {(r.name, r.call, r.output): r for r in _layers(report, rule)}
     rows = []
-    for key, (dead, channels, per_channel) in obs.channels.items():
+    for key, (dead, channels, per_channel, dim) in obs.channels.items():
         rec = labels.get(key)
         if rec is None or not channels or key in obs.constant:
             continue
@@ -124,7 +124,7 @@ def _channel_rows(rule: RuleConfig, report: Report, obs: Observations) -> list[t
             continue
         frac = dead / channels
         rows.append((frac - limits["value"], -obs.order.get(key[:2], 0), rec.label, frac, limits["value"],
-                     dead, channels, limits["dim"]))
+                     dead, channels, dim))
     rows.sort(reverse=True)
     return rows
 

@@ -35,17 +35,54 @@ from hookcli.commands.check.rules import Observations, evaluate, load_baseline, 
 from hookcli.engine.state import exclusive
 
 
+#: Modules whose output keeps its channels in dim 1 ([B, C, ...]: convolutions and the norms over them)
+#: and modules that work on the last dimension ([..., C]: linear layers, layer norms, embeddings).
+_CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+                   nn.GroupNorm, nn.LocalResponseNorm)
+_CHANNELS_LAST = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag,
+                  nn.MultiheadAttention)
+
+
+class ChannelDims:
+    """The channel dimension of each output for ``dead_channels``' ``dim = "auto"``.
+
+    A module that fixes the layout says it: convolutions and batch/instance/group norms put channels in
+    dim 1 ([B, C, L], [B, C, H, W]); linear layers, layer norms, embeddings and attention in the last
+    ([B, T, C], Swin's [B, H, W, C]). Any other module (an activation, dropout, a container, a block of
+    a library) inherits the layout of the latest such output of the same shape in this run (outputs
+    arrive as calls finish, so a container's children come first); otherwise a 3-D output is taken as
+    a sequence [B, T, C] (last) and any other as [B, C, ...] (dim 1)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.modules = modules
+        self.seen: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> int:
+        module = self.modules.get(name)
+        shape = tuple(t.shape)
+        if isinstance(module, _CHANNELS_FIRST):
+            dim = 1
+        elif isinstance(module, _CHANNELS_LAST):
+            dim = t.dim() - 1
+        else:
+            return self.seen.get(shape, t.dim() - 1 if t.dim() == 3 else 1)
+        self.seen[shape] = dim
+        return dim
+
+
 class Probe(RunObserver):
     """What the check run measures beyond the report, on the device: completion order, the model's
     outputs (shapes, non-finite counts) and per-channel dead counts. No hooks of its own: the engine
     session calls it (``RunObserver``), so its failures are hookcli's (InternalError after the run)."""
 
-    def __init__(self, channel_dim: Callable[[str], int] | None) -> None:
+    def __init__(self, channel_dim: Callable[[str], int | str] | None,
+                 modules: Mapping[str, nn.Module] | None = None) -> None:
         self.channel_dim = channel_dim
+        self.auto_dims = ChannelDims(modules or {})
         # every selected output: constants are told apart (cheap: no reduction unless dead_channels is on)
         self.wants_tensors = True
         self.order: CompletionOrder = {}
-        self._channels: list[tuple[tuple[str, int, str], int, int, torch.Tensor]] = []
+        self._channels: list[tuple[tuple[str, int, str], int, int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
         #: Float outputs that do not require grad in this grad-enabled run: constants (masks, zero
         #: position biases) computed from neither a parameter nor the input.
@@ -63,6 +100,9 @@ class Probe(RunObserver):
         if t.is_nested or t.dim() < 2 or t.numel() == 0 or t.device.type == "meta":
             return  # (a nested tensor has no channel dimension to speak of)
         dim = self.channel_dim(name)
+        if dim == "auto":
+            dim = self.auto_dims(name, t)
+        assert isinstance(dim, int)
         d = dim + t.dim() if dim < 0 else dim
         if not 0 <= d < t.dim() or t.shape[d] == 0:
             return
@@ -72,7 +112,7 @@ class Probe(RunObserver):
         # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
         dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
         channels = int(t.shape[d])
-        self._channels.append(((name, call, path), channels, t.numel() // channels, dead.sum()))
+        self._channels.append(((name, call, path), channels, t.numel() // channels, d, dead.sum()))
 
     def output(self, output: Any) -> None:
         """The model's output tensors: path, shape, dtype and (floats) the count of non-finite values."""
@@ -95,7 +135,7 @@ class Probe(RunObserver):
         host = iter(row[0] for row in to_host(vectors))
         obs.order = dict(self.order)
         obs.constant = set(self.constant)
-        obs.channels = {key: (int(next(host)), channels, per) for key, channels, per, _ in self._channels}
+        obs.channels = {key: (int(next(host)), channels, per, dim) for key, channels, per, dim, _ in self._channels}
         obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
                         "nonfinite": int(next(host)) if bad is not None else 0}
                        for path, shape, dtype, bad in self._outputs]
@@ -177,7 +217,7 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
     """One forward, loss and backward with every hook: the Report and the probe's Observations."""
     obs = Observations()
     dead = rules.get("dead_channels")
-    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None)
+    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None, dict(prep.selection))
     cause: BaseException | None = None
     try:
         report = backward_report(prep, "check", stats=True, observer=probe)

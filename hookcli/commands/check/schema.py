@@ -58,9 +58,9 @@ class Rule(StrEnum):
 DEFAULTS: dict[str, dict[str, Any]] = {
     Rule.finite: {"enabled": True, "severity": "error"},
     Rule.output_shape: {"enabled": False, "severity": "error", "value": None},
-    Rule.max_abs_activation: {"enabled": True, "severity": "error", "value": 1e4},
+    Rule.max_abs_activation: {"enabled": True, "severity": "warn", "value": 1e4},
     Rule.max_zero_fraction: {"enabled": True, "severity": "error", "value": 0.99},
-    Rule.dead_channels: {"enabled": True, "severity": "warn", "value": 0.5, "dim": 1, "min_values": 16},
+    Rule.dead_channels: {"enabled": True, "severity": "warn", "value": 0.5, "dim": "auto", "min_values": 16},
     Rule.grad_norm: {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
     Rule.params_change: {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
     Rule.baseline: {"enabled": False, "severity": "error", "file": None},
@@ -141,6 +141,15 @@ def _output_shape(value: Any) -> list[int] | list[list[int]] | dict[str, list[in
         raise Invalid(_SHAPES) from None
 
 
+def _dim(value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return integer(None)(value)
+    except Invalid:
+        raise Invalid('"auto" or an integer (1 for [B, C, ...], -1 for [B, T, C])') from None
+
+
 def _file(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise Invalid("a file path (string)")
@@ -155,7 +164,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "max": _positive,
     "lr": _positive,
     "steps": integer(1, MAX_STEPS),
-    "dim": integer(None),
+    "dim": _dim,
     "min_values": integer(1),
     "file": _file,
 }
