@@ -55,6 +55,74 @@ class Two(nn.Module):
 
 def boom():
     raise ValueError("factory exploded")
+
+
+class NoCopy(nn.Module):  # a lock: copy.deepcopy raises
+    def __init__(self):
+        super().__init__()
+        import threading
+        self.lin = nn.Linear(16, 4)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class CatchAll(NoCopy):  # every missing attribute is a function (__deepcopy__, example_inputs, ...)
+    def __init__(self):
+        super().__init__()
+        del self.lock
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return lambda *args, **kwargs: None
+
+
+class Halt(BaseException):
+    pass
+
+
+class BadText(Exception):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+class RaisesBase(NoCopy):
+    def forward(self, x):
+        raise Halt("halted by the model")
+
+
+class RaisesBadText(NoCopy):
+    def forward(self, x):
+        raise BadText()
+
+
+class RunsHookcli(NoCopy):  # calls hookcli on itself from its own forward
+    def forward(self, x):
+        import hookcli
+        hookcli.stats(self, input_shapes=["2x16"])
+        return self.lin(x)
+
+
+def quantized():  # static quantization: its layers output quint8 tensors, its state dict packs weights
+    from torch.ao.nn import quantized as nnq
+    gen = torch.Generator().manual_seed(0)
+    lin = nnq.Linear(16, 8)
+    lin.set_weight_bias(torch.quantize_per_tensor(torch.randn(8, 16, generator=gen) / 4, 0.01, 0, torch.qint8),
+                        torch.randn(8, generator=gen))
+    lin.scale, lin.zero_point = 0.05, 64
+    return nn.Sequential(nnq.Quantize(0.05, 64, torch.quint8), lin, nnq.DeQuantize())
+
+
+class Café(nn.Module):  # a module name outside ASCII and Latin-1
+    def __init__(self):
+        super().__init__()
+        self.add_module("café模", nn.Linear(16, 4))
+
+    def forward(self, x):
+        return getattr(self, "café模")(x)
 '''
 
 
@@ -185,6 +253,15 @@ ROWS: list[tuple[str, list[str], int, str]] = [
                                "--call", "3", "-o", "m.png"], 2, "--call 3"),
     ("fmaps unknown layer", ["fmaps", "lin.py:conv", "--layer", "bogus", "-o", "m.png"], 2, "bogus"),
     ("fmaps without --layer", ["fmaps", "lin.py:conv", "-o", "m.png"], 2, "--layer"),
+    # faults of the model's code (issue #20 part 3): never exit 3
+    ("check of an uncopyable model", ["check", "lin.py:NoCopy"], 2, "cannot be deep-copied: TypeError"),
+    ("check of a catch-all __getattr__", ["check", "lin.py:CatchAll"], 2, "copy.deepcopy gave a NoneType"),
+    ("forward raising a BaseException", ["stats", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("exception whose __str__ raises", ["stats", "lin.py:RaisesBadText"], 1, "BadText whose __str__ raised"),
+    ("hookcli from the model's forward", ["stats", "lin.py:RunsHookcli"], 2, "already running this model"),
+    ("hookcli's own entry point as MODEL", ["stats", "hookcli.cli.main:main"], 2, "called again"),
+    ("diff of a quantized model", ["diff", "lin.py:quantized", "--input-shape", "2x16"], 2,
+     "cannot take run A's weights"),
 ]
 
 
@@ -414,3 +491,123 @@ def test_channel_lists_are_capped_and_shown_as_ranges() -> None:
     with pytest.raises(UsageError, match="more than"):
         parse_channels("0-99999999999999")
 
+
+
+# --------------------------------------------------------------------------- faults around the model and the streams
+
+
+def test_catch_all_getattr_gives_no_example_inputs(cli, workdir: Path) -> None:
+    """``model.example_inputs`` of a catch-all ``__getattr__`` is a function returning None: not inputs."""
+    result = cli("shapes", "lin.py:CatchAll", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["inputs"][0]["shape"] != None  # noqa: E711 - a guessed shape, not None
+
+
+def test_a_forward_raising_a_base_exception_keeps_the_model_and_its_rows() -> None:
+    """The API raises ModelRaisedError (exit 1) for a BaseException of the model's; Ctrl-C stays Ctrl-C."""
+    class Halt(BaseException):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self, error: BaseException) -> None:
+            super().__init__()
+            self.lin, self.error = nn.Linear(4, 2), error
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise self.error
+
+    model = Net(Halt("stop"))
+    before = _snapshot(model)
+    with pytest.raises(errors.ModelRaisedError) as info:
+        hookcli.stats(model, input_shapes=["2x4"])
+    assert info.value.exit_code == 1 and "Halt: stop" in info.value.message
+    assert [r.name for r in info.value.report.layers] == ["lin"]
+    assert _same(_snapshot(model), before)
+    with pytest.raises(KeyboardInterrupt):
+        hookcli.stats(Net(KeyboardInterrupt()), input_shapes=["2x4"])
+
+
+def _hookcli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kwargs: Any):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(hookcli.__file__).resolve().parent.parent
+    full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    full.pop("HOOKCLI_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "hookcli", *args], cwd=tmp_path, env=full, timeout=300,
+                          **kwargs)
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly(workdir: Path) -> None:
+    """``hookcli stats ... | head -1``: the reader is gone when the report is written; exit 141
+    (128 + SIGPIPE, as for a Unix tool) and nothing on stderr."""
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the first byte
+    try:
+        proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == b""
+
+
+def test_stdout_on_a_full_device_or_closed_is_one_error_line(workdir: Path) -> None:
+    import os
+    import subprocess
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=full, stderr=subprocess.PIPE,
+                        text=True)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 2 and lines[0].startswith("Error: cannot write the report to stdout"), proc.stderr
+    assert lines[1].startswith("  hint: ")
+    closed = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=subprocess.DEVNULL,
+                      stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))  # >&-
+    assert closed.returncode == 2, closed.stderr
+    assert closed.stderr.splitlines()[0] == "Error: stdout is closed: the report has nowhere to go"
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_an_encoding_without_the_characters_still_writes_the_report(workdir: Path, fmt: str) -> None:
+    """Latin-1 has neither the table's box lines nor the module's name: escaped, not UnicodeEncodeError."""
+    import subprocess
+
+    proc = _hookcli(workdir, "stats", "lin.py:Café", "--input-shape", "2x16", "-f", fmt,
+                    env={"PYTHONIOENCODING": "latin-1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.returncode == 0, proc.stderr
+    assert "caf\xe9\\u6a21".encode("latin-1") in proc.stdout and proc.stderr == b""
+    bad = _hookcli(workdir, "stats", "lin.py:Café", "--layers", "café模x", env={"PYTHONIOENCODING": "latin-1"},
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert bad.returncode == 2 and bad.stderr.startswith(b"Error: ") and b"\\u6a21" in bad.stderr
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_features_of_a_quantized_model_are_saved_dequantized(cli, workdir: Path, suffix: str) -> None:
+    """safetensors and numpy have no quint8: the values are saved as float32, and the report says so."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    torch.save(x, workdir / "x.pt")
+    result = cli("features", "lin.py:quantized", "--input", "x.pt", "-o", f"q{suffix}")
+    assert result.exit_code == 0, result.stderr
+    assert "1: quint8 (quantized) saved dequantized as float32" in result.stdout  # the report's notes
+    namespace: dict[str, Any] = {}
+    exec(compile(MODEL_FILE, "lin.py", "exec"), namespace)
+    model = namespace["quantized"]().eval()
+    with torch.no_grad():
+        expected = model[1](model[0](x)).dequantize()
+    if suffix == ".npz":
+        with np.load(workdir / "q.npz") as data:
+            saved = torch.from_numpy(data["1"])
+    else:
+        saved = load_file(str(workdir / "q.safetensors"))["1"]
+    assert saved.dtype == torch.float32 and torch.equal(saved, expected)

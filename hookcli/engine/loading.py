@@ -33,7 +33,7 @@ from hookcli.options import (
     WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
 )
 from hookcli.errors import (
-    ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
+    HookcliError, ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
     describe_exception, did_you_mean, exit_status, one_line,
 )
 from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
@@ -313,6 +313,8 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
         result = obj(**model_args)
     except SystemExit as exc:
         raise model_exited(exc, f"building {label!r}") from exc
+    except HookcliError:  # the factory called hookcli, and hookcli refused (re-entry): its own message
+        raise
     except Exception as exc:
         hint = "the model's own code raised: run again with --debug for its traceback"
         if isinstance(exc, TypeError) or model_args:
