@@ -116,6 +116,11 @@ def quantized():  # static quantization: its layers output quint8 tensors, its s
     return nn.Sequential(nnq.Quantize(0.05, 64, torch.quint8), lin, nnq.DeQuantize())
 
 
+def exported():  # torch.export: a flattened graph whose train() and eval() raise
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU())
+    return torch.export.export(model, (torch.randn(2, 16),)).module()
+
+
 class Café(nn.Module):  # a module name outside ASCII and Latin-1
     def __init__(self):
         super().__init__()
@@ -124,6 +129,50 @@ class Café(nn.Module):  # a module name outside ASCII and Latin-1
     def forward(self, x):
         return getattr(self, "café模")(x)
 '''
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (RGB) and whose data is a few bytes: what a
+    decoder would expand is known from the header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+def _zip_claiming(size: int, members: int) -> bytes:
+    """A small .npz whose zip directory says each member expands to ``size`` bytes (as a zip bomb's
+    does): the sizes are written into the local and central headers of small deflated members."""
+    import io
+    import struct
+    import zipfile
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for i in range(members):
+            member = io.BytesIO()
+            np.lib.format.write_array(member, np.zeros(1000 + i))
+            archive.writestr(f"arr_{i}.npy", member.getvalue())
+    data = bytearray(buffer.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        infos = archive.infolist()
+    central = data.rfind(b"PK\x05\x06")
+    start = struct.unpack_from("<I", data, central + 16)[0]
+    for info in infos:
+        struct.pack_into("<I", data, info.header_offset + 22, size)  # local header: uncompressed size
+    offset = start
+    for _ in infos:
+        struct.pack_into("<I", data, offset + 24, size)  # central directory: uncompressed size
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, offset + 28)
+        offset += 46 + name_len + extra_len + comment_len
+    return bytes(data)
 
 
 def _listing(root: Path) -> list[str]:
@@ -152,6 +201,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "negseed.toml").write_text("seed = -1\n")
     (tmp_path / "badrule.toml").write_text("[checks]\nfinit = true\n")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "deep.toml").write_text("fill = " + "[" * 5000 + "]" * 5000 + "\n")
+    torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
+    (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
+    (tmp_path / "bomb.npz").write_bytes(_zip_claiming(3_000_000_000, members=3))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -262,6 +315,14 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("hookcli's own entry point as MODEL", ["stats", "hookcli.cli.main:main"], 2, "called again"),
     ("diff of a quantized model", ["diff", "lin.py:quantized", "--input-shape", "2x16"], 2,
      "cannot take run A's weights"),
+    ("a torch.export'ed module", ["stats", "lin.py:exported", "--input-shape", "2x16"], 2, "torch.export"),
+    ("input .pt holding a meta tensor", ["stats", LIN, "--input", "meta.pt"], 2, "meta tensor"),
+    ("deeply nested TOML", ["stats", LIN, "--config", "deep.toml"], 2, "too deeply"),
+    # sizes: every read has a limit, checked before anything is decoded or expanded
+    ("30000x30000 PNG", ["stats", LIN, "--input", "huge.png"], 2, "30000x30000 = 900,000,000 pixels"),
+    ("npz zip bomb", ["stats", LIN, "--input", "bomb.npz"], 2, "expand to 9,000,000,000 bytes"),
+    ("endless --baseline", ["check", LIN, "--baseline", "/dev/zero"], 2, "over the limit of 64 MiB"),
+    ("endless --config", ["stats", LIN, "--config", "/dev/zero"], 2, "over the limit of 64 MiB"),
 ]
 
 
@@ -611,3 +672,60 @@ def test_features_of_a_quantized_model_are_saved_dequantized(cli, workdir: Path,
     else:
         saved = load_file(str(workdir / "q.safetensors"))["1"]
     assert saved.dtype == torch.float32 and torch.equal(saved, expected)
+
+
+# --------------------------------------------------------------------------- size limits, raised or lowered
+
+
+def test_the_limits_apply_to_real_files_and_can_be_raised(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real compressed .npz and a real PNG, checked against lowered limits; raising them lets the
+    same files through (the environment variable the message names is the one that works)."""
+    import numpy as np
+    from PIL import Image
+
+    np.savez_compressed(workdir / "zeros.npz", np.zeros((2, 16), dtype=np.float32))  # 128 bytes of data
+    Image.new("RGB", (40, 30)).save(workdir / "small.png")
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "100")
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "1000")
+    for argv, needle in ((["--input", "zeros.npz"], "HOOKCLI_MAX_TENSOR_BYTES"),
+                         (["--input", "small.png"], "HOOKCLI_MAX_IMAGE_PIXELS")):
+        result = cli("stats", "lin.py:conv" if "png" in argv[1] else LIN, *argv)
+        assert result.exit_code == 2, result.stderr
+        error, hint = result.stderr.splitlines()
+        assert "too large" in error and needle in hint
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "1000000")
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "1200")
+    assert cli("stats", LIN, "--input", "zeros.npz").exit_code == 0
+    assert cli("stats", "lin.py:conv", "--input", "small.png").exit_code == 0
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "lots")
+    bad = cli("stats", "lin.py:conv", "--input", "small.png")
+    assert bad.exit_code == 2 and bad.stderr.startswith("Error: HOOKCLI_MAX_IMAGE_PIXELS='lots'")
+
+
+def test_an_endless_tensor_input_stops_at_the_limit(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FIFO that never ends (a writer sending zeros) named as a tensor file is read up to the limit only."""
+    import os
+    import threading
+
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "1000000")
+    fifo = workdir / "endless.pt"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def write() -> None:
+        try:
+            with open(fifo, "wb") as out:
+                while not stop.is_set():
+                    out.write(b"\0" * 65536)
+        except BrokenPipeError:
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        result = cli("stats", LIN, "--input", "endless.pt")
+    finally:
+        stop.set()
+    writer.join(timeout=60)
+    assert result.exit_code == 2, result.stderr
+    assert "more than 1,000,000 bytes" in result.stderr.splitlines()[0]

@@ -546,12 +546,18 @@ def _refuse_model_file(path: Path) -> None:
 
 
 def refuse_torchscript(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> None:
-    """Raise UnsupportedError when ``model`` or a selected module is TorchScript (scripted or traced).
+    """Raise UnsupportedError when ``model`` or a selected module is TorchScript (scripted or traced),
+    or when ``model`` is a ``torch.export``ed module (no submodule calls; ``train()`` raises).
 
     Python hooks cannot be registered on a scripted module, and on a traced one they never fire for
     its submodules (the graph runs in the TorchScript interpreter): every module would be reported
     "not called" and a check would see nothing. Refusing says so instead.
     """
+    if isinstance(model, torch.fx.GraphModule) and "train" in vars(model):  # ExportedProgram.module()
+        raise UnsupportedError(
+            "the model is a torch.export program's module (ExportedProgram.module()): its graph is flattened to "
+            "operators, so there are no module calls to hook, and its train() and eval() raise",
+            hint="use the eager nn.Module it was exported from (pkg.mod:Net or net.py:build)")
     script = torch.jit.ScriptModule
     if isinstance(model, script):
         raise UnsupportedError(
