@@ -729,3 +729,19 @@ def test_an_endless_tensor_input_stops_at_the_limit(cli, workdir: Path, monkeypa
     writer.join(timeout=60)
     assert result.exit_code == 2, result.stderr
     assert "more than 1,000,000 bytes" in result.stderr.splitlines()[0]
+
+
+def test_check_without_params_change_needs_no_copy(cli, workdir: Path) -> None:
+    """With params_change off, an uncopyable model is checked; the second look (which steps a copy) is
+    skipped, so the dead layer is judged on the one run, as for a copyable model without it."""
+    (workdir / "nocopy.py").write_text(
+        "import threading\nimport broken_models\n\n\n"
+        "class NoCopyDead(broken_models.DeadLayer):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lock = threading.Lock()\n")
+    (workdir / "nochange.toml").write_text("[checks.params_change]\nenabled = false\n")
+    result = cli("check", "nocopy.py:NoCopyDead", "--input-shape", "4x4", "--config", "nochange.toml", "-f", "json")
+    assert result.exit_code == 1, result.stderr
+    assert "deep-copied" not in result.stderr
+    rules = {r["rule"]: r for r in json.loads(result.stdout)["rules"]}
+    assert "params_change" not in rules
+    assert rules["max_zero_fraction"]["status"] == "FAIL" and rules["runs"]["status"] == "PASS"

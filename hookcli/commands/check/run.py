@@ -229,7 +229,10 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         del stepped
     if not (suspects(rules, report, obs) or unchanged):
         return
-    nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    try:
+        nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    except UnsupportedError:  # no copy, no second look: the rules judge the first run alone
+        return
     nudged.step(1)
     if nudged.error is not None:
         return
