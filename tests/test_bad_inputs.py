@@ -89,6 +89,10 @@ class BadText(Exception):
         raise ValueError("no text")
 
 
+def halt():
+    raise Halt("the factory halted")
+
+
 class RaisesBase(NoCopy):
     def forward(self, x):
         raise Halt("halted by the model")
@@ -201,6 +205,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "negseed.toml").write_text("seed = -1\n")
     (tmp_path / "badrule.toml").write_text("[checks]\nfinit = true\n")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "badtext.py").write_text(
+        "class BadText(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n\n\n"
+        "raise BadText()\n")
     (tmp_path / "deep.toml").write_text("fill = " + "[" * 5000 + "]" * 5000 + "\n")
     torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
     (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
@@ -311,6 +318,8 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("check of a catch-all __getattr__", ["check", "lin.py:CatchAll"], 2, "copy.deepcopy gave a NoneType"),
     ("forward raising a BaseException", ["stats", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
     ("exception whose __str__ raises", ["stats", "lin.py:RaisesBadText"], 1, "BadText whose __str__ raised"),
+    ("factory raising a BaseException", ["stats", "lin.py:halt"], 1, "Halt (a BaseException): the factory halted"),
+    ("import raising an unprintable exception", ["stats", "badtext.py:Net"], 2, "BadText whose __str__ raised"),
     ("hookcli from the model's forward", ["stats", "lin.py:RunsHookcli"], 2, "already running this model"),
     ("hookcli's own entry point as MODEL", ["stats", "hookcli.cli.main:main"], 2, "called again"),
     ("diff of a quantized model", ["diff", "lin.py:quantized", "--input-shape", "2x16"], 2,
@@ -745,3 +754,14 @@ def test_check_without_params_change_needs_no_copy(cli, workdir: Path) -> None:
     rules = {r["rule"]: r for r in json.loads(result.stdout)["rules"]}
     assert "params_change" not in rules
     assert rules["max_zero_fraction"]["status"] == "FAIL" and rules["runs"]["status"] == "PASS"
+
+
+def test_a_closed_stderr_loses_only_the_diagnostics(workdir: Path) -> None:
+    """``2>&-``: the run still writes its -o FILE and exits 0; nothing it opens takes descriptor 2."""
+    import os
+    import subprocess
+
+    proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", "-o", "r.json", stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0 and proc.stdout == b""
+    assert json.loads((workdir / "r.json").read_text())["command"] == "stats"

@@ -34,7 +34,7 @@ from hookcli.options import (
 )
 from hookcli.errors import (
     HookcliError, ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
-    describe_exception, did_you_mean, exit_status, one_line,
+    describe_exception, did_you_mean, exit_status, one_line, safe_str,
 )
 from hookcli.targets import OWN_CODE_HINT, is_stdlib_module, is_stdlib_path
 
@@ -236,13 +236,13 @@ def _import_module(module_name: str) -> Any:
             missing = exc.name or ""
             if missing and (module_name == missing or module_name.startswith(missing + ".")):
                 raise ModelNotFoundError(
-                    f"could not import {module_name!r}: {exc}",
+                    f"could not import {module_name!r}: {safe_str(exc)}",
                     hint="check the spelling, and that the package is installed or in the "
                     "current directory") from exc
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                    hint="a module it imports is missing; install it") from exc
         except Exception as exc:
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                    hint="the module raised while importing: run again with --debug for its traceback") from exc
         except SystemExit as exc:
             raise model_exited(exc, f"importing {module_name!r}") from exc
@@ -267,7 +267,7 @@ def _import_file(path_text: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}",
+        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                hint="the file raised while importing: run again with --debug for its traceback") from exc
     except SystemExit as exc:
         sys.modules.pop(module_name, None)
