@@ -612,7 +612,8 @@ def _hookcli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kw
 
 def test_a_reader_that_leaves_ends_the_run_quietly(workdir: Path) -> None:
     """``hookcli stats ... | head -1``: the reader is gone when the report is written; exit 141
-    (128 + SIGPIPE, as for a Unix tool) and nothing on stderr."""
+    (128 + SIGPIPE, as for a Unix tool) and nothing on stderr. The same when stderr's reader left
+    (click alone would exit 1 then: "the model failed")."""
     import os
     import subprocess
 
@@ -620,10 +621,14 @@ def test_a_reader_that_leaves_ends_the_run_quietly(workdir: Path) -> None:
     os.close(read_end)  # the reader left before the first byte
     try:
         proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=write_end, stderr=subprocess.PIPE)
+        error = _hookcli(workdir, "stats", LIN, "--layers", "bogus", stdout=subprocess.PIPE, stderr=write_end)
+        wrote = _hookcli(workdir, "stats", LIN, "-o", "r.json", stdout=subprocess.PIPE, stderr=write_end)
     finally:
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == b""
+    assert error.returncode == 141 and error.stdout == b""
+    assert wrote.returncode == 141 and json.loads((workdir / "r.json").read_text())["command"] == "stats"
 
 
 def test_stdout_on_a_full_device_or_closed_is_one_error_line(workdir: Path) -> None:

@@ -56,15 +56,16 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_SIGPIPE = 128 + 13
 
 
-class StdoutClosed(Exception):
-    """The reader of stdout is gone (EPIPE): the run ends quietly with :data:`EXIT_SIGPIPE`."""
+class ReaderGone(Exception):
+    """The reader of stdout or stderr is gone (EPIPE): the run ends quietly with :data:`EXIT_SIGPIPE`
+    (not click's own EPIPE handling, which exits 1: a code that reads as "the model failed")."""
 
 
 def _stdout_failure(exc: OSError) -> Exception:
     """What a failed write to stdout means: the reader left (EPIPE, EBADF, EINVAL of a closed
     descriptor: quiet end), or the device cannot take it (a full disk: exit 2 with a message)."""
     if exc.errno in (errno.EPIPE, errno.EBADF, errno.EINVAL) or isinstance(exc, BrokenPipeError):
-        return StdoutClosed()
+        return ReaderGone()
     detail = exc.strerror or safe_str(exc)
     return OutputError(f"cannot write the report to stdout: {detail}",
                        hint="free space on the device stdout goes to, or write the report with -o FILE elsewhere")
@@ -82,14 +83,16 @@ def _write_stdout(text: str) -> None:
         raise _stdout_failure(exc) from exc
 
 
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's last flush cannot fail again (Python's
-    documented SIGPIPE recipe, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
+def _quiet_streams() -> None:
+    """Point stdout and stderr at /dev/null so that the interpreter's last flush cannot fail again
+    (Python's documented SIGPIPE recipe, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def _tolerant_streams() -> None:
@@ -170,7 +173,7 @@ class HookcliGroup(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         """The entry point: as click's, with SIGTERM turned into :class:`Terminated` (exit 143), a
-        gone reader of stdout ending the run quietly (exit 141), and re-entry refused."""
+        gone reader of stdout or stderr ending the run quietly (exit 141), and re-entry refused."""
         global _cli_running
         if _cli_running:
             raise UsageError("hookcli's command line was called again from code it is running (a MODEL such "
@@ -187,10 +190,10 @@ class HookcliGroup(click.Group):
                 raise
             click.echo("terminated (SIGTERM)", err=True)
             sys.exit(EXIT_SIGTERM)
-        except StdoutClosed:
+        except ReaderGone:  # the reader of stdout or of stderr left
             if kwargs.get("standalone_mode", True) is False:
                 raise
-            _quiet_stdout()
+            _quiet_streams()
             sys.exit(EXIT_SIGPIPE)
         finally:
             _cli_running = False
@@ -204,6 +207,13 @@ class HookcliGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            return self._invoke_reporting(ctx)
+        except BrokenPipeError as exc:  # writing a report or a message: the reader left
+            raise ReaderGone() from exc
+
+    def _invoke_reporting(self, ctx: click.Context) -> Any:
+        """The command, its errors turned into a message and an exit code."""
+        try:
             return super().invoke(ctx)
         except click.UsageError as exc:
             if isinstance(exc, OneLineUsageError):
@@ -215,7 +225,8 @@ class HookcliGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, StdoutClosed, *INTERRUPTS):
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, ReaderGone, BrokenPipeError,
+                *INTERRUPTS):
             raise
         except SystemExit as exc:  # the model's code (or code it ran) called sys.exit outside a run
             _report_error(ctx, ModelRaisedError(f"the model exited with {exit_status(exc.code)} (it called sys.exit)",
