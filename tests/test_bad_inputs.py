@@ -317,6 +317,8 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("check of an uncopyable model", ["check", "lin.py:NoCopy"], 2, "cannot be deep-copied: TypeError"),
     ("check of a catch-all __getattr__", ["check", "lin.py:CatchAll"], 2, "copy.deepcopy gave a NoneType"),
     ("forward raising a BaseException", ["stats", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("forward raising a BaseException (grads)", ["grads", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("forward raising a BaseException (diff)", ["diff", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
     ("exception whose __str__ raises", ["stats", "lin.py:RaisesBadText"], 1, "BadText whose __str__ raised"),
     ("factory raising a BaseException", ["stats", "lin.py:halt"], 1, "Halt (a BaseException): the factory halted"),
     ("import raising an unprintable exception", ["stats", "badtext.py:Net"], 2, "BadText whose __str__ raised"),
