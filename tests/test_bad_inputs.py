@@ -212,6 +212,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
     (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
     (tmp_path / "bomb.npz").write_bytes(_zip_claiming(3_000_000_000, members=3))
+    for name in ("huge.json", "huge.toml"):  # sparse: 65 MiB of zeros that take no disk
+        with open(tmp_path / name, "wb") as fh:
+            fh.truncate(65 << 20)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -332,8 +335,8 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     # sizes: every read has a limit, checked before anything is decoded or expanded
     ("30000x30000 PNG", ["stats", LIN, "--input", "huge.png"], 2, "30000x30000 = 900,000,000 pixels"),
     ("npz zip bomb", ["stats", LIN, "--input", "bomb.npz"], 2, "expand to 9,000,000,000 bytes"),
-    ("endless --baseline", ["check", LIN, "--baseline", "/dev/zero"], 2, "over the limit of 64 MiB"),
-    ("endless --config", ["stats", LIN, "--config", "/dev/zero"], 2, "over the limit of 64 MiB"),
+    ("huge --baseline", ["check", LIN, "--baseline", "huge.json"], 2, "over the limit of 64 MiB"),
+    ("huge --config", ["stats", LIN, "--config", "huge.toml"], 2, "over the limit of 64 MiB"),
 ]
 
 
@@ -718,33 +721,39 @@ def test_the_limits_apply_to_real_files_and_can_be_raised(cli, workdir: Path, mo
     assert bad.exit_code == 2 and bad.stderr.startswith("Error: HOOKCLI_MAX_IMAGE_PIXELS='lots'")
 
 
-def test_an_endless_tensor_input_stops_at_the_limit(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A FIFO that never ends (a writer sending zeros) named as a tensor file is read up to the limit only."""
+@pytest.mark.parametrize("name, argv, limit", [
+    ("endless.pt", ["stats", LIN, "--input", "endless.pt"], "1,000,000"),
+    ("endless.json", ["check", LIN, "--baseline", "endless.json"], "67,108,864"),
+    ("endless.toml", ["stats", LIN, "--config", "endless.toml"], "67,108,864"),
+])
+def test_an_endless_device_stops_at_the_limit(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                              argv: list[str], limit: str) -> None:
+    """A FIFO that keeps sending (as /dev/zero would) is read up to the limit only. The writer stops
+    by itself after 80 MiB, so that a regression fails this test instead of filling the memory."""
     import os
     import threading
 
     monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "1000000")
-    fifo = workdir / "endless.pt"
+    fifo = workdir / name
     os.mkfifo(fifo)
-    stop = threading.Event()
+    sent = [0]
 
     def write() -> None:
         try:
             with open(fifo, "wb") as out:
-                while not stop.is_set():
+                while sent[0] < 80 << 20:
                     out.write(b"\0" * 65536)
+                    sent[0] += 65536
         except BrokenPipeError:
             pass
 
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
-    try:
-        result = cli("stats", LIN, "--input", "endless.pt")
-    finally:
-        stop.set()
+    result = cli(*argv)
     writer.join(timeout=60)
     assert result.exit_code == 2, result.stderr
-    assert "more than 1,000,000 bytes" in result.stderr.splitlines()[0]
+    assert f"more than {limit} bytes" in result.stderr.splitlines()[0]
+    assert sent[0] < 80 << 20  # the reader stopped: the writer's pipe broke before it was done
 
 
 def test_check_without_params_change_needs_no_copy(cli, workdir: Path) -> None:
