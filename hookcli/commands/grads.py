@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookcli import progress
-from hookcli.errors import HookcliError, UnsupportedError, UsageError
+from hookcli.errors import INTERRUPTS, HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
 from hookcli.options import GradSort, Loss, output_key_path, values_of
@@ -427,7 +427,9 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 del others
             except HookcliError:
                 raise
-            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+            except BaseException as exc:  # the user's model raised or exited: keep what we have
+                if isinstance(exc, INTERRUPTS):
+                    raise
                 session.raise_error()  # unless one of hookcli's hooks failed first
                 if phase == "backward" and _reentrant_checkpoint(exc):
                     raise UnsupportedError(

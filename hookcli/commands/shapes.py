@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hookcli.engine.run import forward_report, prepare
-from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError
+from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError, safe_str
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.records import Report
 
@@ -39,7 +39,7 @@ def shapes_report(options: RunOptions) -> Report:
             fallback = f"{exc.report.failure.exception}: {exc.report.failure.message}" if exc.report and \
                 exc.report.failure else str(exc)
         except Exception as exc:  # building on meta failed (an init that reads values)
-            fallback = f"{type(exc).__name__}: {exc}"
+            fallback = f"{type(exc).__name__}: {safe_str(exc)}"
     report = forward_report(prepare(opts), "shapes", stats=False, flops=opts.flops)
     if fallback is not None:
         report.notes.append(f"ran on cpu: the model cannot run on the meta device ({fallback[:160]})")

@@ -213,6 +213,8 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
             except Exception as exc:
                 raise InputError(f"model.{attr}() raised {describe_exception(exc)}",
                                  hint=f"fix the model's {attr}, or give inputs with --input-shape / --input") from exc
+            if value is None:  # a catch-all __getattr__ answers every name with a function: no examples
+                continue
 
         def clone(v: Any) -> Any:  # in-place layers must not change the model's own examples
             return v.clone() if isinstance(v, torch.Tensor) else v

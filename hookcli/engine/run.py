@@ -21,7 +21,9 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
+from hookcli.errors import (
+    INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error, safe_str,
+)
 from hookcli.engine.session import HookOptions, KeepFn, attach
 from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
@@ -200,7 +202,7 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
                 kwargs = frame.f_locals.get("kwargs", {})
                 input_shapes = [shape_of(t) for _, t in iter_tensors((args, kwargs))]
         tb = tb.tb_next
-    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else str(exc).strip()
+    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else safe_str(exc).strip()
     return FailureInfo(
         phase=phase,
         module=module_name,
@@ -255,7 +257,11 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
 
 def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
     """The model's failure in ``phase`` (see ``locate_failure``), or, when hookcli's own code raised
-    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself."""
+    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself.
+    A HookcliError is passed on as it is: the model called hookcli, and that call was refused
+    (re-entry on a model being run) or failed on its own terms."""
+    if isinstance(exc, HookcliError):
+        raise exc
     if not isinstance(exc, SystemExit) and (where := raised_in_hookcli(exc)) is not None:
         raise internal_error(exc, f"hookcli's {where} (during the model's {phase})") from exc
     return locate_failure(exc, model, phase)
@@ -331,7 +337,9 @@ def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         try:
             with torch.no_grad(), counter or nullcontext(), progress.phase("forward") if show_phase else nullcontext():
                 model(*args, **kwargs)
-        except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+        except BaseException as exc:  # the user's model raised or exited: keep what we have
+            if isinstance(exc, INTERRUPTS):
+                raise
             session.raise_error()  # unless one of hookcli's hooks failed first
             failure, cause = blame(exc, model, "forward"), exc
         session.raise_error()

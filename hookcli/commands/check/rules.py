@@ -14,10 +14,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
+from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import output_key_path
 from hookcli.records import LayerRecord, Report, RuleResult
 
@@ -425,8 +427,7 @@ def load_baseline(path: str, source: str | None = None) -> dict[str, Any]:
     ``source`` (the config file) prefixes error messages."""
     where = f"{source}: [checks.baseline] " if source else ""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(read_capped(Path(path), TEXT_BYTES, f"{where}baseline file {path}"))
     except FileNotFoundError:
         raise ConfigError(f"{where}baseline file {path} does not exist",
                           hint="make one with: hookcli shapes MODEL --format json --output FILE") from None
