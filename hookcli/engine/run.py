@@ -23,7 +23,7 @@ from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
 from hookcli.engine.session import HookOptions, KeepFn, attach
-from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
+from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.engine.stats import iter_tensors, shape_of
@@ -64,8 +64,17 @@ class Prepared:
         return self.model_index
 
 
+#: The dummy batch of a train-mode run without --batch-size or inputs: BatchNorm in train mode needs
+#: more than one value per channel (a batch of 1 makes it raise on a (batch, features) input).
+TRAIN_BATCH = 2
+TRAIN_BATCH_NOTE = f"batch of {TRAIN_BATCH} in train mode"
+
+
 def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
+
+    Generated inputs get batch ``--batch-size``, else ``default_batch``, else in train mode
+    ``TRAIN_BATCH`` (said in the inputs' source), else the model's default (1).
 
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
     only) and runs it there. A model instance the caller passed in is never moved to meta (its
@@ -89,11 +98,16 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
         named=index.named,
     )
-    batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    train_batch = opts.train and default_batch is None and opts.batch_size is None and not opts.specs \
+        and not opts.inputs
+    batch = TRAIN_BATCH if train_batch else default_batch
+    batch = opts.batch_size if opts.batch_size is not None else (batch if not opts.specs else None)
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
-        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
+        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
     )
+    if train_batch:
+        inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
     return Prepared(opts, loaded, inputs, selection, info, index)
