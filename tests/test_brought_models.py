@@ -123,3 +123,152 @@ def test_batch_size_and_input_shapes_win_over_the_train_batch(cli: Any) -> None:
     assert report["inputs"][0]["shape"] == [3, 4] and "train mode" not in report["inputs"][0]["source"]
     bad = cli("stats", "test_brought_models:BatchNormHead", "--train", "--input-shape", "1x4")
     assert bad.exit_code == 1 and bad.stdout and "Error:" in bad.stderr  # the model raised on the batch asked for
+
+
+# --------------------------------------------------------------------------- check on wav2vec2
+
+
+def tiny_wav2vec2() -> torch.nn.Module:
+    config = transformers.Wav2Vec2Config(
+        **TINY, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, vocab_size=20)
+    return transformers.Wav2Vec2Model(config).eval()
+
+
+def test_check_on_wav2vec2_passes_in_train_and_eval_mode(cli: Any, tmp_path: Any) -> None:
+    """Its feature encoder sets requires_grad on a tensor made from the input in train mode (hookcli
+    used to make the input require grad, so it raised); in eval mode masked_spec_embed (training-time
+    masking only) is never read: a warning that says so, not "a .detach()?"."""
+    spec = _saved(tmp_path, "w2v", tiny_wav2vec2())
+    train = cli("check", spec, "-f", "json")
+    assert train.exit_code == 0, train.stderr
+    assert json.loads(train.stdout)["ok"] is True
+    evaluated = cli("check", spec, "--eval")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert "masked_spec_embed gets no gradient: this forward never reads it (eval mode" in evaluated.stdout
+    assert "detach" not in evaluated.stdout + evaluated.stderr
+
+
+def test_wav2vec2_parameter_gradients_match_autograd_without_input_grad(cli: Any, tmp_path: Any) -> None:
+    model = tiny_wav2vec2()
+    report = run_json(cli, "grads", _saved(tmp_path, "w2v", model), "--params", "all")
+    x = torch.randn((1, 16000), generator=torch.Generator().manual_seed(0))
+    loss = model(input_values=x).last_hidden_state.float().square().mean()  # hookcli's auto loss here
+    assert report["loss"]["kind"] == "mean_square" and report["loss"]["value"] == pytest.approx(loss.item(), rel=1e-5)
+    named = dict(model.named_parameters())
+    used = [n for n in named if n != "masked_spec_embed"]
+    grads = dict(zip(used, torch.autograd.grad(loss, [named[n] for n in used])))
+    rows = {p["name"]: p for p in report["params"]}
+    for name in ("feature_extractor.conv_layers.0.conv.weight", "encoder.layers.1.final_layer_norm.weight"):
+        assert rows[name]["grad"]["norm"] == pytest.approx(grads[name].double().norm().item(), rel=1e-4)
+    assert rows["masked_spec_embed"]["grad"] is None
+    assert report["inputs"][0]["shape"] == [1, 16000]
+
+
+class Spare(torch.nn.Module):
+    """One parameter never read (only its dtype: ``spare``), two read but cut off (``cut``, ``values``),
+    one layer that learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.cut = torch.nn.Parameter(torch.ones(3))
+        self.spare = torch.nn.Parameter(torch.ones(3))
+        self.values = torch.nn.Parameter(torch.ones(3))  # read through .data: cut off too
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.cut.detach() + self.values.data * (self.spare.dtype == torch.float32)
+
+
+def test_never_read_parameter_warns_and_a_cut_off_one_fails(cli: Any) -> None:
+    result = cli("check", "test_brought_models:Spare", "--input-shape", "2x4", "-f", "json")
+    assert result.exit_code == 1 and "Error: check failed" in result.stderr
+    rules = {r["rule"]: r for r in json.loads(result.stdout)["rules"]}
+    found = {v["where"]: v for v in rules["grad_norm"]["violations"]}
+    assert found["spare"]["severity"] == "warn" and "never reads it" in found["spare"]["message"]
+    for name in ("cut", "values"):  # errors
+        assert "severity" not in found[name] and "never reads" not in found[name]["message"]
+
+
+# --------------------------------------------------------------------------- detection losses
+
+FRCNN = "fasterrcnn_mobilenet_v3_large_320_fpn"
+
+
+def test_detection_output_without_detections_is_refused_not_a_nan_loss(cli: Any) -> None:
+    result = cli("grads", FRCNN)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("Error: every floating tensor of the model output is empty")
+    assert lines[1].lstrip().startswith("hint:") and "Traceback" not in result.stderr
+
+
+def test_detection_losses_with_targets_are_summed_and_gradients_match_autograd(cli: Any, tmp_path: Any) -> None:
+    import torchvision
+
+    gen = torch.Generator().manual_seed(1)
+    images = [torch.rand((3, 320, 320), generator=gen)]
+    targets = [{"boxes": torch.tensor([[10.0, 20.0, 100.0, 200.0]]), "labels": torch.tensor([1])}]
+    torch.save((images, targets), tmp_path / "batch.pt")
+    report = run_json(cli, "grads", FRCNN, "--train", "--input", str(tmp_path / "batch.pt"), "--params", "all")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
+            weights=None, weights_backbone=None).train()
+        torch.manual_seed(0)  # the run's RNG (the RPN's and ROI heads' box sampling) seeded as hookcli seeds it
+        losses = model(images, targets)
+    assert len(losses) == 4
+    total = sum(losses.values())
+    assert report["loss"]["kind"] == "model_loss" and report["loss"]["output"].startswith("sum of ")
+    assert all(f"['{k}']" in report["loss"]["output"] for k in losses)
+    assert report["loss"]["value"] == pytest.approx(total.item(), rel=1e-5)
+    named = dict(model.named_parameters())
+    names = ["roi_heads.box_predictor.cls_score.weight", "rpn.head.conv.0.0.weight"]
+    grads = torch.autograd.grad(total, [named[n] for n in names])
+    rows = {p["name"]: p for p in report["params"]}
+    for name, g in zip(names, grads):
+        assert rows[name]["grad"]["norm"] == pytest.approx(g.double().norm().item(), rel=1e-4)
+
+
+# --------------------------------------------------------------------------- dtypes of --input-shape
+
+
+class TextAndImage(torch.nn.Module):
+    """Token ids into an Embedding (its first layer) and an image into a Conv2d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+
+    def forward(self, ids: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).mean(1) + self.conv(image).mean((2, 3))
+
+
+@pytest.mark.parametrize("shapes", [("2x5", "2x3x8x8"), ("2x5:int64", "2x3x8x8"), ("ids=2x7", "image=2x3x8x8")])
+def test_an_input_without_dtype_beside_an_embedding_first_layer_is_refused(cli: Any, shapes: tuple[str, ...]) -> None:
+    args = [a for s in shapes for a in ("--input-shape", s)]
+    result = cli("stats", "test_brought_models:TextAndImage", *args)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("Error: cannot tell the dtype") and "2x3x8x8" in lines[0]
+    assert lines[1].lstrip().startswith("hint:")
+
+
+def test_inputs_with_their_dtypes_run_and_match_torch(cli: Any) -> None:
+    report = run_json(cli, "stats", "test_brought_models:TextAndImage", "--input-shape", "2x5:int64",
+                      "--input-shape", "2x3x8x8:float32")
+    assert [i["dtype"] for i in report["inputs"]] == ["int64", "float32"]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = TextAndImage().eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10, (2, 5), generator=gen)
+    image = torch.randn((2, 3, 8, 8), generator=gen)
+    outputs, _ = reference_outputs(model, ids, image)
+    assert_layers_match(report["layers"], outputs, "stats")
+
+
+def test_one_input_of_an_embedding_first_model_is_still_token_ids(cli: Any) -> None:
+    report = run_json(cli, "stats", "seq_models:EmbedLSTM", "--input-shape", "2x6")
+    assert report["inputs"][0]["dtype"] == "int64"

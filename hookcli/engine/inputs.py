@@ -347,7 +347,8 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     """Build CPU inputs for ``loaded.model`` (``meta``: for a run on the meta device).
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
-    for a model that starts with an embedding, else float32). ``files``: images or folders of
+    for a model that starts with an embedding and takes one input, refused with several (``_spec_dtypes``),
+    else float32). ``files``: images or folders of
     images (one preprocessed batch; detection: a list of images; video: the frames of one clip;
     optical flow: two frames) or tensor files (.pt/.pth/.npy/.npz/.safetensors); files decide the
     batch, so ``batch_size`` is ignored with them. Neither: the model's ``example_inputs``, else a
@@ -383,18 +384,43 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         names = [getattr(spec, "name", None) for spec in shapes]
         if twice := sorted({n for n in names if n is not None and names.count(n) > 1}):
             raise UsageError(f"keyword input {twice[0]!r} given twice", hint="give each --input-shape NAME=... once")
+        dtypes = _spec_dtypes(loaded.model, shapes, guessed)
         made_specs = [
             (getattr(spec, "name", None), *_fill(
                 (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
-                getattr(torch, spec.dtype) if spec.dtype else _named_dtype(getattr(spec, "name", None), guessed),
-                fill, gen, seed, loaded.model, getattr(spec, "name", None)))
-            for spec in shapes]
+                dtype, fill, gen, seed, loaded.model, getattr(spec, "name", None)))
+            for spec, dtype in zip(shapes, dtypes)]
         made = pack_inputs([(t, src) for n, t, src in made_specs if n is None],
                            [(n, t, src) for n, t, src in made_specs if n is not None])
     return made
 
 
-def _named_dtype(name: str | None, guessed: torch.dtype) -> torch.dtype:
+def _spec_dtypes(model: nn.Module, shapes: Sequence[InputSpec], guessed: torch.dtype) -> list[torch.dtype]:
+    """The dtype of each ``--input-shape``: its own ``:dtype``, else what its name implies (``_named_dtype``),
+    else ``guessed`` from the model's first layer. That guess is about the one input the first layer
+    takes: with several inputs an integer guess (an Embedding first) cannot say which of them are
+    token ids (an image input beside them is float), so an input it would decide is refused (exit 2)."""
+    dtypes: list[torch.dtype | None] = [
+        getattr(torch, spec.dtype) if spec.dtype else _named_dtype(getattr(spec, "name", None), None)
+        for spec in shapes]
+    undecided = [i for i, d in enumerate(dtypes) if d is None]
+    if len(shapes) > 1 and undecided and not guessed.is_floating_point:
+        leaf = _input_module(model)
+        first = f"{leaf[0] or '(model)'} ({type(leaf[1]).__name__})" if leaf is not None else "an embedding"
+        shown = " ".join(f"--input-shape {_spec_text(shapes[i])}" for i in undecided[:3])
+        raise InputError(
+            f"cannot tell the dtype of {plural(len(undecided), 'input')} without one ({shown}): the model's first "
+            f"layer {first} takes integer ids, but with {len(shapes)} inputs it is not known which of them it takes",
+            hint="give each --input-shape its dtype, e.g. --input-shape 1x16:int64 --input-shape 1x3x32x32:float32")
+    return [d if d is not None else guessed for d in dtypes]
+
+
+def _spec_text(spec: InputSpec) -> str:
+    name = getattr(spec, "name", None)
+    return f"{name + '=' if name else ''}{'x'.join(map(str, spec.shape))}"
+
+
+def _named_dtype(name: str | None, guessed: torch.dtype | None) -> torch.dtype | None:
     """The dtype of an input given without one: int64 for token ids and masks by their keyword
     (``input_ids``, ``attention_mask``), else what the model's first layer suggests."""
     if name is not None and (name.endswith("_ids") or name == "ids" or "mask" in name):

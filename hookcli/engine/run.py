@@ -242,8 +242,8 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
     """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
 
     The traceback below the call into the model decides: its innermost frame that is neither
-    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
-    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` / ``__torch_function__``
+    mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or reducer of hookcli there is
     hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
     only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
@@ -259,7 +259,7 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
         return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
     for frame in reversed(frames[start:]):
         filename = frame.f_code.co_filename
-        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
+        if _is_library(filename) or frame.f_code.co_name in ("__torch_dispatch__", "__torch_function__"):
             continue
         return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
     return None
