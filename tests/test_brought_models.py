@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_model_sources import assert_layers_match, reference_outputs, run_json
 
@@ -272,3 +274,42 @@ def test_inputs_with_their_dtypes_run_and_match_torch(cli: Any) -> None:
 def test_one_input_of_an_embedding_first_model_is_still_token_ids(cli: Any) -> None:
     report = run_json(cli, "stats", "seq_models:EmbedLSTM", "--input-shape", "2x6")
     assert report["inputs"][0]["dtype"] == "int64"
+
+
+# --------------------------------------------------------------------------- position limits, any config
+
+
+@settings(max_examples=25, deadline=None)
+@given(text=st.integers(1, 300), vision=st.integers(1, 300), seq=st.one_of(st.none(), st.integers(1, 500)))
+def test_generated_length_is_the_default_capped_by_every_declared_limit(text: int, vision: int, seq: int | None) -> None:
+    """Limits in sub-configs count (CLIP's text_config); an explicit --seq-len is kept as given."""
+    from hookcli.engine.inputs import DEFAULT_SEQ_LEN, _hf_seq_len
+
+    config = transformers.CLIPConfig(text_config={"max_position_embeddings": text},
+                                     vision_config={"max_position_embeddings": vision})
+    length, note = _hf_seq_len(config, seq)
+    if seq is not None:
+        assert (length, note) == (seq, "")
+    else:
+        assert length == min(DEFAULT_SEQ_LEN, text, vision)
+        assert (note != "") == (length < DEFAULT_SEQ_LEN)
+
+
+class HugeValueReader(torch.nn.Module):
+    """1 TiB of weights, and a forward that reads a value (``.item()``): it cannot run on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(2**38))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w[:1].sum().item()
+
+
+def test_shapes_never_builds_for_real_a_model_too_large_for_memory(cli: Any) -> None:
+    result = cli("shapes", "test_brought_models:HugeValueReader", "--input-shape", "2x4")
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("Error: the model cannot run on the meta device")
+    assert "its weights (1.02e+03 GiB) would not fit" in lines[0]
+    assert lines[1].lstrip().startswith("hint:")
