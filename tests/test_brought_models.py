@@ -313,3 +313,20 @@ def test_shapes_never_builds_for_real_a_model_too_large_for_memory(cli: Any) -> 
     assert len(lines) == 2 and lines[0].startswith("Error: the model cannot run on the meta device")
     assert "its weights (1.02e+03 GiB) would not fit" in lines[0]
     assert lines[1].lstrip().startswith("hint:")
+
+
+def test_shapes_of_an_hf_directory_builds_from_its_config_on_meta(cli: Any, tmp_path: Any) -> None:
+    """hf:DIR (and hf:ORG/NAME, the same code) on meta: from the config, no weights read (from_pretrained
+    refuses the meta device, so a 7B checkpoint was loaded on the CPU). A config-only directory of a large
+    mistral (4 layers of its 4096 hidden size: ~1.1e9 parameters) is enough for shapes."""
+    transformers.MistralConfig(num_hidden_layers=4).save_pretrained(tmp_path / "mistral")
+    report = run_json(cli, "shapes", f"hf:{tmp_path / 'mistral'}")
+    assert report["device"] == "meta" and report["model"]["class"] == "MistralForCausalLM"
+    assert report["model"]["params"] > 1_000_000_000
+    assert not any("ran on cpu" in n for n in report["notes"])
+    small = _saved(tmp_path, "clip", tiny_clip())
+    on_meta, on_cpu = run_json(cli, "shapes", small), run_json(cli, "shapes", small, "--device", "cpu")
+    assert on_meta["device"] == "meta" and on_cpu["device"] == "cpu"
+    assert on_meta["model"]["params"] == on_cpu["model"]["params"] == sum(p.numel() for p in tiny_clip().parameters())
+    stats = cli("stats", f"hf:{tmp_path / 'mistral'}")  # values need the weights the directory lacks
+    assert stats.exit_code == 2 and stats.stdout == "" and "hint:" in stats.stderr

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
@@ -177,7 +178,8 @@ def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) ->
 
 
 def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any], *, local: bool) -> nn.Module:
-    """Config and weights from a directory or the local cache, never the network."""
+    """Config and weights from a directory or the local cache, never the network; on the meta device
+    (``torch.device("meta")`` as the default device) the config only."""
     where = f"directory {name}" if local else f"{name}"
     try:
         config = transformers.AutoConfig.from_pretrained(name, local_files_only=True, **model_args)
@@ -191,6 +193,11 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         raise UsageError(f"could not read the config of {where}: {describe_exception(exc, 160)}",
                          hint="is config.json from a transformers model (with a model_type)?") from exc
     cls = _class_from_config(transformers, config)
+    if torch.get_default_device().type == "meta":
+        # a build on the meta device (shapes) needs no weights, and from_pretrained refuses it: the model
+        # from its config, so a 7B checkpoint is never read into memory to print its shapes
+        build = getattr(cls, "from_config", None) or cls._from_config  # (Auto classes | model classes)
+        return build(config)
     try:
         return cls.from_pretrained(name, config=config, local_files_only=True)
     except OSError as exc:
