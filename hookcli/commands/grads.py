@@ -152,8 +152,9 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
                model: nn.Module | None = None, seed: int = 0) -> LossChoice:
     """The loss to backpropagate from the model's ``output``.
 
-    ``auto`` picks, in order: the sum of a dict/list/tuple output of scalar losses (``loss_collection``);
-    the model's own scalar ``loss`` entry (a ModelOutput or dict that has one) or a scalar output; per-token cross-entropy over the last dimension for ``[batch, seq, vocab]``
+    ``auto`` picks, in order: the sum of a dict/list/tuple output of scalar losses (``loss_collection``,
+    as training sums them); the model's own scalar ``loss`` entry (a ModelOutput or dict that has one) or
+    a scalar output; per-token cross-entropy over the last dimension for ``[batch, seq, vocab]``
     logits (:func:`is_sequence_logits`; targets from :func:`sequence_targets`); cross-entropy against
     class ``target`` for ``[batch, classes]``; otherwise the mean of squares, ``mean(x**2)`` (its
     gradient ``2x/numel`` never cancels out the way a sum's does after a normalisation layer).
@@ -164,8 +165,7 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
     losses = loss_collection(output) if loss == Loss.auto and output_key is None else None
     if losses is not None:
         value = torch.stack([t.float() for _, t in losses]).sum()
-        return LossChoice("model_loss", "sum of " + ", ".join(p for p, _ in losses), None, value,
-                          None)
+        return LossChoice("model_loss", "sum of " + ", ".join(p for p, _ in losses), None, value)
     path, out = pick_output(output, output_key, skip_loss=loss != Loss.auto)
     if loss == Loss.auto:
         if out.dim() == 0 and (output_key is not None or _is_model_loss(path, out) or path == ""):

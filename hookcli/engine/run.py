@@ -98,10 +98,10 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
         named=index.named,
     )
-    train_batch = opts.train and default_batch is None and opts.batch_size is None and not opts.specs \
-        and not opts.inputs
-    batch = TRAIN_BATCH if train_batch else default_batch
-    batch = opts.batch_size if opts.batch_size is not None else (batch if not opts.specs else None)
+    batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
+    if train_batch:
+        batch = TRAIN_BATCH
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
         trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
@@ -243,8 +243,8 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
 
     The traceback below the call into the model decides: its innermost frame that is neither
     library code (torch, the standard library) nor a ``__torch_dispatch__`` / ``__torch_function__``
-    mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or reducer of hookcli there is
-    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
+    mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or
+    reducer of hookcli there is hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
     only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
     frames = []
