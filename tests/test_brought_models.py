@@ -281,7 +281,8 @@ def test_one_input_of_an_embedding_first_model_is_still_token_ids(cli: Any) -> N
 
 @settings(max_examples=25, deadline=None)
 @given(text=st.integers(1, 300), vision=st.integers(1, 300), seq=st.one_of(st.none(), st.integers(1, 500)))
-def test_generated_length_is_the_default_capped_by_every_declared_limit(text: int, vision: int, seq: int | None) -> None:
+def test_generated_length_is_the_default_capped_by_every_declared_limit(text: int, vision: int,
+                                                                       seq: int | None) -> None:
     """Limits in sub-configs count (CLIP's text_config); an explicit --seq-len is kept as given."""
     from hookcli.engine.inputs import DEFAULT_SEQ_LEN, _hf_seq_len
 

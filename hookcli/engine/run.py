@@ -244,8 +244,8 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
     The traceback below the call into the model decides: its innermost frame that is neither
     library code (torch, the standard library) nor a ``__torch_dispatch__`` / ``__torch_function__``
     mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or
-    reducer of hookcli there is hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
-    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
+    reducer of hookcli there is hookcli's failure, not the model's; the user's forward (or
+    torchvision's, timm's...) there, or only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
     frames = []
     tb: TracebackType | None = exc.__traceback__
