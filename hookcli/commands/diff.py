@@ -141,7 +141,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
          *, grads: bool, compile_model: bool) -> tuple[list[LayerRecord], dict[str, Any] | None]:
     """One run with ``keep`` on every selected output (and ``keep_grad`` on their gradients with
     ``grads``); its records and the loss. The model raising is a ModelRaisedError naming the run."""
-    from hookcli.commands.grads import _loss, no_gradients, require_grad
+    from hookcli.commands.grads import _loss, inputs_for_backward, no_gradients
 
     opts = prep.options
     refuse_torchscript(prep.loaded.model, prep.selection)
@@ -149,7 +149,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
     with running(prep) as (model, args, kwargs):
         fn: Callable[..., Any] = torch.compile(model) if compile_model else model
         if grads:
-            args, kwargs = require_grad(args), require_grad(kwargs)
+            args, kwargs = inputs_for_backward(args, kwargs, model, False)
         options = HookOptions(grads=grads, keep=keep, keep_grad=keep_grad)
         with attach(model, prep.selection, options, model_modules=len(prep.index.named),
                     compiled=compile_model) as session:

@@ -25,7 +25,7 @@ from hookcli.errors import (
     INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error, safe_str,
 )
 from hookcli.engine.session import HookOptions, KeepFn, attach
-from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
+from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance
@@ -67,8 +67,17 @@ class Prepared:
         return self.model_index
 
 
+#: The dummy batch of a train-mode run without --batch-size or inputs: BatchNorm in train mode needs
+#: more than one value per channel (a batch of 1 makes it raise on a (batch, features) input).
+TRAIN_BATCH = 2
+TRAIN_BATCH_NOTE = f"batch of {TRAIN_BATCH} in train mode"
+
+
 def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
+
+    Generated inputs get batch ``--batch-size``, else ``default_batch``, else in train mode
+    ``TRAIN_BATCH`` (said in the inputs' source), else the model's default (1).
 
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
     only) and runs it there. A model instance the caller passed in is never moved to meta (its
@@ -93,10 +102,15 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         named=index.named,
     )
     batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
+    if train_batch:
+        batch = TRAIN_BATCH
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
-        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
+        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
     )
+    if train_batch:
+        inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
     return Prepared(opts, loaded, inputs, selection, info, index)
@@ -232,10 +246,10 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
     """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
 
     The traceback below the call into the model decides: its innermost frame that is neither
-    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
-    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
-    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
-    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` / ``__torch_function__``
+    mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or
+    reducer of hookcli there is hookcli's failure, not the model's; the user's forward (or
+    torchvision's, timm's...) there, or only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
     frames = []
     tb: TracebackType | None = exc.__traceback__
@@ -249,7 +263,7 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
         return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
     for frame in reversed(frames[start:]):
         filename = frame.f_code.co_filename
-        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
+        if _is_library(filename) or frame.f_code.co_name in ("__torch_dispatch__", "__torch_function__"):
             continue
         return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
     return None

@@ -157,14 +157,18 @@ def _owner(name: str) -> str:
 def no_gradient(p: Any, report: Report) -> tuple[str, str]:
     """Why trainable parameter ``p`` got no gradient from the loss, as (severity, message).
 
-    ``warn``: its module was never called, or it only feeds model outputs the loss does not use (BERT's
-    pooler under a loss on ``last_hidden_state``). ``error``: its module ran, yet nothing it computes
-    reaches the loss or any output: cut off (a ``.detach()`` or ``torch.no_grad()`` in forward).
+    ``warn``: its module was never called, the forward never read it (wav2vec2's ``masked_spec_embed``,
+    used only for training-time masking), or it only feeds model outputs the loss does not use (BERT's
+    pooler under a loss on ``last_hidden_state``). ``error``: the forward read it, yet nothing it
+    computes reaches the loss or any output: cut off (a ``.detach()`` or ``torch.no_grad()`` in forward).
     """
     owner = _owner(p.name)
     calls = [r.called for r in report.layers if r.name == owner]
     if calls and not any(calls):
         return "warn", f"{p.name} gets no gradient: its module {owner or '(model)'} is never called"
+    if getattr(p, "unused", None):
+        return "warn", (f"{p.name} gets no gradient: this forward never reads it "
+                        f"({report.mode} mode; a parameter only some modes or inputs use)")
     if p.other_outputs:
         return "warn", (f"{p.name} gets no gradient: it only feeds the output(s) {', '.join(p.other_outputs)}, "
                         "which the loss does not use")

@@ -76,16 +76,20 @@ class Probe(RunObserver):
     session calls it (``RunObserver``), so its failures are hookcli's (InternalError after the run)."""
 
     def __init__(self, channel_dim: Callable[[str], int | str] | None,
-                 modules: Mapping[str, nn.Module] | None = None) -> None:
+                 modules: Mapping[str, nn.Module] | None = None, frozen: set[str] | None = None) -> None:
         self.channel_dim = channel_dim
         self.auto_dims = ChannelDims(modules or {})
+        #: Frozen modules (parameters, none trainable): their outputs are computed, never constants.
+        self.frozen = frozen or set()
         # every selected output: constants are told apart (cheap: no reduction unless dead_channels is on)
         self.wants_tensors = True
+        self.wants_param_reads = True  # a parameter without a gradient: unused, or cut off (no_gradient)
         self.order: CompletionOrder = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
-        #: Float outputs that do not require grad in this grad-enabled run: constants (masks, zero
-        #: position biases) computed from neither a parameter nor the input.
+        #: Float outputs that do not require grad in this grad-enabled run, of modules that are not
+        #: frozen: constants (masks, zero position biases) computed from no trainable parameter. (The
+        #: input does not require grad, as in training: a frozen module's output is checked.)
         self.constant: set[tuple[str, int, str]] = set()
 
     def tensor(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
@@ -93,7 +97,7 @@ class Probe(RunObserver):
         tensor (``dead_channels``)."""
         if not t.is_floating_point():
             return
-        if not t.requires_grad:
+        if not t.requires_grad and name not in self.frozen:
             self.constant.add((name, call, path))
         if self.channel_dim is None:
             return
@@ -228,7 +232,9 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
     """One forward, loss and backward with every hook: the Report and the probe's Observations."""
     obs = Observations()
     dead = rules.get("dead_channels")
-    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None, dict(prep.selection))
+    frozen = {name for name, module in prep.index.named
+              if next(module.parameters(), None) is not None and not any(p.requires_grad for p in module.parameters())}
+    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None, dict(prep.selection), frozen)
     cause: BaseException | None = None
     try:
         report = backward_report(prep, "check", stats=True, observer=probe)
