@@ -110,6 +110,18 @@ class RunsHookcli(NoCopy):  # calls hookcli on itself from its own forward
         return self.lin(x)
 
 
+class RefusesWeights(nn.Module):  # its own state-dict loader wants every key, as a quantized Linear once did
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        raise ValueError("this module loads only a complete state dict of its own format")
+
+    def forward(self, x):
+        return self.lin(x)
+
+
 def quantized():  # static quantization: its layers output quint8 tensors, its state dict packs weights
     from torch.ao.nn import quantized as nnq
     gen = torch.Generator().manual_seed(0)
@@ -340,7 +352,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("import raising an unprintable exception", ["stats", "badtext.py:Net"], 2, "BadText whose __str__ raised"),
     ("hookcli from the model's forward", ["stats", "lin.py:RunsHookcli"], 2, "already running this model"),
     ("hookcli's own entry point as MODEL", ["stats", "hookcli.cli.main:main"], 2, "called again"),
-    ("diff of a quantized model", ["diff", "lin.py:quantized", "--input-shape", "2x16"], 2,
+    ("diff whose run B refuses A's weights", ["diff", "lin.py:RefusesWeights", "--input-shape", "2x16"], 2,
      "cannot take run A's weights"),
     ("a torch.export'ed module", ["stats", "lin.py:exported", "--input-shape", "2x16"], 2, "torch.export"),
     ("input .pt holding a meta tensor", ["stats", LIN, "--input", "meta.pt"], 2, "meta tensor"),
@@ -794,3 +806,13 @@ def test_a_closed_stderr_loses_only_the_diagnostics(workdir: Path) -> None:
                     stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
     assert proc.returncode == 0 and proc.stdout == b""
     assert json.loads((workdir / "r.json").read_text())["command"] == "stats"
+
+
+def test_diff_of_a_quantized_model_against_itself_compares_its_quantized_outputs(cli, workdir: Path) -> None:
+    """A quantized state dict (packed weights, a dtype) reaches run B with its version data: nothing differs,
+    and the quantized layer's row is there (the run B that could not take A's weights was exit 2 once)."""
+    result = cli("diff", "lin.py:quantized", "--input-shape", "2x16", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    rows = {r["name"]: r for r in json.loads(result.stdout)["rows"]}
+    assert rows["1"]["a"]["dtype"] == rows["1"]["b"]["dtype"] == "quint8"
+    assert rows["1"]["status"] == "ok" and rows["1"]["errors"]["max_abs"] == 0.0
