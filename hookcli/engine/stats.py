@@ -168,7 +168,24 @@ class Reducer:
                 and not x.is_nested and x.is_contiguous() and not x.is_neg() and x.numel()):
             # the common case (a dense CPU activation), without the general path's views: the kernel
             # takes the tensor's memory as one C-contiguous buffer of any rank
-            vector = self._from_kernel(x.view(-1), zeros)
+            sums = _fastreduce.reduce(kernel_buffer(x), kernel_dtype, self.threads)
+            s1, s2, s3, s4, lo, hi, zero_count = sums
+            n = x.numel()
+            mean = s1 / n
+            m2 = s2 - s1 * mean
+            if 0.0 <= m2 and mean * mean * n <= self.OFFSET_RATIO_FLOAT64 * m2:
+                # finite (a NaN or Inf makes m2 NaN) and well conditioned: what _from_power_sums computes,
+                # without its rare branches (central_moments about 0, written out)
+                sq = mean * mean
+                vector = tuple.__new__(Moments, (  # (Moments(...) costs a Python call more)
+                    mean, lo, hi, float(n), m2, s3 - 3 * mean * s2 + 2 * n * sq * mean,
+                    s4 - 4 * mean * s3 + 6 * sq * s2 - 3 * n * sq * sq, float(zero_count) if zeros else 0.0,
+                    0.0, 0.0))
+            else:
+                flat = x.view(-1)
+                moments = self._from_power_sums(flat, sums[:4], lo, hi, zero_count if zeros else 0,
+                                                self.OFFSET_RATIO_FLOAT64)
+                vector = self._nonfinite(flat, zeros) if moments is None else moments
             self._remember(key, t, vector)
             return vector
         if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
