@@ -51,12 +51,18 @@ def shapes(model: Any = None, **options: Any) -> Report:
 
 
 def stats(model: Any = None, **options: Any) -> Report:
-    """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
+    """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call.
+
+    ``data``: a data set run in batches (``batches``: at most N; ``batch_size``: images or rows per
+    batch), each row's statistics merged over all of them: a folder of images or a tensor file (a
+    path), ``"pkg.mod:attr"`` / ``"path/file.py:attr"`` naming an iterable of batches, any iterable of
+    batches (a DataLoader; each item a tensor, a tuple of positional inputs or a dict of keyword
+    inputs), or a tensor / tuple of tensors / dict of tensors sliced along its first dimension."""
     from hookcli.engine.run import forward_report, prepare, require_values
     from hookcli.engine.state import exclusive
 
     with exclusive(model):
-        prep = prepare(_options(model, options))
+        prep = prepare(_options(model, options), batched=True)
         require_values(prep, "stats")  # statistics of meta tensors would be a table of dashes
         return forward_report(prep, "stats", stats=True)
 

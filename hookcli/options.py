@@ -306,6 +306,11 @@ class RunOptions:
     input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
     inputs: Sequence[str | os.PathLike[str]] = _flag("--input", ())
     batch_size: int | None = _flag("--batch-size")
+    #: a data set to run over in batches (stats): a folder of images or a tensor file (a
+    #: path), an import path of an iterable of batches (pkg.mod:attr, path/file.py:attr), or (Python
+    #: only) any iterable of batches, or a tensor / tuple of tensors / dict of tensors to slice
+    data: Any = _flag("--data")
+    batches: int | None = _flag("--batches")  # at most this many batches of ``data`` (None: all)
     fill: Fill | str = _flag("--fill", Fill.randn)
     seed: int = _flag("--seed", 0)
     seq_len: int | None = _flag("--seq-len")  # length of generated sequences (None: 128, capped by an HF config)
@@ -374,6 +379,18 @@ class RunOptions:
                 raise InputError(f"input file not found: {path}",
                                  hint="check the path (relative paths start at the current directory)")
         opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
+        opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
+                                  hint="--batches N runs at most N batches of --data")
+        if isinstance(opts.data, os.PathLike):
+            opts.data = os.fspath(opts.data)
+        if opts.batches is not None and opts.data is None:
+            raise UsageError("--batches needs --data (the data set to take the batches from)",
+                             hint="e.g. --data images/ --batches 10")
+        if opts.data is not None and (opts.specs or opts.inputs):
+            raise UsageError("--data and --input / --input-shape are mutually exclusive",
+                             hint="--data runs a data set in batches; --input / --input-shape give one batch")
+        if isinstance(opts.data, str) and not opts.data.strip():
+            raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
         opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
         opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
                                   hint="the sequence length of generated token inputs, e.g. --seq-len 128")

@@ -33,6 +33,7 @@ from hookcli.cli.options import (
     META_OUTPUT,
     HookcliCommand,
     check_options,
+    data_options,
     diff_options,
     file_output_options,
     fmap_options,
@@ -377,6 +378,7 @@ def shapes(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @output_options
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""

@@ -28,8 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +36,7 @@ from typing import IO, Any
 import torch
 
 from hookcli._version import __version__
+from hookcli.progress import bar as progress_bar
 from hookcli.engine.run import (
     Prepared,
     hooked_forward,
@@ -347,21 +347,6 @@ def _plan(opts: RunOptions) -> tuple[RunOptions, list[list[Path]], str]:
     return replace(opts, inputs=[os.fspath(p) for p in batches[0]]), batches, label
 
 
-def _progress(enabled: bool | None, total: int) -> tuple[AbstractContextManager[Any], Callable[[int], None]]:
-    """A rich progress bar on stderr (only on a terminal unless ``enabled``) and its advance()."""
-    show = enabled if enabled is not None else sys.stderr.isatty()
-    if not show or total <= 0:
-        return nullcontext(), lambda n: None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    console = Console(file=sys.stderr)
-    bar = Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(), TextColumn("images"),
-                   TimeRemainingColumn(), console=console, transient=console.is_terminal)
-    task = bar.add_task("features", total=total)
-    return bar, lambda n: bar.advance(task, n)
-
-
 def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None = None,
                  progress: bool | None = None) -> FeatureExport:
     """Run the model, keep the selected outputs, save them to ``output`` (if given).
@@ -385,7 +370,8 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     store = FeatureStore(total)
     report = new_report(prep, "features")
     params = params_by_module(prep)
-    bar, advance = _progress(progress, total or 0)
+    bar, advance = progress_bar("features", total or 0, "images",
+                                enabled=progress if progress is not None else sys.stderr.isatty())
     with bar, running(prep) as (model, args, kwargs):
         for index in range(max(1, len(batches))):
             if index > 0:

@@ -1,0 +1,305 @@
+"""Statistics over a whole data set (``--data``, ``--batches``, ``--batch-size``; ``data=`` in Python).
+
+Every number is checked against plain torch: the test runs the same model on the same batches with
+its own forward hooks, concatenates each layer's outputs over all batches and computes float64
+statistics over the concatenation."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from torch import nn
+
+import hookcli
+from hookcli.errors import InputError, UsageError
+from hookcli.records import LayerRecord
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    image_size = 32  # hookcli preprocesses images to this crop
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, stride=2)
+        self.relu = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.relu(self.conv(x))).flatten(1))
+'''
+
+
+def write_model(tmp_path: Path) -> str:
+    (tmp_path / "net.py").write_text(MODEL_FILE)
+    return f"{tmp_path / 'net.py'}:Net"
+
+
+def make_images(folder: Path, count: int) -> None:
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (36, 40, 3), dtype=np.uint8)).save(folder / f"{i:03d}.png")
+
+
+def preprocess(path: Path) -> torch.Tensor:
+    """The generic preprocessing docs/options.md describes, written out with torchvision: shorter side
+    to crop / 0.875, centre crop, [0, 1], ImageNet mean and std."""
+    import torchvision.transforms.v2.functional as F
+    from torchvision.io import read_image
+
+    img = read_image(str(path))
+    img = F.center_crop(F.resize(img, [int(32 / 0.875)], antialias=True), [32, 32])
+    return F.normalize(F.to_dtype(img, torch.float32, scale=True), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+def reference(model: nn.Module, batches: list[tuple[tuple, dict]]) -> dict[str, dict[str, float]]:
+    """Plain torch: each direct child's outputs over all batches, float64 statistics of their concatenation."""
+    outs: dict[str, list[torch.Tensor]] = {}
+    handles = [m.register_forward_hook(lambda m, i, o, name=name: outs.setdefault(name, []).append(o.detach()))
+               for name, m in model.named_children()]
+    with torch.no_grad():
+        for args, kwargs in batches:
+            model(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    stats = {}
+    for name, chunks in outs.items():
+        x = torch.cat([c.reshape(-1) for c in chunks]).double()
+        stats[name] = {"mean": x.mean().item(), "std": x.std(correction=0).item(), "min": x.min().item(),
+                       "max": x.max().item(), "norm": torch.linalg.vector_norm(x).item(),
+                       "zero_fraction": (x == 0).sum().item() / x.numel(), "numel": x.numel()}
+    return stats
+
+
+def assert_rows_match(layers: list[dict], ref: dict[str, dict[str, float]]) -> None:
+    assert [row["name"] for row in layers] == list(ref)
+    for row in layers:
+        got, want = row["stats"], ref[row["name"]]
+        assert got["min"] == want["min"] and got["max"] == want["max"], row["name"]  # exact
+        assert got["zero_fraction"] == want["zero_fraction"], row["name"]  # exact counts
+        for key in ("mean", "std", "norm"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-9, abs_tol=1e-12), (row["name"], key)
+
+
+# --------------------------------------------------------------------------- a folder of images
+
+
+def test_stats_over_a_folder_of_50_images_equals_torch_over_all_50(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    make_images(tmp_path / "imgs", 50)
+    result = cli("stats", spec, "--data", tmp_path / "imgs", "--batch-size", "8", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    report = json.loads(result.stdout)
+    images = sorted((tmp_path / "imgs").iterdir())
+    model = _load(tmp_path)
+    batches = [((torch.stack([preprocess(p) for p in images[i:i + 8]]),), {}) for i in range(0, 50, 8)]
+    assert_rows_match(report["layers"], reference(model, batches))
+    assert "7 batches, 50 samples" in report["inputs"][0]["source"]
+    assert report["inputs"][0]["shape"] == [8, 3, 32, 32]
+
+
+def _load(tmp_path: Path) -> nn.Module:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_test_data_net", tmp_path / "net.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Net().eval()
+
+
+# --------------------------------------------------------------------------- an iterable of dict batches
+
+DATA_FILE = '''
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Rows(Dataset):
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, i):
+        return {"x": torch.sin(torch.arange(48, dtype=torch.float32) * 0.37 + i).reshape(3, 4, 4) * (1 + i % 5)}
+
+
+loader = DataLoader(Rows(), batch_size=5)
+'''
+
+
+def test_stats_through_a_dataloader_of_dict_batches_in_a_file(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(DATA_FILE)
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:loader", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    report = json.loads(result.stdout)
+    rows = [{"x": torch.sin(torch.arange(48, dtype=torch.float32) * 0.37 + i).reshape(3, 4, 4) * (1 + i % 5)}
+            for i in range(23)]
+    batches = [((), {"x": torch.stack([r["x"] for r in rows[i:i + 5]])}) for i in range(0, 23, 5)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+    assert report["inputs"][0]["name"] == "x"
+    assert "5 batches, 23 samples" in report["inputs"][0]["source"]
+
+
+def test_batches_caps_the_count_and_the_statistics_are_of_those_batches(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(DATA_FILE)
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:loader", "--batches", "2", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = [torch.sin(torch.arange(48, dtype=torch.float32) * 0.37 + i).reshape(3, 4, 4) * (1 + i % 5)
+            for i in range(10)]
+    batches = [((), {"x": torch.stack(rows[i:i + 5])}) for i in (0, 5)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+    assert "2 batches, 10 samples" in report["inputs"][0]["source"]
+
+
+# --------------------------------------------------------------------------- Python: data= of any kind
+
+
+@settings(max_examples=15, deadline=None)
+@given(samples=st.integers(1, 40), batch=st.integers(1, 16), scale=st.floats(1e-3, 1e3))
+def test_api_data_tensor_sliced_equals_torch_over_the_whole_tensor(samples: int, batch: int, scale: float) -> None:
+    model = nn.Sequential(nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 3)).eval()
+    data = torch.randn(samples, 6, generator=torch.Generator().manual_seed(samples)) * scale
+    report = hookcli.stats(model, data=data, batch_size=batch)
+    ref = reference(model, [((data[i:i + batch],), {}) for i in range(0, samples, batch)])
+    # slicing or not, plain torch on the whole tensor gives the same outputs here (Linear is row-wise)
+    assert_rows_match([r.to_dict() for r in report.layers], ref)
+    assert f"{-(-samples // batch)} batch" in report.inputs[0].source
+
+
+def test_api_data_list_of_tuples_and_a_generator_with_batches() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(3, 4, generator=gen),) for _ in range(4)]
+    report = hookcli.stats(model, data=batches)
+    assert_rows_match([r.to_dict() for r in report.layers], reference(model, [(b, {}) for b in batches]))
+
+    def endless() -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.ones(2, 4)
+
+    with pytest.raises(InputError, match="no length"):
+        hookcli.stats(model, data=endless())
+    report = hookcli.stats(model, data=endless(), batches=3)
+    assert "3 batches, 6 samples" in report.inputs[0].source
+
+
+# --------------------------------------------------------------------------- memory stays flat
+
+
+def test_kept_records_and_tensors_do_not_grow_with_the_number_of_batches() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)]).eval()
+    live: dict[int, tuple[int, int]] = {}
+
+    def count() -> tuple[int, int]:  # (a function: the list of every object is gone when it returns)
+        gc.collect()
+        objects = gc.get_objects()
+        return sum(type(o) is LayerRecord for o in objects), sum(type(o) is torch.Tensor for o in objects)
+
+    def batches() -> Iterator[torch.Tensor]:
+        for index in range(30):
+            if index in (3, 29):  # between batches: what the run holds on to now
+                live[index] = count()
+            yield torch.randn(4, 8)
+
+    hookcli.stats(model, data=batches(), batches=30)
+    assert live[3][0] > 0  # the rows kept so far are seen
+    assert live[29] == live[3]
+
+
+# --------------------------------------------------------------------------- bad data
+
+
+def test_a_batch_of_another_shape_is_the_models_failure_naming_the_batch_with_the_rows_so_far(
+        cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    good = torch.randn(12, 3, 8, 8)
+    bad = torch.randn(4, 5, 8, 8)  # 5 channels: conv raises
+    (tmp_path / "data.py").write_text(textwrap.dedent(f'''
+        import torch
+        batches = [torch.load({str(tmp_path / "good.pt")!r})[i:i + 4] for i in range(0, 12, 4)]
+        batches.append(torch.load({str(tmp_path / "bad.pt")!r}))
+    '''))
+    torch.save(good, tmp_path / "good.pt")
+    torch.save(bad, tmp_path / "bad.pt")
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches", "-f", "json")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: batch 3: ")
+    assert "Traceback" not in result.stderr
+    report = json.loads(result.stdout)
+    assert report["partial"] is True
+    # the rows gathered so far: each layer merged over the three good batches
+    ref = reference(_load(tmp_path), [((good[i:i + 4],), {}) for i in range(0, 12, 4)])
+    fc = next(r for r in report["layers"] if r["name"] == "fc")
+    assert math.isclose(fc["stats"]["mean"], ref["fc"]["mean"], rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("source, words", [
+    ("batches = []", "gave no batches"),
+    ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
+    ("batches = [__import__('torch').ones(2, 3, 8, 8), {'y': __import__('torch').ones(2, 3, 8, 8)}]", "batch 1:"),
+    ("batches = 7", "not an iterable"),
+    ("def batches():\n    yield 1", "not an iterable"),
+])
+def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words: str) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(source + "\n")
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches")
+    assert result.exit_code == 2, result.stderr
+    assert words in result.stderr.splitlines()[0]
+    assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_an_endless_iterable_needs_batches(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text("import itertools, torch\nbatches = itertools.repeat(torch.ones(2, 3, 8, 8))\n")
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches")
+    assert result.exit_code == 2 and "--batches" in result.stderr
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches", "--batches", "3", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert "3 batches, 6 samples" in json.loads(result.stdout)["inputs"][0]["source"]
+
+
+def test_data_options_that_do_not_go_together(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    result = cli("stats", spec, "--batches", "3")
+    assert result.exit_code == 2 and "--batches needs --data" in result.stderr
+    result = cli("stats", spec, "--data", tmp_path, "--input-shape", "1x3x8x8")
+    assert result.exit_code == 2 and "mutually exclusive" in result.stderr
+    result = cli("stats", spec, "--data", "os:environ")
+    assert result.exit_code == 2 and "standard library" in result.stderr
+    with pytest.raises(UsageError, match="taken by stats only"):
+        hookcli.shapes(nn.Linear(2, 2), data=[torch.ones(1, 2)])
+
+
+def test_a_tensor_file_with_a_leading_batch_dimension_is_sliced(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    data = torch.randn(19, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    torch.save(data, tmp_path / "set.pt")
+    result = cli("stats", spec, "--data", tmp_path / "set.pt", "--batch-size", "6", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert_rows_match(report["layers"],
+                      reference(_load(tmp_path), [((data[i:i + 6],), {}) for i in range(0, 19, 6)]))
+    assert "4 batches, 19 samples" in report["inputs"][0]["source"]
