@@ -79,7 +79,9 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
     ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
     defaults to 2 (BatchNorm needs more than one value per channel; as for every command). ``sort`` (norm|max|name) orders the
     layer and parameter rows (largest gradient first), ``top`` keeps the first N of each (by norm
-    unless ``sort`` says otherwise); ``report.notes`` says what was left out.
+    unless ``sort`` says otherwise); ``report.notes`` says what was left out. ``data`` / ``batches``
+    as for ``stats``: each layer's output-gradient statistics merged over the batches (each of its
+    batch's loss), each parameter's gradient that of the mean loss over the batches.
     """
     import torch
 
@@ -91,7 +93,7 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
     opts = _options(model, options)
     # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
     with exclusive(model), torch.inference_mode(False):
-        report = backward_report(prepare(opts), "grads")
+        report = backward_report(prepare(opts, batched=True), "grads")
     return order_rows(report, sort=sort, top=top)
 
 

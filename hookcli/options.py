@@ -306,7 +306,7 @@ class RunOptions:
     input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
     inputs: Sequence[str | os.PathLike[str]] = _flag("--input", ())
     batch_size: int | None = _flag("--batch-size")
-    #: a data set to run over in batches (stats): a folder of images or a tensor file (a
+    #: a data set to run over in batches (stats, grads): a folder of images or a tensor file (a
     #: path), an import path of an iterable of batches (pkg.mod:attr, path/file.py:attr), or (Python
     #: only) any iterable of batches, or a tensor / tuple of tensors / dict of tensors to slice
     data: Any = _flag("--data")

@@ -289,7 +289,7 @@ def test_data_options_that_do_not_go_together(cli, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "mutually exclusive" in result.stderr
     result = cli("stats", spec, "--data", "os:environ")
     assert result.exit_code == 2 and "standard library" in result.stderr
-    with pytest.raises(UsageError, match="taken by stats only"):
+    with pytest.raises(UsageError, match="taken by stats and grads only"):
         hookcli.shapes(nn.Linear(2, 2), data=[torch.ones(1, 2)])
 
 
@@ -303,3 +303,58 @@ def test_a_tensor_file_with_a_leading_batch_dimension_is_sliced(cli, tmp_path: P
     assert_rows_match(report["layers"],
                       reference(_load(tmp_path), [((data[i:i + 6],), {}) for i in range(0, 19, 6)]))
     assert "4 batches, 19 samples" in report["inputs"][0]["source"]
+
+
+# --------------------------------------------------------------------------- grads over batches
+
+
+def _float64_stats(x: torch.Tensor) -> dict[str, float]:
+    x = x.reshape(-1).double()
+    return {"mean": x.mean().item(), "std": x.std(correction=0).item(), "min": x.min().item(),
+            "max": x.max().item(), "norm": torch.linalg.vector_norm(x).item()}
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    """Equal but for float32 summation order (a mean near 0 is judged on the scale of the values)."""
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-6 * want["norm"]), (what, key, got[key], value)
+
+
+def test_grads_over_batches_parameters_of_the_mean_loss_layers_per_batch_merged(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    data = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+    torch.save(data, tmp_path / "set.pt")
+    result = cli("grads", spec, "--data", tmp_path / "set.pt", "--batch-size", "4", "--params", "all", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    report = json.loads(result.stdout)
+    model = _load(tmp_path)
+    params = dict(model.named_parameters())
+    batches = [data[i:i + 4] for i in range(0, 10, 4)]
+    # plain torch: cross-entropy on class 0 (--loss auto on [batch, classes] logits, --target 0) of each batch
+    losses, outs = [], {}
+    hooks = [m.register_forward_hook(lambda m, i, o, name=name: outs.setdefault(name, []).append(o))
+             for name, m in model.named_children()]
+    for x in batches:
+        logits = model(x)
+        losses.append(nn.functional.cross_entropy(logits, torch.zeros(len(x), dtype=torch.long)))
+    for h in hooks:
+        h.remove()
+    mean_loss = torch.stack(losses).mean()
+    grads = torch.autograd.grad(mean_loss, list(params.values()), retain_graph=True)
+    for row in report["params"]:
+        _close(row["grad"], _float64_stats(grads[list(params).index(row["name"])]), row["name"])
+    # each layer: the gradient of its batch's loss w.r.t. its output, statistics over all batches
+    for row in report["layers"]:
+        per_batch = [torch.autograd.grad(loss, out, retain_graph=True)[0]
+                     for loss, out in zip(losses, outs[row["name"]])]
+        _close(row["grad"], _float64_stats(torch.cat([g.reshape(-1) for g in per_batch])), row["name"])
+    assert math.isclose(report["loss"]["value"], mean_loss.item(), rel_tol=1e-6)
+    assert "3 batches, 10 samples" in report["inputs"][0]["source"]
+
+
+def test_grads_over_batches_refuses_what_it_does_not_merge(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    torch.save(torch.randn(4, 3, 8, 8), tmp_path / "set.pt")
+    result = cli("grads", spec, "--data", tmp_path / "set.pt", "--clip", "1")
+    assert result.exit_code == 2 and "--clip cannot go with --data" in result.stderr

@@ -388,6 +388,7 @@ def stats(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @click.option("--sort", type=click.Choice(values_of(GradSort)),

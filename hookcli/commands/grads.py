@@ -26,7 +26,7 @@ from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.options import GradSort, Loss, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
+from hookcli.engine.stats import Reducer, Vector, device_float, gradient_stats, iter_tensors, shape_of, to_host
 
 if TYPE_CHECKING:  # (imported where FLOPs are counted: torch.utils.flop_counter costs 0.15 s)
     from hookcli.engine.flops import FlopCounter
@@ -396,6 +396,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
     from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
 
+    if prep.data is not None and command == "grads" and observer is None:
+        return data_backward_report(prep, command)
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)
     _refuse_inference_tensors(prep.index)
@@ -534,4 +536,107 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if failure is not None:
         raise_failure(report, failure, cause)
+    return report
+
+
+def data_backward_report(prep: Any, command: str = "grads") -> Report:
+    """``grads`` over every batch of ``--data``: one forward and backward per batch.
+
+    What the rows mean over many batches: each layer row's output gradient is that of its batch's loss,
+    and its statistics are merged over the batches (the distribution of the per-batch gradients, as
+    activation statistics are merged); each parameter's gradient is that of the *mean* of the batch
+    losses (the per-batch gradients summed, one tensor per parameter as ``.grad`` accumulates, divided
+    by the number of batches), which is what a training step over those batches would apply; the loss
+    is the mean of the batch losses. ``--flops``, ``--input-grads`` and ``--clip`` are refused with
+    ``--data`` (exit 2). The model raising on a batch is ModelRaisedError naming the batch, with the rows
+    merged so far."""
+    from hookcli.engine.batches import MergedRows, batch_size_of
+    from hookcli.engine.loading import refuse_torchscript
+    from hookcli.engine.run import (blame, data_batches, data_source, new_report, params_by_module, raise_failure,
+                                    require_values, running)
+
+    opts = prep.options
+    given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
+                                   ("--clip", opts.clip is not None)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
+                         hint="leave them out, or run one batch with --input / --input-shape")
+    require_values(prep, command)
+    refuse_torchscript(prep.loaded.model, prep.selection)
+    _refuse_inference_tensors(prep.index)
+    report = new_report(prep, command)
+    rows = MergedRows()
+    sums: dict[int, torch.Tensor] = {}  # parameter id -> sum of its per-batch gradients
+    losses: list[float] = []
+    choice: LossChoice | None = None
+    bar, advance = progress.bar(command, prep.data.total, "batches")
+    with torch.inference_mode(False), bar, running(prep) as (model, first_args, first_kwargs):
+        reported = param_scope(prep.index, prep.selection, opts.params)
+        leaves = [p for _, p in prep.index.named_parameters() if p.requires_grad]
+        for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
+            args, kwargs = inputs_for_backward(args, kwargs, model, False)
+            failure: FailureInfo | None = None
+            cause: BaseException | None = None
+            with attach(model, prep.selection, HookOptions(grads=True), model_modules=len(prep.index.named)) as session:
+                phase = "forward"
+                try:
+                    with torch.enable_grad():
+                        output = model(*args, **kwargs)
+                        session.raise_error()
+                        choice = _loss(output, opts, (args, kwargs), model)
+                        del output
+                        batch_leaves = leaves + [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
+                        if not choice.value.requires_grad:
+                            raise no_gradients(prep)
+                        phase = "backward"
+                        with warnings.catch_warnings():
+                            warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
+                            results = torch.autograd.grad(choice.value, batch_leaves, allow_unused=True)
+                    session.raise_error()
+                    if all(g is None for g in results):
+                        raise no_gradients(prep)
+                    for leaf, g in zip(leaves, results):
+                        if g is not None:
+                            have = sums.get(id(leaf))
+                            sums[id(leaf)] = g.detach().clone() if have is None else have.add_(g)
+                    losses.append(float(choice.value.detach()))
+                except HookcliError:
+                    raise
+                except BaseException as exc:  # the user's model raised or exited: keep what we have
+                    if isinstance(exc, INTERRUPTS):
+                        raise
+                    session.raise_error()
+                    cause, failure = exc, blame(exc, model, phase)
+                    if phase == "backward" and session.last_grad_call is not None:
+                        failure.module = session.last_grad_call.name or None
+                        failure.module_type = session.last_grad_call.type
+                        failure.input_shapes = session.last_grad_call.input_shapes
+            layers, _ = session.records(params_by_module(prep))
+            rows.add(layers, session.vectors(), batch_size_of(batch))
+            if failure is not None:
+                report.layers = rows.records()
+                data_source(prep, report, rows)
+                raise_failure(report, failure, cause, where=f"batch {index}")
+            advance(1)
+        count = len(losses)
+        extra: list[Vector] = []
+        plan: list[tuple[str, nn.Parameter, int | None, int]] = []
+        reducer = Reducer()
+        for name, p in reported:
+            g_slot = None
+            if id(p) in sums:
+                extra.append(reducer.reduce(sums[id(p)].div_(count), zeros=False))
+                g_slot = len(extra) - 1
+            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
+            plan.append((name, p, g_slot, len(extra) - 1))
+        values = to_host(extra)
+        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=values[n][0],
+                                     grad=gradient_stats(values[g], abs_max=True) if g is not None else None)
+                         for name, p, g, n in plan] if opts.params != "none" else None
+    report.layers = rows.records()
+    data_source(prep, report, rows)
+    if choice is not None:
+        report.loss = choice.info(math.fsum(losses) / count)
+    report.notes.append(f"parameter gradients: of the mean loss over the {count} batches; layer gradients: "
+                        "of each batch's loss, their statistics merged")
     return report

@@ -30,7 +30,7 @@ from hookcli.engine.model_inputs import (
     pack_inputs,
     plural,
 )
-from hookcli.engine.stats import Vector, activation_stats, iter_tensors, merge, to_host
+from hookcli.engine.stats import Vector, activation_stats, gradient_stats, iter_tensors, merge, to_host
 from hookcli.errors import InputError, UnsupportedError, describe_exception
 from hookcli.records import LayerRecord
 
@@ -214,23 +214,25 @@ Key = tuple[str, int, str]
 
 class MergedRows:
     """The rows of a run over many batches: one per (module, call index, output path), its statistics
-    merged over every batch it ran in (``stats.merge``: exact counts and extremes), the rest (shape,
-    input shapes, dtype) as the first batch that had it gave it.
+    and output-gradient statistics each merged over every batch that had them (``stats.merge``: exact
+    counts and extremes), the rest (shape, input shapes, dtype) as the first batch that had it gave it.
 
-    Holds one row and one statistics vector per key, and a count: nothing grows with the number of
+    Holds one row and two statistics vectors per key, and a count: nothing grows with the number of
     batches. ``notes`` says which rows did not run in every batch, and whose output shape changed
     beyond the leading (batch) dimension."""
 
     def __init__(self) -> None:
         self._rows: dict[Key, LayerRecord] = {}
         self._stats: dict[Key, Vector] = {}
+        self._grads: dict[Key, Vector] = {}
         self._seen: dict[Key, int] = {}
         self._varies: set[Key] = set()
         self.batches = 0
         self.samples = 0
 
-    def add(self, layers: list[LayerRecord], vectors: Mapping[Key, Vector], samples: int) -> None:
-        """Take one batch's rows and the statistics vectors of its output tensors."""
+    def add(self, layers: list[LayerRecord], vectors: Mapping[Key, tuple[Vector | None, Vector | None]],
+            samples: int) -> None:
+        """Take one batch's rows and the (statistics, gradient) vectors of its output tensors."""
         self.batches += 1
         self.samples += samples
         for rec in layers:
@@ -242,18 +244,22 @@ class MergedRows:
                 self._varies.add(key)
             if rec.called:
                 self._seen[key] = self._seen.get(key, 0) + 1
-        for key, vector in vectors.items():
-            have = self._stats.get(key)
-            self._stats[key] = vector if have is None else merge(have, vector)
+        for key, pair in vectors.items():
+            for merged, vector in zip((self._stats, self._grads), pair):
+                if vector is not None:
+                    have = merged.get(key)
+                    merged[key] = vector if have is None else merge(have, vector)
 
     def records(self) -> list[LayerRecord]:
         """The merged rows (statistics of all their batches), in the order they were first seen."""
-        keys = list(self._stats)
-        merged = dict(zip(keys, to_host([self._stats[k] for k in keys])))
+        stats, grads = list(self._stats), list(self._grads)
+        host = to_host([self._stats[k] for k in stats] + [self._grads[k] for k in grads])
+        merged_stats, merged_grads = dict(zip(stats, host)), dict(zip(grads, host[len(stats):]))
         out = []
         for key, rec in self._rows.items():
-            values = merged.get(key)
-            out.append(replace(rec, stats=activation_stats(values)) if values is not None else rec)
+            values, grad = merged_stats.get(key), merged_grads.get(key)
+            out.append(replace(rec, stats=activation_stats(values) if values is not None else rec.stats,
+                               grad=gradient_stats(grad) if grad is not None else rec.grad))
         return out
 
     @property

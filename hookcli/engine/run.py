@@ -93,7 +93,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     """
     opts = options.validate()  # a fresh copy: safe to adjust
     if opts.data is not None and not batched:
-        raise UsageError("--data (a data set run in batches) is taken by stats only",
+        raise UsageError("--data (a data set run in batches) is taken by stats and grads only",
                          hint="give this command one batch with --input or --input-shape")
     if meta:
         opts.device = "meta"
@@ -342,8 +342,8 @@ class ForwardPass:
     failure: FailureInfo | None = None
     cause: BaseException | None = None
     flops: dict[str, Any] | None = None
-    #: With ``vectors``: the statistics vector of each output tensor, by (name, call, output path)
-    vectors: dict[tuple[str, int, str], Vector] | None = None
+    #: With ``vectors``: each output tensor's (statistics, gradient) vectors (``HookSession.vectors``)
+    vectors: dict[tuple[str, int, str], tuple[Vector | None, Vector | None]] | None = None
 
 
 def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -380,9 +380,8 @@ def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         if counter is not None:
             counter.raise_error()
     layers, _ = session.records(params)
-    kept = {(call.name, call.call, t.path): t.stats for call in session.calls for t in call.outputs
-            if t.stats is not None} if vectors else None
-    return ForwardPass(layers, failure, cause, counter.summary() if counter is not None else None, kept)
+    return ForwardPass(layers, failure, cause, counter.summary() if counter is not None else None,
+                       session.vectors() if vectors else None)
 
 
 def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "") -> None:
