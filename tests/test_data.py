@@ -358,3 +358,19 @@ def test_grads_over_batches_refuses_what_it_does_not_merge(cli, tmp_path: Path) 
     torch.save(torch.randn(4, 3, 8, 8), tmp_path / "set.pt")
     result = cli("grads", spec, "--data", tmp_path / "set.pt", "--clip", "1")
     assert result.exit_code == 2 and "--clip cannot go with --data" in result.stderr
+
+
+def test_a_shuffling_dataloader_leaves_the_callers_rng_and_gives_the_same_numbers_each_run() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Sequential(nn.Linear(3, 3)).eval()
+    rows = torch.randn(12, 3, generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(TensorDataset(rows), batch_size=5, shuffle=True)  # items: 1-tuples
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = hookcli.stats(model, data=loader)
+    assert torch.equal(torch.get_rng_state(), before)
+    second = hookcli.stats(model, data=loader)
+    assert [r.stats for r in first.layers] == [r.stats for r in second.layers]
+    # the order of the samples does not change statistics over all of them
+    assert_rows_match([r.to_dict() for r in first.layers], reference(model, [((rows,), {})]))

@@ -114,8 +114,9 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     )
     data = None
     if opts.data is not None:
-        data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
-                         trust_pickle=opts.trust_pickle)
+        with seeded_rng(opts.seed):  # a DataLoader draws from torch's RNG (its seed, a shuffle): not the caller's
+            data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
+                             trust_pickle=opts.trust_pickle)
         inputs = data.first
     else:
         batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
