@@ -374,3 +374,16 @@ def test_a_shuffling_dataloader_leaves_the_callers_rng_and_gives_the_same_number
     assert [r.stats for r in first.layers] == [r.stats for r in second.layers]
     # the order of the samples does not change statistics over all of them
     assert_rows_match([r.to_dict() for r in first.layers], reference(model, [((rows,), {})]))
+
+
+def test_a_progress_bar_on_stderr_counts_the_batches(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from hookcli import progress
+
+    monkeypatch.setattr(progress, "_enabled", True)  # what the CLI's progress.enable() sets on a terminal
+    model = nn.Sequential(nn.Linear(3, 3)).eval()
+    hookcli.stats(model, data=[torch.ones(2, 3)] * 3)
+    hookcli.grads(model, data=[torch.ones(2, 3)] * 4)
+    captured = capsys.readouterr()
+    assert "3/3 batches" in captured.err and "4/4 batches" in captured.err
+    assert captured.out == ""
