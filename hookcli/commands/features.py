@@ -53,7 +53,7 @@ from hookcli.engine.session import HookOptions
 from hookcli.engine.input_files import list_input_files
 from hookcli.engine.inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
-from hookcli.options import RunOptions
+from hookcli.options import MemoryInputs, RunOptions
 from hookcli.engine.stats import dtype_name
 from hookcli.records import FeatureExport, InputInfo, LayerRecord, SavedTensor
 
@@ -337,7 +337,7 @@ def _plan(opts: RunOptions) -> tuple[RunOptions, list[list[Path]], str]:
 
     No batches (``[]``) when the inputs are not images, or fit in one batch.
     """
-    if not opts.inputs:
+    if not opts.inputs or isinstance(opts.inputs[0], MemoryInputs):
         return opts, [], ""
     kind, paths, label = list_input_files(opts.inputs)
     size = opts.batch_size or DEFAULT_IMAGE_BATCH

@@ -76,9 +76,9 @@ def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, 
         items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle)
     elif isinstance(data, (torch.Tensor, Mapping)) or (
             isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data)):
-        whole = _as_inputs(data, "data")
-        items, total = _sliced(whole, size, "data"), -(-_leading(whole, "data") // size)
-        label = f"data: {type(data).__name__} of {plural(batch_size_of(whole), 'sample')}"
+        whole = _as_inputs(data, "data", copy=False)
+        items, total = _sliced(whole, size, "data", copy=True), -(-_leading(whole, "data") // size)
+        label = f"data: a {type(data).__name__} (Python)"
     elif isinstance(data, Iterable):
         items, label, total = _from_iterable(data, type(data).__name__)
     else:
@@ -114,7 +114,7 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
 
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
         n = _leading(whole, f"data file {text}")
-        return _sliced(whole, size, text), f"data: {text} ({plural(n, 'sample')})", -(-n // size)
+        return _sliced(whole, size, text), f"data: {text}", -(-n // size)
     if path.exists():
         raise InputError(f"unsupported data file {text!r}", hint=f"{DATA_HINT}; tensor files: {' '.join(TENSOR_SUFFIXES)}")
     if ":" not in text:
@@ -159,9 +159,12 @@ def _from_iterable(data: Iterable[Any], label: str) -> tuple[Iterator[ModelInput
     return items(), f"data: {label}", total
 
 
-def _as_inputs(item: Any, where: str) -> ModelInputs:
+def _as_inputs(item: Any, where: str, *, copy: bool = True) -> ModelInputs:
     """One item of a data set as inputs: a tensor, a tuple/list of positional inputs, a dict of
-    keyword inputs (string keys). InputError naming ``where`` for anything else."""
+    keyword inputs (string keys). InputError naming ``where`` for anything else. ``copy``: each
+    tensor copied (the caller's own: a model changing its input in place must leave them as they were)."""
+    if copy:
+        item = _copy(item)
     if isinstance(item, torch.Tensor):
         made = pack_inputs([(item, where)])
     elif isinstance(item, (tuple, list)):
@@ -193,14 +196,29 @@ def _leading(whole: ModelInputs, what: str) -> int:
     return next(iter(sizes.values()))  # type: ignore[return-value]
 
 
-def _sliced(whole: ModelInputs, size: int, what: str) -> Iterator[ModelInputs]:
-    """``whole``'s tensors in pieces of ``size`` samples along the leading dimension (views: no copy)."""
+def _copy(item: Any) -> Any:
+    """``item`` with every tensor in its tuples, lists and dicts copied."""
+    if isinstance(item, torch.Tensor):
+        return item.detach().clone()
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
+        return type(item)(*(_copy(v) for v in item))
+    if isinstance(item, (tuple, list)):
+        return type(item)(_copy(v) for v in item)
+    if isinstance(item, Mapping):
+        return {k: _copy(v) for k, v in item.items()}
+    return item
+
+
+def _sliced(whole: ModelInputs, size: int, what: str, *, copy: bool = False) -> Iterator[ModelInputs]:
+    """``whole``'s tensors in pieces of ``size`` samples along the leading dimension (views, or with
+    ``copy`` copies: ``whole`` is the caller's own)."""
     n = _leading(whole, what)
     names = list(whole.kwargs)
+    cut = (lambda v, a, b: v[a:b].clone()) if copy else (lambda v, a, b: v[a:b])
     for start in range(0, n, size):
         stop = min(start + size, n)
-        yield pack_inputs([(v[start:stop], f"{what}[{start}:{stop}]") for v in whole.args],
-                          [(k, whole.kwargs[k][start:stop], f"{what}[{start}:{stop}]") for k in names])
+        yield pack_inputs([(cut(v, start, stop), f"{what}[{start}:{stop}]") for v in whole.args],
+                          [(k, cut(whole.kwargs[k], start, stop), f"{what}[{start}:{stop}]") for k in names])
 
 
 def batches_text(count: int) -> str:
