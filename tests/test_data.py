@@ -420,3 +420,23 @@ def test_api_inputs_take_tensors_tuples_and_dicts_and_leave_them_as_they_were() 
     hookcli.stats(model, data=[x, x])
     hookcli.stats(model, data=x, batch_size=2)
     assert torch.equal(x, kept_x)
+
+
+# --------------------------------------------------------------------------- a config's data
+
+
+def test_a_configs_data_is_the_repositorys_own(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(DATA_FILE)
+    config = tmp_path / "hookcli.toml"
+    config.write_text(f'model = "{spec}"\ndata = "data.py:loader"\nbatches = 2\nformat = "json"\n')
+    result = cli("stats", "--config", config)
+    assert result.exit_code == 0, result.stderr
+    assert "2 batches, 10 samples" in json.loads(result.stdout)["inputs"][0]["source"]
+    for data, words in [("numpy:ones", "not the repository's own code"), ("os:environ", "standard library"),
+                        ("/etc", "outside the config's directory")]:
+        config.write_text(f'model = "{spec}"\ndata = "{data}"\n')
+        result = cli("stats", "--config", config)
+        assert result.exit_code == 2, (data, result.stderr)
+        assert words in result.stderr and "'data'" in result.stderr
+        assert result.stdout == ""
