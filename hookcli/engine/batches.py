@@ -127,9 +127,7 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
 
 
 def _images(loaded: LoadedModel, chunks: list[list[Path]]) -> Iterator[ModelInputs]:
-    from hookcli.engine.inputs import (
-        make_inputs,  # (inputs imports the decoders only when reading)
-    )
+    from hookcli.engine.inputs import make_inputs  # (it imports the image decoders only when reading)
 
     for chunk in chunks:
         yield make_inputs(loaded, files=chunk)
