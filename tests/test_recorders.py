@@ -129,10 +129,12 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
     """Lengths around the 16-lane blocks and the per-thread minimum; thread ranges must tile exactly."""
     x = seeded(numel) * 2 + 0.5
     x[:: max(numel // 7, 1)] = 0.0  # zeros scattered over every thread's range
-    total, squares, lo, hi, zeros = _fastreduce.reduce(x.numpy(), "float32", threads)
+    total, squares, cubes, fourths, lo, hi, zeros = _fastreduce.reduce(x.numpy(), "float32", threads)
     d = x.double()
     assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-9)
     assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
+    assert cubes == pytest.approx(float(d.pow(3).sum()), rel=1e-12, abs=1e-9)
+    assert fourths == pytest.approx(float(d.pow(4).sum()), rel=1e-12)
     assert (lo, hi) == (float(x.min()), float(x.max()))
     assert zeros == int((x == 0).sum())
 
@@ -143,14 +145,17 @@ def test_kernel_matches_float64_sums_at_every_length_and_thread_count(numel: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_centred_pass_matches_float64_at_every_length_thread_count_and_dtype(
         numel: int, threads: int, dtype: torch.dtype) -> None:
-    """The second pass of the two-pass variance: sums of ``x - shift`` and its square, in float64."""
+    """The second pass for offset data: sums of ``d = x - shift``, d^2, d^3, d^4, in float64."""
     x = (seeded(numel) * 0.01 + 300.0).to(dtype)
     shift = 299.99
     d = x.double() - shift
     memory = x.view(torch.int16) if dtype == torch.bfloat16 else x
-    total, squares = _fastreduce.centred(memory.numpy(), str(dtype).removeprefix("torch."), threads, shift)
+    total, squares, cubes, fourths = _fastreduce.centred(memory.numpy(), str(dtype).removeprefix("torch."),
+                                                         threads, shift)
     assert total == pytest.approx(float(d.sum()), rel=1e-12, abs=1e-12)
     assert squares == pytest.approx(float(d.square().sum()), rel=1e-12)
+    assert cubes == pytest.approx(float(d.pow(3).sum()), rel=1e-9, abs=1e-12)
+    assert fourths == pytest.approx(float(d.pow(4).sum()), rel=1e-12)
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
@@ -189,7 +194,7 @@ def test_kernel_reads_only_the_given_range() -> None:
     """A view starts at its storage offset; values around it (here huge ones) must not leak in."""
     base = torch.full((100,), 1e30)
     base[10:60] = torch.arange(50, dtype=torch.float32)
-    total, _squares, lo, hi, zeros = _fastreduce.reduce(base[10:60].numpy(), "float32", 2)
+    total, _squares, _cubes, _fourths, lo, hi, zeros = _fastreduce.reduce(base[10:60].numpy(), "float32", 2)
     assert (total, lo, hi, zeros) == (float(sum(range(50))), 0.0, 49.0, 1)
 
 
@@ -225,7 +230,7 @@ def test_kernel_takes_no_address_and_refuses_memory_that_is_not_one_dense_block(
         _fastreduce.centred(x.double().numpy(), "float32", 1, 0.0)
     with pytest.raises(ValueError, match="unsupported dtype"):
         _fastreduce.reduce(x.double().numpy(), "float64", 1)
-    assert _fastreduce.reduce(torch.empty(0).numpy(), "float32", 1)[4] == 0
+    assert _fastreduce.reduce(torch.empty(0).numpy(), "float32", 1)[6] == 0
 
 
 @needs_kernel
@@ -240,12 +245,12 @@ def test_kernel_widens_every_half_precision_value_exactly(dtype: torch.dtype) ->
     for i, expected in enumerate(widened):
         one = patterns[i:i + 1]
         raw = one.view(torch.int16) if dtype == torch.bfloat16 else one
-        total, squares, lo, hi, zeros = _fastreduce.reduce(raw.numpy(), name, 1)
+        total, squares, cubes, fourths, lo, hi, zeros = _fastreduce.reduce(raw.numpy(), name, 1)
         if math.isnan(expected):
             ok = math.isnan(total)  # min/max ignore NaN; the sum carries it
         else:
             ok = (total, lo, hi, zeros) == (expected, expected, expected, int(expected == 0)) and (
-                squares == expected * expected)
+                squares == expected * expected) and (cubes, fourths) == (expected ** 3, expected ** 4)
         if not ok:
             wrong.append((hex(int(patterns[i:i + 1].view(torch.int16))), expected, total, lo, hi))
     assert not wrong, wrong[:5]

@@ -134,15 +134,21 @@ def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_hos
     from hookcli.commands.grads import build_loss
     from hookcli.engine.selection import select_modules
     from hookcli.engine.session import HookOptions, attach
-    from hookcli.engine.stats import Reducer
+    from hookcli.engine.stats import SCALE, Reducer, merge
 
     base = torch.empty(4, 8, 6, 5, device="meta")
     layouts = [base, base.transpose(1, 3), base.contiguous(memory_format=torch.channels_last), base[:, ::2],
                torch.empty(5, device="meta").expand(3, 5), base.half(), base.bfloat16(), base.double(),
                torch.empty(0, 3, device="meta"), torch.empty((), device="meta")]
+    vectors = []
     for t in layouts:
         vector = Reducer().reduce(t)
-        assert isinstance(vector, torch.Tensor) and vector.is_meta and vector.shape == (8,)
+        assert isinstance(vector, torch.Tensor) and vector.is_meta and vector.shape == (SCALE + 1,)
+        vectors.append(vector)
+    merged = vectors[0]
+    for vector in vectors[1:]:  # merging across calls, steps or ranks stays on the device too
+        merged = merge(merged, vector)
+    assert merged.is_meta and merged.shape == (SCALE + 1,)
 
     model = resnet18().to("meta").eval()
     x = torch.randn(2, 3, 64, 64, device="meta", requires_grad=True)

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import hookcli
 from hookcli.engine.kernel import NO_KERNEL_ENV
-from hookcli.engine.stats import Reducer, _fastreduce, activation_stats, to_host
+from hookcli.engine.stats import (EMPTY, Moments, Reducer, _fastreduce, activation_stats, empty_vector, merge,
+                                  to_host)
 from reference import aten_ops, float64_stats
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -189,6 +190,74 @@ def test_both_paths_agree_with_each_other_and_repeat_themselves(path: str, data:
     reducer.reduce(data.draw(tensors()))  # something else in between
     again = activation_stats(to_host([reducer_for(path, monkeypatch).reduce(t)])[0])
     assert json.dumps(first, sort_keys=True) == json.dumps(again, sort_keys=True)
+
+
+# -- merging: statistics of many tensors (calls, batches, steps, ranks) ---------------------------------
+
+
+def kurtosis_of(values: torch.Tensor) -> float:
+    """Pearson's kurtosis of float64 ``values``: n * sum(d^4) / sum(d^2)^2, d the deviations from the mean."""
+    d = values - values.mean()
+    return float(values.numel() * d.pow(4).sum() / d.square().sum() ** 2)
+
+
+@st.composite
+def pieces(draw: st.DrawFn) -> list[torch.Tensor]:
+    """1-4 tensors of any layouts and dtypes, each maybe cut into views along a dimension at random points."""
+    out: list[torch.Tensor] = []
+    for t in draw(st.lists(tensors(), min_size=1, max_size=4)):
+        if t.dim() and t.shape[0] > 1 and draw(st.booleans()):
+            cuts = sorted(draw(st.lists(st.integers(0, t.shape[0]), max_size=3)))
+            out.extend(torch.tensor_split(t, cuts, dim=0))  # views: the layouts stay as they were
+        else:
+            out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=st.data())
+def test_merged_statistics_of_random_chunks_equal_float64_torch_over_their_concatenation(
+        path: str, data: st.DataObject, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What training-time and multi-rank statistics rely on: reduce each piece, merge in a random order
+    and grouping, and get the statistics of all values at once (counts and extremes exactly)."""
+    reducer = reducer_for(path, monkeypatch)
+    parts = data.draw(pieces())
+    if path == "cuda":
+        parts = [p.cuda() for p in parts]
+    if path in ("device", "cuda"):
+        device = torch.device("cuda" if path == "cuda" else "cpu")
+        vectors = [reducer._reduce_accelerator(p.detach(), True) if p.numel() else empty_vector(device)
+                   for p in parts]
+    else:
+        vectors = [reducer.reduce(p) for p in parts]
+    while len(vectors) > 1:  # a random merge tree: any two neighbours, either side first
+        i = data.draw(st.integers(0, len(vectors) - 2))
+        a, b = vectors[i], vectors[i + 1]
+        vectors[i:i + 2] = [merge(a, b) if data.draw(st.booleans()) else merge(b, a)]
+    got = activation_stats(to_host(vectors)[0])
+    everything = torch.cat([p.detach().to("cpu", torch.float64).reshape(-1) for p in parts])
+    assert_matches(got, float64_stats(everything), everything)
+    finite = everything[torch.isfinite(everything)]
+    if finite.numel() < everything.numel() or not finite.numel():
+        assert math.isnan(got["kurtosis"])
+    elif float(finite.std(correction=0)) > 1e-3 * float(finite.abs().max()):  # (else kurtosis is ill-posed)
+        assert got["kurtosis"] == pytest.approx(kurtosis_of(finite), rel=1e-3)
+
+
+def test_merge_is_exact_for_counts_and_extremes_and_has_an_identity() -> None:
+    """EMPTY changes nothing; counts add; min/max ignore NaN and keep the infinities seen."""
+    reducer = Reducer()
+    a = reducer.reduce(torch.tensor([0.0, 2.0, math.nan, -1.0]))
+    b = reducer.reduce(torch.tensor([math.inf, 0.0, 5.0]))
+    assert merge(EMPTY, a) == a and merge(a, EMPTY) == a
+    both = merge(a, b)
+    assert isinstance(both, Moments)
+    assert (both.count, both.zeros, both.nans, both.infs, both.min, both.max) == (5, 2, 1, 1, -1.0, math.inf)
+    assert both.mean == pytest.approx(float(torch.tensor([0.0, 2.0, -1.0, 0.0, 5.0], dtype=torch.float64).mean()))
+    with pytest.raises(TypeError):
+        merge(a, empty_vector(torch.device("cpu")))
 
 
 # -- through the engine and the CLI ----------------------------------------------------------------

@@ -14,11 +14,13 @@
  * C-contiguous memory and checks the item format, size and alignment itself, so a strided view or a
  * wrong dtype raises instead of being read past its end.
  *
- * Numerics: sums and sums of squares are accumulated in float64 in 16 independent lanes per thread
+ * Numerics: the power sums of x, x^2, x^3 and x^4 (from which hookcli.engine.stats derives the central
+ * moments up to the fourth, for the mean, std and kurtosis) are accumulated in float64 in 16 independent lanes per thread
  * (float32 squares cannot overflow a double; bfloat16 and float16 widen to float32 exactly); min/max ignore NaN (the caller counts NaN/Inf with
  * torch when the sum is not finite, which happens exactly when the buffer holds one). `centred` is a
- * second pass, only for data with a large offset: sums of x - shift and its square (the corrected
- * two-pass variance), where E[x^2] - mean^2 would cancel the variance's digits.
+ * second pass, only for data with a large offset: the power sums of x - shift (the corrected two-pass
+ * algorithm), where power sums about 0 would cancel the central moments' digits (float32 x^4 < 1.2e154 and
+ * no sum of them overflows a double).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,6 +43,8 @@
 typedef struct {
     double sum;
     double sumsq;
+    double sumcube; /* sum of x^3 */
+    double sumquad; /* sum of x^4 */
     float lo;
     float hi;
     int64_t zeros;
@@ -93,7 +97,7 @@ static inline float load_float16(const void *x, int64_t i) {
 /* reduce_range_<dtype>: 16 independent lanes the compiler vectorises; the tail is done one by one. */
 #define DEFINE_REDUCE_RANGE(DTYPE)                                                                  \
     HK_CLONES static void reduce_range_##DTYPE(const void *x, int64_t n, partial_t *out) {          \
-        double sum[LANES] = {0}, sumsq[LANES] = {0};                                                \
+        double sum[LANES] = {0}, sumsq[LANES] = {0}, cube[LANES] = {0}, quad[LANES] = {0};         \
         float lo[LANES], hi[LANES];                                                                 \
         int64_t zeros = 0;                                                                          \
         for (int j = 0; j < LANES; j++) {                                                           \
@@ -108,9 +112,11 @@ static inline float load_float16(const void *x, int64_t i) {
             for (; b < end; b++) {                                                                  \
                 for (int j = 0; j < LANES; j++) {                                                   \
                     const float v = load_##DTYPE(x, b * LANES + j);                                 \
-                    const double d = (double)v;                                                     \
+                    const double d = (double)v, d2 = d * d;                                         \
                     sum[j] += d;                                                                    \
-                    sumsq[j] += d * d;                                                              \
+                    sumsq[j] += d2;                                                                 \
+                    cube[j] += d2 * d;                                                              \
+                    quad[j] += d2 * d2;                                                             \
                     lo[j] = v < lo[j] ? v : lo[j];                                                  \
                     hi[j] = v > hi[j] ? v : hi[j];                                                  \
                     zero[j] += (v == 0.0f);                                                         \
@@ -118,24 +124,31 @@ static inline float load_float16(const void *x, int64_t i) {
             }                                                                                       \
             for (int j = 0; j < LANES; j++) zeros += zero[j];                                       \
         }                                                                                           \
-        double s = 0.0, q = 0.0;                                                                    \
+        double s = 0.0, q = 0.0, c = 0.0, f = 0.0;                                                  \
         float l = INFINITY, h = -INFINITY;                                                          \
         for (int j = 0; j < LANES; j++) {                                                           \
             s += sum[j];                                                                            \
             q += sumsq[j];                                                                          \
+            c += cube[j];                                                                           \
+            f += quad[j];                                                                           \
             l = lo[j] < l ? lo[j] : l;                                                              \
             h = hi[j] > h ? hi[j] : h;                                                              \
         }                                                                                           \
         for (int64_t i = blocks * LANES; i < n; i++) {                                              \
             const float v = load_##DTYPE(x, i);                                                     \
-            s += (double)v;                                                                         \
-            q += (double)v * (double)v;                                                             \
+            const double d = (double)v, d2 = d * d;                                                 \
+            s += d;                                                                                 \
+            q += d2;                                                                                \
+            c += d2 * d;                                                                            \
+            f += d2 * d2;                                                                           \
             l = v < l ? v : l;                                                                      \
             h = v > h ? v : h;                                                                      \
             zeros += (v == 0.0f);                                                                   \
         }                                                                                           \
         out->sum = s;                                                                               \
         out->sumsq = q;                                                                             \
+        out->sumcube = c;                                                                           \
+        out->sumquad = f;                                                                           \
         out->lo = l;                                                                                \
         out->hi = h;                                                                                \
         out->zeros = zeros;                                                                         \
@@ -145,31 +158,40 @@ DEFINE_REDUCE_RANGE(float32)
 DEFINE_REDUCE_RANGE(bfloat16)
 DEFINE_REDUCE_RANGE(float16)
 
-/* centred_range_<dtype>: sum of (x - shift) and of (x - shift)^2 in float64 lanes (into out->sum and
- * out->sumsq): the second pass of the corrected two-pass variance, for data with a large offset. */
+/* centred_range_<dtype>: sums of d = x - shift and of d^2, d^3, d^4 in float64 lanes (into out->sum,
+ * sumsq, sumcube, sumquad): the second pass for data with a large offset, where the power sums about 0
+ * would cancel the central moments' digits. */
 #define DEFINE_CENTRED_RANGE(DTYPE)                                                                 \
     HK_CLONES static void centred_range_##DTYPE(const void *x, int64_t n, double shift, partial_t *out) { \
-        double sum[LANES] = {0}, sumsq[LANES] = {0};                                                \
+        double sum[LANES] = {0}, sumsq[LANES] = {0}, cube[LANES] = {0}, quad[LANES] = {0};         \
         const int64_t blocks = n / LANES;                                                           \
         for (int64_t b = 0; b < blocks; b++) {                                                      \
             for (int j = 0; j < LANES; j++) {                                                       \
-                const double d = (double)load_##DTYPE(x, b * LANES + j) - shift;                    \
+                const double d = (double)load_##DTYPE(x, b * LANES + j) - shift, d2 = d * d;        \
                 sum[j] += d;                                                                        \
-                sumsq[j] += d * d;                                                                  \
+                sumsq[j] += d2;                                                                     \
+                cube[j] += d2 * d;                                                                  \
+                quad[j] += d2 * d2;                                                                 \
             }                                                                                       \
         }                                                                                           \
-        double s = 0.0, q = 0.0;                                                                    \
+        double s = 0.0, q = 0.0, c = 0.0, f = 0.0;                                                  \
         for (int j = 0; j < LANES; j++) {                                                           \
             s += sum[j];                                                                            \
             q += sumsq[j];                                                                          \
+            c += cube[j];                                                                           \
+            f += quad[j];                                                                           \
         }                                                                                           \
         for (int64_t i = blocks * LANES; i < n; i++) {                                              \
-            const double d = (double)load_##DTYPE(x, i) - shift;                                    \
+            const double d = (double)load_##DTYPE(x, i) - shift, d2 = d * d;                        \
             s += d;                                                                                 \
-            q += d * d;                                                                             \
+            q += d2;                                                                                \
+            c += d2 * d;                                                                            \
+            f += d2 * d2;                                                                           \
         }                                                                                           \
         out->sum = s;                                                                               \
         out->sumsq = q;                                                                             \
+        out->sumcube = c;                                                                           \
+        out->sumquad = f;                                                                           \
         out->lo = INFINITY;                                                                         \
         out->hi = -INFINITY;                                                                        \
         out->zeros = 0;                                                                             \
@@ -227,6 +249,8 @@ static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int th
     for (int t = 1; t < threads; t++) {
         total->sum += parts[t].sum;
         total->sumsq += parts[t].sumsq;
+        total->sumcube += parts[t].sumcube;
+        total->sumquad += parts[t].sumquad;
         total->lo = parts[t].lo < total->lo ? parts[t].lo : total->lo;
         total->hi = parts[t].hi > total->hi ? parts[t].hi : total->hi;
         total->zeros += parts[t].zeros;
@@ -234,7 +258,7 @@ static void reduce_parallel(const kind_t *kind, const char *x, int64_t n, int th
 }
 
 PyDoc_STRVAR(reduce_doc,
-             "reduce(buffer, dtype, threads) -> (sum, sum_of_squares, min, max, zero_count)\n\n"
+             "reduce(buffer, dtype, threads) -> (sum, sum of x**2, sum of x**3, sum of x**4, min, max, zero_count)\n\n"
              "One pass over the values of `buffer`, any object with the buffer protocol that can give\n"
              "C-contiguous memory (a NumPy array: Tensor.numpy()), on up to `threads` OpenMP threads,\n"
              "without holding the GIL. `dtype` (a name in DTYPES) says how to read the items and must\n"
@@ -309,17 +333,17 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
     int threads;
     (void)self;
     if (!PyArg_ParseTuple(args, "Osi", &obj, &dtype, &threads)) return NULL;
-    partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
+    partial_t total = {0.0, 0.0, 0.0, 0.0, INFINITY, -INFINITY, 0};
     if (run_pass(obj, dtype, threads, 0, 0.0, &total) < 0) return NULL;
-    return Py_BuildValue("(ddddL)", total.sum, total.sumsq, (double)total.lo, (double)total.hi,
-                         (long long)total.zeros);
+    return Py_BuildValue("(ddddddL)", total.sum, total.sumsq, total.sumcube, total.sumquad, (double)total.lo,
+                         (double)total.hi, (long long)total.zeros);
 }
 
 PyDoc_STRVAR(centred_doc,
-             "centred(buffer, dtype, threads, shift) -> (sum of (x - shift), sum of (x - shift)**2)\n\n"
+             "centred(buffer, dtype, threads, shift) -> sums of d, d**2, d**3, d**4 for d = x - shift\n\n"
              "A second pass over the values of `buffer` (taken and checked as by `reduce`), in float64:\n"
-             "with `shift` near the mean it gives the variance of data with a large offset without the\n"
-             "cancellation of E[x^2] - mean^2 (the corrected two-pass algorithm).");
+             "with `shift` near the mean it gives the central moments of data with a large offset without\n"
+             "the cancellation of power sums about 0 (the corrected two-pass algorithm).");
 
 static PyObject *centred(PyObject *self, PyObject *args) {
     PyObject *obj;
@@ -328,9 +352,9 @@ static PyObject *centred(PyObject *self, PyObject *args) {
     double shift;
     (void)self;
     if (!PyArg_ParseTuple(args, "Osid", &obj, &dtype, &threads, &shift)) return NULL;
-    partial_t total = {0.0, 0.0, INFINITY, -INFINITY, 0};
+    partial_t total = {0.0, 0.0, 0.0, 0.0, INFINITY, -INFINITY, 0};
     if (run_pass(obj, dtype, threads, 1, shift, &total) < 0) return NULL;
-    return Py_BuildValue("(dd)", total.sum, total.sumsq);
+    return Py_BuildValue("(dddd)", total.sum, total.sumsq, total.sumcube, total.sumquad);
 }
 
 static PyObject *has_openmp(PyObject *self, PyObject *unused) {
@@ -357,7 +381,7 @@ static struct PyModuleDef module = {
 
 /* Bump with every change to the functions' signatures or results: hookcli.engine.kernel ignores a
  * build whose ABI differs (an editable install keeps an old .so until `pip install -e .` again). */
-#define HK_ABI 4
+#define HK_ABI 5
 
 PyMODINIT_FUNC PyInit__fastreduce(void) {
     PyObject *m = PyModule_Create(&module);

@@ -11,8 +11,8 @@ import os
 from types import ModuleType
 
 #: The interface version of ``_fastreduce.c`` this package speaks (its ``HK_ABI``); 3: memory is passed
-#: as a buffer-protocol object whose layout the kernel checks, never as an address; 4: ``centred``.
-ABI = 4
+#: as a buffer-protocol object whose layout the kernel checks, never as an address; 4: ``centred``; 5: power sums up to x**4 (``reduce`` returns 7 values, ``centred`` 4).
+ABI = 5
 #: Set to 1 to compute CPU statistics with torch reductions even where the kernel is built.
 NO_KERNEL_ENV = "HOOKCLI_NO_KERNEL"
 

@@ -13,25 +13,61 @@ import functools
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from hookcli.engine import kernel
-from hookcli.records import GRAD_KEYS, STAT_KEYS
+from hookcli.records import GRAD_KEYS, STAT_EXTRA_KEYS, STAT_KEYS
 
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
 _fastreduce = kernel.load()
 
 #: The dtypes the C kernel reads in place, by the name it takes.
 _KERNEL_DTYPES = ({getattr(torch, name): name for name in _fastreduce.DTYPES} if _fastreduce is not None else {})
-#: Order of the values in the vector ``reduce_tensor`` returns.
-_VECTOR = ("mean", "std", "min", "max", "zero_count", "nan_count", "inf_count", "numel")
-#: A statistics vector: host floats already (CPU), or a float64 tensor on an accelerator, read once at
-#: the end of a run (``to_host``). CPU results stay out of torch so a run keeps no small tensors alive.
-Vector = torch.Tensor | tuple[float, ...]
 _MAX_NESTING = 8
+
+
+class Moments(NamedTuple):
+    """A tensor's statistics as mergeable sufficient statistics (host floats; on an accelerator the same
+    fields, in this order, are a float64 tensor: ``Vector``).
+
+    ``count``, ``mean`` and the central moment sums ``m2``, ``m3``, ``m4`` (sums of (x - mean)^k) are over
+    the *finite* values; NaN and +-Inf are only counted. ``min``/``max`` ignore NaN and include +-Inf (an
+    empty or all-NaN tensor has min +inf, max -inf: the identity of ``merge``). ``merge`` combines two
+    exactly in the counts and extremes and by Pebay's pairwise formulas in the moments; ``summary`` gives
+    what reports show. The first three fields are intensive, the rest additive (``ADDITIVE``): a tensor
+    that repeats each value of another k times has the additive fields times k.
+    """
+
+    mean: float
+    min: float
+    max: float
+    count: float
+    m2: float
+    m3: float
+    m4: float
+    zeros: float
+    nans: float
+    infs: float
+
+
+#: Index of each field in a ``Vector`` (host ``Moments`` or device tensor): the one place the layout lives.
+MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS, NANS, INFS = range(len(Moments._fields))
+#: The fields that add up (and scale with repeats); the others are means and extremes.
+ADDITIVE = slice(COUNT, INFS + 1)
+#: A device vector has one more element, a scale: its m2, m3, m4 are in units of scale^2, ^3, ^4, so that
+#: they stay in range where the device reduces in float32 (Apple's MPS: a std of 1e20 has m2 > 1e40).
+#: ``as_moments`` turns a host copy of either kind into ``Moments``.
+SCALE = len(Moments._fields)
+#: The statistics of no values: ``merge(EMPTY, s) == s``.
+EMPTY = Moments(0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+#: A statistics vector: ``Moments`` on the host (CPU tensors, where reading a scalar costs no device
+#: synchronisation), or a tensor in ``device_float`` on an accelerator, the same layout plus ``SCALE``,
+#: read once at the end of a run (``to_host``). CPU results stay out of torch so a run keeps no small
+#: tensors alive.
+Vector = torch.Tensor | Moments
 
 
 def kernel_available() -> bool:
@@ -51,29 +87,31 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Reducer:
-    """Reduces tensors to statistics vectors (``_VECTOR`` layout), fast and without host syncs.
+    """Reduces tensors to ``Moments`` (host) or tensors of the same layout (accelerators), fast and
+    without host syncs.
 
     Memory traffic is the cost (a hooked activation is usually no longer in cache), so each path
-    reads a tensor as few times as it can and never allocates an activation-sized temporary; the
+    reads a tensor from memory once where it can and never allocates an activation-sized temporary; the
     slow reductions (Welford ``std_mean``, ``count_nonzero``, bool sums like ``(x == 0).sum()``)
     cost 10-50x a plain sum on CPU and are avoided.
 
     * CPU, where reading a scalar costs no device synchronisation: float32, bfloat16 and float16
-      go through the C kernel ``hookcli.engine._fastreduce`` when it is built: sum, sum of squares (both
-      float64), min, max and zero count in one pass, without a widened copy. The kernel gets memory
+      go through the C kernel ``hookcli.engine._fastreduce`` when it is built: the power sums of x to
+      x^4 (float64), min, max and zero count in one pass, without a widened copy. The kernel gets memory
       only as a buffer-protocol object (``kernel_buffer``) and refuses any that is not one dense
       block of the declared item format; this side hands it only stride-1 views of tensors that are
       dense in some dimension order (``dense_view``). Other layouts (stepped slices, overlapping
       views) are copied by ``reshape`` or read by the torch reductions, which follow strides.
-      Without the kernel (and for float64), ``sum``, ``aminmax`` and ``dot`` take three passes and
-      zeros are counted in cache-sized chunks, only when ``min <= 0 <= max``; a tensor of at most
-      ``SMALL`` values goes to numpy instead (float64 sums, exact zero count), where torch's per-op
-      dispatch would cost more than the reading. Either way NaN/Inf
-      are counted only when a sum is not finite (a sum is finite exactly when the tensor holds
-      neither: both propagate), and the exact centred two-pass variance runs only where
-      ``E[x^2] - mean^2`` would lose digits (a large offset).
-    * Other devices: one branch-free path (centred variance of data scaled into [-1, 1], all counts)
-      through a reusable scratch buffer, so nothing waits for the device.
+      Without the kernel (and for float64), the tensor is read in cache-sized chunks (``CHUNK``): each
+      chunk is summed, min/maxed, squared into a scratch buffer whose sum and dot products give the
+      other power sums, and zero-counted only when ``min <= 0 <= max``, all while it is in cache; the
+      chunks' ``Moments`` are merged. A tensor of at most ``SMALL`` values goes to numpy instead
+      (centred float64 sums, exact zero count), where torch's per-op dispatch would cost more than
+      the reading. Either way NaN/Inf are handled only when a sum or an extreme is not finite (both
+      propagate), on a rare path that counts them and reduces the finite values, and the centred
+      second pass runs only where power sums about 0 would lose the moments' digits (a large offset).
+    * Other devices: one branch-free path (centred moments of data scaled into [-2, 2], all counts),
+      so nothing waits for the device.
 
     A tensor seen again unchanged (same object and version: a Bottleneck's output *is* its last
     ReLU's output, a Sequential's *is* its last child's) reuses its vector. The one change this cannot
@@ -82,10 +120,11 @@ class Reducer:
     (stride 0: a broadcast mask, the gradient of ``sum``) is reduced without its repeats.
     """
 
-    CHUNK = 1 << 20  # elements per counting pass on CPU: 4 MB of float32, stays in cache
-    #: up to this many elements, CPU tensors the kernel does not read are reduced with numpy (``_small_passes``)
+    CHUNK = 1 << 20  # elements per chunk on CPU without the kernel: 4 MB of float32, stays in cache
+    #: up to this many elements, CPU tensors the kernel does not read are reduced with numpy (``_small``)
     SMALL = 1 << 15
-    #: two-pass variance when mean^2 > RATIO * var: float64 sums of squares keep ~10 more digits
+    #: power sums about 0 are used while mean^2 <= RATIO * var; else a centred second pass. float64 sums
+    #: (kernel) keep ~10 more digits than float32 ones (torch's float32 sum/dot)
     OFFSET_RATIO_FLOAT64 = 1e3
     OFFSET_RATIO_FLOAT32 = 4.0
 
@@ -97,7 +136,7 @@ class Reducer:
         self.threads = torch.get_num_threads()
         #: dtype -> the name the kernel reads it by; empty when the kernel is not used
         self._kernel_dtypes = _KERNEL_DTYPES if self.kernel else {}
-        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}
 
     def clear(self) -> None:
@@ -107,16 +146,20 @@ class Reducer:
         self._scratch.clear()
 
     def scratch(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
-        """A float32 buffer of ``numel`` (default ``like.numel()``) elements on ``like``'s device, reused."""
+        """A buffer of ``numel`` (default ``like.numel()``) elements of ``like``'s device and dtype, reused."""
         size = like.numel() if numel is None else numel
-        buf = self._scratch.get(like.device)
+        key = (like.device, like.dtype)
+        buf = self._scratch.get(key)
         if buf is None or buf.numel() < size:
-            buf = torch.empty(size, dtype=torch.float32, device=like.device)
-            self._scratch[like.device] = buf
+            buf = torch.empty(size, dtype=like.dtype, device=like.device)
+            self._scratch[key] = buf
         return buf[:size]
 
     def reduce(self, t: torch.Tensor, *, zeros: bool = True) -> Vector:
-        """``t``'s statistics vector: host floats for a CPU tensor, else a tensor on ``t``'s device."""
+        """``t``'s statistics: ``Moments`` for a CPU tensor, else a tensor on ``t``'s device (same layout).
+
+        ``zeros=False``: the zero count is not wanted and left at 0 (gradients).
+        """
         try:
             key: tuple[int, int, bool] | None = (id(t), t._version, zeros)
         except RuntimeError:  # an inference tensor keeps no version counter: never reused
@@ -126,20 +169,12 @@ class Reducer:
             return hit[1]
         x = t.detach() if t.requires_grad else t
         kernel_dtype = self._kernel_dtypes.get(x.dtype)
+        vector: Vector
         if (kernel_dtype is not None and type(x) is torch.Tensor and x.is_cpu and x.layout == torch.strided
-                and not x.is_nested and x.is_contiguous() and not x.is_neg() and (n := x.numel())):
+                and not x.is_nested and x.is_contiguous() and not x.is_neg() and x.numel()):
             # the common case (a dense CPU activation), without the general path's views: the kernel
             # takes the tensor's memory as one C-contiguous buffer of any rank
-            total, squares, lo, hi, zero_count = _fastreduce.reduce(kernel_buffer(x), kernel_dtype, self.threads)
-            mean = total / n
-            var = squares / n - mean * mean
-            vector: Vector
-            if 0.0 <= var and mean * mean <= self.OFFSET_RATIO_FLOAT64 * var:
-                # finite (a NaN or Inf makes the sum NaN or infinite, and var NaN) and well conditioned:
-                # what _finish computes, without its rare branches
-                vector = (mean, math.sqrt(var), lo, hi, float(zero_count) if zeros else 0.0, 0.0, 0.0, float(n))
-            else:
-                vector = self._finish(x, (total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64), zeros)
+            vector = self._from_kernel(x.view(-1), zeros)
             self._remember(key, t, vector)
             return vector
         if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
@@ -148,11 +183,9 @@ class Reducer:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
         n = x.numel()
         if n == 0 and x.device.type == "cpu":
-            vector = (math.nan,) * 4 + (0.0,) * 4
+            vector = EMPTY
         elif n == 0:
-            # filled on the device (torch.tensor(list, device=...) would copy from the host and sync)
-            vector = torch.full((len(_VECTOR),), math.nan, dtype=device_float(x.device), device=x.device)
-            vector[4:] = 0.0
+            vector = empty_vector(x.device)
         elif x.device.type == "cpu":
             vector = self._reduce_host(x, zeros)
         else:
@@ -169,17 +202,17 @@ class Reducer:
             pass
 
     # An expanded (stride-0) tensor repeats each value of a smaller one equally often: both paths reduce
-    # that one (``unbroadcast``), without materialising the repeats, and scale the counts.
-    def _reduce_host(self, x: torch.Tensor, zeros: bool) -> tuple[float, ...]:
-        """The vector of a non-empty, strided CPU tensor, as host floats."""
+    # that one (``unbroadcast``), without materialising the repeats, and scale the additive fields.
+    def _reduce_host(self, x: torch.Tensor, zeros: bool) -> Moments:
+        """The ``Moments`` of a non-empty, strided CPU tensor."""
         x, repeats = unbroadcast(x)
         flat = flat_view(x)
         if flat.dtype not in (torch.float32, torch.float64) and not self._kernel_reads(flat):
             flat = flat.float()  # float16/bfloat16 in float32 (the C kernel widens as it reads)
-        vector = self._reduce_cpu(flat, zeros)
+        moments = self._host_moments(flat, zeros)
         if repeats == 1:
-            return vector
-        return (*vector[:4], *(count * repeats for count in vector[4:7]), vector[7] * repeats)
+            return moments
+        return Moments(*moments[:COUNT], *(value * repeats for value in moments[ADDITIVE]))
 
     def _reduce_accelerator(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
         """The vector of a non-empty, strided tensor, as a tensor on its device (no host synchronisation)."""
@@ -188,53 +221,10 @@ class Reducer:
             x = x.float()
         vector = self._reduce_device(flat_view(x), zeros)
         if repeats != 1:
-            vector[4:] *= repeats  # the counts and numel; a Python scalar: no host synchronisation
+            vector[ADDITIVE] *= repeats  # a Python scalar: no host synchronisation
         return vector
 
     # -- CPU: cheap passes, exact checks on the host decide what else is needed ---------------------
-    def _count(self, flat: torch.Tensor, op: str) -> int:
-        """Exact count of zeros / NaNs / Infs, in cache-sized chunks (float32 counts stay exact)."""
-        total = 0
-        for chunk in flat.split(self.CHUNK):
-            buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
-            if op == "zero":
-                torch.eq(chunk, 0, out=buf)
-            elif op == "nan":
-                torch.ne(chunk, chunk, out=buf)
-            else:
-                torch.eq(chunk.abs(), math.inf, out=buf)
-            total += int(buf.sum())
-        return total
-
-    def _exact_moments(self, flat: torch.Tensor, total: float) -> tuple[float, float]:
-        """Mean and sum of squared deviations by the corrected two-pass formula, in float64.
-
-        The rare path for ill-conditioned data (a large offset, where ``E[x^2] - mean^2`` cancels):
-        one more pass sums ``d = x - shift`` and ``d^2`` around ``shift = total / n`` (the first
-        pass's mean), and ``sum(d^2) - sum(d)^2 / n`` removes what the shift's own error adds, so a
-        float32 first-pass sum is good enough as the shift. The C kernel does that pass where it
-        reads the tensor (tiny squeeze-and-excite gates near 0.5 take this path on every call), torch
-        in float64 chunks elsewhere.
-        """
-        n = flat.numel()
-        shift = total / n
-        if not math.isfinite(shift):  # a float32 first-pass sum overflowed: the mean in float64 first
-            shift = sum(float(c.sum(dtype=torch.float64)) for c in flat.split(self.CHUNK)) / n
-        if self._kernel_reads(flat):
-            s1, s2 = _fastreduce.centred(kernel_buffer(flat), dtype_name(flat.dtype), self.threads, shift)
-        elif n <= self.SMALL and type(flat) is torch.Tensor:
-            with np.errstate(all="ignore"):
-                centred = flat.resolve_neg().numpy().astype(np.float64) - shift
-                s1 = float(np.add.reduce(centred))
-                s2 = float(np.add.reduce(np.multiply(centred, centred, out=centred)))  # (no BLAS: see above)
-        else:
-            s1 = s2 = 0.0
-            for chunk in flat.split(self.CHUNK):
-                centred = chunk.double() - shift
-                s1 += float(centred.sum())
-                s2 += float(torch.dot(centred, centred))
-        return shift + s1 / n, s2 - s1 * s1 / n
-
     def _kernel_reads(self, flat: torch.Tensor) -> bool:
         """Whether the C kernel takes ``flat`` (a 1-D CPU tensor): a plain tensor of its dtypes whose
         memory is exactly its values, one dense block (stride 1, no lazy negation bit: a negative
@@ -242,94 +232,223 @@ class Reducer:
         return (self.kernel and type(flat) is torch.Tensor and dtype_name(flat.dtype) in _fastreduce.DTYPES
                 and flat.dim() == 1 and flat.is_contiguous() and not flat.is_neg())
 
-    def _cpu_passes(self, flat: torch.Tensor) -> tuple[float, float, float, float, int | None, float]:
-        """``(sum, sum of squares, min, max, zero count or None, offset ratio)`` of a 1-D tensor.
-
-        min/max may ignore NaN here (the caller counts NaN when the sum is not finite); a zero count
-        of None means "not counted yet".
-        """
+    def _host_moments(self, flat: torch.Tensor, zeros: bool) -> Moments:
+        """The ``Moments`` of a non-empty 1-D CPU tensor, by the cheapest path that reads it."""
         if self._kernel_reads(flat):
-            total, squares, lo, hi, zero_count = _fastreduce.reduce(kernel_buffer(flat), dtype_name(flat.dtype),
-                                                                    self.threads)
-            return total, squares, lo, hi, zero_count, self.OFFSET_RATIO_FLOAT64
-        if flat.dtype not in (torch.float32, torch.float64):
-            flat = flat.float()
+            return self._from_kernel(flat, zeros)
         if flat.numel() <= self.SMALL and type(flat) is torch.Tensor:
-            return self._small_passes(flat)
-        total = float(flat.sum())
-        lo_t, hi_t = torch.aminmax(flat)
-        squares = float(torch.dot(flat, flat))
-        ratio = self.OFFSET_RATIO_FLOAT32 if flat.dtype == torch.float32 else self.OFFSET_RATIO_FLOAT64
-        lo, hi = float(lo_t), float(hi_t)
-        # no zero lies outside [min, max]; a NaN min/max (a NaN is present) fails both tests
-        zero_count = 0 if lo > 0.0 or hi < 0.0 else None
-        return total, squares, lo, hi, zero_count, ratio
+            return self._small(flat, zeros)
+        return self._chunked(flat, zeros)
 
-    def _small_passes(self, flat: torch.Tensor) -> tuple[float, float, float, float, int, float]:
-        """``_cpu_passes`` of a small float32/float64 tensor without the kernel: numpy's reductions in
-        float64 (sums), where torch's cost ~5-10 us of dispatch each on a few thousand values (43 us per
-        tensor in all against 7 us here). The zero count is exact (NaN is not zero)."""
+    def _from_kernel(self, flat: torch.Tensor, zeros: bool) -> Moments:
+        """One kernel pass over a dense 1-D tensor of a kernel dtype (a second one for offset data)."""
+        *sums, lo, hi, zero_count = _fastreduce.reduce(kernel_buffer(flat), dtype_name(flat.dtype), self.threads)
+        moments = self._from_power_sums(flat, sums, lo, hi, zero_count if zeros else 0, self.OFFSET_RATIO_FLOAT64)
+        return self._nonfinite(flat, zeros) if moments is None else moments
+
+    def _from_power_sums(self, flat: torch.Tensor, sums: Sequence[float], lo: float, hi: float, zero_count: int,
+                         ratio: float) -> Moments | None:
+        """``Moments`` from the power sums ``(sum x, x^2, x^3, x^4)`` of finite ``flat``; None when ``flat``
+        holds NaN/Inf (a sum or an extreme is not finite: both propagate, and min/max see Inf). Where the
+        data's offset would cancel the moments' digits (``mean^2 > ratio * var``) or a float32 power
+        overflowed, a centred float64 pass around the mean gives them instead."""
+        n = flat.numel()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None
+        finite_sums = all(map(math.isfinite, sums))
+        if not finite_sums and not bool(torch.isfinite(flat).all()):  # (the kernel's min/max ignore NaN)
+            return None
+        if finite_sums:
+            mean, m2, m3, m4 = central_moments(n, 0.0, *sums)
+            if 0.0 <= m2 and mean * mean * n <= ratio * m2:
+                return Moments(mean, lo, hi, float(n), m2, m3, m4, float(zero_count), 0.0, 0.0)
+            shift = mean
+        else:  # x^k overflowed float32 (the values are finite): the mean in float64 first
+            shift = sum(float(c.sum(dtype=torch.float64)) for c in flat.split(self.CHUNK)) / n
+        mean, m2, m3, m4 = central_moments(n, shift, *self._centred_sums(flat, shift))
+        return Moments(mean, lo, hi, float(n), max(m2, 0.0), m3, max(m4, 0.0), float(zero_count), 0.0, 0.0)
+
+    def _centred_sums(self, flat: torch.Tensor, shift: float) -> tuple[float, float, float, float]:
+        """Sums of d, d^2, d^3, d^4 for ``d = x - shift`` in float64: the rare second pass for data with a
+        large offset (tiny squeeze-and-excite gates near 0.5 take it on every call). ``central_moments``
+        removes what the shift's own error adds (the corrected two-pass algorithm)."""
+        if self._kernel_reads(flat):
+            return _fastreduce.centred(kernel_buffer(flat), dtype_name(flat.dtype), self.threads, shift)
+        totals = [0.0, 0.0, 0.0, 0.0]
+        for chunk in flat.split(self.CHUNK):
+            d = chunk.double() - shift
+            d2 = d * d
+            for k, value in enumerate((d.sum(), d2.sum(), torch.dot(d2, d), torch.dot(d2, d2))):
+                totals[k] += float(value)
+        return totals[0], totals[1], totals[2], totals[3]
+
+    def _small(self, flat: torch.Tensor, zeros: bool) -> Moments:
+        """``Moments`` of a small float32/float64 tensor without the kernel: numpy's reductions in float64,
+        centred on the mean, where torch's cost ~5-10 us of dispatch each on a few thousand values. The
+        zero count is exact (NaN is not zero)."""
         values = flat.resolve_neg().numpy()
         wide = values.astype(np.float64, copy=False)
-        zero_count = values.size - int(np.count_nonzero(values))
+        n = values.size
         with np.errstate(all="ignore"):  # inf + -inf is NaN here as in torch, not a warning to the user
             # ufuncs only, never np.dot: numpy's BLAS starts threads of its own, which then spin against
             # torch's on the same cores (a 12x slower forward of mobilenet_v3_small, measured)
-            return (float(np.add.reduce(wide)), float(np.add.reduce(np.multiply(wide, wide))),
-                    float(np.minimum.reduce(values)), float(np.maximum.reduce(values)), zero_count,
-                    self.OFFSET_RATIO_FLOAT64)
+            shift = float(np.add.reduce(wide)) / n
+            if not math.isfinite(shift):
+                return self._nonfinite(flat, zeros)
+            d = wide - shift
+            d2 = d * d
+            sums = (float(np.add.reduce(d)), float(np.add.reduce(d2)), float(np.add.reduce(d2 * d)),
+                    float(np.add.reduce(np.multiply(d2, d2, out=d2))))
+        mean, m2, m3, m4 = central_moments(n, shift, *sums)
+        zero_count = n - int(np.count_nonzero(values)) if zeros else 0
+        return Moments(mean, float(np.minimum.reduce(values)), float(np.maximum.reduce(values)), float(n),
+                       max(m2, 0.0), m3, max(m4, 0.0), float(zero_count), 0.0, 0.0)
 
-    def _reduce_cpu(self, flat: torch.Tensor, zeros: bool) -> tuple[float, ...]:
-        return self._finish(flat, self._cpu_passes(flat), zeros)
-
-    def _finish(self, x: torch.Tensor, passes: tuple[float, float, float, float, int | None, float],
-                zeros: bool) -> tuple[float, ...]:
-        """The vector from ``_cpu_passes``' numbers for CPU tensor ``x`` (any shape: the rare passes that
-        read it again, NaN/Inf/zero counts and the two-pass variance, read it as ``flat_view``)."""
-        total, squares, lo, hi, zero_count, ratio = passes
-        n = x.numel()
-        nan_count = inf_count = 0
-        if not (math.isfinite(total) and math.isfinite(squares)):
-            nan_count, inf_count = self._count(flat_view(x), "nan"), self._count(flat_view(x), "inf")
-        if nan_count:
-            lo = hi = math.nan  # as torch.aminmax reports them
-        mean = total / n
-        if nan_count or inf_count:
-            std = math.nan
-        else:
-            var = squares / n - mean * mean
-            # E[x^2] - mean^2 loses digits for offset data, and x^2 can overflow float32: two-pass
-            if not math.isfinite(squares) or mean * mean > ratio * max(var, 0.0):
-                mean, m2 = self._exact_moments(flat_view(x), total)
-                var = m2 / n
-            std = math.sqrt(max(var, 0.0))
-        if not zeros:
+    def _chunked(self, flat: torch.Tensor, zeros: bool) -> Moments:
+        """``Moments`` of a 1-D float32/float64 tensor with torch, one cache-sized chunk at a time: the
+        chunk is read from memory once (by ``sum``); ``aminmax``, the square into a scratch buffer and
+        the products giving x^2..x^4 and the zero count read it again from cache."""
+        total = EMPTY
+        ratio = self.OFFSET_RATIO_FLOAT32 if flat.dtype == torch.float32 else self.OFFSET_RATIO_FLOAT64
+        for chunk in flat.split(self.CHUNK):
+            s1 = float(chunk.sum())
+            lo_t, hi_t = torch.aminmax(chunk)
+            lo, hi = float(lo_t), float(hi_t)
+            buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
+            torch.mul(chunk, chunk, out=buf)
+            sums = (s1, float(buf.sum()), float(torch.dot(buf, chunk)), float(torch.dot(buf, buf)))
             zero_count = 0
-        elif zero_count is None:
-            zero_count = self._count(flat_view(x), "zero")
-        return (mean, std, lo, hi, float(zero_count), float(nan_count), float(inf_count), float(n))
+            if zeros and lo <= 0.0 <= hi:  # no zero lies outside [min, max]
+                torch.eq(chunk, 0, out=buf)
+                zero_count = int(buf.sum())
+            moments = self._from_power_sums(chunk, sums, lo, hi, zero_count, ratio)
+            if moments is None:
+                return self._nonfinite(flat, zeros)
+            total = merge(total, moments)
+        return total
+
+    def _nonfinite(self, flat: torch.Tensor, zeros: bool) -> Moments:
+        """The rare path for a tensor holding NaN or Inf: they are counted, the finite values reduced
+        (a copy), and min/max widened to the infinities present."""
+        finite = torch.isfinite(flat)
+        nans = int(torch.isnan(flat).sum())
+        pos = int((flat == math.inf).sum())
+        neg = int((flat == -math.inf).sum())
+        values = flat[finite]
+        base = self._host_moments(values, zeros) if values.numel() else EMPTY
+        if base.nans or base.infs:  # the finite values' moments overflowed: float64 data near its limit
+            base = base._replace(nans=0.0, infs=0.0)
+        return base._replace(min=-math.inf if neg else base.min, max=math.inf if pos else base.max,
+                             nans=float(nans), infs=float(pos + neg))
 
     # -- accelerators: branch-free, no host synchronisation ---------------------------------------
     def _reduce_device(self, flat: torch.Tensor, zeros: bool, acc: torch.dtype | None = None) -> torch.Tensor:
-        """The vector in ``acc`` (default: ``device_float`` of the device), with no host synchronisation."""
+        """The vector in ``acc`` (default: ``device_float`` of the device), with no host synchronisation.
+
+        Moments are of the finite values, centred on their mean (summed in ``acc``: its error would bias
+        them; what is left of it is removed by ``central_moments``) and divided by their largest
+        magnitude, so the powers lie in [-16, 16] and cannot overflow float32 whatever the data's scale.
+        """
         n = flat.numel()
         device = flat.device
         acc = acc or device_float(device)
-        mean = flat.sum(dtype=acc) / n  # float64 where it exists: its error would bias the centred variance
-        lo, hi = torch.aminmax(flat)
-        buf = self.scratch(flat) if flat.dtype == torch.float32 else torch.empty_like(flat)
-        # centred values divided by the largest magnitude lie in [-2, 2]: squaring them in float32
-        # cannot overflow, whatever the scale of the data (x^2 would above ~1.8e19)
-        scale = torch.clamp(torch.maximum(lo.abs(), hi.abs()), min=torch.finfo(flat.dtype).tiny)
-        torch.sub(flat, mean, out=buf).div_(scale)
-        std = (torch.dot(buf, buf).to(acc) / n).sqrt() * scale.to(acc)  # scale^2 would overflow float32
-        # counts summed as int64: a float32 sum of 0/1 values stops being exact above 2^24
-        zero_count = torch.eq(flat, 0, out=buf).sum(dtype=torch.int64) if zeros else torch.zeros((), device=device)
-        nan_count = torch.ne(flat, flat, out=buf).sum(dtype=torch.int64)
-        inf_count = torch.eq(flat.abs(), math.inf, out=buf).sum(dtype=torch.int64)
-        numel = torch.full((), n, dtype=torch.int64, device=device)
-        parts = (mean, std, lo, hi, zero_count, nan_count, inf_count, numel)
+        finite = torch.isfinite(flat)
+        nan = torch.isnan(flat)
+        count = finite.sum(dtype=torch.int64)
+        nans = nan.sum(dtype=torch.int64)
+        values = torch.where(finite, flat, 0)
+        mean = values.sum(dtype=acc) / count.clamp(min=1)
+        lo = torch.where(nan, math.inf, flat).amin()  # min/max ignore NaN and see +-Inf
+        hi = torch.where(nan, -math.inf, flat).amax()
+        scale = torch.clamp(values.abs().amax(), min=torch.finfo(flat.dtype).tiny)
+        shift = mean.to(flat.dtype)
+        d = values.sub_(shift).div_(scale).masked_fill_(~finite, 0)
+        d2 = d * d
+        s1, s2 = d.sum(dtype=acc), d2.sum(dtype=acc)  # sums in acc: float32 ones lose digits over many values
+        s3 = d.mul_(d2).sum(dtype=acc)
+        s4 = d2.square_().sum(dtype=acc)
+        count_acc = count.to(acc)
+        s = scale.to(acc)
+        # about the mean (the offset of the rounded shift is removed here; the mean is the sum's)
+        _offset, m2, m3, m4 = central_moments(count_acc.clamp(min=1), 0.0, s1, s2, s3, s4)  # in units of scale
+        zero_count = torch.eq(flat, 0).sum(dtype=torch.int64) if zeros else torch.zeros((), device=device)
+        parts = (mean, lo, hi, count_acc, m2.clamp(min=0), m3, m4.clamp(min=0), zero_count, nans,
+                 n - count - nans, s)
         return torch.stack([p.to(acc) for p in parts])
+
+
+def central_moments(n: Any, shift: Any, s1: Any, s2: Any, s3: Any, s4: Any) -> tuple[Any, Any, Any, Any]:
+    """``(mean, m2, m3, m4)`` of ``n`` values from the sums ``s1..s4`` of ``d^k``, ``d = x - shift``.
+
+    Exact algebra (the binomial shift from ``shift`` to the mean); numerically good when ``shift`` is
+    near the mean (the corrected two-pass algorithm), or for power sums about 0 (``shift = 0``) of data
+    whose mean is small against its spread. Works on floats and on 0-d tensors alike.
+    """
+    delta = s1 / n
+    m2 = s2 - s1 * delta
+    m3 = s3 - 3 * delta * s2 + 2 * n * delta ** 3
+    m4 = s4 - 4 * delta * s3 + 6 * delta * delta * s2 - 3 * n * delta ** 4
+    return shift + delta, m2, m3, m4
+
+
+def merge(a: Vector, b: Vector) -> Vector:
+    """The statistics of the values of both ``a`` and ``b`` (two calls, batches, steps or ranks).
+
+    Counts and extremes are exact; the mean and moment sums follow Pebay (2008), "Formulas for robust,
+    one-pass parallel computation of covariances and arbitrary-order statistical moments", eq. 2.1-2.2.
+    Both host ``Moments``, or both device vectors on one device (merged as tensor ops: no host
+    synchronisation; the result takes the larger scale). ``EMPTY`` is the identity; the result does not
+    depend on the order but for rounding.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            raise TypeError("merge takes two host Moments or two device vectors on one device")
+        scale = torch.fmax(a[SCALE], b[SCALE])
+        ra, rb = a[SCALE] / scale, b[SCALE] / scale  # at most 1: rescaled moments cannot overflow
+        fields = _pebay(a[COUNT], b[COUNT], (b[MEAN] - a[MEAN]) / scale,
+                        (a[M2] * ra ** 2, a[M3] * ra ** 3, a[M4] * ra ** 4),
+                        (b[M2] * rb ** 2, b[M3] * rb ** 3, b[M4] * rb ** 4), (a[COUNT] + b[COUNT]).clamp(min=1))
+        mean = a[MEAN] + fields[0] * scale
+        return torch.stack((mean, torch.fmin(a[MIN], b[MIN]), torch.fmax(a[MAX], b[MAX]), a[COUNT] + b[COUNT],
+                            *fields[1:], a[ZEROS] + b[ZEROS], a[NANS] + b[NANS], a[INFS] + b[INFS], scale))
+    if not b.count or not a.count:
+        base = b if not a.count else a
+        return base._replace(min=min(a.min, b.min), max=max(a.max, b.max), zeros=a.zeros + b.zeros,
+                             nans=a.nans + b.nans, infs=a.infs + b.infs)
+    n = a.count + b.count
+    shift, m2, m3, m4 = _pebay(a.count, b.count, b.mean - a.mean, a[M2:M4 + 1], b[M2:M4 + 1], n)
+    return Moments(a.mean + shift, min(a.min, b.min), max(a.max, b.max), n, m2, m3, m4, a.zeros + b.zeros,
+                   a.nans + b.nans, a.infs + b.infs)
+
+
+def _pebay(na: Any, nb: Any, delta: Any, ma: Sequence[Any], mb: Sequence[Any], n: Any) -> tuple[Any, Any, Any, Any]:
+    """``(mean_b - mean_a) * nb / n`` and the merged ``m2, m3, m4`` of two sets of ``na`` and ``nb`` values
+    whose means differ by ``delta`` and whose central moment sums are ``ma``, ``mb`` (floats or tensors)."""
+    (m2a, m3a, m4a), (m2b, m3b, m4b) = ma, mb
+    wa, wb = na / n, nb / n
+    m2 = m2a + m2b + delta * delta * na * wb
+    m3 = m3a + m3b + delta ** 3 * na * wb * (wa - wb) + 3 * delta * (wa * m2b - wb * m2a)
+    m4 = (m4a + m4b + delta ** 4 * na * wb * (wa * wa - wa * wb + wb * wb)
+          + 6 * delta * delta * (wa * wa * m2b + wb * wb * m2a) + 4 * delta * (wa * m3b - wb * m3a))
+    return delta * wb, m2, m3, m4
+
+
+def empty_vector(device: torch.device) -> torch.Tensor:
+    """``EMPTY`` as a device vector (``SCALE`` 1), filled on the device: ``torch.tensor(list, device=...)``
+    would copy from the host and synchronise."""
+    vector = torch.zeros(SCALE + 1, dtype=device_float(device), device=device)
+    vector[MIN], vector[MAX], vector[SCALE] = math.inf, -math.inf, 1.0
+    return vector
+
+
+def as_moments(values: Sequence[float]) -> Moments:
+    """Host ``Moments`` from a host copy of any ``Vector`` (``to_host``'s row of a device vector carries
+    ``SCALE``: its moments are brought back to the data's units here, in float64)."""
+    if len(values) == SCALE:
+        return values if isinstance(values, Moments) else Moments(*values)
+    s = values[SCALE]
+    m2, m3, m4 = values[M2] * s * s, values[M3] * s * s * s, values[M4] * (s * s) * (s * s)
+    return Moments(*values[:M2], m2, m3, m4, *values[M4 + 1:SCALE])
 
 
 def device_float(device: torch.device) -> torch.dtype:
@@ -385,6 +504,24 @@ def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> Vector:
     return Reducer().reduce(t, zeros=zeros)
 
 
+def summary(values: Sequence[float]) -> tuple[float, float, float, float, float]:
+    """``(mean, std, min, max, kurtosis)`` of a host vector (``Moments`` layout), as reports show them.
+
+    The same numbers as torch on the whole tensor: a NaN makes all five NaN; an Inf (and no NaN) makes
+    std and kurtosis NaN and the mean +-inf (NaN when both signs are present); an empty tensor gives NaN.
+    Otherwise the moments of the values: std is the population one (correction=0) and kurtosis
+    Pearson's, ``n * m4 / m2^2`` (3 for normal data, 1.8 for uniform; NaN for constant data).
+    """
+    mean, lo, hi, count, m2, _m3, m4, _zeros, nans, infs = as_moments(values)
+    if nans or not (count or infs):
+        return math.nan, math.nan, math.nan, math.nan, math.nan
+    if infs:
+        mean = math.nan if lo == -math.inf and hi == math.inf else (math.inf if hi == math.inf else -math.inf)
+        return mean, math.nan, lo, hi, math.nan
+    kurtosis = count * m4 / (m2 * m2) if m2 > 0.0 and m4 > 0.0 else math.nan
+    return mean, math.sqrt(max(m2, 0.0) / count), lo, hi, kurtosis
+
+
 def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel: float) -> float:
     """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64."""
     if nan_count:
@@ -396,42 +533,39 @@ def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel:
     return math.sqrt(numel * (std ** 2 + mean ** 2))
 
 
-def _norm(v: dict[str, float]) -> float:
-    """``_norm_of`` a vector as a dict by ``_VECTOR`` names."""
-    return _norm_of(v["mean"], v["std"], v["nan_count"], v["inf_count"], v["numel"])
-
-
 def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """Turn a host copy of ``reduce_tensor``'s vector into the activation stats dict (``STAT_KEYS``).
-
-    Runs once per reported row: unpacked by position (``_VECTOR``'s order), not through a dict.
-    """
-    mean, std, lo, hi, zero_count, nan_count, inf_count, numel = values
+    """Turn a host copy of ``Reducer.reduce``'s vector into the activation stats dict (``STAT_KEYS``, then
+    ``STAT_EXTRA_KEYS``: JSON and the Python API only)."""
+    mean, std, lo, hi, kurtosis = summary(values)
+    nans, infs = values[NANS], values[INFS]
+    numel = int(values[COUNT] + nans + infs)
     return {
         "mean": float(mean),
         "std": float(std),
         "min": float(lo),
         "max": float(hi),
-        "norm": _norm_of(mean, std, nan_count, inf_count, numel),
-        "zero_fraction": (zero_count / int(numel)) if int(numel) else None,
-        "nan_count": int(nan_count),
-        "inf_count": int(inf_count),
+        "norm": _norm_of(mean, std, nans, infs, numel),
+        "zero_fraction": (values[ZEROS] / numel) if numel else None,
+        "nan_count": int(nans),
+        "inf_count": int(infs),
+        "kurtosis": float(kurtosis),
     }
 
 
-assert tuple(activation_stats((0.0,) * 7 + (1.0,))) == STAT_KEYS  # one order, by position
+assert tuple(activation_stats(EMPTY)) == STAT_KEYS + STAT_EXTRA_KEYS  # one order
 
 
 def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:
-    """Turn a host copy of ``reduce_tensor``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
-    v = dict(zip(_VECTOR, values))
-    stats: dict[str, float | int | None] = {key: float(v[key]) for key in ("mean", "std", "min", "max")}
-    stats["norm"] = _norm(v)
-    stats["nan_count"] = int(v["nan_count"])
-    stats["inf_count"] = int(v["inf_count"])
+    """Turn a host copy of ``Reducer.reduce``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
+    mean, std, lo, hi, _kurtosis = summary(values)
+    nans, infs = values[NANS], values[INFS]
+    numel = int(values[COUNT] + nans + infs)
+    stats: dict[str, float | int | None] = {"mean": float(mean), "std": float(std), "min": float(lo),
+                                            "max": float(hi), "norm": _norm_of(mean, std, nans, infs, numel),
+                                            "nan_count": int(nans), "inf_count": int(infs)}
     assert tuple(stats) == GRAD_KEYS
     if abs_max:
-        stats["abs_max"] = max(abs(v["min"]), abs(v["max"])) if int(v["numel"]) else None
+        stats["abs_max"] = max(abs(lo), abs(hi)) if numel else None
     return stats
 
 

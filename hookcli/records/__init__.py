@@ -9,6 +9,7 @@ from hookcli.records.checks import CheckResult, RuleResult
 from hookcli.records.core import (
     GRAD_KEYS,
     SCHEMA,
+    STAT_EXTRA_KEYS,
     STAT_KEYS,
     FailureInfo,
     GradStats,
@@ -27,7 +28,7 @@ from hookcli.records.diff import DiffReport, DiffRow, Errors, Tolerance
 from hookcli.records.exports import ChannelRecord, FeatureExport, FeatureMaps, SavedTensor
 
 __all__ = [
-    "GRAD_KEYS", "SCHEMA", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
+    "GRAD_KEYS", "SCHEMA", "STAT_EXTRA_KEYS", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",
 ]

@@ -21,6 +21,8 @@ GradStats = dict[str, float | int | None]
 STAT_KEYS: tuple[str, ...] = (
     "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
 )
+#: Activation statistics beyond the table's columns: in JSON and the Python API only (docs/json-format.md).
+STAT_EXTRA_KEYS: tuple[str, ...] = ("kurtosis",)
 GRAD_KEYS: tuple[str, ...] = ("mean", "std", "min", "max", "norm", "nan_count", "inf_count")
 
 
