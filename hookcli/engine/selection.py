@@ -130,3 +130,15 @@ def _layer_hint(pattern: str, names: list[str]) -> str:
     if matches:
         return "did you mean: " + ", ".join(matches) + "?  (`hookcli modules MODEL` lists every name)"
     return "run `hookcli modules MODEL` to list the module names"
+
+
+def owners_and_activations(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module that owns parameters directly, plus every activation function module (the classes
+    of ``torch.nn.modules.activation``), in ``named_modules()`` order: ``hookcli.watch``'s default,
+    like fastai's ActivationStats. The model itself when none is either."""
+    from torch.nn.modules import activation
+
+    selected = [(n, m) for n, m in model.named_modules()
+                if next(m.parameters(recurse=False), None) is not None
+                or type(m).__module__ == activation.__name__]
+    return selected or [("", model)]

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from hookcli.records import WatchStep
 from hookcli.render.formats import Renderable
 
 
@@ -41,3 +42,9 @@ class JsonRenderer:
     ) -> str:
         """The report as JSON text."""
         return to_json(report)
+
+
+def to_json_line(record: WatchStep) -> str:
+    """The record's dict as one line of JSON Lines (compact, non-finite floats as strings), ending with
+    a newline."""
+    return json.dumps(sanitize(record.to_dict()), allow_nan=False, separators=(",", ":")) + "\n"
