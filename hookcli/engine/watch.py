@@ -60,6 +60,7 @@ class StepWatcher:
         self._param_vectors: list[ParamVectors] | None = None
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
+        self._stepped = False  # the optimizer stepped in the step in progress
         #: What hookcli's code raised inside the optimizer's hooks (never raised into optimizer.step):
         #: the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or the block's end.
         self.error: BaseException | None = None
@@ -87,6 +88,7 @@ class StepWatcher:
         assert self.hooks.session is not None
         self.hooks.session.idle = self.error is not None or self.step % self.every != 0
         self._before = self._param_vectors = self._updates = None
+        self._stepped = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -110,6 +112,7 @@ class StepWatcher:
             self._before = [p.detach().clone() for _, p in self.params]
 
     def _post_step(self) -> None:
+        self._stepped = True
         if self._before is not None:
             self._updates = [torch.linalg.vector_norm(before.sub_(p.detach()), dtype=device_float(p.device))
                              .reshape(1) for before, (_, p) in zip(self._before, self.params)]
@@ -144,10 +147,13 @@ class StepWatcher:
             self.on_step(pending)
 
     def close(self) -> None:
-        """Remove every hook; hand on a pending record (also when the loop raised)."""
+        """Remove every hook; hand on a pending record, or the record of a step that ``user_step`` would
+        have ended after the optimizer's step (also when the loop raised)."""
         try:
             if self.error is None:
                 self._hand_on()
+                if self.user_steps and self._stepped and (record := self._close(None)) is not None:
+                    self.on_step(record)
         finally:
             self.hooks.remove()
             self._before = self._param_vectors = self._updates = None
