@@ -414,3 +414,84 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
             else:
                 assert got != want  # the statistics ran: the comparison can tell
 
+
+
+# -- bad input and the log file ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "kwargs", "words"), [
+    (("resnet18",), {}, "nn.Module"),
+    ((nn.Linear(2, 2), object()), {}, "torch.optim.Optimizer"),
+    ((nn.Linear(2, 2),), {"every": 0}, "every"),
+    ((nn.Linear(2, 2),), {"every": 2.5}, "every"),
+    ((nn.Linear(2, 2),), {"every": True}, "every"),
+    ((nn.Linear(2, 2),), {"layers": "nope"}, "no module named 'nope'"),
+])
+def test_bad_arguments_are_usage_errors(args: tuple[Any, ...], kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(UsageError) as info:
+        hookcli.watch(*args, **kwargs)
+    assert info.value.exit_code == 2 and words in str(info.value) and info.value.hint
+    assert "\n" not in info.value.message
+
+
+def test_a_loss_that_is_not_one_number_is_a_usage_error_and_the_watch_goes_on() -> None:
+    model = nn.Linear(2, 2)
+    with hookcli.watch(model) as w:
+        out = model(torch.randn(3, 2))
+        out.sum().backward()
+        with pytest.raises(UsageError, match=r"one-element tensor, got a tensor of shape \[3, 2\]"):
+            w.step(loss=out)
+        w.step(loss=out.sum())
+    assert w.last.step == 0 and w.last.loss == pytest.approx(float(out.sum().detach()), rel=1e-7)
+    with pytest.raises(UsageError, match="outside its with block"):
+        w.step()
+    no_hooks_left(model, None)
+
+
+def test_an_unwritable_log_is_refused_before_any_step(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(OutputError, match="it is a directory") as info:
+        hookcli.watch(model, out=tmp_path)
+    assert info.value.exit_code == 2
+    no_hooks_left(model, None)
+
+
+def test_an_existing_log_keeps_its_lines(tmp_path: Path) -> None:
+    """The log is appended to (a resumed run's lines follow the first run's); missing folders are made."""
+    log = tmp_path / "runs" / "exp.jsonl"
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _run in range(2):
+        with hookcli.watch(model, opt, out=log) as w:
+            for _ in range(2):
+                model(torch.randn(4, 2)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                w.step()
+    assert steps_in(log) == [0, 1, 0, 1]
+
+
+def test_layers_choose_the_modules_and_their_parameters() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookcli.watch(model, opt, layers="fc1,head") as w:
+        (x, y), = batches(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert [layer.name for layer in w.last.layers] == ["fc1", "head"]
+    assert [p.name for p in w.last.params] == ["fc1.weight", "fc1.bias", "head.weight", "head.bias"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_log_that_fails_mid_run_never_raises_into_optimizer_step() -> None:
+    """A write that fails in the optimizer's hook (no space left) is kept, the watch stops (idle), the
+    loop trains on as unwatched, and the OutputError is raised when the block ends."""
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OutputError, match="/dev/full") as info:
+        with hookcli.watch(model, opt, out="/dev/full"):
+            losses = train(model, opt, 4)
+    assert info.value.exit_code == 2 and len(losses) == 4
+    no_hooks_left(model, opt)
