@@ -445,6 +445,8 @@ def test_a_loss_that_is_not_one_number_is_a_usage_error_and_the_watch_goes_on() 
     assert w.last.step == 0 and w.last.loss == pytest.approx(float(out.sum().detach()), rel=1e-7)
     with pytest.raises(UsageError, match="outside its with block"):
         w.step()
+    with pytest.raises(UsageError, match="has run already"):
+        w.__enter__()
     no_hooks_left(model, None)
 
 
@@ -495,3 +497,28 @@ def test_a_log_that_fails_mid_run_never_raises_into_optimizer_step() -> None:
             losses = train(model, opt, 4)
     assert info.value.exit_code == 2 and len(losses) == 4
     no_hooks_left(model, opt)
+
+
+def test_a_logged_step_reaches_the_host_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hookcli's own host transfer (``to_host``, wrapped to count its calls, still run): once per logged
+    step, none on unlogged ones; the first step with a loss from w.step() reads the loss in a second."""
+    import hookcli.engine.watch as engine_watch
+
+    calls: list[int] = []
+    real = engine_watch.to_host
+    monkeypatch.setattr(engine_watch, "to_host", lambda vectors: calls.append(len(vectors)) or real(vectors))
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = []
+    with hookcli.watch(model, opt, every=2) as w:
+        for step in range(5):
+            (x, y), = batches(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+            per_step.append(len(calls))
+    assert per_step == [2, 2, 3, 3, 4]
+    assert calls[1] == 1 and calls[2] == calls[3] == calls[0] + 1  # the loss rides with the rest

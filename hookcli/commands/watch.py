@@ -38,11 +38,13 @@ class Watch:
         self.last: WatchStep | None = None
         self.findings: list[Any] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
-        self._open = False
+        self._open = self._used = False
 
     def __enter__(self) -> Self:
-        if self._open:
-            raise UsageError("this watch is running already", hint="make a new hookcli.watch(...) for another loop")
+        if self._used:
+            raise UsageError("this watch has run already: a watch serves one with block",
+                             hint="make a new hookcli.watch(...) for another loop")
+        self._used = True
         self._watcher.start()
         self._open = True
         return self
@@ -60,11 +62,6 @@ class Watch:
                 self.log.close()
         if exc_type is None:
             self._watcher.raise_error()
-
-    @property
-    def step_index(self) -> int:
-        """The step in progress (0-based): logged when it is a multiple of ``every``."""
-        return self._watcher.step
 
     def step(self, loss: Any = None) -> None:
         """End the step in progress (call it after ``optimizer.step()``); ``loss``: the step's loss, a

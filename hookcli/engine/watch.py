@@ -9,6 +9,7 @@ gradients and updates, the loss) reach the host in one transfer and are handed t
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -240,7 +241,7 @@ def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
 
 def check_loss(loss: Any) -> None:
     """A loss is a number or a one-element tensor (UsageError otherwise); it is not read here."""
-    if loss is None or isinstance(loss, (int, float)) and not isinstance(loss, bool):
+    if loss is None or isinstance(loss, numbers.Real) and not isinstance(loss, bool):
         return
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_complex():
         return
