@@ -1,7 +1,8 @@
 """``hookcli.watch``: what a watch over the user's own training loop is to the user (docs/watch.md).
 
 The engine (``hookcli.engine.watch.StepWatcher``) hooks the model and the optimizer and hands each
-logged step's record here; this module keeps the latest and writes it to the log as one JSON line.
+logged step's record here; this module keeps the latest and appends it to the log as one JSON line
+(the record's own ``to_json_line``: the log is written during the loop, with no renderer in between).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from hookcli.engine.watch import StepWatcher
 from hookcli.errors import UsageError
 from hookcli.output import LineLog
 from hookcli.records import WatchStep
-from hookcli.render.jsonfmt import to_json_line
 
 
 class Watch:
@@ -73,7 +73,7 @@ class Watch:
     def _logged(self, record: WatchStep) -> None:
         self.last = record
         if self.log is not None:
-            self.log.write_line(to_json_line(record))
+            self.log.write_line(record.to_json_line())
 
 
 def check_arguments(model: Any, optimizer: Any, every: Any) -> None:

@@ -5,8 +5,11 @@ bumping ``WATCH_SCHEMA``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from hookcli.records.core import sanitize
 
 WATCH_SCHEMA = 1
 
@@ -65,3 +68,8 @@ class WatchStep:
         return {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
                 "layers": [layer.to_dict() for layer in self.layers],
                 "params": [param.to_dict() for param in self.params]}
+
+    def to_json_line(self) -> str:
+        """``to_dict()`` as one line of JSON Lines (compact; non-finite numbers as ``sanitize`` writes
+        them), ending with a newline."""
+        return json.dumps(sanitize(self.to_dict()), allow_nan=False, separators=(",", ":")) + "\n"
