@@ -74,7 +74,7 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
 
     Options beyond ``shapes``: ``loss`` (auto|ce|nll|mean_square|sum|mean), ``target``, ``output_key``,
     ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
-    defaults to 2 (BatchNorm needs more than one value per channel). ``sort`` (norm|max|name) orders the
+    defaults to 2 (BatchNorm needs more than one value per channel; as for every command). ``sort`` (norm|max|name) orders the
     layer and parameter rows (largest gradient first), ``top`` keeps the first N of each (by norm
     unless ``sort`` says otherwise); ``report.notes`` says what was left out.
     """
@@ -88,7 +88,7 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
     opts = _options(model, options)
     # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
     with exclusive(model), torch.inference_mode(False):
-        report = backward_report(prepare(opts, default_batch=2 if opts.train else None), "grads")
+        report = backward_report(prepare(opts), "grads")
     return order_rows(report, sort=sort, top=top)
 
 

@@ -28,6 +28,7 @@ import tomllib
 
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.targets import is_inside
+from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
 
 FILLS = values_of(Fill)
@@ -216,8 +217,10 @@ def normalize_key(key: str) -> str:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_capped(path, TEXT_BYTES, f"config file {path}").decode("utf-8"))
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"config file {path} nests arrays or tables too deeply to read",
+                          hint="a hookcli config is a few flat tables: fix or replace the file") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist",
                           hint="check the --config path (relative paths start at the current directory)") from None

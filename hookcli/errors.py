@@ -139,6 +139,30 @@ class InternalError(HookcliError):
     exit_code = 3
 
 
+class Terminated(BaseException):
+    """SIGTERM turned into an exception (like KeyboardInterrupt for SIGINT), so that it unwinds
+    through every ``finally``: temporary files are removed, the user's model is handed back, an
+    output file is left as it was. Not an Exception: nothing that catches errors may swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: What stops a run from outside (Ctrl-C, SIGTERM, a generator closed): never the model's failure,
+#: always passed on. Any other BaseException raised by the model's code is the model's failure.
+INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, Terminated, GeneratorExit)
+
+
+def safe_str(value: object) -> str:
+    """``str(value)``, or a description when its own ``__str__`` raises (the model's code can define
+    any exception, any ``sys.exit`` argument): reporting a failure must never fail."""
+    try:
+        return str(value)
+    except Exception as inner:  # noqa: BLE001 - any failure of a foreign __str__
+        return f"<{type(value).__name__} whose __str__ raised {type(inner).__name__}>"
+
+
 def exit_status(code: object) -> str:
     """How a ``SystemExit`` code reads in a message: ``code 3``, ``code 0`` (``sys.exit()``), or the
     message that ``sys.exit("text")`` would print (Python exits 1 then)."""
@@ -146,7 +170,8 @@ def exit_status(code: object) -> str:
         return "code 0"
     if isinstance(code, int):
         return f"code {code}"
-    return f"code 1 ({str(code).strip().splitlines()[0] if str(code).strip() else ''!r})"
+    text = safe_str(code).strip()
+    return f"code 1 ({text.splitlines()[0] if text else ''!r})"
 
 
 #: The hint every internal error carries.
@@ -155,7 +180,7 @@ INTERNAL_HINT = "run again with --debug for the traceback, and please report it"
 
 def internal_error(exc: BaseException, where: str) -> InternalError:
     """An InternalError saying that hookcli's own code ``where`` raised ``exc`` (chain it: ``from exc``)."""
-    text = str(exc).strip()
+    text = safe_str(exc).strip()
     detail = f": {text.splitlines()[0]}" if text else ""
     return InternalError(f"internal error: {where} raised {type(exc).__name__}{detail}", hint=INTERNAL_HINT)
 
@@ -199,7 +224,7 @@ def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
 def describe_exception(exc: BaseException, limit: int = 200) -> str:
     """``Type: first line of the message``, short: for errors that quote a library's exception
     (torch's C++ errors carry stack dumps and ``[enforce fail at ...]`` prefixes)."""
-    text = str(exc).strip()
+    text = safe_str(exc).strip()
     first = text.splitlines()[0] if text else ""
     if first.startswith("[enforce fail at") and "] " in first:
         first = first.split("] ", 1)[1].removeprefix("err == 0. ")

@@ -308,7 +308,7 @@ class RunOptions:
     batch_size: int | None = _flag("--batch-size")
     fill: Fill | str = _flag("--fill", Fill.randn)
     seed: int = _flag("--seed", 0)
-    seq_len: int | None = _flag("--seq-len")  # sequence length of generated token/sequence inputs (None: 128)
+    seq_len: int | None = _flag("--seq-len")  # length of generated sequences (None: 128, capped by an HF config)
     layers: Sequence[str] | str | None = _flag("--layers")
     types: Sequence[str] | str | None = _flag("--types")
     depth: int | None = _flag("--depth")

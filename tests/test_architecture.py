@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "hookcli"
 
 LEAVES = {"hookcli._version", "hookcli.errors", "hookcli.options", "hookcli.config", "hookcli.output",
-          "hookcli.progress", "hookcli.targets", "hookcli.escape"}
+          "hookcli.progress", "hookcli.targets", "hookcli.escape", "hookcli.limits"}
 
 #: layer -> the layers it may import (besides itself, the leaves and records).
 ALLOWED = {

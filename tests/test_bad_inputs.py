@@ -55,7 +55,140 @@ class Two(nn.Module):
 
 def boom():
     raise ValueError("factory exploded")
+
+
+class NoCopy(nn.Module):  # a lock: copy.deepcopy raises
+    def __init__(self):
+        super().__init__()
+        import threading
+        self.lin = nn.Linear(16, 4)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class CatchAll(NoCopy):  # every missing attribute is a function (__deepcopy__, example_inputs, ...)
+    def __init__(self):
+        super().__init__()
+        del self.lock
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return lambda *args, **kwargs: None
+
+
+class Halt(BaseException):
+    pass
+
+
+class BadText(Exception):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+def halt():
+    raise Halt("the factory halted")
+
+
+class RaisesBase(NoCopy):
+    def forward(self, x):
+        raise Halt("halted by the model")
+
+
+class RaisesBadText(NoCopy):
+    def forward(self, x):
+        raise BadText()
+
+
+class RunsHookcli(NoCopy):  # calls hookcli on itself from its own forward
+    def forward(self, x):
+        import hookcli
+        hookcli.stats(self, input_shapes=["2x16"])
+        return self.lin(x)
+
+
+class RefusesWeights(nn.Module):  # its own state-dict loader wants every key, as a quantized Linear once did
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        raise ValueError("this module loads only a complete state dict of its own format")
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def quantized():  # static quantization: its layers output quint8 tensors, its state dict packs weights
+    from torch.ao.nn import quantized as nnq
+    gen = torch.Generator().manual_seed(0)
+    lin = nnq.Linear(16, 8)
+    lin.set_weight_bias(torch.quantize_per_tensor(torch.randn(8, 16, generator=gen) / 4, 0.01, 0, torch.qint8),
+                        torch.randn(8, generator=gen))
+    lin.scale, lin.zero_point = 0.05, 64
+    return nn.Sequential(nnq.Quantize(0.05, 64, torch.quint8), lin, nnq.DeQuantize())
+
+
+def exported():  # torch.export: a flattened graph whose train() and eval() raise
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU())
+    return torch.export.export(model, (torch.randn(2, 16),)).module()
+
+
+class Café(nn.Module):  # a module name outside ASCII and Latin-1
+    def __init__(self):
+        super().__init__()
+        self.add_module("café模", nn.Linear(16, 4))
+
+    def forward(self, x):
+        return getattr(self, "café模")(x)
 '''
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (RGB) and whose data is a few bytes: what a
+    decoder would expand is known from the header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+def _zip_claiming(size: int, members: int) -> bytes:
+    """A small .npz whose zip directory says each member expands to ``size`` bytes (as a zip bomb's
+    does): the sizes are written into the local and central headers of small deflated members."""
+    import io
+    import struct
+    import zipfile
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for i in range(members):
+            member = io.BytesIO()
+            np.lib.format.write_array(member, np.zeros(1000 + i))
+            archive.writestr(f"arr_{i}.npy", member.getvalue())
+    data = bytearray(buffer.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        infos = archive.infolist()
+    central = data.rfind(b"PK\x05\x06")
+    start = struct.unpack_from("<I", data, central + 16)[0]
+    for info in infos:
+        struct.pack_into("<I", data, info.header_offset + 22, size)  # local header: uncompressed size
+    offset = start
+    for _ in infos:
+        struct.pack_into("<I", data, offset + 24, size)  # central directory: uncompressed size
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, offset + 28)
+        offset += 46 + name_len + extra_len + comment_len
+    return bytes(data)
 
 
 def _listing(root: Path) -> list[str]:
@@ -88,6 +221,16 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "numpyload.toml").write_text('model = "numpy:load"\nmodel_args = { file = "x.npy", allow_pickle = true }\n')
     (tmp_path / "inflr.toml").write_text("[checks.params_change]\nlr = inf\n")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "badtext.py").write_text(
+        "class BadText(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n\n\n"
+        "raise BadText()\n")
+    (tmp_path / "deep.toml").write_text("fill = " + "[" * 5000 + "]" * 5000 + "\n")
+    torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
+    (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
+    (tmp_path / "bomb.npz").write_bytes(_zip_claiming(3_000_000_000, members=3))
+    for name in ("huge.json", "huge.toml"):  # sparse: 65 MiB of zeros that take no disk
+        with open(tmp_path / name, "wb") as fh:
+            fh.truncate(65 << 20)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -198,6 +341,27 @@ ROWS: list[tuple[str, list[str], int, str]] = [
                                "--call", "3", "-o", "m.png"], 2, "--call 3"),
     ("fmaps unknown layer", ["fmaps", "lin.py:conv", "--layer", "bogus", "-o", "m.png"], 2, "bogus"),
     ("fmaps without --layer", ["fmaps", "lin.py:conv", "-o", "m.png"], 2, "--layer"),
+    # faults of the model's code (issue #20 part 3): never exit 3
+    ("check of an uncopyable model", ["check", "lin.py:NoCopy"], 2, "cannot be deep-copied: TypeError"),
+    ("check of a catch-all __getattr__", ["check", "lin.py:CatchAll"], 2, "copy.deepcopy gave a NoneType"),
+    ("forward raising a BaseException", ["stats", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("forward raising a BaseException (grads)", ["grads", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("forward raising a BaseException (diff)", ["diff", "lin.py:RaisesBase"], 1, "Halt: halted by the model"),
+    ("exception whose __str__ raises", ["stats", "lin.py:RaisesBadText"], 1, "BadText whose __str__ raised"),
+    ("factory raising a BaseException", ["stats", "lin.py:halt"], 1, "Halt (a BaseException): the factory halted"),
+    ("import raising an unprintable exception", ["stats", "badtext.py:Net"], 2, "BadText whose __str__ raised"),
+    ("hookcli from the model's forward", ["stats", "lin.py:RunsHookcli"], 2, "already running this model"),
+    ("hookcli's own entry point as MODEL", ["stats", "hookcli.cli.main:main"], 2, "called again"),
+    ("diff whose run B refuses A's weights", ["diff", "lin.py:RefusesWeights", "--input-shape", "2x16"], 2,
+     "cannot take run A's weights"),
+    ("a torch.export'ed module", ["stats", "lin.py:exported", "--input-shape", "2x16"], 2, "torch.export"),
+    ("input .pt holding a meta tensor", ["stats", LIN, "--input", "meta.pt"], 2, "meta tensor"),
+    ("deeply nested TOML", ["stats", LIN, "--config", "deep.toml"], 2, "too deeply"),
+    # sizes: every read has a limit, checked before anything is decoded or expanded
+    ("30000x30000 PNG", ["stats", LIN, "--input", "huge.png"], 2, "30000x30000 = 900,000,000 pixels"),
+    ("npz zip bomb", ["stats", LIN, "--input", "bomb.npz"], 2, "expand to 9,000,000,000 bytes"),
+    ("huge --baseline", ["check", LIN, "--baseline", "huge.json"], 2, "over the limit of 64 MiB"),
+    ("huge --config", ["stats", LIN, "--config", "huge.toml"], 2, "over the limit of 64 MiB"),
 ]
 
 
@@ -427,3 +591,228 @@ def test_channel_lists_are_capped_and_shown_as_ranges() -> None:
     with pytest.raises(UsageError, match="more than"):
         parse_channels("0-99999999999999")
 
+
+
+# --------------------------------------------------------------------------- faults around the model and the streams
+
+
+def test_catch_all_getattr_gives_no_example_inputs(cli, workdir: Path) -> None:
+    """``model.example_inputs`` of a catch-all ``__getattr__`` is a function returning None: not inputs."""
+    result = cli("shapes", "lin.py:CatchAll", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["inputs"][0]["shape"] != None  # noqa: E711 - a guessed shape, not None
+
+
+def test_a_forward_raising_a_base_exception_keeps_the_model_and_its_rows() -> None:
+    """The API raises ModelRaisedError (exit 1) for a BaseException of the model's; Ctrl-C stays Ctrl-C."""
+    class Halt(BaseException):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self, error: BaseException) -> None:
+            super().__init__()
+            self.lin, self.error = nn.Linear(4, 2), error
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise self.error
+
+    model = Net(Halt("stop"))
+    before = _snapshot(model)
+    with pytest.raises(errors.ModelRaisedError) as info:
+        hookcli.stats(model, input_shapes=["2x4"])
+    assert info.value.exit_code == 1 and "Halt: stop" in info.value.message
+    assert [r.name for r in info.value.report.layers] == ["lin"]
+    assert _same(_snapshot(model), before)
+    with pytest.raises(KeyboardInterrupt):
+        hookcli.stats(Net(KeyboardInterrupt()), input_shapes=["2x4"])
+
+
+def _hookcli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kwargs: Any):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(hookcli.__file__).resolve().parent.parent
+    full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    full.pop("HOOKCLI_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "hookcli", *args], cwd=tmp_path, env=full, timeout=300,
+                          **kwargs)
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly(workdir: Path) -> None:
+    """``hookcli stats ... | head -1``: the reader is gone when the report is written; exit 141
+    (128 + SIGPIPE, as for a Unix tool) and nothing on stderr. The same when stderr's reader left
+    (click alone would exit 1 then: "the model failed")."""
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the first byte
+    try:
+        proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=write_end, stderr=subprocess.PIPE)
+        error = _hookcli(workdir, "stats", LIN, "--layers", "bogus", stdout=subprocess.PIPE, stderr=write_end)
+        wrote = _hookcli(workdir, "stats", LIN, "-o", "r.json", stdout=subprocess.PIPE, stderr=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == b""
+    assert error.returncode == 141 and error.stdout == b""
+    assert wrote.returncode == 141 and json.loads((workdir / "r.json").read_text())["command"] == "stats"
+
+
+def test_stdout_on_a_full_device_or_closed_is_one_error_line(workdir: Path) -> None:
+    import os
+    import subprocess
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=full, stderr=subprocess.PIPE,
+                        text=True)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 2 and lines[0].startswith("Error: cannot write the report to stdout"), proc.stderr
+    assert lines[1].startswith("  hint: ")
+    closed = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", stdout=subprocess.DEVNULL,
+                      stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))  # >&-
+    assert closed.returncode == 2, closed.stderr
+    assert closed.stderr.splitlines()[0] == "Error: stdout is closed: the report has nowhere to go"
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_an_encoding_without_the_characters_still_writes_the_report(workdir: Path, fmt: str) -> None:
+    """Latin-1 has neither the table's box lines nor the module's name: escaped, not UnicodeEncodeError."""
+    import subprocess
+
+    proc = _hookcli(workdir, "stats", "lin.py:Café", "--input-shape", "2x16", "-f", fmt,
+                    env={"PYTHONIOENCODING": "latin-1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.returncode == 0, proc.stderr
+    assert "caf\xe9\\u6a21".encode("latin-1") in proc.stdout and proc.stderr == b""
+    bad = _hookcli(workdir, "stats", "lin.py:Café", "--layers", "café模x", env={"PYTHONIOENCODING": "latin-1"},
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert bad.returncode == 2 and bad.stderr.startswith(b"Error: ") and b"\\u6a21" in bad.stderr
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_features_of_a_quantized_model_are_saved_dequantized(cli, workdir: Path, suffix: str) -> None:
+    """safetensors and numpy have no quint8: the values are saved as float32, and the report says so."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    torch.save(x, workdir / "x.pt")
+    result = cli("features", "lin.py:quantized", "--input", "x.pt", "-o", f"q{suffix}")
+    assert result.exit_code == 0, result.stderr
+    assert "1: quint8 (quantized) saved dequantized as float32" in result.stdout  # the report's notes
+    namespace: dict[str, Any] = {}
+    exec(compile(MODEL_FILE, "lin.py", "exec"), namespace)
+    model = namespace["quantized"]().eval()
+    with torch.no_grad():
+        expected = model[1](model[0](x)).dequantize()
+    if suffix == ".npz":
+        with np.load(workdir / "q.npz") as data:
+            saved = torch.from_numpy(data["1"])
+    else:
+        saved = load_file(str(workdir / "q.safetensors"))["1"]
+    assert saved.dtype == torch.float32 and torch.equal(saved, expected)
+
+
+# --------------------------------------------------------------------------- size limits, raised or lowered
+
+
+def test_the_limits_apply_to_real_files_and_can_be_raised(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real compressed .npz and a real PNG, checked against lowered limits; raising them lets the
+    same files through (the environment variable the message names is the one that works)."""
+    import numpy as np
+    from PIL import Image
+
+    np.savez_compressed(workdir / "zeros.npz", np.zeros((2, 16), dtype=np.float32))  # 128 bytes of data
+    Image.new("RGB", (40, 30)).save(workdir / "small.png")
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "100")
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "1000")
+    for argv, needle in ((["--input", "zeros.npz"], "HOOKCLI_MAX_TENSOR_BYTES"),
+                         (["--input", "small.png"], "HOOKCLI_MAX_IMAGE_PIXELS")):
+        result = cli("stats", "lin.py:conv" if "png" in argv[1] else LIN, *argv)
+        assert result.exit_code == 2, result.stderr
+        error, hint = result.stderr.splitlines()
+        assert "too large" in error and needle in hint
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "1000000")
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "1200")
+    assert cli("stats", LIN, "--input", "zeros.npz").exit_code == 0
+    assert cli("stats", "lin.py:conv", "--input", "small.png").exit_code == 0
+    monkeypatch.setenv("HOOKCLI_MAX_IMAGE_PIXELS", "lots")
+    bad = cli("stats", "lin.py:conv", "--input", "small.png")
+    assert bad.exit_code == 2 and bad.stderr.startswith("Error: HOOKCLI_MAX_IMAGE_PIXELS='lots'")
+
+
+@pytest.mark.parametrize("name, argv, limit", [
+    ("endless.pt", ["stats", LIN, "--input", "endless.pt"], "1,000,000"),
+    ("endless.json", ["check", LIN, "--baseline", "endless.json"], "67,108,864"),
+    ("endless.toml", ["stats", LIN, "--config", "endless.toml"], "67,108,864"),
+])
+def test_an_endless_device_stops_at_the_limit(cli, workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                              argv: list[str], limit: str) -> None:
+    """A FIFO that keeps sending (as /dev/zero would) is read up to the limit only. The writer stops
+    by itself after 80 MiB, so that a regression fails this test instead of filling the memory."""
+    import os
+    import threading
+
+    monkeypatch.setenv("HOOKCLI_MAX_TENSOR_BYTES", "1000000")
+    fifo = workdir / name
+    os.mkfifo(fifo)
+    sent = [0]
+
+    def write() -> None:
+        try:
+            with open(fifo, "wb") as out:
+                while sent[0] < 80 << 20:
+                    out.write(b"\0" * 65536)
+                    sent[0] += 65536
+        except BrokenPipeError:
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    result = cli(*argv)
+    writer.join(timeout=60)
+    assert result.exit_code == 2, result.stderr
+    assert f"more than {limit} bytes" in result.stderr.splitlines()[0]
+    assert sent[0] < 80 << 20  # the reader stopped: the writer's pipe broke before it was done
+
+
+def test_check_without_params_change_needs_no_copy(cli, workdir: Path) -> None:
+    """With params_change off, an uncopyable model is checked; the second look (which steps a copy) is
+    skipped, so the dead layer is judged on the one run, as for a copyable model without it."""
+    (workdir / "nocopy.py").write_text(
+        "import threading\nimport broken_models\n\n\n"
+        "class NoCopyDead(broken_models.DeadLayer):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lock = threading.Lock()\n")
+    (workdir / "nochange.toml").write_text("[checks.params_change]\nenabled = false\n")
+    result = cli("check", "nocopy.py:NoCopyDead", "--input-shape", "4x4", "--config", "nochange.toml", "-f", "json")
+    assert result.exit_code == 1, result.stderr
+    assert "deep-copied" not in result.stderr
+    rules = {r["rule"]: r for r in json.loads(result.stdout)["rules"]}
+    assert "params_change" not in rules
+    assert rules["max_zero_fraction"]["status"] == "FAIL" and rules["runs"]["status"] == "PASS"
+
+
+def test_a_closed_stderr_loses_only_the_diagnostics(workdir: Path) -> None:
+    """``2>&-``: the run still writes its -o FILE and exits 0; nothing it opens takes descriptor 2."""
+    import os
+    import subprocess
+
+    proc = _hookcli(workdir, "stats", LIN, "--input-shape", "2x16", "-o", "r.json", stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0 and proc.stdout == b""
+    assert json.loads((workdir / "r.json").read_text())["command"] == "stats"
+
+
+def test_diff_of_a_quantized_model_against_itself_compares_its_quantized_outputs(cli, workdir: Path) -> None:
+    """A quantized state dict (packed weights, a dtype) reaches run B with its version data: nothing differs,
+    and the quantized layer's row is there (the run B that could not take A's weights was exit 2 once)."""
+    result = cli("diff", "lin.py:quantized", "--input-shape", "2x16", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    rows = {r["name"]: r for r in json.loads(result.stdout)["rows"]}
+    assert rows["1"]["a"]["dtype"] == rows["1"]["b"]["dtype"] == "quint8"
+    assert rows["1"]["status"] == "ok" and rows["1"]["errors"]["max_abs"] == 0.0

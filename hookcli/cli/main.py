@@ -7,6 +7,7 @@ Option bundles and config defaults live in ``hookcli.cli.options``. No torch at 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -21,7 +22,8 @@ import click
 from hookcli import api
 from hookcli._version import __version__
 from hookcli.errors import (
-    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, CheckFailedError, HookcliError, ModelRaisedError, exit_status, one_line,
+    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, INTERRUPTS, CheckFailedError, HookcliError, ModelRaisedError,
+    OutputError, Terminated, UsageError, exit_status, one_line, safe_str,
 )
 
 from hookcli.options import DEFAULT_MODEL, GradSort, model_sources_text, values_of
@@ -45,19 +47,88 @@ from hookcli.cli.options import (
     run_fields,
 )
 
-class Terminated(BaseException):
-    """SIGTERM turned into an exception (like KeyboardInterrupt for SIGINT), so that it unwinds
-    through every ``finally``: temporary files are removed, the user's model is handed back, an
-    output file is left as it was. Not an Exception: nothing that catches errors may swallow it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 #: The exit code of a run stopped by SIGTERM: 128 + the signal number, as shells report it
 #: (SIGINT: 130, from ``HookcliGroup.invoke``).
 EXIT_SIGTERM = 128 + signal.SIGTERM
+
+#: The exit code when the reader of stdout went away (``hookcli ... | head -1``): 128 + SIGPIPE, what a
+#: shell reports for a Unix tool that SIGPIPE ended; quiet, as ``head`` users expect.
+EXIT_SIGPIPE = 128 + 13
+
+
+class ReaderGone(Exception):
+    """The reader of stdout or stderr is gone (EPIPE): the run ends quietly with :data:`EXIT_SIGPIPE`
+    (not click's own EPIPE handling, which exits 1: a code that reads as "the model failed")."""
+
+
+def _stdout_failure(exc: OSError) -> Exception:
+    """What a failed write to stdout means: the reader left (EPIPE, EBADF, EINVAL of a closed
+    descriptor: quiet end), or the device cannot take it (a full disk: exit 2 with a message)."""
+    if exc.errno in (errno.EPIPE, errno.EBADF, errno.EINVAL) or isinstance(exc, BrokenPipeError):
+        return ReaderGone()
+    detail = exc.strerror or safe_str(exc)
+    return OutputError(f"cannot write the report to stdout: {detail}",
+                       hint="free space on the device stdout goes to, or write the report with -o FILE elsewhere")
+
+
+def _write_stdout(text: str) -> None:
+    """The report to stdout, flushed here so that a full device or a gone reader is seen now."""
+    if sys.stdout is None:  # started with stdout closed (>&-): nowhere to write the report
+        raise OutputError("stdout is closed: the report has nowhere to go",
+                          hint="run without closing stdout (>&-), or write the report with -o FILE")
+    try:  # sys.stdout itself, not click's strict re-wrapping of it: its errors="backslashreplace" holds
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except OSError as exc:
+        raise _stdout_failure(exc) from exc
+
+
+def _quiet_streams() -> None:
+    """Point stdout and stderr at /dev/null so that the interpreter's last flush cannot fail again
+    (Python's documented SIGPIPE recipe, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _tolerant_streams() -> None:
+    """stdout and stderr never fail on a character their encoding lacks (``PYTHONIOENCODING=ascii``,
+    a latin-1 terminal): it is written as a backslash escape instead of raising UnicodeEncodeError.
+
+    A standard descriptor the shell closed (``>&-``, ``2>&-``) is held open on /dev/null first, so
+    that no file hookcli opens can take its number (and receive stray prints); a closed stderr
+    leaves the diagnostics nowhere (the exit code still tells), a closed stdout refuses the report
+    (``_write_stdout``)."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")  # EBADF: closed, or a file the interpreter's start-up opened read-only there
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                continue  # a full device (/dev/full) is open: the write of the report says so
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            if fd == 1:
+                sys.stdout = None  # type: ignore[assignment] - the report is refused, not lost silently
+            else:
+                sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - /dev/null, for the process's life
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
+#: Whether the command line is running in this process now: hookcli's own entry point called again
+#: from code it runs (MODEL hookcli.cli.main:main, a model's forward) is refused, not recursed into.
+_cli_running = False
 
 
 def _raise_terminated(signum: int, _frame: Any) -> None:
@@ -101,7 +172,16 @@ class HookcliGroup(click.Group):
     """
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
-        """The entry point: as click's, with SIGTERM turned into :class:`Terminated` (exit 143)."""
+        """The entry point: as click's, with SIGTERM turned into :class:`Terminated` (exit 143), a
+        gone reader of stdout or stderr ending the run quietly (exit 141), and re-entry refused."""
+        global _cli_running
+        if _cli_running:
+            raise UsageError("hookcli's command line was called again from code it is running (a MODEL such "
+                             "as hookcli.cli.main:main, or a model that runs hookcli)",
+                             hint="a MODEL names your nn.Module class or factory; from Python, call the "
+                                  "hookcli API (hookcli.stats(model)) instead of its command line")
+        _cli_running = True
+        _tolerant_streams()
         try:
             with _sigterm_as_exception():
                 return super().main(*args, **kwargs)
@@ -110,6 +190,13 @@ class HookcliGroup(click.Group):
                 raise
             click.echo("terminated (SIGTERM)", err=True)
             sys.exit(EXIT_SIGTERM)
+        except ReaderGone:  # the reader of stdout or of stderr left
+            if kwargs.get("standalone_mode", True) is False:
+                raise
+            _quiet_streams()
+            sys.exit(EXIT_SIGPIPE)
+        finally:
+            _cli_running = False
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
@@ -119,6 +206,13 @@ class HookcliGroup(click.Group):
             raise OneLineUsageError(exc) from exc
 
     def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return self._invoke_reporting(ctx)
+        except BrokenPipeError as exc:  # writing a report or a message: the reader left
+            raise ReaderGone() from exc
+
+    def _invoke_reporting(self, ctx: click.Context) -> Any:
+        """The command, its errors turned into a message and an exit code."""
         try:
             return super().invoke(ctx)
         except click.UsageError as exc:
@@ -131,7 +225,8 @@ class HookcliGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, ReaderGone, BrokenPipeError,
+                *INTERRUPTS):
             raise
         except SystemExit as exc:  # the model's code (or code it ran) called sys.exit outside a run
             _report_error(ctx, ModelRaisedError(f"the model exited with {exit_status(exc.code)} (it called sys.exit)",
@@ -142,9 +237,17 @@ class HookcliGroup(click.Group):
                 raise
             from hookcli.escape import escape_control
 
-            click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(exc)}"), err=True)
+            click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(safe_str(exc))}"),
+                       err=True)
             click.echo(f"  hint: {INTERNAL_HINT}", err=True)
             ctx.exit(EXIT_INTERNAL)
+        except BaseException as exc:  # a BaseException subclass of the model's own code (hookcli raises none)
+            if ctx.meta.get(META_DEBUG):
+                raise
+            _report_error(ctx, ModelRaisedError(
+                f"the model's code raised {type(exc).__name__} (a BaseException): {safe_str(exc)}",
+                hint="the model's code raised outside any run; run again with --debug for its traceback"))
+            ctx.exit(EXIT_FAILED)
 
 
 def _report_error(ctx: click.Context, exc: HookcliError) -> None:
@@ -193,11 +296,11 @@ def _emit(report: Any, *, fmt: str, output: str | None) -> None:
     """Render a report and write it to stdout or to a file (see hookcli.output for how)."""
     from hookcli.render import render
 
-    to_terminal = output is None and sys.stdout.isatty()
+    to_terminal = output is None and sys.stdout is not None and sys.stdout.isatty()
     color = fmt == "table" and to_terminal and "NO_COLOR" not in os.environ
     text = render(report, fmt, width=_width(to_terminal), color=color)
     if output is None:
-        click.echo(text, nl=not text.endswith("\n"))
+        _write_stdout(text)
     else:
         from hookcli.output import write_atomic
 

@@ -165,7 +165,8 @@ input_options = _compose(
     click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                  help="Random seed of the dummy input (0 to 2**64-1)."),
     click.option("--seq-len", "seq_len", type=click.IntRange(min=1), metavar="N",
-                 help="Sequence length of generated token/sequence inputs (default 128)."),
+                 help="Sequence length of generated token/sequence inputs (default 128, or less where a "
+                 "transformers config limits positions)."),
 )
 """What goes into the model."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import HookcliError, ModelRaisedError, UsageError
+from hookcli.errors import INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, describe_exception
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.engine.run import (
     Prepared,
@@ -141,7 +141,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
          *, grads: bool, compile_model: bool) -> tuple[list[LayerRecord], dict[str, Any] | None]:
     """One run with ``keep`` on every selected output (and ``keep_grad`` on their gradients with
     ``grads``); its records and the loss. The model raising is a ModelRaisedError naming the run."""
-    from hookcli.commands.grads import _loss, no_gradients, require_grad
+    from hookcli.commands.grads import _loss, inputs_for_backward, no_gradients
 
     opts = prep.options
     refuse_torchscript(prep.loaded.model, prep.selection)
@@ -149,7 +149,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
     with running(prep) as (model, args, kwargs):
         fn: Callable[..., Any] = torch.compile(model) if compile_model else model
         if grads:
-            args, kwargs = require_grad(args), require_grad(kwargs)
+            args, kwargs = inputs_for_backward(args, kwargs, model, False)
         options = HookOptions(grads=grads, keep=keep, keep_grad=keep_grad)
         with attach(model, prep.selection, options, model_modules=len(prep.index.named),
                     compiled=compile_model) as session:
@@ -171,7 +171,9 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
                 session.raise_error()
             except HookcliError:
                 raise
-            except (Exception, SystemExit) as exc:  # the user's model raised or exited
+            except BaseException as exc:  # the user's model raised or exited
+                if isinstance(exc, INTERRUPTS):
+                    raise
                 session.raise_error()
                 failure = blame(exc, model, phase)
                 raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,
@@ -194,15 +196,32 @@ def _options_b(opts: RunOptions, vs: VsOptions) -> RunOptions:
     return dataclasses.replace(opts, **changed)
 
 
+def _same_layout(mine: Any, theirs: Any) -> bool:
+    """Whether a state-dict entry of A fits B's: tensors of one shape, tuples of such, or equal values."""
+    if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
+        return isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.shape == theirs.shape
+    if isinstance(mine, (tuple, list)) and isinstance(theirs, (tuple, list)):
+        return len(mine) == len(theirs) and all(_same_layout(m, t) for m, t in zip(mine, theirs))
+    return type(mine) is type(theirs) and (mine is None or isinstance(mine, (str, int, float, bool, torch.dtype))
+                                           and mine == theirs)
+
+
 def _share_weights(a: nn.Module, b: nn.Module) -> list[str]:
-    """Copy A's parameters and buffers into B where name and shape match; the names that did not."""
+    """Copy A's parameters and buffers into B where name and shape match; the names that did not.
+    A quantized model's state dict also holds non-tensors (a packed weight and bias, a dtype)."""
     own = b.state_dict()
     theirs = a.state_dict()
-    fits = type(theirs)((k, v) for k, v in theirs.items() if k in own and own[k].shape == v.shape)
+    fits = type(theirs)((k, v) for k, v in theirs.items() if k in own and _same_layout(own[k], v))
     # the modules' state-dict versions travel along: a module may refuse a state without its version
     # (torchvision's MNASNet raises ValueError)
     fits._metadata = getattr(theirs, "_metadata", None)  # type: ignore[attr-defined]
-    b.load_state_dict(fits, strict=False)
+    try:
+        b.load_state_dict(fits, strict=False)
+    except Exception as exc:  # noqa: BLE001 - a module's own loader (a quantized Linear wants all its keys)
+        raise UnsupportedError(
+            f"run B cannot take run A's weights: loading them raised {describe_exception(exc)}",
+            hint="save A's weights (torch.save(model.state_dict(), PATH)) and give them to B with --vs-weights PATH",
+        ) from exc
     return sorted(set(own) - set(fits))
 
 

@@ -255,6 +255,16 @@ def _write_npz(path: str | os.PathLike[str] | IO[bytes], arrays: dict[str, Any])
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
+def _dequantized(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``tensors`` with each quantized tensor (a quantized model's outputs) as its float values
+    (``dequantize``), and a note for each: a format without quantized dtypes stores those."""
+    notes = [f"{label}: {dtype_name(t.dtype)} (quantized) saved dequantized as float32"
+             for label, t in tensors.items() if t.is_quantized]
+    if not notes:
+        return tensors, notes
+    return {label: t.dequantize() if t.is_quantized else t for label, t in tensors.items()}, notes
+
+
 def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, torch.Tensor],
                   metadata: dict[str, str]) -> tuple[int, list[str]]:
     """Write ``tensors`` and ``metadata`` to ``path``; return (bytes written, notes).
@@ -269,6 +279,8 @@ def save_features(path: str | os.PathLike[str], fmt: str, tensors: dict[str, tor
         raise OutputError(f"unknown features format {fmt!r}", hint="save to .safetensors, .pt or .npz")
     target = resolve_target(path)
     notes: list[str] = []
+    if fmt != "torch":  # torch.save keeps quantized tensors; safetensors and numpy have no such dtype
+        tensors, notes = _dequantized(tensors)
     if fmt == "safetensors" and not target.in_place:
         from safetensors.torch import save_file
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookcli import progress
-from hookcli.errors import HookcliError, UnsupportedError, UsageError
+from hookcli.errors import INTERRUPTS, HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
-from hookcli.engine.session import HookOptions, RunObserver, attach, clipped_gradients
+from hookcli.engine.session import HookOptions, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.options import GradSort, Loss, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
@@ -57,18 +58,40 @@ def _is_model_loss(path: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 0 and path in ("['loss']", ".loss")
 
 
+def loss_collection(output: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The entries of a dict, list or tuple output that holds only scalar float losses (torchvision
+    detection in train mode: ``loss_classifier``, ``loss_box_reg``, ...), two or more; else None.
+    Scalars that do not require grad (a metric such as an accuracy beside the loss) are left out when
+    some do: they are not losses training would sum."""
+    if not isinstance(output, (Mapping, list, tuple)) or isinstance(output, torch.Tensor):
+        return None
+    tensors = list(iter_tensors(output))
+    if len(tensors) < 2 or not all(t.dim() == 0 and t.is_floating_point() for _, t in tensors):
+        return None
+    return [(path, t) for path, t in tensors if t.requires_grad] or tensors
+
+
 def pick_output(output: Any, key: str | None, *, skip_loss: bool = False) -> tuple[str, torch.Tensor]:
     """The tensor the loss is built from: the output itself, ``--output-key``, or the first float tensor
-    The model's own scalar ``loss`` entry comes first, unless ``skip_loss`` (an explicitly chosen loss)."""
+    that holds values (an empty one, such as no detections, would give a NaN loss). The model's own
+    scalar ``loss`` entry comes first, unless ``skip_loss`` (an explicitly chosen loss)."""
     tensors = [(path, t if t.layout == torch.strided else t.to_dense())  # a sparse output: its dense values
                for path, t in iter_tensors(output) if t.is_floating_point()]
     if not tensors:
         raise UnsupportedError("the model output holds no floating-point tensor to build a loss from",
                                hint="gradients need a float output; run hookcli stats or shapes on this model")
     if key is None:
+        filled = [(p, t) for p, t in tensors if t.numel() > 0]
+        if not filled:
+            shown = ", ".join(f"{p or '(output)'} {shape_of(t)}" for p, t in tensors[:4])
+            raise UnsupportedError(
+                f"every floating tensor of the model output is empty ({shown}{', ...' if len(tensors) > 4 else ''}): "
+                "a loss over no values would be NaN, with all gradients zero",
+                hint="give an input the model outputs values for; a detection model in --train mode with "
+                "targets (an --input .pt file holding the images and their targets) returns its losses")
         if skip_loss:
-            return next(((p, t) for p, t in tensors if not _is_model_loss(p, t)), tensors[0])
-        return next(((p, t) for p, t in tensors if _is_model_loss(p, t)), tensors[0])
+            return next(((p, t) for p, t in filled if not _is_model_loss(p, t)), filled[0])
+        return next(((p, t) for p, t in filled if _is_model_loss(p, t)), filled[0])
     path = output_key_path(key, (p for p, _ in tensors))
     if path is not None:
         return path, dict(tensors)[path]
@@ -131,16 +154,21 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
                model: nn.Module | None = None, seed: int = 0) -> LossChoice:
     """The loss to backpropagate from the model's ``output``.
 
-    ``auto`` picks, in order: the model's own scalar ``loss`` entry (a ModelOutput or dict that has one)
-    or a scalar output; per-token cross-entropy over the last dimension for ``[batch, seq, vocab]``
+    ``auto`` picks, in order: the sum of a dict/list/tuple output of scalar losses (``loss_collection``,
+    as training sums them); the model's own scalar ``loss`` entry (a ModelOutput or dict that has one) or
+    a scalar output; per-token cross-entropy over the last dimension for ``[batch, seq, vocab]``
     logits (:func:`is_sequence_logits`; targets from :func:`sequence_targets`); cross-entropy against
     class ``target`` for ``[batch, classes]``; otherwise the mean of squares, ``mean(x**2)`` (its
     gradient ``2x/numel`` never cancels out the way a sum's does after a normalisation layer).
     ``inputs`` is ``(args, kwargs)`` of the run (for next-token targets), ``model`` the model (its
     embedding sizes tell logits from hidden states).
     """
-    path, out = pick_output(output, output_key, skip_loss=Loss(loss) != Loss.auto)
     loss = Loss(loss)
+    losses = loss_collection(output) if loss == Loss.auto and output_key is None else None
+    if losses is not None:
+        value = torch.stack([t.float() for _, t in losses]).sum()
+        return LossChoice("model_loss", "sum of " + ", ".join(p for p, _ in losses), None, value)
+    path, out = pick_output(output, output_key, skip_loss=loss != Loss.auto)
     if loss == Loss.auto:
         if out.dim() == 0 and (output_key is not None or _is_model_loss(path, out) or path == ""):
             return LossChoice("model_loss", path, None, out.float(), "the model's own loss")
@@ -258,6 +286,16 @@ def require_grad(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: require_grad(v) for k, v in obj.items()}
     return obj
+
+
+def inputs_for_backward(args: Any, kwargs: Any, model: nn.Module, input_grads: bool) -> tuple[Any, Any]:
+    """The run's inputs for a backward pass: as training passes them (not requiring grad), unless
+    gradients w.r.t. them are asked for (``input_grads``) or are the only ones (no parameter of
+    ``model`` requires grad). A model may set ``requires_grad`` on a tensor it makes from its input
+    (wav2vec2's feature encoder in train mode), which raises when that input requires grad."""
+    if input_grads or not any(p.requires_grad for p in model.parameters()):
+        return require_grad(args), require_grad(kwargs)
+    return args, kwargs
 
 
 def _loss(output: Any, opts: Any, inputs: Any = None, model: nn.Module | None = None) -> LossChoice:
@@ -384,7 +422,9 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     with running(prep) as (model, args, kwargs), \
             clipped_gradients(all_params := prep.index.named_parameters(), opts.clip) as clipped:
         reported = param_scope(prep.index, prep.selection, opts.params)
-        args, kwargs = require_grad(args), require_grad(kwargs)
+        args, kwargs = inputs_for_backward(args, kwargs, model, opts.input_grads)
+        reads = ParamReads([p for _, p in all_params if p.requires_grad]) if (
+            observer is not None and observer.wants_param_reads and not is_compiled(model, prep.selection)) else None
         with attach(model, prep.selection, hook_options, model_modules=len(prep.index.named)) as session:
             phase = "forward"
             if opts.flops:
@@ -393,7 +433,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 forward_flops, backward_flops = FlopCounter(session.add_flops), FlopCounter()
             try:
                 with torch.enable_grad():
-                    with forward_flops or nullcontext(), progress.phase("forward"):
+                    with forward_flops or nullcontext(), progress.phase("forward"), reads or nullcontext():
                         output = model(*args, **kwargs)
                         if observer is not None:
                             session.call(observer.output, output, where="observer of the model output")
@@ -427,7 +467,9 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
                 del others
             except HookcliError:
                 raise
-            except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+            except BaseException as exc:  # the user's model raised or exited: keep what we have
+                if isinstance(exc, INTERRUPTS):
+                    raise
                 session.raise_error()  # unless one of hookcli's hooks failed first
                 if phase == "backward" and _reentrant_checkpoint(exc):
                     raise UnsupportedError(
@@ -473,6 +515,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
             grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
             clipped=int(values[c_slot][0]) if c_slot is not None else (0 if opts.clip and p.requires_grad else None),
             other_outputs=unreached.get(id(p)),
+            unused=True if reads is not None and id(p) in unreached and id(p) not in reads.read else None,
         ))
     report.params = params if opts.params != "none" else None
     if opts.params == "selected" and not params:

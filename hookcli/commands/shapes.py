@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hookcli.engine.run import forward_report, prepare
-from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError
+from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError, UnsupportedError, safe_str
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.records import Report
 
@@ -17,13 +17,30 @@ def wants_meta(opts: RunOptions) -> bool:
     return opts.device is None and not opts.inputs and opts.weights is None and not model_is_instance(opts.model)
 
 
+def refuse_too_large(size: int | None, fallback: str) -> None:
+    """UnsupportedError (exit 2) when the weights of a model that cannot run on the meta device would not
+    fit in this machine's memory: building it for real (a 7B model on the CPU) would be killed instead."""
+    from hookcli.engine.inputs import memory_bytes
+
+    memory = memory_bytes()
+    if size is None or memory is None or size <= memory // 2:
+        return
+    raise UnsupportedError(
+        f"the model cannot run on the meta device ({fallback[:120]}), and its weights ({size / 2**30:.3g} GiB) "
+        f"would not fit in this machine's memory ({memory / 2**30:.3g} GiB) to run it for real",
+        hint="give --device with room for it (a GPU), or a smaller config (e.g. --model-arg num_hidden_layers=2)")
+
+
 def shapes_report(options: RunOptions) -> Report:
     """``shapes``: on the meta device when possible, else (or when the model cannot run there) for real."""
     opts = options.validate()
     fallback: str | None = None
+    size: int | None = None  # bytes of the weights, as the meta build counted them
     if wants_meta(opts):
         try:
-            report = forward_report(prepare(opts, meta=True), "shapes", stats=False, flops=opts.flops)
+            prep = prepare(opts, meta=True)
+            size = prep.info.param_bytes + prep.info.buffer_bytes
+            report = forward_report(prep, "shapes", stats=False, flops=opts.flops)
             report.notes.append(META_NOTE)
             return report
         except ModelImportError as exc:
@@ -39,7 +56,9 @@ def shapes_report(options: RunOptions) -> Report:
             fallback = f"{exc.report.failure.exception}: {exc.report.failure.message}" if exc.report and \
                 exc.report.failure else str(exc)
         except Exception as exc:  # building on meta failed (an init that reads values)
-            fallback = f"{type(exc).__name__}: {exc}"
+            fallback = f"{type(exc).__name__}: {safe_str(exc)}"
+    if fallback is not None:
+        refuse_too_large(size, fallback)
     report = forward_report(prepare(opts), "shapes", stats=False, flops=opts.flops)
     if fallback is not None:
         report.notes.append(f"ran on cpu: the model cannot run on the meta device ({fallback[:160]})")

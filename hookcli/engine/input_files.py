@@ -6,6 +6,7 @@ torchvision.io (PIL as fallback) and preprocessed with the model's weights trans
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -25,6 +26,8 @@ from hookcli.engine.model_inputs import (
     transform_size,
 )
 from hookcli.engine.loading import UNPICKLE_IMPORT_HINT, LoadedModel, torch_load_failure
+from hookcli.engine.stats import iter_tensors
+from hookcli.limits import IMAGE_PIXELS, TENSOR_BYTES, check_size, read_capped
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -79,10 +82,31 @@ def list_input_files(files: Sequence[str | os.PathLike[str]]) -> tuple[str, list
     return expand_files(files)
 
 
+def _check_pixels(path: Path) -> None:
+    """InputError when the image's header gives more pixels than ``IMAGE_PIXELS``: checked before
+    decoding (a 30000x30000 PNG of a few kilobytes decodes to gigabytes). A file PIL cannot
+    identify is left to the decoders to refuse."""
+    from PIL import Image, UnidentifiedImageError
+
+    limit = IMAGE_PIXELS.value()
+    pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the size is judged here, below
+    try:
+        with Image.open(path) as im:  # reads the header only
+            width, height = im.size
+    except (UnidentifiedImageError, OSError, ValueError):
+        return
+    finally:
+        Image.MAX_IMAGE_PIXELS = pil_limit
+    if width * height > limit:
+        raise IMAGE_PIXELS.exceeded(f"image {str(path)!r}", f"{width}x{height} = {width * height:,} pixels")
+
+
 def _decode(path: Path) -> torch.Tensor:
-    """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL)."""
+    """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL), after
+    checking its size (``_check_pixels``)."""
     from torchvision.io import ImageReadMode, decode_image
 
+    _check_pixels(path)
     try:
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -179,24 +203,55 @@ def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
     return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
 
 
+def _capped_source(path: Path, label: str) -> Path | io.BytesIO:
+    """``path`` itself when it is a regular file within ``TENSOR_BYTES``; a device or FIFO is read
+    into memory up to the limit (an endless one stops there)."""
+    what = f"input file {label}"
+    if path.is_file():
+        check_size(path, TENSOR_BYTES, what)
+        return path
+    return io.BytesIO(read_capped(path, TENSOR_BYTES, what))
+
+
+def _check_expanded(source: Path | io.BytesIO, label: str) -> None:
+    """InputError when the members of an .npz (a zip) expand past ``TENSOR_BYTES``, read from its
+    directory before any member is (a small zip can hold gigabytes of zeros)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(source) as archive:
+            total = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip: numpy says what it is
+    finally:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+    if total > TENSOR_BYTES.value():
+        raise TENSOR_BYTES.exceeded(f"input file {label}", f"its arrays expand to {total:,} bytes")
+
+
 def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: bool = False) -> list[Entry]:
     """Read one tensor file into positional / keyword entries (``trust_pickle``: a .pt/.pth file
     may hold any pickled object, e.g. a namedtuple of tensors; unpickling runs code from it)."""
     suffix = path.suffix.lower()
     try:
+        source = _capped_source(path, label)
         if suffix in (".npy", ".npz"):
             import numpy as np
 
-            data = np.load(path, allow_pickle=False)
+            if suffix == ".npz":
+                _check_expanded(source, label)
+            data = np.load(source, allow_pickle=False)
             if suffix == ".npy":
                 return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
             with data:
                 return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
         if suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors.torch import load, load_file
 
-            return _split_keyed(dict(load_file(str(path), device="cpu")), label)
-        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+            tensors = load_file(str(path), device="cpu") if isinstance(source, Path) else load(source.getvalue())
+            return _split_keyed(dict(tensors), label)
+        obj = torch.load(source, map_location="cpu", weights_only=not trust_pickle)
     except ImportError as exc:
         if suffix in (".pt", ".pth"):  # unpickling imports the module of a class the file names
             raise InputError(f"could not read input file {label}: {describe_exception(exc)}",
@@ -229,6 +284,10 @@ def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]], 
                   trust_pickle: bool = False) -> ModelInputs:
     """Several tensor files: positional inputs in the given order, keyword inputs merged."""
     entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family, trust_pickle)]
+    for _, value, source in entries:
+        if any(t.is_meta for _, t in iter_tensors(value)):  # shapes without values: nothing to run on
+            raise InputError(f"{source.removeprefix('file: ')} holds a meta tensor: it has a shape but no values",
+                             hint="save the input from a real device (tensor.cpu()), or give --input-shape instead")
     keyword = [(k, v, src) for k, v, src in entries if k is not None]
     names = [k for k, _, _ in keyword]
     if twice := sorted({n for n in names if names.count(n) > 1}):

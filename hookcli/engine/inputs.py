@@ -7,6 +7,7 @@ gets an ``InputInfo`` that says where it came from, including when its shape was
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -31,7 +32,7 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _memory_bytes() -> int | None:
+def memory_bytes() -> int | None:
     """This machine's physical memory in bytes, or None where the OS does not say."""
     try:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
@@ -48,7 +49,7 @@ def check_input_size(shape: Sequence[int], dtype: torch.dtype) -> None:
     (with memory overcommit a huge allocation can succeed and the filling then kills the process)."""
     numel = math.prod(shape)
     size = numel * torch.empty((), dtype=dtype).element_size()
-    memory = _memory_bytes()
+    memory = memory_bytes()
     if numel > MAX_NUMEL or (memory is not None and size > memory):
         dims = "x".join(map(str, shape))
         have = f"this machine has {_gb(memory)}" if memory is not None else "more than a tensor can hold"
@@ -201,9 +202,12 @@ def _guess_user_shape(model: nn.Module, b: int,
     return (b, 3, 224, 224), torch.float32, note, 1
 
 
+EXAMPLE_ATTRS = ("example_inputs", "example_input")
+
+
 def _example_inputs(model: nn.Module) -> ModelInputs | None:
     """Inputs from a model's own ``example_inputs`` / ``example_input`` attribute, if any."""
-    for attr in ("example_inputs", "example_input"):
+    for attr in EXAMPLE_ATTRS:
         value = getattr(model, attr, None)
         if value is None or isinstance(value, nn.Module):
             continue
@@ -213,6 +217,8 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
             except Exception as exc:
                 raise InputError(f"model.{attr}() raised {describe_exception(exc)}",
                                  hint=f"fix the model's {attr}, or give inputs with --input-shape / --input") from exc
+            if value is None:  # a catch-all __getattr__ answers every name with a function: no examples
+                continue
 
         def clone(v: Any) -> Any:  # in-place layers must not change the model's own examples
             return v.clone() if isinstance(v, torch.Tensor) else v
@@ -222,12 +228,55 @@ def _example_inputs(model: nn.Module) -> ModelInputs | None:
     return None
 
 
-def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int, fill: str, gen: torch.Generator,
-               seed: int) -> ModelInputs | None:
+#: Config fields that bound the positions a transformers model can embed (its sub-configs' too).
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions",
+                   "max_source_positions", "max_seq_len", "max_sequence_length")
+
+
+def position_limit(config: Any) -> tuple[int, str] | None:
+    """The smallest position limit a transformers config declares, itself or in a sub-config
+    (``text_config``, ``vision_config``, ``encoder``, ``decoder``...), with the field that says it;
+    None when it declares none. Generated sequences longer than that would make the model raise."""
+    found: list[tuple[int, str]] = []
+    seen: set[int] = set()
+
+    def walk(where: Any, prefix: str) -> None:
+        if id(where) in seen:
+            return
+        seen.add(id(where))
+        for field in POSITION_LIMITS:
+            value = getattr(where, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append((value, prefix + field))
+        for key, value in vars(where).items():
+            if hasattr(value, "model_type") and hasattr(value, "to_dict"):  # a nested PretrainedConfig
+                walk(value, f"{prefix}{key}.")
+
+    walk(config, "")
+    return min(found) if found else None
+
+
+def _hf_seq_len(config: Any, seq_len: int | None) -> tuple[int, str]:
+    """The length of generated token inputs: ``seq_len`` when given, else the default capped at the
+    config's position limit; and a note for the input's source when it was capped."""
+    if seq_len is not None:
+        return seq_len, ""
+    limit = position_limit(config)
+    if limit is not None and limit[0] < DEFAULT_SEQ_LEN:
+        return limit[0], f", length {limit[0]} (the config's {limit[1]})"
+    return DEFAULT_SEQ_LEN, ""
+
+
+def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int | None, fill: str, gen: torch.Generator,
+               seed: int, meta: bool = False) -> ModelInputs | None:
     """Keyword inputs for a transformers model, from its forward's parameter names and its config:
     ``input_ids`` (+ ``attention_mask``) below the vocabulary size, ``pixel_values`` at the config's
     image size, ``input_features`` (mel frames) / ``input_values`` (16000 samples) for audio models,
-    ``decoder_input_ids`` for encoder-decoders. None when forward takes none of these."""
+    ``decoder_input_ids`` for encoder-decoders, ``seq_len`` long (default: 128, or less where the
+    config's position limits say so: ``_hf_seq_len``). None when forward takes none of these.
+    ``meta``: no ``attention_mask`` (all ones means the same as none, and transformers reads a mask's
+    values, which the meta device does not have)."""
+    seq_len, capped = _hf_seq_len(config, seq_len)
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -247,33 +296,33 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int, fill: str, g
         t, src = _fill((b, 16000), model_float_dtype(model), fill, gen, seed)
         named.append(("input_values", t, src))
     if "input_ids" in params and (_integer_high(model, "input_ids") != 10 or not named):
-        for key in ("input_ids", "attention_mask"):
+        for key in ("input_ids",) if meta else ("input_ids", "attention_mask"):
             if key in params:
                 t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, key)
-                named.append((key, t, src))
+                named.append((key, t, src + capped))
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and named:
         t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, "decoder_input_ids")
-        named.append(("decoder_input_ids", t, src))
+        named.append(("decoder_input_ids", t, src + capped))
     return pack_inputs([], named) if named else None
 
 
 def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator,
-                    seed: int, seq_len: int = DEFAULT_SEQ_LEN) -> ModelInputs:
-    """Per-model default inputs when neither shapes nor files are given."""
+                    seed: int, seq_len: int | None = None, meta: bool = False) -> ModelInputs:
+    """Per-model default inputs when neither shapes nor files are given (``seq_len`` None: the default)."""
     found = _example_inputs(loaded.model)
     if found is not None:
         return found
     family, name, f32 = loaded.family, loaded.tv_name or "", model_float_dtype(loaded.model)
     config = getattr(loaded.model, "config", None)
     if family is None and config is not None and hasattr(config, "model_type"):  # transformers
-        made = _hf_inputs(loaded.model, config, b, seq_len, fill, gen, seed)
+        made = _hf_inputs(loaded.model, config, b, seq_len, fill, gen, seed, meta)
         if made is not None:
             return made
     if family is None and loaded.input_config is not None:  # timm: its pretrained_cfg's input size
         t, src = _fill((b, *loaded.input_config["input_size"]), f32, fill, gen, seed)
         return pack_inputs([(t, f"{src}, size from the model's pretrained_cfg")])
     if family is None:
-        shape, dtype, note, count = _guess_user_shape(loaded.model, b, seq_len)
+        shape, dtype, note, count = _guess_user_shape(loaded.model, b, seq_len or DEFAULT_SEQ_LEN)
         dtype = f32 if dtype.is_floating_point else dtype
         made_inputs = [_fill(shape, dtype, fill, gen, seed, loaded.model) for _ in range(count)]
         return pack_inputs([(t, f"{src}, {note}") for t, src in made_inputs])
@@ -296,11 +345,12 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
                 fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False,
-                seq_len: int | None = None) -> ModelInputs:
-    """Build CPU inputs for ``loaded.model``.
+                seq_len: int | None = None, meta: bool = False) -> ModelInputs:
+    """Build CPU inputs for ``loaded.model`` (``meta``: for a run on the meta device).
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
-    for a model that starts with an embedding, else float32). ``files``: images or folders of
+    for a model that starts with an embedding and takes one input, refused with several (``_spec_dtypes``),
+    else float32). ``files``: images or folders of
     images (one preprocessed batch; detection: a list of images; video: the frames of one clip;
     optical flow: two frames) or tensor files (.pt/.pth/.npy/.npz/.safetensors); files decide the
     batch, so ``batch_size`` is ignored with them. Neither: the model's ``example_inputs``, else a
@@ -308,7 +358,8 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     and ``seed`` apply to generated tensors only. ``trust_pickle`` lets torch.load unpickle
     arbitrary objects from .pt/.pth files (it runs code from them); else weights_only loading.
     A spec with a name (``input_ids=1x128:int64``) is a keyword input. ``seq_len``: the sequence
-    length of generated token / sequence inputs (default 128).
+    length of generated token / sequence inputs (default 128; for a transformers model at most the
+    smallest position limit its config declares, see ``position_limit``).
     """
     fill = member(Fill, fill, "fill")
     if batch_size is not None and batch_size < 1:
@@ -327,7 +378,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         else:
             made = tensor_inputs(loaded, files, trust_pickle=trust_pickle)
     elif not shapes:
-        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len or DEFAULT_SEQ_LEN)
+        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta)
     else:
         fdt = model_float_dtype(loaded.model)
         guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else fdt
@@ -335,18 +386,43 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         names = [getattr(spec, "name", None) for spec in shapes]
         if twice := sorted({n for n in names if n is not None and names.count(n) > 1}):
             raise UsageError(f"keyword input {twice[0]!r} given twice", hint="give each --input-shape NAME=... once")
+        dtypes = _spec_dtypes(loaded.model, shapes, guessed)
         made_specs = [
             (getattr(spec, "name", None), *_fill(
                 (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
-                getattr(torch, spec.dtype) if spec.dtype else _named_dtype(getattr(spec, "name", None), guessed),
-                fill, gen, seed, loaded.model, getattr(spec, "name", None)))
-            for spec in shapes]
+                dtype, fill, gen, seed, loaded.model, getattr(spec, "name", None)))
+            for spec, dtype in zip(shapes, dtypes)]
         made = pack_inputs([(t, src) for n, t, src in made_specs if n is None],
                            [(n, t, src) for n, t, src in made_specs if n is not None])
     return made
 
 
-def _named_dtype(name: str | None, guessed: torch.dtype) -> torch.dtype:
+def _spec_dtypes(model: nn.Module, shapes: Sequence[InputSpec], guessed: torch.dtype) -> list[torch.dtype]:
+    """The dtype of each ``--input-shape``: its own ``:dtype``, else what its name implies (``_named_dtype``),
+    else ``guessed`` from the model's first layer. That guess is about the one input the first layer
+    takes: with several inputs an integer guess (an Embedding first) cannot say which of them are
+    token ids (an image input beside them is float), so an input it would decide is refused (exit 2)."""
+    dtypes: list[torch.dtype | None] = [
+        getattr(torch, spec.dtype) if spec.dtype else _named_dtype(getattr(spec, "name", None), None)
+        for spec in shapes]
+    undecided = [i for i, d in enumerate(dtypes) if d is None]
+    if len(shapes) > 1 and undecided and not guessed.is_floating_point:
+        leaf = _input_module(model)
+        first = f"{leaf[0] or '(model)'} ({type(leaf[1]).__name__})" if leaf is not None else "an embedding"
+        shown = " ".join(f"--input-shape {_spec_text(shapes[i])}" for i in undecided[:3])
+        raise InputError(
+            f"cannot tell the dtype of {plural(len(undecided), 'input')} without one ({shown}): the model's first "
+            f"layer {first} takes integer ids, but with {len(shapes)} inputs it is not known which of them it takes",
+            hint="give each --input-shape its dtype, e.g. --input-shape 1x16:int64 --input-shape 1x3x32x32:float32")
+    return [d if d is not None else guessed for d in dtypes]
+
+
+def _spec_text(spec: InputSpec) -> str:
+    name = getattr(spec, "name", None)
+    return f"{name + '=' if name else ''}{'x'.join(map(str, spec.shape))}"
+
+
+def _named_dtype(name: str | None, guessed: torch.dtype | None) -> torch.dtype | None:
     """The dtype of an input given without one: int64 for token ids and masks by their keyword
     (``input_ids``, ``attention_mask``), else what the model's first layer suggests."""
     if name is not None and (name.endswith("_ids") or name == "ids" or "mask" in name):
@@ -379,6 +455,14 @@ def _cast_floats(inputs: ModelInputs, dtype: torch.dtype) -> ModelInputs:
     return pack_inputs([(cast(v), info.source) for v, info in zip(inputs.args, inputs.infos)],
                        [(k, cast(v), info.source) for (k, v), info in
                         zip(inputs.kwargs.items(), inputs.infos[len(inputs.args):])])
+
+
+def with_note(inputs: ModelInputs, note: str) -> ModelInputs:
+    """``inputs`` with ``note`` added to the source of each generated tensor input (the report header
+    shows it); a model's own ``example_inputs`` keep theirs (the batch size does not apply to them)."""
+    infos = [dataclasses.replace(i, source=f"{i.source}, {note}")
+             if i.shape is not None and i.source not in EXAMPLE_ATTRS else i for i in inputs.infos]
+    return ModelInputs(inputs.args, inputs.kwargs, infos)
 
 
 def _describe_inputs(inputs: ModelInputs) -> str:

@@ -33,8 +33,8 @@ from hookcli.options import (
     HF_PREFIX, TIMM_PREFIX, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
 )
 from hookcli.errors import (
-    ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
-    describe_exception, did_you_mean, exit_status, one_line,
+    HookcliError, ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
+    describe_exception, did_you_mean, exit_status, one_line, safe_str,
 )
 from hookcli.targets import OWN_CODE_HINT, is_inside, is_stdlib_module, is_stdlib_path
 
@@ -243,13 +243,13 @@ def _import_module(module_name: str) -> Any:
             missing = exc.name or ""
             if missing and (module_name == missing or module_name.startswith(missing + ".")):
                 raise ModelNotFoundError(
-                    f"could not import {module_name!r}: {exc}",
+                    f"could not import {module_name!r}: {safe_str(exc)}",
                     hint="check the spelling, and that the package is installed or in the "
                     "current directory") from exc
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                    hint="a module it imports is missing; install it") from exc
         except Exception as exc:
-            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+            raise ModelImportError(f"importing {module_name!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                    hint="the module raised while importing: run again with --debug for its traceback") from exc
         except SystemExit as exc:
             raise model_exited(exc, f"importing {module_name!r}") from exc
@@ -274,7 +274,7 @@ def _import_file(path_text: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {exc}",
+        raise ModelImportError(f"importing {path_text!r} failed: {type(exc).__name__}: {safe_str(exc)}",
                                hint="the file raised while importing: run again with --debug for its traceback") from exc
     except SystemExit as exc:
         sys.modules.pop(module_name, None)
@@ -320,6 +320,8 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
         result = obj(**model_args)
     except SystemExit as exc:
         raise model_exited(exc, f"building {label!r}") from exc
+    except HookcliError:  # the factory called hookcli, and hookcli refused (re-entry): its own message
+        raise
     except Exception as exc:
         hint = "the model's own code raised: run again with --debug for its traceback"
         if isinstance(exc, TypeError) or model_args:
@@ -573,12 +575,18 @@ def _refuse_model_file(path: Path) -> None:
 
 
 def refuse_torchscript(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> None:
-    """Raise UnsupportedError when ``model`` or a selected module is TorchScript (scripted or traced).
+    """Raise UnsupportedError when ``model`` or a selected module is TorchScript (scripted or traced),
+    or when ``model`` is a ``torch.export``ed module (no submodule calls; ``train()`` raises).
 
     Python hooks cannot be registered on a scripted module, and on a traced one they never fire for
     its submodules (the graph runs in the TorchScript interpreter): every module would be reported
     "not called" and a check would see nothing. Refusing says so instead.
     """
+    if isinstance(model, torch.fx.GraphModule) and "train" in vars(model):  # ExportedProgram.module()
+        raise UnsupportedError(
+            "the model is a torch.export program's module (ExportedProgram.module()): its graph is flattened to "
+            "operators, so there are no module calls to hook, and its train() and eval() raise",
+            hint="use the eager nn.Module it was exported from (pkg.mod:Net or net.py:build)")
     script = torch.jit.ScriptModule
     if isinstance(model, script):
         raise UnsupportedError(

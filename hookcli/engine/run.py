@@ -21,9 +21,11 @@ from torch import nn
 
 from hookcli._version import __version__
 from hookcli import progress
-from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error
+from hookcli.errors import (
+    INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error, safe_str,
+)
 from hookcli.engine.session import HookOptions, KeepFn, attach
-from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs
+from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance
@@ -65,8 +67,17 @@ class Prepared:
         return self.model_index
 
 
+#: The dummy batch of a train-mode run without --batch-size or inputs: BatchNorm in train mode needs
+#: more than one value per channel (a batch of 1 makes it raise on a (batch, features) input).
+TRAIN_BATCH = 2
+TRAIN_BATCH_NOTE = f"batch of {TRAIN_BATCH} in train mode"
+
+
 def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
+
+    Generated inputs get batch ``--batch-size``, else ``default_batch``, else in train mode
+    ``TRAIN_BATCH`` (said in the inputs' source), else the model's default (1).
 
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
     only) and runs it there. A model instance the caller passed in is never moved to meta (its
@@ -91,10 +102,15 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         named=index.named,
     )
     batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+    train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
+    if train_batch:
+        batch = TRAIN_BATCH
     inputs = make_inputs(
         loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
-        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len,
+        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
     )
+    if train_batch:
+        inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
     return Prepared(opts, loaded, inputs, selection, info, index)
@@ -200,7 +216,7 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
                 kwargs = frame.f_locals.get("kwargs", {})
                 input_shapes = [shape_of(t) for _, t in iter_tensors((args, kwargs))]
         tb = tb.tb_next
-    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else str(exc).strip()
+    text = f"exited with {exit_status(exc.code)}" if isinstance(exc, SystemExit) else safe_str(exc).strip()
     return FailureInfo(
         phase=phase,
         module=module_name,
@@ -230,10 +246,10 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
     """The function of hookcli's own code that raised ``exc`` during a run, or None (the model's).
 
     The traceback below the call into the model decides: its innermost frame that is neither
-    library code (torch, the standard library) nor a ``__torch_dispatch__`` mode running the
-    model's op (FLOP counting) is the code that failed. A hook or reducer of hookcli there is
-    hookcli's failure, not the model's; the user's forward (or torchvision's, timm's...) there, or
-    only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
+    library code (torch, the standard library) nor a ``__torch_dispatch__`` / ``__torch_function__``
+    mode running the model's op (FLOP counting, ``ParamReads``) is the code that failed. A hook or
+    reducer of hookcli there is hookcli's failure, not the model's; the user's forward (or
+    torchvision's, timm's...) there, or only torch, is the model's. Every frame in hookcli: hookcli raised before or after the model ran.
     """
     frames = []
     tb: TracebackType | None = exc.__traceback__
@@ -247,7 +263,7 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
         return frames[-1].f_code.co_name  # raised by hookcli before (or after) the model ran
     for frame in reversed(frames[start:]):
         filename = frame.f_code.co_filename
-        if _is_library(filename) or frame.f_code.co_name == "__torch_dispatch__":
+        if _is_library(filename) or frame.f_code.co_name in ("__torch_dispatch__", "__torch_function__"):
             continue
         return frame.f_code.co_name if filename.startswith(_PACKAGE_DIR) else None
     return None
@@ -255,7 +271,11 @@ def raised_in_hookcli(exc: BaseException) -> str | None:
 
 def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
     """The model's failure in ``phase`` (see ``locate_failure``), or, when hookcli's own code raised
-    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself."""
+    ``exc`` (``raised_in_hookcli``), an InternalError: hookcli never blames the model for itself.
+    A HookcliError is passed on as it is: the model called hookcli, and that call was refused
+    (re-entry on a model being run) or failed on its own terms."""
+    if isinstance(exc, HookcliError):
+        raise exc
     if not isinstance(exc, SystemExit) and (where := raised_in_hookcli(exc)) is not None:
         raise internal_error(exc, f"hookcli's {where} (during the model's {phase})") from exc
     return locate_failure(exc, model, phase)
@@ -331,7 +351,9 @@ def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         try:
             with torch.no_grad(), counter or nullcontext(), progress.phase("forward") if show_phase else nullcontext():
                 model(*args, **kwargs)
-        except (Exception, SystemExit) as exc:  # the user's model raised or exited: keep what we have
+        except BaseException as exc:  # the user's model raised or exited: keep what we have
+            if isinstance(exc, INTERRUPTS):
+                raise
             session.raise_error()  # unless one of hookcli's hooks failed first
             failure, cause = blame(exc, model, "forward"), exc
         session.raise_error()

@@ -81,6 +81,9 @@ class RunObserver:
     """
 
     wants_tensors: bool = False
+    #: Whether the run notes which trainable parameters the forward reads (``ParamReads``): a
+    #: parameter without a gradient is then told apart as unused rather than cut off.
+    wants_param_reads: bool = False
 
     def tensor(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
         """One output tensor of a selected call, as the module returned it (detach before use)."""
@@ -798,3 +801,46 @@ def attach(
             "hooks (torch does not recompile when hooks are added)",
             hint="run hookcli in a fresh process, call torch.compiler.reset() first, or pass the module "
             "without torch.compile")
+
+
+class ParamReads:
+    """Which of ``params`` the code run inside ``with ParamReads(...)`` passes to a torch function
+    (``F.linear(x, self.weight)``, ``p.detach()``, an RNN's flat weight list): a parameter that gets no
+    gradient yet was read is cut off from the loss; one never read is unused by this forward (a
+    training-only masking embedding in eval mode). Attribute reads (``p.dtype``) do not count; ``p.data``
+    (its values, cut off from autograd) does.
+
+    A ``TorchFunctionMode`` (no hooks): it sees every op, so only ``check`` pays for it."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        ids = {id(p) for p in params}
+        read: set[int] = set()
+        self.read = read
+
+        def note(value: Any) -> None:
+            if id(value) in ids:
+                read.add(id(value))
+            elif type(value) in (list, tuple):
+                for item in value:
+                    if id(item) in ids:
+                        read.add(id(item))
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if getattr(func, "__name__", "") != "__get__" or getattr(func.__self__, "__name__", "") == "data":
+                    for value in args:
+                        note(value)
+                    for value in (kwargs or {}).values():
+                        note(value)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+
+    def __enter__(self) -> ParamReads:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
@@ -196,7 +197,8 @@ def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) ->
 def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any], *, local: bool,
                      trust_remote_code: bool = False) -> nn.Module:
     """Config and weights from a directory or the local cache, never the network; ``model_args``
-    then set fields of the config (each one it has)."""
+    then set fields of the config (each one it has). On the meta device (``torch.device("meta")`` as
+    the default device) the config only."""
     where = f"directory {name}" if local else f"{name}"
     try:
         config = transformers.AutoConfig.from_pretrained(name, local_files_only=True,
@@ -218,6 +220,11 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         setattr(config, key, value)
     cls = _class_from_config(transformers, config)
     auto = {"trust_remote_code": trust_remote_code} if cls.__name__.startswith("Auto") else {}
+    if torch.get_default_device().type == "meta":
+        # a build on the meta device (shapes) needs no weights, and from_pretrained refuses it: the model
+        # from its config, so a 7B checkpoint is never read into memory to print its shapes
+        build = getattr(cls, "from_config", None) or cls._from_config  # (Auto classes | model classes)
+        return build(config, **auto)
     try:
         return cls.from_pretrained(name, config=config, local_files_only=True, **auto)
     except OSError as exc:

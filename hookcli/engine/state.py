@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import UsageError
+from hookcli.errors import UsageError, safe_str
 from hookcli.engine.model_index import ModelIndex
 
 #: Held for every run: the RNG states are process-wide, and so is a model two threads share.
@@ -309,7 +309,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     except Exception as exc:  # noqa: BLE001 - any failure to copy means: cannot run it on meta safely
         raise UsageError(
             f"cannot run this model on the meta device without changing it: copying its structure failed "
-            f"({type(exc).__name__}: {exc})",
+            f"({type(exc).__name__}: {safe_str(exc)})",
             hint="use device='cpu', or give the model by spec (e.g. 'pkg.mod:build') so hookcli builds it on meta",
         ) from None
 

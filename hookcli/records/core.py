@@ -193,6 +193,9 @@ class ParamRecord:
     #: For a trainable parameter the loss gave no gradient: the other model outputs (paths) that
     #: still depend on it, e.g. ``['pooler_output']``; ``[]`` when none does (cut off). None otherwise.
     other_outputs: list[str] | None = None
+    #: True for a trainable parameter without a gradient that the forward never read (``check`` only:
+    #: unused in this mode, not cut off); None when not known or not the case.
+    unused: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -206,6 +209,8 @@ class ParamRecord:
             data["clipped"] = self.clipped
         if self.other_outputs is not None:
             data["other_outputs"] = self.other_outputs
+        if self.unused is not None:
+            data["unused"] = self.unused
         return data
 
 

@@ -14,10 +14,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
+from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import output_key_path
 from hookcli.records import LayerRecord, Report, RuleResult
 
@@ -155,14 +157,18 @@ def _owner(name: str) -> str:
 def no_gradient(p: Any, report: Report) -> tuple[str, str]:
     """Why trainable parameter ``p`` got no gradient from the loss, as (severity, message).
 
-    ``warn``: its module was never called, or it only feeds model outputs the loss does not use (BERT's
-    pooler under a loss on ``last_hidden_state``). ``error``: its module ran, yet nothing it computes
-    reaches the loss or any output: cut off (a ``.detach()`` or ``torch.no_grad()`` in forward).
+    ``warn``: its module was never called, the forward never read it (wav2vec2's ``masked_spec_embed``,
+    used only for training-time masking), or it only feeds model outputs the loss does not use (BERT's
+    pooler under a loss on ``last_hidden_state``). ``error``: the forward read it, yet nothing it
+    computes reaches the loss or any output: cut off (a ``.detach()`` or ``torch.no_grad()`` in forward).
     """
     owner = _owner(p.name)
     calls = [r.called for r in report.layers if r.name == owner]
     if calls and not any(calls):
         return "warn", f"{p.name} gets no gradient: its module {owner or '(model)'} is never called"
+    if getattr(p, "unused", None):
+        return "warn", (f"{p.name} gets no gradient: this forward never reads it "
+                        f"({report.mode} mode; a parameter only some modes or inputs use)")
     if p.other_outputs:
         return "warn", (f"{p.name} gets no gradient: it only feeds the output(s) {', '.join(p.other_outputs)}, "
                         "which the loss does not use")
@@ -425,8 +431,7 @@ def load_baseline(path: str, source: str | None = None) -> dict[str, Any]:
     ``source`` (the config file) prefixes error messages."""
     where = f"{source}: [checks.baseline] " if source else ""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(read_capped(Path(path), TEXT_BYTES, f"{where}baseline file {path}"))
     except FileNotFoundError:
         raise ConfigError(f"{where}baseline file {path} does not exist",
                           hint="make one with: hookcli shapes MODEL --format json --output FILE") from None

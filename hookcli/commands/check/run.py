@@ -25,7 +25,7 @@ from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
 from hookcli.config import Config, config_options, confine_read, load_config
-from hookcli.errors import ConfigError, ModelRaisedError, exit_status
+from hookcli.errors import ConfigError, ModelRaisedError, UnsupportedError, describe_exception, exit_status
 from hookcli.commands.grads import backward_report, build_loss
 from hookcli.engine.session import CompletionOrder, RunObserver
 from hookcli.options import RunOptions, check_option_names
@@ -76,16 +76,20 @@ class Probe(RunObserver):
     session calls it (``RunObserver``), so its failures are hookcli's (InternalError after the run)."""
 
     def __init__(self, channel_dim: Callable[[str], int | str] | None,
-                 modules: Mapping[str, nn.Module] | None = None) -> None:
+                 modules: Mapping[str, nn.Module] | None = None, frozen: set[str] | None = None) -> None:
         self.channel_dim = channel_dim
         self.auto_dims = ChannelDims(modules or {})
+        #: Frozen modules (parameters, none trainable): their outputs are computed, never constants.
+        self.frozen = frozen or set()
         # every selected output: constants are told apart (cheap: no reduction unless dead_channels is on)
         self.wants_tensors = True
+        self.wants_param_reads = True  # a parameter without a gradient: unused, or cut off (no_gradient)
         self.order: CompletionOrder = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, int, torch.Tensor]] = []
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
-        #: Float outputs that do not require grad in this grad-enabled run: constants (masks, zero
-        #: position biases) computed from neither a parameter nor the input.
+        #: Float outputs that do not require grad in this grad-enabled run, of modules that are not
+        #: frozen: constants (masks, zero position biases) computed from no trainable parameter. (The
+        #: input does not require grad, as in training: a frozen module's output is checked.)
         self.constant: set[tuple[str, int, str]] = set()
 
     def tensor(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
@@ -93,7 +97,7 @@ class Probe(RunObserver):
         tensor (``dead_channels``)."""
         if not t.is_floating_point():
             return
-        if not t.requires_grad:
+        if not t.requires_grad and name not in self.frozen:
             self.constant.add((name, call, path))
         if self.channel_dim is None:
             return
@@ -141,9 +145,18 @@ class Probe(RunObserver):
                        for path, shape, dtype, bad in self._outputs]
 
 
+def _no_copy(why: str) -> UnsupportedError:
+    """The check cannot step a copy of this model (exit 2: hookcli cannot, the model did not fail)."""
+    return UnsupportedError(f"params_change steps a copy of the model (so that yours is never modified), and the "
+                            f"model cannot be deep-copied: {why}",
+                            hint="disable the rule with [checks.params_change] enabled = false, or make the model "
+                                 "copyable with copy.deepcopy")
+
+
 class SteppedCopy:
     """A ``copy.deepcopy`` of the model that SGD steps (``params_change``, the second look): the
-    user's model is only read. ``error`` says why the copy or a step failed (then nothing more runs)."""
+    user's model is only read. ``error`` says why a step failed (then nothing more runs); a model that
+    cannot be copied raises UnsupportedError."""
 
     def __init__(self, prep: engine.Prepared, names: list[str], lr: float) -> None:
         self.prep, self.error = prep, None
@@ -151,19 +164,21 @@ class SteppedCopy:
         self.tracked: list[tuple[str, nn.Parameter]] = []
         self.before: list[torch.Tensor] = []
         self.lr = lr
-        try:
-            self.clone = copy.deepcopy(prep.loaded.model)
-        except Exception as exc:  # noqa: BLE001 - any failure to copy is reported as the rule's failure
-            self.error = (f"cannot deep-copy the model ({type(exc).__name__}: {exc}); params_change steps a copy so "
-                          "that your model is never modified: disable it with [checks.params_change] enabled = false")
-            return
-        params = dict(self.clone.named_parameters())
-        self.tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
-        self.before = [p.detach().clone() for _, p in self.tracked]
         self.got_grad: dict[str, bool] = {}
         #: parameter -> the largest |gradient| any step gave it (an update below float resolution leaves
         #: a parameter as it was although it has a gradient: that is not "stuck")
         self.grad_max: dict[str, float] = {}
+        model = prep.loaded.model
+        try:
+            clone = copy.deepcopy(model)
+        except Exception as exc:  # noqa: BLE001 - any failure to copy
+            raise _no_copy(describe_exception(exc)) from exc
+        if type(clone) is not type(model):  # a __deepcopy__ (or a catch-all __getattr__) that gave something else
+            raise _no_copy(f"copy.deepcopy gave a {type(clone).__name__}, not a {type(model).__name__}")
+        self.clone = clone
+        params = dict(clone.named_parameters())
+        self.tracked = [(n, params[n]) for n in names if n in params and params[n].requires_grad]
+        self.before = [p.detach().clone() for _, p in self.tracked]
 
     def prepared(self) -> engine.Prepared:
         """``prep`` with the copy as its model and the copy's modules as the selection."""
@@ -199,7 +214,7 @@ class SteppedCopy:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
-                self.error = f"the SGD step on the copy raised {type(exc).__name__}: {exc}"
+                self.error = f"the SGD step on the copy raised {describe_exception(exc)}"
                 return None
             except SystemExit as exc:  # the model's code called sys.exit on the copy's step
                 self.error = f"the model exited with {exit_status(exc.code)} during the SGD step on the copy"
@@ -217,7 +232,9 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
     """One forward, loss and backward with every hook: the Report and the probe's Observations."""
     obs = Observations()
     dead = rules.get("dead_channels")
-    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None, dict(prep.selection))
+    frozen = {name for name, module in prep.index.named
+              if next(module.parameters(), None) is not None and not any(p.requires_grad for p in module.parameters())}
+    probe = Probe((lambda name: dead.limits(name)["dim"]) if dead else None, dict(prep.selection), frozen)
     cause: BaseException | None = None
     try:
         report = backward_report(prep, "check", stats=True, observer=probe)
@@ -258,7 +275,10 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         del stepped
     if not (suspects(rules, report, obs) or unchanged):
         return
-    nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    try:
+        nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+    except UnsupportedError:  # no copy, no second look: the rules judge the first run alone
+        return
     nudged.step(1)
     if nudged.error is not None:
         return
