@@ -522,3 +522,62 @@ def test_a_logged_step_reaches_the_host_in_one_transfer(monkeypatch: pytest.Monk
             per_step.append(len(calls))
     assert per_step == [2, 2, 3, 3, 4]
     assert calls[1] == 1 and calls[2] == calls[3] == calls[0] + 1  # the loss rides with the rest
+
+
+# -- real models -------------------------------------------------------------------------------------------------
+
+
+def test_resnet18_with_in_place_relus_reused_in_each_block() -> None:
+    """torchvision's resnet18: every BasicBlock calls its in-place ReLU twice, so its entry merges two
+    calls (the values each call returned, before the next op changed them); every conv, norm and the fc
+    are there; parameters' gradients are the .grad before optimizer.step."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    relu = model.layer1[0].relu
+    seen: list[torch.Tensor] = []
+    handle = relu.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    with hookcli.watch(model, opt) as w:
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    layers = {entry.name: entry for entry in w.last.layers}
+    expected = {n for n, m in model.named_modules()
+                if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.Linear))}
+    assert set(layers) == expected
+    assert layers["layer1.0.relu"].calls == 2 and layers["conv1"].calls == 1
+    assert_stats(layers["layer1.0.relu"].stats, seen)
+    params = {entry.name: entry for entry in w.last.params}
+    assert len(params) == len(grads)
+    for name in ("conv1.weight", "layer4.1.bn2.bias", "fc.weight"):
+        assert_stats(params[name].grad, [grads[name]])
+    no_hooks_left(model, opt)
+
+
+def test_a_tiny_gpt2_built_from_its_config() -> None:
+    """transformers' GPT-2 (random weights from a tiny config): its Conv1D layers, norms, embeddings and
+    its own activation class (NewGELUActivation) are watched; the loss is the model's own."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 12))
+    with hookcli.watch(model, opt, every=2) as w:
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert w.last.step == 2 and w.last.loss == pytest.approx(float(loss.detach()), rel=1e-7)
+    types = {entry.type for entry in w.last.layers}
+    assert {"Embedding", "Conv1D", "LayerNorm", "NewGELUActivation"} <= types
+    assert all(entry.grad is not None and entry.grad["count"] > 0 for entry in w.last.layers
+               if entry.type in ("Conv1D", "NewGELUActivation"))
+    assert all(p.update_norm is not None and p.update_norm > 0 for p in w.last.params)
+    no_hooks_left(model, opt)
