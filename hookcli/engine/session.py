@@ -686,7 +686,7 @@ class HookSet:
     def param_vectors(self) -> list[ParamVectors]:
         """Each watched parameter's statistics vectors as they stand now, on its device (no transfer):
         its ``.grad``'s when a backward of this step accumulated into it, and its norm. A watch takes
-        them at the optimizer's pre-step, before the update, and hands them to ``step_records`` later."""
+        them at the optimizer's pre-step, before the update, and reads them when the step ends."""
         session = self.session
         if session is None:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
@@ -699,12 +699,11 @@ class HookSet:
             plan.append(ParamVectors(name, p, grad, norm))
         return plan
 
-    def step_records(self, params_by_name: dict[str, int] | None = None, extra: Sequence[Vector] = (),
-                     *, params: Sequence[ParamVectors] | None = None) -> StepRecords:
+    def step_records(self, params_by_name: dict[str, int] | None = None,
+                     extra: Sequence[Vector] = ()) -> StepRecords:
         """This step's records (one host transfer, ``extra`` vectors included); then the per-step state
-        is emptied and the next step begins (``end_step``). ``params``: vectors ``param_vectors`` took
-        earlier in the step (default: taken now). Raises what a hook raised during the step (as
-        ``HookSession.raise_error``), after emptying it too."""
+        is emptied and the next step begins (``end_step``). Raises what a hook raised during the step
+        (as ``HookSession.raise_error``), after emptying it too."""
         session = self.session
         if session is None:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
@@ -712,7 +711,7 @@ class HookSet:
             session.raise_error()
             plan: list[tuple[ParamVectors, int | None, int]] = []
             vectors: list[Vector] = list(extra)
-            for entry in (self.param_vectors() if params is None else params):
+            for entry in self.param_vectors():
                 g_slot = None
                 if entry.grad is not None:
                     vectors.append(entry.grad)
