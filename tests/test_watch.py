@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import signal
 import subprocess
@@ -93,11 +92,19 @@ def no_hooks_left(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
 # -- every number against plain torch ----------------------------------------------------------------------------
 
 
-def test_a_logged_step_equals_plain_torch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["kernel", "torch reductions"])
+def test_a_logged_step_equals_plain_torch(tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two accumulation micro-batches and a module called twice in each: the log's entry per (module,
     output) holds all four calls merged; gradients w.r.t. outputs from torch.autograd.grad; parameters'
     .grad before optimizer.step, their norms before it and their updates from the weights around it.
-    Step 1 is checked (Adam's state is not fresh there); the reference runs on a copy, same RNG."""
+    Step 1 is checked (Adam's state is not fresh there); the reference runs on a copy, same RNG. Both CPU
+    statistics paths: the C kernel and HOOKCLI_NO_KERNEL=1."""
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+    from hookcli.engine.stats import _fastreduce
+
+    if kernel == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli.engine._fastreduce was not built here")
+    monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
     torch.manual_seed(0)
     model = Net().train()
     ref = copy.deepcopy(model)
@@ -107,7 +114,7 @@ def test_a_logged_step_equals_plain_torch(tmp_path: Path) -> None:
     rng = torch.get_rng_state()
     for step in range(2):
         seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        handles = [getattr(ref, n).register_forward_hook(lambda _m, _i, out, n=n: seen[n].append(out))
+        handles = [getattr(ref, n).register_forward_hook(lambda _m, _i, out, n=n, seen=seen: seen[n].append(out))
                    for n in names]
         grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         for x, y in batches(step, micro=2):
@@ -276,7 +283,7 @@ def test_a_killed_process_leaves_every_finished_line(tmp_path: Path) -> None:
                 w.step(loss=loss)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
     assert result.returncode == -signal.SIGKILL, result.stderr
     lines = read_log(log)
     assert [line["step"] for line in lines] == [0, 2, 4, 6]
@@ -492,9 +499,8 @@ def test_a_log_that_fails_mid_run_never_raises_into_optimizer_step() -> None:
     torch.manual_seed(0)
     model = Net().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(OutputError, match="/dev/full") as info:
-        with hookcli.watch(model, opt, out="/dev/full"):
-            losses = train(model, opt, 4)
+    with pytest.raises(OutputError, match="/dev/full") as info, hookcli.watch(model, opt, out="/dev/full"):
+        losses = train(model, opt, 4)
     assert info.value.exit_code == 2 and len(losses) == 4
     no_hooks_left(model, opt)
 
