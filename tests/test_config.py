@@ -248,7 +248,6 @@ anything = {nested = [1, 2]}
 
 # --------------------------------------------------------------------------- issue #20: what a config may name
 
-import os  # noqa: E402
 import pickle  # noqa: E402
 import sys  # noqa: E402
 
