@@ -563,9 +563,10 @@ def bench_kernel(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
         model, x, spec = case.model, case.x, case.spec
         if dtype is not None:
             model, x, spec = model.to(dtype), x.to(dtype), f"{spec}:{str(dtype).removeprefix('torch.')}"
-        times, ratios = alternate_ratios({"bare": lambda: run_bare(model, x),
-                                          "kernel": lambda: run_stats(model, spec),
-                                          "torch": lambda: run_stats_no_kernel(model, spec)}, repeats)
+        times, ratios = alternate_ratios({"bare": lambda model=model, x=x: run_bare(model, x),
+                                          "kernel": lambda model=model, spec=spec: run_stats(model, spec),
+                                          "torch": lambda model=model, spec=spec: run_stats_no_kernel(model, spec)},
+                                         repeats)
         target = f"kernel: stats API, {arch} b{batch}" + (f" {str(dtype)[6:]}" if dtype else "")
         for variant, key in (("bare forward", "bare"), ("with the C kernel", "kernel"),
                              ("HOOKCLI_NO_KERNEL=1", "torch")):
@@ -585,7 +586,7 @@ def bench_kernel(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
         fns = {"kernel": lambda t=t: Reducer(kernel=True).reduce(t),
                "torch": lambda t=t: Reducer(kernel=False).reduce(t)}
         inner = 20 if t.numel() > 10_000 else 2000
-        per = alternate({k: (lambda fn=fn: [fn() for _ in range(inner)]) for k, fn in fns.items()}, repeats)
+        per = alternate({k: (lambda fn=fn, inner=inner: [fn() for _ in range(inner)]) for k, fn in fns.items()}, repeats)
         for variant, key in (("C kernel", "kernel"), ("torch reductions", "torch")):
             rows.append(_row("kernel", f"kernel: {label}", variant, per[key] / inner, per[key] / per["kernel"],
                              detail=f"{per[key] / inner * 1e6:.1f} us per reduce"))

@@ -21,10 +21,13 @@ from hookcli.options import RunOptions, check_option_names, model_is_instance
 if TYPE_CHECKING:
     from hookcli.commands.check.schema import CheckRules
     from hookcli.config import Config
+    import torch
+
+    from hookcli.commands.watch import Watch
     from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
-           "check_rules", "run_check", "publish_check", "diff", "kernel_status"]
+           "check_rules", "run_check", "publish_check", "diff", "watch", "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -233,6 +236,29 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
                    device=vs_device, model=vs_model, compile=vs_compile, rtol=rtol, atol=atol, grads=grads)
     with exclusive(model), exclusive(vs_model), torch.inference_mode(False):
         return diff_report(_options(model, options), vs)
+
+
+def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
+          out: str | os.PathLike[str] | None = None, layers: Sequence[str] | str | None = None,
+          types: Sequence[str] | str | None = None) -> Watch:
+    """Watch your own training loop: every ``every``-th step (0, every, 2 * every, ...) the selected
+    modules' activation and output-gradient statistics, each parameter's norm, gradient and update,
+    and the loss, as one JSON line appended to ``out`` (docs/watch.md: the schema, what a step is).
+
+    ``model``: the ``nn.Module`` you train; ``optimizer``: its optimizer (steps end at its
+    ``step()``; None: only ``w.step()`` ends them); ``layers``/``types``: as elsewhere (default: every
+    module that owns parameters directly, and the activation functions). Unlogged steps cost nothing
+    measurable; the run's numbers and RNG are untouched; every hook is gone after the block.
+
+    >>> with hookcli.watch(model, optimizer, every=50, out="runs/exp.jsonl") as w:
+    ...     for x, y in loader:
+    ...         loss = loss_fn(model(x), y)
+    ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
+    ...         w.step(loss=loss)
+    """
+    from hookcli.commands.watch import Watch
+
+    return Watch(model, optimizer, every=every, out=out, layers=layers, types=types)
 
 
 def kernel_status() -> str:

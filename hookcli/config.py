@@ -251,7 +251,8 @@ def _resolve(value: str, base: Path) -> str:
     value is a path (``-`` too: a file of that name), so what is checked is what gets opened."""
     if not value:
         return value
-    p = Path(value).expanduser()
+    p = Path(os.path.expanduser(value))  # (not Path(value).expanduser(): Path drops a leading ./, and
+    # ./~/x, a folder named ~ in the repository, would become the user's home)
     return str(p if p.is_absolute() else (base / p).resolve())
 
 

@@ -433,3 +433,36 @@ def atomic_path(path: str | os.PathLike[str] | Target) -> Iterator[Path]:
 
 __all__ = ["OutputStream", "Target", "atomic_path", "describe", "ensure_writable", "open_output",
            "os_error_in", "resolve_target", "write_atomic"]
+
+
+# --------------------------------------------------------------------------- logs
+
+
+class LineLog:
+    """A log written a line at a time (``hookcli.watch``'s JSON Lines): appended to, never replaced.
+
+    The path is checked when the log is made (OutputError, before any training step); the file is
+    created at the first line (with missing directories), and opened ``O_APPEND``: an existing log
+    keeps its lines and the new ones follow. Each line goes to the file in one unbuffered write, so
+    a process that dies leaves every line written before complete. An OSError is OutputError.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.target = resolve_target(path)
+        self._fd: int | None = None
+
+    def write_line(self, line: str) -> None:
+        """Append ``line`` (one line ending with a newline) to the file."""
+        with _mapped_errors(self.target):
+            if self._fd is None:
+                if not self.target.in_place:
+                    _make_parents(self.target)
+                flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+                self._fd = os.open(self.target.path, flags | (0 if self.target.in_place else os.O_CREAT), 0o666)
+            OutputStream(self._fd).write(line.encode())
+
+    def close(self) -> None:
+        """Close the file (the lines are written already). Safe to call twice."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

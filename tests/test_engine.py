@@ -26,7 +26,6 @@ def assert_stats_match(stats: dict, tensor: torch.Tensor) -> None:
 
 def test_reused_module_gives_one_record_per_call_with_correct_stats() -> None:
     model = tm.Reused().eval()
-    x = torch.randn(3, 4)
     report = hookcli.stats(model, input_shapes=["3x4"], seed=0, all_modules=True)
     acts = [r for r in report.layers if r.name == "act"]
     assert [r.call for r in acts] == [0, 1, 2]

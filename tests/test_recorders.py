@@ -211,7 +211,7 @@ def test_kernel_takes_no_address_and_refuses_memory_that_is_not_one_dense_block(
         "transposed": x.reshape(3, 4).t(),
         "expanded rows": x[:4].expand(3, 4),
     }
-    for name, t in not_dense.items():
+    for t in not_dense.values():
         with pytest.raises((ValueError, BufferError), match="contiguous"):
             _fastreduce.reduce(t.numpy(), "float32", 1)
         with pytest.raises((ValueError, BufferError), match="contiguous"):  # the second pass: same checks

@@ -321,6 +321,25 @@ def test_expanded_output_reports_its_values_through_the_cli(cli, tmp_path: Path,
     assert layer["stats"]["min"] == layer["stats"]["max"] == float(x.sum())
 
 
+def test_kurtosis_is_in_the_json_report_and_in_no_table_format(cli, tmp_path: Path, stats_path: str) -> None:
+    """JSON gains ``kurtosis`` (schema 1: keys are only added); CSV, the one machine format with a column
+    per statistic, keeps today's columns."""
+    model = write(tmp_path, "mlp_model.py", MLP_MODEL)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
+    torch.save(x, tmp_path / "x.pt")
+    result = cli("stats", f"{model}:build", "--input", tmp_path / "x.pt", "--layers", "1", "-f", "json")
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    (layer,) = json.loads(result.stdout)["layers"]
+    reference = load_module(model)()
+    with torch.no_grad():
+        hidden = torch.relu(reference[0](x)).double()
+    assert layer["stats"]["kurtosis"] == pytest.approx(kurtosis_of(hidden.reshape(-1)), rel=1e-6)
+    csv = cli("stats", f"{model}:build", "--input", tmp_path / "x.pt", "--layers", "1", "-f", "csv")
+    assert csv.exit_code == 0 and csv.stderr == "", csv.stderr
+    header = csv.stdout.splitlines()[0]
+    assert "stat_inf_count" in header and "kurtosis" not in header
+
+
 def test_sum_loss_gradients_of_an_mlp_match_autograd(cli, tmp_path: Path, stats_path: str) -> None:
     """``grads --loss sum``: the gradient reaching the last layer is ones expanded (stride 0)."""
     model = write(tmp_path, "mlp_model.py", MLP_MODEL)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from typing import Any
 
 import pytest

@@ -187,7 +187,7 @@ def test_human_formats_show_names_escaped(cli, monkeypatch: pytest.MonkeyPatch, 
     assert control_chars(out.stdout, allow=allow) == [] and "\x1b" not in out.stdout
     assert control_chars(out.stderr) == []
     text = out.stdout.replace("\\\\", "\\")  # markdown doubles backslashes
-    for raw, shown in SHOWN.items():
+    for shown in SHOWN.values():
         assert shown in text
     assert "Hostile\\x1b[2JType\\u202e" in text
     if fmt == "markdown":  # markup from names is inert: no HTML tag, entity, link or code span

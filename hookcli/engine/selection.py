@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Sequence
 
 from torch import nn
@@ -130,3 +131,19 @@ def _layer_hint(pattern: str, names: list[str]) -> str:
     if matches:
         return "did you mean: " + ", ".join(matches) + "?  (`hookcli modules MODEL` lists every name)"
     return "run `hookcli modules MODEL` to list the module names"
+
+
+def owners_and_activations(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module that owns parameters directly, plus every activation function module, in
+    ``named_modules()`` order: ``hookcli.watch``'s default, like fastai's ActivationStats. Activation
+    functions are the classes of an ``activation``/``activations`` module (torch.nn's, transformers',
+    timm's: ``_ACTIVATION_MODULE``). The model itself when none is either."""
+    selected = [(n, m) for n, m in model.named_modules()
+                if next(m.parameters(recurse=False), None) is not None
+                or _ACTIVATION_MODULE.match(type(m).__module__.rsplit(".", 1)[-1])]
+    return selected or [("", model)]
+
+
+#: The last part of the name of a module that defines activation functions: torch.nn.modules.activation,
+#: transformers.activations, timm.layers.activations (and its activations_me, activations_jit).
+_ACTIVATION_MODULE = re.compile(r"activations?(_\w+)?$")

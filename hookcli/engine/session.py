@@ -65,6 +65,8 @@ class HookOptions:
     #: With ``grads``: called with (record name, call index, output path, gradient) as each selected
     #: output's gradient arrives in backward (``diff --grads`` compares them).
     keep_grad: KeepFn | None = None
+    #: Count the zeros of gradients too (``hookcli.watch``; the commands' gradient tables show none).
+    grad_zeros: bool = False
 
 
 class RunObserver:
@@ -149,6 +151,9 @@ class HookSession:
         #: the run with the tensor, so ``reset`` (each step boundary) and ``HookSet.remove`` remove them
         #: (hooks on activations go with the graph).
         self.leaf_hooks: list[RemovableHandle] = []
+        #: While True every hook returns at once: no record, no statistics, no tensor hook, no host
+        #: synchronisation (a watch's unlogged steps). Switched only between steps.
+        self.idle = False
 
     def reset(self) -> None:
         """Empty the per-step state (a hook set's step boundary): the calls, their counts, the stored
@@ -204,7 +209,7 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if _graph_task_id() != -1:  # a recomputation (torch.utils.checkpoint), not a call of the forward
+            if self.idle or _graph_task_id() != -1:  # idle, or a recomputation (torch.utils.checkpoint)
                 return
             try:
                 self._pre(name, module, args, kwargs, type_name_cache)
@@ -227,7 +232,7 @@ class HookSession:
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             name = names.get(id(module))
-            if name is None or _graph_task_id() != -1:
+            if name is None or self.idle or _graph_task_id() != -1:
                 return
             try:
                 self._pre(name, module, args, {}, type_names)
@@ -237,7 +242,7 @@ class HookSession:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
             # (kwargs, output); torch passes (output) alone when forward raised
             name = names.get(id(module))
-            if name is None or _graph_task_id() != -1:
+            if name is None or self.idle or _graph_task_id() != -1:
                 return
             try:
                 if len(rest) == 2 and rest[0] and (stack := self._open.get(name)):
@@ -277,7 +282,7 @@ class HookSession:
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if _graph_task_id() != -1:  # paired with the pre-hook's skip
+            if self.idle or _graph_task_id() != -1:  # paired with the pre-hook's skip
                 return
             try:
                 self._post(name, output)
@@ -330,7 +335,7 @@ class HookSession:
             if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
                 return
             try:
-                entry.grad = self.reducer.reduce(grad, zeros=False)
+                entry.grad = self.reducer.reduce(grad, zeros=self.options.grad_zeros)
                 if self.options.keep_grad is not None:
                     self.options.keep_grad(call.name, call.call, entry.path, grad)
             except Exception as exc:
@@ -555,6 +560,17 @@ class _ForgetKwargsMark:
 
 
 @dataclass
+class ParamVectors:
+    """One watched parameter's statistics vectors at one moment (``HookSet.param_vectors``): its
+    ``.grad``'s (None: no backward of the step reached it) and its L2 norm, on its device."""
+
+    name: str
+    param: nn.Parameter
+    grad: Vector | None
+    norm: Vector
+
+
+@dataclass
 class StepRecords:
     """What a hook set recorded in one step, handed back at the step boundary (``HookSet.step_records``).
 
@@ -668,39 +684,69 @@ class HookSet:
 
     def _accumulate_hook(self, name: str) -> Callable[[nn.Parameter], None]:
         def hook(_param: nn.Parameter) -> None:  # after each accumulation into .grad (one per backward)
-            self._accumulated[name] = self._accumulated.get(name, 0) + 1
+            if self.session is not None and not self.session.idle:
+                self._accumulated[name] = self._accumulated.get(name, 0) + 1
 
         return hook
+
+    def param_vectors(self) -> list[ParamVectors]:
+        """Each watched parameter's statistics vectors as they stand now, on its device (no transfer):
+        its ``.grad``'s when a backward of this step accumulated into it, and its norm. A watch takes
+        them at the optimizer's pre-step, before the update, and reads them when the step ends."""
+        session = self.session
+        if session is None:
+            raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
+        plan = []
+        for name, p in self._params:
+            grad = None
+            if self._accumulated.get(name) and p.grad is not None:
+                grad = session.reducer.reduce(p.grad, zeros=session.options.grad_zeros)
+            norm = torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1)
+            plan.append(ParamVectors(name, p, grad, norm))
+        return plan
 
     def step_records(self, params_by_name: dict[str, int] | None = None,
                      extra: Sequence[Vector] = ()) -> StepRecords:
         """This step's records (one host transfer, ``extra`` vectors included); then the per-step state
-        is emptied and the next step begins. Raises what a hook raised during the step (as
-        ``HookSession.raise_error``), after emptying it too."""
+        is emptied and the next step begins (``end_step``). Raises what a hook raised during the step
+        (as ``HookSession.raise_error``), after emptying it too."""
         session = self.session
         if session is None:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
         try:
             session.raise_error()
-            plan: list[tuple[str, nn.Parameter, int | None, int]] = []
+            plan: list[tuple[ParamVectors, int | None, int]] = []
             vectors: list[Vector] = list(extra)
-            for name, p in self._params:
+            for entry in self.param_vectors():
                 g_slot = None
-                if self._accumulated.get(name) and p.grad is not None:
-                    vectors.append(session.reducer.reduce(p.grad, zeros=False))
+                if entry.grad is not None:
+                    vectors.append(entry.grad)
                     g_slot = len(vectors) - 1
-                vectors.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
-                plan.append((name, p, g_slot, len(vectors) - 1))
+                vectors.append(entry.norm)
+                plan.append((entry, g_slot, len(vectors) - 1))
             layers, values = session.records(params_by_name, vectors)
-            params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad,
-                                  norm=values[n_slot][0],
-                                  grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None)
-                      for name, p, g_slot, n_slot in plan]
-            return StepRecords(self.step, layers, params, dict(self._accumulated), values[: len(extra)])
+            records = [ParamRecord(name=e.name, shape=shape_of(e.param), requires_grad=e.param.requires_grad,
+                                   norm=values[n_slot][0],
+                                   grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None)
+                       for e, g_slot, n_slot in plan]
+            return StepRecords(self.step, layers, records, dict(self._accumulated), values[: len(extra)])
         finally:
-            session.reset()
-            self._accumulated.clear()
-            self.step += 1
+            self.end_step()
+
+    def end_step(self) -> None:
+        """The step boundary: empty the per-step state (``HookSession.reset``, the accumulation counts)
+        and count the step."""
+        if self.session is not None:
+            self.session.reset()
+        self._accumulated.clear()
+        self.step += 1
+
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer, pre: Callable[..., None],
+                       post: Callable[..., None]) -> None:
+        """Call ``pre`` and ``post`` (with torch's ``(optimizer, args, kwargs)``) around each
+        ``optimizer.step()`` until ``remove``: the optimizer's own step hooks, on that optimizer only."""
+        self._handles.append(optimizer.register_step_pre_hook(pre))
+        self._handles.append(optimizer.register_step_post_hook(post))
 
     def remove(self) -> None:
         """Take every hook of the set away (module, process-wide, parameter and leaf-tensor hooks);

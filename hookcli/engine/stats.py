@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hookcli.engine import kernel
-from hookcli.records import GRAD_KEYS, STAT_EXTRA_KEYS, STAT_KEYS
+from hookcli.records import GRAD_KEYS, STAT_EXTRA_KEYS, STAT_KEYS, WATCH_STAT_KEYS
 
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
 _fastreduce = kernel.load()
@@ -583,6 +583,24 @@ def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[st
     assert tuple(stats) == GRAD_KEYS
     if abs_max:
         stats["abs_max"] = max(abs(lo), abs(hi)) if numel else None
+    return stats
+
+
+def watch_stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    """A host vector as ``hookcli.watch`` logs it, activations and gradients alike (``WATCH_STAT_KEYS``):
+    mean, std, rms, min, max, abs_max, zero_fraction (None: zeros not counted or no values), NaN/Inf
+    counts, kurtosis and the number of values."""
+    mean, std, lo, hi, kurtosis = summary(values)
+    nans, infs = values[NANS], values[INFS]
+    numel = int(values[COUNT] + nans + infs)
+    norm = _norm_of(mean, std, nans, infs, numel)
+    stats: dict[str, float | int | None] = {
+        "mean": float(mean), "std": float(std), "rms": norm / math.sqrt(numel) if numel else math.nan,
+        "min": float(lo), "max": float(hi), "abs_max": max(abs(lo), abs(hi)) if numel else math.nan,
+        "zero_fraction": values[ZEROS] / numel if numel else None,
+        "nan_count": int(nans), "inf_count": int(infs), "kurtosis": float(kurtosis), "count": numel,
+    }
+    assert tuple(stats) == WATCH_STAT_KEYS
     return stats
 
 

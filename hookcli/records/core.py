@@ -7,6 +7,7 @@ documented in the README); keys may be added, none renamed or removed without bu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,22 @@ def plain_value(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [plain_value(v) for v in value]
     return repr(value)
+
+
+def sanitize(value: Any) -> Any:
+    """A copy of ``value`` with non-finite floats replaced by ``"nan"``/``"inf"``/``"-inf"``: how every
+    hookcli JSON writes them (strict JSON has no NaN; the strings keep what a NaN check needs)."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {k: sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sanitize(v) for v in value]
+    return value
 
 
 @dataclass

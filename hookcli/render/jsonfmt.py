@@ -7,25 +7,11 @@ valid JSON (``allow_nan=False``; bare ``NaN`` is not JSON) and keeps what a NaN 
 from __future__ import annotations
 
 import json
-import math
-from typing import Any
 
+from hookcli.records.core import sanitize  # the JSON format's non-finite numbers, with the records
 from hookcli.render.formats import Renderable
 
-
-def sanitize(value: Any) -> Any:
-    """A copy of ``value`` with non-finite floats replaced by ``"nan"``/``"inf"``/``"-inf"``."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {k: sanitize(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [sanitize(v) for v in value]
-    return value
+__all__ = ["JsonRenderer", "sanitize", "to_json"]
 
 
 def to_json(report: Renderable) -> str:
@@ -41,3 +27,4 @@ class JsonRenderer:
     ) -> str:
         """The report as JSON text."""
         return to_json(report)
+

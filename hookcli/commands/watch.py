@@ -1,0 +1,90 @@
+"""``hookcli.watch``: what a watch over the user's own training loop is to the user (docs/watch.md).
+
+The engine (``hookcli.engine.watch.StepWatcher``) hooks the model and the optimizer and hands each
+logged step's record here; this module keeps the latest and appends it to the log as one JSON line
+(the record's own ``to_json_line``: the log is written during the loop, with no renderer in between).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Self
+
+import torch
+from torch import nn
+
+from hookcli.engine.selection import owners_and_activations, select_modules
+from hookcli.engine.watch import StepWatcher
+from hookcli.errors import UsageError
+from hookcli.output import LineLog
+from hookcli.records import WatchStep
+
+
+class Watch:
+    """A watch over a training loop; a context manager (``with hookcli.watch(...) as w:``).
+
+    ``w.step(loss=...)`` ends a step (optional: ``optimizer.step()`` ends steps too); ``w.last`` is
+    the latest logged step's record; ``w.findings`` the rules' findings (none yet: rules come later).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
+                 out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
+                 types: Sequence[str] | str | None) -> None:
+        check_arguments(model, optimizer, every)
+        selection = (select_modules(model, layers=layers, types=types) if layers or types
+                     else owners_and_activations(model))
+        self.log = LineLog(out) if out is not None else None  # the path is checked now
+        self.last: WatchStep | None = None
+        self.findings: list[Any] = []
+        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
+        self._open = self._used = False
+
+    def __enter__(self) -> Self:
+        if self._used:
+            raise UsageError("this watch has run already: a watch serves one with block",
+                             hint="make a new hookcli.watch(...) for another loop")
+        self._used = True
+        self._watcher.start()
+        self._open = True
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._open = False
+        try:
+            self._watcher.close()
+        except Exception:
+            if exc_type is None:
+                raise
+            # the loop's own exception goes on; what writing the last line raised would hide it
+        finally:
+            if self.log is not None:
+                self.log.close()
+        if exc_type is None:
+            self._watcher.raise_error()
+
+    def step(self, loss: Any = None) -> None:
+        """End the step in progress (call it after ``optimizer.step()``); ``loss``: the step's loss, a
+        number or a one-element tensor, read only when the step is logged."""
+        if not self._open:
+            raise UsageError("watch.step() outside its with block", hint="call it inside `with hookcli.watch(...) as w:`")
+        self._watcher.user_step(loss)
+
+    def _logged(self, record: WatchStep) -> None:
+        self.last = record
+        if self.log is not None:
+            self.log.write_line(record.to_json_line())
+
+
+def check_arguments(model: Any, optimizer: Any, every: Any) -> None:
+    """UsageError for a model that is not an ``nn.Module``, an optimizer that is not a torch optimizer,
+    or an ``every`` that is not a positive whole number."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"hookcli.watch takes the nn.Module you train, got {type(model).__name__}",
+                         hint="pass the model object itself (hookcli.watch(model, optimizer))")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"hookcli.watch's optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
+                         hint="pass the optimizer you call step() on, or None to count steps by watch.step()")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UsageError(f"every must be a whole number of steps, 1 or more, got {every!r}",
+                         hint="every=50 logs steps 0, 50, 100, ...")

@@ -1,0 +1,256 @@
+"""The engine side of ``hookcli.watch``: the engine's hooks over the user's own training loop.
+
+A ``HookSet`` stays installed for the whole loop and is idle on unlogged steps (its hooks return at
+once: no statistics, no tensor hooks, no host synchronisation). Steps end at ``optimizer.step()``
+(the optimizer's own step hooks, registered through the engine) or at ``Watch.step()``; a logged
+step's records (every selected output's calls merged with ``merge``, the parameters' norms,
+gradients and updates, the loss) reach the host in one transfer and are handed to ``on_step``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli.engine.session import HookOptions, HookSet, ParamVectors
+from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
+from hookcli.errors import HookcliError, UsageError, internal_error
+from hookcli.records import WatchLayer, WatchParam, WatchStep
+
+#: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
+_Groups = dict[tuple[str, str], list[Any]]
+
+
+def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters inside the selected modules' subtrees, in ``named_parameters()`` order."""
+    roots = {name for name, _ in selection}
+    if "" in roots:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    chosen = []
+    for name, p in model.named_parameters():
+        parts = name.split(".")[:-1]
+        if p.requires_grad and any(".".join(parts[:k]) in roots for k in range(1, len(parts) + 1)):
+            chosen.append((name, p))
+    return chosen
+
+
+class StepWatcher:
+    """Counts the user's steps and records every ``every``-th (steps 0, every, 2 * every, ...).
+
+    Who ends a step: ``user_step`` (``Watch.step()``) once the user has called it; else the
+    optimizer's post-step hook. Until that is known (the first step with an optimizer), the post-step
+    hook closes the step and keeps its record pending: a ``user_step`` that follows adds the loss and
+    hands it on (from then on ``user_step`` ends steps); the next optimizer step or ``close`` hands it
+    on without (from then on the optimizer ends steps).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 selection: Sequence[tuple[str, nn.Module]], every: int,
+                 on_step: Callable[[WatchStep], None]) -> None:
+        self.model, self.optimizer, self.selection = model, optimizer, list(selection)
+        self.every, self.on_step = every, on_step
+        self.hooks = HookSet()
+        self.params = watched_params(model, self.selection)
+        #: True: user_step ends steps; False: the optimizer does; None: not known yet
+        self.user_steps: bool | None = True if optimizer is None else None
+        self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
+        self._param_vectors: list[ParamVectors] | None = None
+        self._updates: list[Vector] | None = None
+        self._pending: WatchStep | None = None
+        self._stepped = False  # the optimizer stepped in the step in progress
+        #: What hookcli's code raised inside the optimizer's hooks (never raised into optimizer.step):
+        #: the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or the block's end.
+        self.error: BaseException | None = None
+
+    @property
+    def step(self) -> int:
+        """The step in progress (0-based)."""
+        return self.hooks.step
+
+    def start(self) -> None:
+        """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
+        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True),
+                           params=self.params)
+        try:
+            if self.optimizer is not None:
+                self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
+                                          self._guarded(self._post_step))
+            self._begin()
+        except BaseException:
+            self.hooks.remove()
+            raise
+
+    def _begin(self) -> None:
+        """A step begins: the hooks record it when it is logged and idle otherwise."""
+        assert self.hooks.session is not None
+        self.hooks.session.idle = self.error is not None or self.step % self.every != 0
+        self._before = self._param_vectors = self._updates = None
+        self._stepped = False
+
+    def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
+        def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            if self.error is not None:
+                return
+            try:
+                fn()
+            except Exception as exc:  # hookcli's failure, or the log's (disk full): never the optimizer's
+                self.error = exc
+                self._begin()  # idle from now on
+
+        return hook
+
+    def _pre_step(self) -> None:
+        if self._pending is not None:  # no user_step followed the first step: the optimizer ends steps
+            self.user_steps = False
+            self._hand_on()
+        assert self.hooks.session is not None
+        if not self.hooks.session.idle:
+            self._param_vectors = self.hooks.param_vectors()
+            self._before = [p.detach().clone() for _, p in self.params]
+
+    def _post_step(self) -> None:
+        self._stepped = True
+        if self._before is not None:
+            self._updates = [torch.linalg.vector_norm(before.sub_(p.detach()), dtype=device_float(p.device))
+                             .reshape(1) for before, (_, p) in zip(self._before, self.params)]
+            self._before = None
+        if self.user_steps:
+            return
+        record = self._close(None)
+        if self.user_steps is None:
+            self._pending = record or WatchStep(-1)  # step -1: an unlogged step, nothing to hand on
+        elif record is not None:
+            self.on_step(record)
+
+    def user_step(self, loss: Any = None) -> None:
+        """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
+        optimizer's post-step closed already) and hand its record on when it is logged."""
+        self.raise_error()
+        check_loss(loss)
+        pending, self._pending = self._pending, None
+        self.user_steps = True
+        if pending is not None:
+            if pending.step >= 0:
+                pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
+                self.on_step(pending)
+            return
+        record = self._close(loss)
+        if record is not None:
+            self.on_step(record)
+
+    def _hand_on(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.step >= 0:
+            self.on_step(pending)
+
+    def close(self) -> None:
+        """Remove every hook; hand on a pending record, or the record of a step that ``user_step`` would
+        have ended after the optimizer's step (also when the loop raised)."""
+        try:
+            if self.error is None:
+                self._hand_on()
+                if self.user_steps and self._stepped and (record := self._close(None)) is not None:
+                    self.on_step(record)
+        finally:
+            self.hooks.remove()
+            self._before = self._param_vectors = self._updates = None
+
+    def raise_error(self) -> None:
+        """Raise what hookcli's code raised inside the optimizer's hooks (once)."""
+        exc, self.error = self.error, None
+        if exc is None:
+            return
+        if isinstance(exc, HookcliError):
+            raise exc
+        raise internal_error(exc, "hookcli.watch's optimizer step hook") from exc
+
+    def _close(self, loss: Any) -> WatchStep | None:
+        """End the step in progress; its record when it is logged (one host transfer). The next step begins."""
+        session = self.hooks.session
+        assert session is not None
+        if session.idle:
+            self.hooks.end_step()
+            self._begin()
+            return None
+        step = self.step
+        try:
+            session.raise_error()
+            params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            record = self._collect(step, merged_outputs(session.calls), params, self._updates, loss)
+        finally:
+            self.hooks.end_step()
+            self._begin()
+        return record
+
+    def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
+                 loss: Any) -> WatchStep:
+        vectors: list[Vector] = []
+
+        def slot(vector: Vector | None) -> int | None:
+            if vector is None:
+                return None
+            vectors.append(vector)
+            return len(vectors) - 1
+
+        layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
+        param_slots = [(p, slot(p.grad), slot(p.norm), slot(updates[i]) if updates else None)
+                       for i, p in enumerate(params)]
+        loss_slot = slot(_loss_vector(loss)) if loss is not None else None
+        values = to_host(vectors)  # the step's one transfer
+
+        def stats(index: int | None) -> dict[str, Any] | None:
+            return watch_stats(values[index]) if index is not None else None
+
+        layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
+                  for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
+        out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
+        for p, g, n, u in param_slots:
+            norm = values[n][0]  # type: ignore[index]
+            update = values[u][0] if u is not None else None
+            out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
+                                         update / norm if update is not None and norm else None))
+        return out
+
+
+def merged_outputs(calls: Sequence[Any]) -> _Groups:
+    """The step's calls grouped by (module, output path), their statistics and gradients merged
+    (``merge``: exact counts and extremes, Pebay's moments): micro-batches and reuses of a module are
+    one entry, as a training log wants. Calls that raised or never returned are left out."""
+    groups: _Groups = {}
+    for call in calls:
+        if call.raised or not call.finished:
+            continue
+        for out in call.outputs:
+            group = groups.get((call.name, out.path))
+            if group is None:
+                groups[(call.name, out.path)] = [call.type, out.shape, out.dtype, 1, out.stats, out.grad]
+                continue
+            group[3] += 1
+            group[4] = _merged(group[4], out.stats)
+            group[5] = _merged(group[5], out.grad)
+    return groups
+
+
+def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
+    return b if a is None else a if b is None else merge(a, b)
+
+
+def check_loss(loss: Any) -> None:
+    """A loss is a number or a one-element tensor (UsageError otherwise); it is not read here."""
+    if loss is None or isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_complex():
+        return
+    what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise UsageError(f"watch.step(loss=...) takes a number or a one-element tensor, got {what}",
+                     hint="pass the scalar loss you called backward() on (e.g. loss_fn(...).mean())")
+
+
+def _loss_vector(loss: Any) -> Vector:
+    if isinstance(loss, torch.Tensor):
+        return loss.detach().reshape(1)
+    return (float(loss),)  # type: ignore[return-value]

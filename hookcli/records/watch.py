@@ -1,0 +1,75 @@
+"""Plain data of ``hookcli.watch``: one logged training step (``WatchStep``), whose ``to_dict()`` *is*
+one line of the JSON Lines log (docs/watch.md). Keys may be added; none renamed or removed without
+bumping ``WATCH_SCHEMA``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hookcli.records.core import sanitize
+
+WATCH_SCHEMA = 1
+
+#: The statistics of one tensor (activation or gradient) in the log, in this order.
+WATCH_STAT_KEYS: tuple[str, ...] = (
+    "mean", "std", "rms", "min", "max", "abs_max", "zero_fraction", "nan_count", "inf_count", "kurtosis", "count",
+)
+
+WatchStats = dict[str, float | int | None]
+
+
+@dataclass
+class WatchLayer:
+    """One output tensor of one selected module over one step: its calls in the step merged."""
+
+    name: str
+    type: str
+    output: str  # path of the tensor inside the module's output: "", "[0]", "['logits']"
+    calls: int  # how many calls of the module in the step are merged here
+    shape: list[int] | None  # the first call's
+    dtype: str
+    stats: WatchStats | None
+    grad: WatchStats | None  # of the gradient w.r.t. this output, over every backward of the step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
+                "shape": self.shape, "dtype": self.dtype, "stats": self.stats, "grad": self.grad}
+
+
+@dataclass
+class WatchParam:
+    """One parameter over one step: its norm and gradient before the update, and the update's size."""
+
+    name: str
+    shape: list[int]
+    norm: float
+    grad: WatchStats | None  # of the accumulated .grad; None when no backward of the step reached it
+    update_norm: float | None = None  # ||w_after - w_before|| of the optimizer's step; None without one
+    update_ratio: float | None = None  # update_norm / norm; None without an update or when norm is 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": self.shape, "norm": self.norm, "grad": self.grad,
+                "update_norm": self.update_norm, "update_ratio": self.update_ratio}
+
+
+@dataclass
+class WatchStep:
+    """One logged step: the loss (None when not given), the selected modules' outputs, the parameters."""
+
+    step: int
+    loss: float | None = None
+    layers: list[WatchLayer] = field(default_factory=list)
+    params: list[WatchParam] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
+                "layers": [layer.to_dict() for layer in self.layers],
+                "params": [param.to_dict() for param in self.params]}
+
+    def to_json_line(self) -> str:
+        """``to_dict()`` as one line of JSON Lines (compact; non-finite numbers as ``sanitize`` writes
+        them), ending with a newline."""
+        return json.dumps(sanitize(self.to_dict()), allow_nan=False, separators=(",", ":")) + "\n"

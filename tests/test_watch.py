@@ -1,0 +1,619 @@
+"""``hookcli.watch`` over the user's own training loop: every number of a logged step against plain
+torch in float64 (the test's own forward hooks, ``torch.autograd.grad``, the parameters before and after
+``optimizer.step``), what a step is (optimizer.step, w.step, both, neither optimizer), unlogged steps
+idle, a watched run bit for bit the unwatched one with the RNG untouched, nothing left hooked, and the
+log: one complete JSON line per logged step that survives a crash and that pandas reads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+import hookcli
+from hookcli.errors import OutputError, UsageError
+from hookcli.records import WATCH_STAT_KEYS
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Dropout -> a Linear called twice (a reused module) -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.3)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.bn(self.fc1(x))))
+        return self.head(torch.tanh(self.shared(self.shared(h))))
+
+
+def batches(step: int, micro: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's micro-batches, from a generator of their own (the global RNG is the loop's)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(5 + m, 6, generator=g), torch.randn(5 + m, 2, generator=g)) for m in range(micro)]
+
+
+def reference(values: list[torch.Tensor]) -> dict[str, float]:
+    """The logged statistics of the values of all ``values`` together, in float64 with plain torch."""
+    d = torch.cat([v.detach().reshape(-1).double() for v in values])
+    m = d - d.mean()
+    return {"mean": float(d.mean()), "std": float(d.std(correction=0)), "rms": float(d.pow(2).mean().sqrt()),
+            "min": float(d.min()), "max": float(d.max()), "abs_max": float(d.abs().max()),
+            "zero_fraction": float((d == 0).sum()) / d.numel(), "nan_count": 0, "inf_count": 0,
+            "kurtosis": float(d.numel() * m.pow(4).sum() / m.pow(2).sum() ** 2), "count": d.numel()}
+
+
+def assert_stats(logged: dict[str, Any], values: list[torch.Tensor]) -> None:
+    want = reference(values)
+    assert tuple(logged) == WATCH_STAT_KEYS
+    scale = want["rms"]
+    for key in ("count", "nan_count", "inf_count", "zero_fraction"):
+        assert logged[key] == want[key], key
+    for key in ("mean", "std", "rms", "min", "max", "abs_max"):
+        assert logged[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9 * scale), key
+    assert logged["kurtosis"] == pytest.approx(want["kurtosis"], rel=1e-5, nan_ok=True), "kurtosis"
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def no_hooks_left(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    for name, module in model.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
+        assert not module._forward_hooks_with_kwargs and not module._forward_hooks_always_called, name
+    for name, p in model.named_parameters():
+        assert not p._post_accumulate_grad_hooks and not p._backward_hooks, name
+    if optimizer is not None:
+        assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+
+
+# -- every number against plain torch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "torch reductions"])
+def test_a_logged_step_equals_plain_torch(tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two accumulation micro-batches and a module called twice in each: the log's entry per (module,
+    output) holds all four calls merged; gradients w.r.t. outputs from torch.autograd.grad; parameters'
+    .grad before optimizer.step, their norms before it and their updates from the weights around it.
+    Step 1 is checked (Adam's state is not fresh there); the reference runs on a copy, same RNG. Both CPU
+    statistics paths: the C kernel and HOOKCLI_NO_KERNEL=1."""
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+    from hookcli.engine.stats import _fastreduce
+
+    if kernel == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli.engine._fastreduce was not built here")
+    monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
+    torch.manual_seed(0)
+    model = Net().train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    names = ["fc1", "bn", "act", "shared", "head"]  # the default: owners of parameters and activations
+    rng = torch.get_rng_state()
+    for step in range(2):
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        handles = [getattr(ref, n).register_forward_hook(lambda _m, _i, out, n=n, seen=seen: seen[n].append(out))
+                   for n in names]
+        grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        for x, y in batches(step, micro=2):
+            count = {n: len(v) for n, v in seen.items()}
+            ref_loss = (ref(x) - y).pow(2).mean() / 2
+            new = [(n, out) for n in names for out in seen[n][count[n]:]]
+            for (n, _), g in zip(new, torch.autograd.grad(ref_loss, [o for _, o in new], retain_graph=True)):
+                grads[n].append(g)
+            ref_loss.backward()
+        for h in handles:
+            h.remove()
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        pgrads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    torch.set_rng_state(rng)  # the same dropout masks in the watched run
+    log = tmp_path / "log.jsonl"
+    with hookcli.watch(model, opt, out=log) as w:
+        for step in range(2):
+            for x, y in batches(step, micro=2):
+                loss = (model(x) - y).pow(2).mean() / 2
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+
+    line = read_log(log)[-1]
+    assert line["schema"] == 1 and line["step"] == 1 and line["loss"] == float(ref_loss.detach())
+    layers = {entry["name"]: entry for entry in line["layers"]}
+    assert list(layers) == names
+    for n in names:
+        entry = layers[n]
+        assert entry["calls"] == len(seen[n]) == (4 if n == "shared" else 2), n
+        assert entry["output"] == "" and entry["dtype"] == "float32" and entry["shape"] == list(seen[n][0].shape)
+        assert_stats(entry["stats"], seen[n])
+        assert_stats(entry["grad"], grads[n])
+    params = {entry["name"]: entry for entry in line["params"]}
+    assert list(params) == [n for n, _ in ref.named_parameters()]
+    for n, p in ref.named_parameters():
+        entry = params[n]
+        assert entry["shape"] == list(p.shape)
+        assert_stats(entry["grad"], [pgrads[n]])
+        norm = float(before[n].double().norm())
+        update = float((p.detach().double() - before[n].double()).norm())
+        assert entry["norm"] == pytest.approx(norm, rel=1e-12)
+        assert entry["update_norm"] == pytest.approx(update, rel=1e-5)
+        assert entry["update_ratio"] == pytest.approx(update / norm, rel=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), shift=st.floats(-50, 50),
+       spread=st.floats(1e-2, 1e2), seed=st.integers(0, 2**16))
+def test_micro_batches_of_any_sizes_merge_to_the_statistics_of_all_their_values(
+        sizes: list[int], shift: float, spread: float, seed: int) -> None:
+    """Per (module, output) the step's calls are merged: the statistics of all their values at once,
+    whatever the micro-batches' sizes and the data's offset and spread (no optimizer: w.step ends it)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, 3, generator=g) * spread + shift for n in sizes]
+    outs: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    with hookcli.watch(model, layers="0") as w:
+        for x in xs:
+            out = model[0](x)  # the selected module, called directly: its output is the loss's input
+            outs.append(out)
+            loss = out.pow(2).sum() / 2
+            grads.append(torch.autograd.grad(loss, out, retain_graph=True)[0])
+            loss.backward()
+        w.step()
+    (entry,) = w.last.layers
+    assert entry.calls == len(sizes)
+    assert_stats(entry.stats, outs)
+    assert_stats(entry.grad, grads)
+    assert [p.name for p in w.last.params] == ["0.weight", "0.bias"]
+    assert all(p.update_norm is None and p.update_ratio is None for p in w.last.params)
+
+
+# -- nothing changes and nothing stays ---------------------------------------------------------------------------
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, watch: Any = None) -> list[float]:
+    losses = []
+    for step in range(steps):
+        (x, y), = batches(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if watch is not None:
+            watch.step(loss=loss)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("call_step", [True, False], ids=["w.step", "optimizer-only"])
+def test_a_watched_run_is_the_unwatched_run_bit_for_bit(tmp_path: Path, call_step: bool) -> None:
+    """20 steps with dropout and BatchNorm, seeded: the same losses, weights and buffers, and the global
+    RNG state after the loop is the same (hookcli draws no random numbers); nothing hooked after."""
+    torch.manual_seed(0)
+    plain = Net().train()
+    watched = copy.deepcopy(plain)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_watched = torch.optim.SGD(watched.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1)
+    want = train(plain, opt_plain, 20)
+    rng_after = torch.get_rng_state()
+
+    torch.manual_seed(1)
+    with hookcli.watch(watched, opt_watched, every=3, out=tmp_path / "log.jsonl") as w:
+        got = train(watched, opt_watched, 20, w if call_step else None)
+    assert got == want
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [line["step"] for line in lines] == [0, 3, 6, 9, 12, 15, 18]
+    assert [line["loss"] for line in lines] == ([want[s] for s in range(0, 20, 3)] if call_step else [None] * 7)
+    no_hooks_left(watched, opt_watched)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "after optimizer.step"])
+def test_no_hook_stays_when_the_loop_raises(tmp_path: Path, where: str) -> None:
+    """The loop's own exception goes through unchanged; the finished steps' lines are in the log, each
+    complete; no hook is left on the model, its parameters, the optimizer or process-wide."""
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "log.jsonl"
+
+    class Stop(Exception):
+        pass
+
+    with pytest.raises(Stop), hookcli.watch(model, opt, every=2, out=log) as w:
+        for step in range(6):
+            (x, y), = batches(step)
+            if step == 5 and where == "forward":
+                raise Stop
+            loss = nn.functional.mse_loss(model(x), y)
+            if step == 5 and where == "backward":
+                raise Stop
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 4 and where == "after optimizer.step":
+                raise Stop  # step 4 is finished but w.step has not come: its line is written on the way out
+            w.step(loss=loss)
+    no_hooks_left(model, opt)
+    assert [line["step"] for line in read_log(log)] == [0, 2, 4]
+
+
+def test_a_killed_process_leaves_every_finished_line(tmp_path: Path) -> None:
+    """A process killed by SIGKILL in the middle of a step: every line written before is complete."""
+    log = tmp_path / "log.jsonl"
+    script = textwrap.dedent(f"""
+        import os, signal, torch, hookcli
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with hookcli.watch(model, opt, every=2, out={str(log)!r}) as w:
+            for step in range(100):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                if step == 7:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward(); opt.step(); opt.zero_grad()
+                w.step(loss=loss)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    lines = read_log(log)
+    assert [line["step"] for line in lines] == [0, 2, 4, 6]
+    assert all(len(line["layers"]) == 3 and len(line["params"]) == 4 for line in lines)
+
+
+def test_pandas_reads_the_log(tmp_path: Path) -> None:
+    pandas = pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "log.jsonl"
+    with hookcli.watch(model, opt, every=4, out=log) as w:
+        losses = train(model, opt, 10, w)
+    frame = pandas.read_json(log, lines=True)
+    assert list(frame["step"]) == [0, 4, 8]
+    assert list(frame["loss"]) == pytest.approx([losses[0], losses[4], losses[8]], rel=1e-14)  # pandas' float parser
+    layers = pandas.json_normalize(frame.to_dict("records"), "layers", ["step"])
+    assert len(layers) == 3 * 5 and set(layers["name"]) == {"fc1", "bn", "act", "shared", "head"}
+    assert (layers["stats.count"] > 0).all()
+
+
+# -- what a step is ----------------------------------------------------------------------------------------------
+
+
+def steps_in(log: Path) -> list[int]:
+    return [line["step"] for line in read_log(log)] if log.exists() else []
+
+
+def test_without_w_step_the_optimizer_ends_steps(tmp_path: Path) -> None:
+    """optimizer.step ends each step; the first step's line waits for the next optimizer step (or the
+    block's end) to see that no w.step() follows; from then on a line is written at optimizer.step."""
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "log.jsonl"
+    written = []
+    with hookcli.watch(model, opt, every=2, out=log):
+        for step in range(5):
+            (x, y), = batches(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            written.append(steps_in(log))
+            opt.zero_grad()
+    assert written == [[], [0], [0, 2], [0, 2], [0, 2, 4]]
+    assert steps_in(log) == [0, 2, 4]
+    assert all(line["loss"] is None and line["params"][0]["update_norm"] > 0 for line in read_log(log))
+
+
+def test_with_w_step_the_line_is_written_at_w_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "log.jsonl"
+    after_opt, after_w = [], []
+    with hookcli.watch(model, opt, every=2, out=log) as w:
+        for step in range(5):
+            (x, y), = batches(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            after_opt.append(steps_in(log))
+            w.step(loss=loss)
+            after_w.append(steps_in(log))
+    assert after_opt == [[], [0], [0], [0, 2], [0, 2]]
+    assert after_w == [[0], [0], [0, 2], [0, 2], [0, 2, 4]]
+    assert all(isinstance(line["loss"], float) for line in read_log(log))
+
+
+def test_without_an_optimizer_w_step_ends_steps() -> None:
+    """optimizer=None: the parameters' .grad and norms as they stand at w.step(); no update norms."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with hookcli.watch(model, every=2) as w:
+        for step in range(3):
+            x = torch.randn(6, 3)
+            model(x).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            w.step()
+            if step == 2:
+                for entry, (name, p) in zip(w.last.params, model.named_parameters()):
+                    assert entry.name == name and entry.update_norm is None and entry.update_ratio is None
+                    assert entry.norm == pytest.approx(float(p.detach().double().norm()), rel=1e-12)
+                    assert_stats(entry.grad, [p.grad])
+            model.zero_grad()
+    assert w.last.step == 2 and w.last.loss is None
+    assert [layer.name for layer in w.last.layers] == ["0", "1", "2"]
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op run, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hook() -> None:
+    """On an unlogged step the watched model runs the very aten ops an unwatched one runs (no
+    statistics, no copy, no transfer), its outputs get no tensor hook and the hook set stays empty; a
+    logged step does register them (so the check can fail)."""
+    torch.manual_seed(0)
+    plain = Net().eval()
+    watched = copy.deepcopy(plain)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_watched = torch.optim.SGD(watched.parameters(), lr=0.1)
+    outputs: list[torch.Tensor] = []
+    watched.fc1.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+
+    def one_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> list[str]:
+        (x, y), = batches(step)
+        with OpLog() as log:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return log.ops
+
+    with hookcli.watch(watched, opt_watched, every=3) as w:
+        hooks = w._watcher.hooks
+        for step in range(5):
+            want = one_step(plain, opt_plain, step)
+            got = one_step(watched, opt_watched, step)
+            logged = step % 3 == 0
+            assert bool(outputs[-1]._backward_hooks) == logged, step
+            if not logged:
+                assert got == want, step
+                assert all(size == 0 for size in hooks.session.sizes().values()) and not hooks._accumulated
+            else:
+                assert got != want  # the statistics ran: the comparison can tell
+
+
+
+# -- bad input and the log file ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "kwargs", "words"), [
+    (("resnet18",), {}, "nn.Module"),
+    ((nn.Linear(2, 2), object()), {}, "torch.optim.Optimizer"),
+    ((nn.Linear(2, 2),), {"every": 0}, "every"),
+    ((nn.Linear(2, 2),), {"every": 2.5}, "every"),
+    ((nn.Linear(2, 2),), {"every": True}, "every"),
+    ((nn.Linear(2, 2),), {"layers": "nope"}, "no module named 'nope'"),
+])
+def test_bad_arguments_are_usage_errors(args: tuple[Any, ...], kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(UsageError) as info:
+        hookcli.watch(*args, **kwargs)
+    assert info.value.exit_code == 2 and words in str(info.value) and info.value.hint
+    assert "\n" not in info.value.message
+
+
+def test_a_loss_that_is_not_one_number_is_a_usage_error_and_the_watch_goes_on() -> None:
+    model = nn.Linear(2, 2)
+    with hookcli.watch(model) as w:
+        out = model(torch.randn(3, 2))
+        out.sum().backward()
+        with pytest.raises(UsageError, match=r"one-element tensor, got a tensor of shape \[3, 2\]"):
+            w.step(loss=out)
+        w.step(loss=out.sum())
+    assert w.last.step == 0 and w.last.loss == pytest.approx(float(out.sum().detach()), rel=1e-7)
+    with pytest.raises(UsageError, match="outside its with block"):
+        w.step()
+    with pytest.raises(UsageError, match="has run already"):
+        w.__enter__()
+    no_hooks_left(model, None)
+
+
+def test_an_unwritable_log_is_refused_before_any_step(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(OutputError, match="it is a directory") as info:
+        hookcli.watch(model, out=tmp_path)
+    assert info.value.exit_code == 2
+    no_hooks_left(model, None)
+
+
+def test_an_existing_log_keeps_its_lines(tmp_path: Path) -> None:
+    """The log is appended to (a resumed run's lines follow the first run's); missing folders are made."""
+    log = tmp_path / "runs" / "exp.jsonl"
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _run in range(2):
+        with hookcli.watch(model, opt, out=log) as w:
+            for _ in range(2):
+                model(torch.randn(4, 2)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                w.step()
+    assert steps_in(log) == [0, 1, 0, 1]
+
+
+def test_layers_choose_the_modules_and_their_parameters() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookcli.watch(model, opt, layers="fc1,head") as w:
+        (x, y), = batches(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert [layer.name for layer in w.last.layers] == ["fc1", "head"]
+    assert [p.name for p in w.last.params] == ["fc1.weight", "fc1.bias", "head.weight", "head.bias"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_log_that_fails_mid_run_never_raises_into_optimizer_step() -> None:
+    """A write that fails in the optimizer's hook (no space left) is kept, the watch stops (idle), the
+    loop trains on as unwatched, and the OutputError is raised when the block ends."""
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OutputError, match="/dev/full") as info, hookcli.watch(model, opt, out="/dev/full"):
+        losses = train(model, opt, 4)
+    assert info.value.exit_code == 2 and len(losses) == 4
+    no_hooks_left(model, opt)
+
+
+def test_a_logged_step_reaches_the_host_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hookcli's own host transfer (``to_host``, wrapped to count its calls, still run): once per logged
+    step, none on unlogged ones; the first step with a loss from w.step() reads the loss in a second."""
+    import hookcli.engine.watch as engine_watch
+
+    calls: list[int] = []
+    real = engine_watch.to_host
+    monkeypatch.setattr(engine_watch, "to_host", lambda vectors: calls.append(len(vectors)) or real(vectors))
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = []
+    with hookcli.watch(model, opt, every=2) as w:
+        for step in range(5):
+            (x, y), = batches(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+            per_step.append(len(calls))
+    assert per_step == [2, 2, 3, 3, 4]
+    assert calls[1] == 1 and calls[2] == calls[3] == calls[0] + 1  # the loss rides with the rest
+
+
+# -- real models -------------------------------------------------------------------------------------------------
+
+
+def test_resnet18_with_in_place_relus_reused_in_each_block() -> None:
+    """torchvision's resnet18: every BasicBlock calls its in-place ReLU twice, so its entry merges two
+    calls (the values each call returned, before the next op changed them); every conv, norm and the fc
+    are there; parameters' gradients are the .grad before optimizer.step."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    relu = model.layer1[0].relu
+    seen: list[torch.Tensor] = []
+    handle = relu.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    with hookcli.watch(model, opt) as w:
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    layers = {entry.name: entry for entry in w.last.layers}
+    expected = {n for n, m in model.named_modules()
+                if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.Linear))}
+    assert set(layers) == expected
+    assert layers["layer1.0.relu"].calls == 2 and layers["conv1"].calls == 1
+    assert_stats(layers["layer1.0.relu"].stats, seen)
+    params = {entry.name: entry for entry in w.last.params}
+    assert len(params) == len(grads)
+    for name in ("conv1.weight", "layer4.1.bn2.bias", "fc.weight"):
+        assert_stats(params[name].grad, [grads[name]])
+    no_hooks_left(model, opt)
+
+
+def test_a_tiny_gpt2_built_from_its_config() -> None:
+    """transformers' GPT-2 (random weights from a tiny config): its Conv1D layers, norms, embeddings and
+    its own activation class (NewGELUActivation) are watched; the loss is the model's own."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 12))
+    with hookcli.watch(model, opt, every=2) as w:
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert w.last.step == 2 and w.last.loss == pytest.approx(float(loss.detach()), rel=1e-7)
+    types = {entry.type for entry in w.last.layers}
+    assert {"Embedding", "Conv1D", "LayerNorm", "NewGELUActivation"} <= types
+    assert all(entry.grad is not None and entry.grad["count"] > 0 for entry in w.last.layers
+               if entry.type in ("Conv1D", "NewGELUActivation"))
+    assert all(p.update_norm is not None and p.update_norm > 0 for p in w.last.params)
+    no_hooks_left(model, opt)
+
+
+def test_a_long_watch_keeps_nothing_per_step(tmp_path: Path) -> None:
+    """600 steps, every one logged: what the watch holds does not grow with the steps (only the latest
+    record is kept; the hook set empties itself at each boundary). Measured over the last 300 steps."""
+    import gc
+    import tracemalloc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 4)
+    with hookcli.watch(model, opt, out=tmp_path / "log.jsonl") as w:
+        for step in range(600):
+            if step == 250:
+                tracemalloc.start()
+            if step == 300:
+                gc.collect()
+                baseline, _ = tracemalloc.get_traced_memory()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - baseline
+        tracemalloc.stop()
+    # (measured: 12 KB once, torch's dispatch and the first traced steps; keeping every record: 2.6 MB)
+    assert grown < 64 * 1024, f"{grown} bytes allocated and kept over the last 300 steps"
+    assert w.last.step == 599 and len(read_log(tmp_path / "log.jsonl")) == 600
