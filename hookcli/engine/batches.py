@@ -120,7 +120,7 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
     if ":" not in text:
         raise InputError(f"data not found: {text}", hint=DATA_HINT)
     target, _, attr = text.rpartition(":")
-    obj = import_attr(text, target.strip(), attr.strip(), noun="data")
+    obj = import_attr(text, target.strip(), attr.strip(), noun="data set")
     if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Iterable):
         raise InputError(f"--data {text!r} is a {type(obj).__name__}, not an iterable of batches", hint=DATA_HINT)
     return _from_iterable(obj, text)

@@ -256,11 +256,11 @@ def _import_module(module_name: str) -> Any:
             raise model_exited(exc, f"importing {module_name!r}") from exc
 
 
-def _import_file(path_text: str) -> Any:
+def _import_file(path_text: str, noun: str = "model") -> Any:
     """Import a .py file under a unique module name, its folder on sys.path for sibling imports."""
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise ModelNotFoundError(f"model file not found: {path_text}", hint="give an existing .py file")
+        raise ModelNotFoundError(f"{noun} file not found: {path_text}", hint="give an existing .py file")
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     stem = "".join(c if c.isalnum() else "_" for c in resolved.stem)
@@ -373,7 +373,7 @@ def import_attr(spec: str, target: str, attr: str, *, noun: str = "model") -> An
         raise UsageError(f"{noun} spec {spec!r} needs both a module and an attribute",
                          hint=f"e.g. {example}")
     _refuse_stdlib_target(target, spec, is_file, noun)
-    module = _import_file(target) if is_file else _import_module(target)
+    module = _import_file(target, noun) if is_file else _import_module(target)
     return _resolve_attr(module, attr, target)
 
 
