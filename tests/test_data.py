@@ -440,3 +440,48 @@ def test_a_configs_data_is_the_repositorys_own(cli, tmp_path: Path) -> None:
         assert result.exit_code == 2, (data, result.stderr)
         assert words in result.stderr and "'data'" in result.stderr
         assert result.stdout == ""
+
+
+def test_grads_over_batches_a_batch_the_model_cannot_take_names_it(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text("import torch\nbatches = [torch.ones(2, 3, 8, 8), torch.ones(2, 3, 8, 8), "
+                                      "torch.ones(2, 5, 8, 8)]\n")
+    result = cli("grads", spec, "--data", f"{tmp_path / 'data.py'}:batches", "-f", "json")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: batch 2: the model raised in forward at conv")
+    report = json.loads(result.stdout)
+    assert report["partial"] is True
+    assert next(r for r in report["layers"] if r["name"] == "fc")["grad"]["norm"] > 0  # merged from batches 0, 1
+
+
+class Branchy(nn.Module):
+    """Calls ``extra`` only on batches whose sum is positive, and returns a batch-long sequence from ``grow``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(2, 2)
+        self.extra = nn.Linear(2, 2)
+        self.grow = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.main(x)
+        if x.sum() > 0:
+            y = self.extra(y)
+        return self.grow(y.repeat(1, int(x[0, 0].abs().item()) + 1))
+
+
+def test_rows_that_did_not_run_in_every_batch_or_changed_shape_are_noted() -> None:
+    batches = [torch.full((2, 2), 1.0), torch.full((2, 2), -1.0), torch.full((2, 2), 2.0)]
+    model = Branchy().eval()
+    report = hookcli.stats(model, data=batches)
+    assert "extra ran in 2 of 3 batches: its statistics are over those" in report.notes
+    assert any(n.startswith("grow: the output shape varies between batches") for n in report.notes)
+    extra = next(r for r in report.layers if r.name == "extra")
+    with torch.no_grad():
+        outs = torch.cat([hookcli_free(model, b) for b in (batches[0], batches[2])])
+    assert math.isclose(extra.stats["mean"], outs.double().mean().item(), rel_tol=1e-9, abs_tol=1e-12)
+
+
+def hookcli_free(model: Branchy, x: torch.Tensor) -> torch.Tensor:
+    """``extra``'s output on ``x``, with plain torch."""
+    return model.extra(model.main(x)).reshape(-1)
