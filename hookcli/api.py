@@ -133,7 +133,8 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     defaults and the ``[checks]`` table (the API never reads ./pyproject.toml on its own);
     ``checks``: rule entries as a dict, e.g. ``{"output_shape": [2, 10], "grad_norm": {"max": 1e3}}``,
     replacing the config's entries of the same rules; ``baseline``: a saved JSON report to compare
-    with; ``options``: ``RunOptions`` fields (``input_shapes``, ``layers``, ``device``, ``params``...).
+    with; ``options``: ``RunOptions`` fields (``input_shapes``, ``layers``, ``device``, ``params``...;
+    ``data``: the rules on statistics see every batch of a data set, see ``stats``).
     Every module is hooked and every parameter checked unless options narrow it; the model runs in
     train mode (``train=False`` for eval), seeded with ``seed``. The model raising
     is a failed ``runs`` rule (``result.ok`` is False), never an exception; bad rules or options raise

@@ -308,7 +308,7 @@ class RunOptions:
     #: files (paths); from Python also tensors: a tensor, a tuple/list of them, a dict of keyword inputs
     inputs: Any = _flag("--input", ())
     batch_size: int | None = _flag("--batch-size")
-    #: a data set to run over in batches (stats, grads): a folder of images or a tensor file (a
+    #: a data set to run over in batches (stats, grads, check): a folder of images or a tensor file (a
     #: path), an import path of an iterable of batches (pkg.mod:attr, path/file.py:attr), or (Python
     #: only) any iterable of batches, or a tensor / tuple of tensors / dict of tensors to slice
     data: Any = _flag("--data")

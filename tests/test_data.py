@@ -289,7 +289,7 @@ def test_data_options_that_do_not_go_together(cli, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "mutually exclusive" in result.stderr
     result = cli("stats", spec, "--data", "os:environ")
     assert result.exit_code == 2 and "standard library" in result.stderr
-    with pytest.raises(UsageError, match="taken by stats and grads only"):
+    with pytest.raises(UsageError, match="taken by stats, grads and check only"):
         hookcli.shapes(nn.Linear(2, 2), data=[torch.ones(1, 2)])
 
 
@@ -485,3 +485,41 @@ def test_rows_that_did_not_run_in_every_batch_or_changed_shape_are_noted() -> No
 def hookcli_free(model: Branchy, x: torch.Tensor) -> torch.Tensor:
     """``extra``'s output on ``x``, with plain torch."""
     return model.extra(model.main(x)).reshape(-1)
+
+
+# --------------------------------------------------------------------------- check over batches
+
+LOG_NET = '''
+import torch
+from torch import nn
+
+
+class LogNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.fc(torch.log(x)))
+
+
+good = [torch.full((2, 2), 2.0), torch.full((2, 2), 3.0)]
+bad = good + [torch.full((2, 2), -1.0)]  # log of a negative number: NaN in the third batch only
+'''
+
+
+def test_check_over_batches_rules_see_every_batch(cli, tmp_path: Path) -> None:
+    (tmp_path / "lognet.py").write_text(LOG_NET)
+    spec = f"{tmp_path / 'lognet.py'}:LogNet"
+    result = cli("check", spec, "--data", f"{tmp_path / 'lognet.py'}:good", "-f", "json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert "2 batches, 4 samples" in report["report"]["inputs"][0]["source"]
+    result = cli("check", spec, "--data", f"{tmp_path / 'lognet.py'}:bad", "-f", "json")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    failed = {r["rule"] for r in json.loads(result.stdout)["rules"] if r["status"] == "FAIL"}
+    assert failed == {"finite", "grad_norm"}  # NaN activations, and the mean loss's NaN gradients
+    # the first batch alone passes: the failure comes from the merged statistics
+    torch.save(torch.full((2, 2), 2.0), tmp_path / "first.pt")
+    assert cli("check", spec, "--input", tmp_path / "first.pt").exit_code == 0

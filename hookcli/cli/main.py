@@ -406,6 +406,7 @@ def grads(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @grad_options
 @check_options
 @output_options

@@ -195,7 +195,7 @@ data_options = _compose(
     click.option("--batches", type=click.IntRange(min=1), metavar="N",
                  help="Run at most N batches of --data (default: all; needed for an iterable without a length)."),
 )
-"""A data set run in batches (stats, grads); ``--batch-size`` sets images or rows per batch."""
+"""A data set run in batches (stats, grads, check); ``--batch-size`` sets images or rows per batch."""
 
 model_run_options = _compose(model_options, input_options, selection_options, run_options)
 """The model, its input, the modules to hook and how it runs: what every command that runs a model takes."""

@@ -539,7 +539,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     return report
 
 
-def data_backward_report(prep: Any, command: str = "grads") -> Report:
+def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
     """``grads`` over every batch of ``--data``: one forward and backward per batch.
 
     What the rows mean over many batches: each layer row's output gradient is that of its batch's loss,
@@ -549,7 +549,7 @@ def data_backward_report(prep: Any, command: str = "grads") -> Report:
     by the number of batches), which is what a training step over those batches would apply; the loss
     is the mean of the batch losses. ``--flops``, ``--input-grads`` and ``--clip`` are refused with
     ``--data`` (exit 2). The model raising on a batch is ModelRaisedError naming the batch, with the rows
-    merged so far."""
+    merged so far. ``stats``: activation statistics too, merged the same way (``check``)."""
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine.run import (blame, data_batches, data_source, new_report, params_by_module, raise_failure,
@@ -577,7 +577,8 @@ def data_backward_report(prep: Any, command: str = "grads") -> Report:
             args, kwargs = inputs_for_backward(args, kwargs, model, False)
             failure: FailureInfo | None = None
             cause: BaseException | None = None
-            with attach(model, prep.selection, HookOptions(grads=True), model_modules=len(prep.index.named)) as session:
+            with attach(model, prep.selection, HookOptions(stats=stats, grads=True),
+                        model_modules=len(prep.index.named)) as session:
                 phase = "forward"
                 try:
                     with torch.enable_grad():

@@ -93,7 +93,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     """
     opts = options.validate()  # a fresh copy: safe to adjust
     if opts.data is not None and not batched:
-        raise UsageError("--data (a data set run in batches) is taken by stats and grads only",
+        raise UsageError("--data (a data set run in batches) is taken by stats, grads and check only",
                          hint="give this command one batch with --input or --input-shape")
     if meta:
         opts.device = "meta"
