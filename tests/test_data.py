@@ -523,3 +523,18 @@ def test_check_over_batches_rules_see_every_batch(cli, tmp_path: Path) -> None:
     # the first batch alone passes: the failure comes from the merged statistics
     torch.save(torch.full((2, 2), 2.0), tmp_path / "first.pt")
     assert cli("check", spec, "--input", tmp_path / "first.pt").exit_code == 0
+
+
+def test_grads_over_many_bfloat16_batches_sum_parameter_gradients_in_float32() -> None:
+    model = nn.Sequential(nn.Linear(8, 4)).eval()
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randn(3, 8, generator=gen) * (1 + i % 3) for i in range(40)]
+    report = hookcli.grads(model, data=batches, dtype="bfloat16", loss="sum", params="all")
+    # plain torch: each batch's gradient in bfloat16 (as the run computes it), their mean in float64
+    copy = nn.Sequential(nn.Linear(8, 4)).to(torch.bfloat16)
+    copy.load_state_dict(model.state_dict())
+    per_batch = [torch.autograd.grad(copy(x.to(torch.bfloat16)).sum(), copy[0].weight)[0].double() for x in batches]
+    want = torch.stack(per_batch).mean(0)
+    got = next(p for p in report.params if p.name == "0.weight").grad
+    assert math.isclose(got["norm"], torch.linalg.vector_norm(want).item(), rel_tol=1e-4)
+    assert math.isclose(got["mean"], want.mean().item(), rel_tol=1e-4, abs_tol=1e-4 * got["norm"])

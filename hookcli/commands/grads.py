@@ -597,9 +597,10 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                     if all(g is None for g in results):
                         raise no_gradients(prep)
                     for leaf, g in zip(leaves, results):
-                        if g is not None:
+                        if g is not None:  # summed in at least float32: many float16 terms would lose digits
                             have = sums.get(id(leaf))
-                            sums[id(leaf)] = g.detach().clone() if have is None else have.add_(g)
+                            sums[id(leaf)] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
+                                if have is None else have.add_(g)
                     losses.append(float(choice.value.detach()))
                 except HookcliError:
                     raise
