@@ -22,8 +22,8 @@ LEAVES = {"hookcli._version", "hookcli.errors", "hookcli.options", "hookcli.conf
 #: layer -> the layers it may import (besides itself, the leaves and records).
 ALLOWED = {
     "cli": {"api", "render"},
-    "api": {"commands", "engine"},
-    "commands": {"engine", "render"},
+    "api": {"commands"},
+    "commands": {"engine"},
     "engine": set(),
     "render": set(),
     "records": set(),

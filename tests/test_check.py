@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli.commands.check.ci import annotations, escape_data, escape_property
+from hookcli.render.ci import annotations, escape_data, escape_property
 from hookcli.commands.check.schema import DEFAULTS, OVERRIDE_KEYS, parse_checks
 from hookcli.errors import ConfigError
 from reference import finished_outputs

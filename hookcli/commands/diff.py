@@ -34,6 +34,7 @@ from hookcli.engine.run import (
 )
 from hookcli.engine.selection import module_depth
 from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name, iter_tensors
 from hookcli.options import DTYPES, RunOptions, model_is_instance
 from hookcli.commands.diff_numbers import (
@@ -225,6 +226,12 @@ def _share_weights(a: nn.Module, b: nn.Module) -> list[str]:
     return sorted(set(own) - set(fits))
 
 
+def run_diff(opts: RunOptions, vs: VsOptions) -> DiffReport:
+    """``diff`` under the run lock for both models, with gradients possible (``inference_mode(False)``)."""
+    with exclusive(opts.model), exclusive(vs.model), torch.inference_mode(False):
+        return diff_report(opts, vs)
+
+
 def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
     """Run A (``opts``) then B (``opts`` with ``vs``'s changes) on the same input and compare them."""
     vs = vs.validate()
@@ -361,4 +368,4 @@ def _rows(records_a: list[LayerRecord], records_b: list[LayerRecord], outputs: _
     return merged
 
 
-__all__ = ["VsOptions", "diff_report"]
+__all__ = ["VsOptions", "diff_report", "run_diff"]

@@ -54,6 +54,7 @@ from hookcli.engine.input_files import list_input_files
 from hookcli.engine.inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import RunOptions
+from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name
 from hookcli.records import FeatureExport, InputInfo, LayerRecord, SavedTensor
 
@@ -370,9 +371,13 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     lists every saved entry; its ``tensors`` dict holds the tensors (CPU) for Python callers.
     Raises ModelRaisedError (with the partial report) when the model raises or exits, InternalError
     when hookcli's hooks fail, UnsupportedError for TorchScript; nothing is written then. Sparse
-    outputs are saved as dense tensors.
+    outputs are saved as dense tensors. Holds the run lock (``exclusive``) throughout.
     """
-    opts = options.validate()
+    with exclusive(options.model):
+        return _run_features(options.validate(), output=output, progress=progress)
+
+
+def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, progress: bool | None) -> FeatureExport:
     target, fmt = check_output(output) if output is not None else (None, None)
     first_opts, batches, label = _plan(opts)
     prep = prepare(first_opts)

@@ -24,7 +24,7 @@ from hookcli import progress
 from hookcli.errors import INTERRUPTS, HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
-from hookcli.options import GradSort, Loss, output_key_path, values_of
+from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
 from hookcli.records import FailureInfo, ParamRecord, Report
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 
@@ -228,6 +228,18 @@ def check_order(sort: str | None, top: int | None) -> None:
         raise UsageError(f"unknown --sort {sort!r}", hint=f"choose one of: {', '.join(SORT_KEYS)}")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
         raise UsageError(f"--top must be an integer 1 or more, got {top!r}", hint="e.g. --top 10")
+
+
+def grads_report(options: RunOptions, *, sort: str | None = None, top: int | None = None) -> Report:
+    """``grads``: forward, loss and backward once under the run lock, rows ordered and cut by
+    ``sort``/``top`` (``order_rows``; the caller checks them first with ``check_order``).
+    ``inference_mode(False)``: a model hookcli builds gets normal tensors, also under the caller's."""
+    from hookcli.engine.run import prepare
+    from hookcli.engine.state import exclusive
+
+    with exclusive(options.model), torch.inference_mode(False):
+        report = backward_report(prepare(options), "grads")
+    return order_rows(report, sort=sort, top=top)
 
 
 def _grad_key(grad: dict[str, Any] | None, sort: str) -> float:

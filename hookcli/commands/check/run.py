@@ -24,7 +24,7 @@ from torch import nn
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
-from hookcli.config import Config, config_options, confine_read, load_config
+from hookcli.config import Config, config_options, confine_read
 from hookcli.errors import ConfigError, ModelRaisedError, UnsupportedError, describe_exception, exit_status
 from hookcli.commands.grads import backward_report, build_loss
 from hookcli.engine.session import CompletionOrder, RunObserver
@@ -379,10 +379,11 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
     return parse_checks(table, source=source, base_dir=base_dir, section=section)
 
 
-def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.PathLike[str] | None,
+def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: Config | None,
               baseline: str | os.PathLike[str] | None, options: dict[str, Any]) -> CheckResult:
-    """``hookcli.check``: options from ``config`` (if given), keyword options over them."""
-    cfg = load_config(config) if config is not None else None
+    """``hookcli.check``: options from ``config`` (a Config the API loaded, if any), keyword options
+    over them."""
+    cfg = config
     fields = config_options(cfg) if cfg is not None else {}
     if "model" in fields and cfg is not None:
         fields["model_source"], fields["model_roots"] = cfg.origin, cfg.roots()
