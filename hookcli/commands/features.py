@@ -1,6 +1,6 @@
 """``hookcli features``: save the outputs of the selected modules to .safetensors, .pt or .npz.
 
-The seeds' FeatureExtractor, through the hook engine: ``engine.run.hooked_forward`` (one batch
+The seeds' FeatureExtractor, through the hook engine: ``engine.run.run_step`` (one batch
 with the session's hooks, and the model's failure located) with a ``keep`` callback that gets
 every output tensor of every selected call; only those are kept (detached, copied to CPU), so
 memory grows with what is selected, not with the model. Entries are named like the JSON report's
@@ -39,13 +39,12 @@ import torch
 from hookcli._version import __version__
 from hookcli.engine.run import (
     Prepared,
-    hooked_forward,
     new_report,
-    params_by_module,
     place_inputs,
     prepare,
     raise_failure,
     require_values,
+    run_step,
     running,
 )
 from hookcli.errors import InputError, InternalError, OutputError, UnsupportedError
@@ -389,14 +388,12 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
     total = sum(len(b) for b in batches) if batches else None
     store = FeatureStore(total)
     report = new_report(prep, "features")
-    params = params_by_module(prep)
     bar, advance = _progress(progress, total or 0)
     with bar, running(prep) as (model, args, kwargs):
         for index in range(max(1, len(batches))):
             if index > 0:
                 args, kwargs = place_inputs(prep, make_inputs(prep.loaded, files=batches[index]))
-            run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(keep=store.keep), params,
-                                 show_phase=False)
+            run = run_step(prep, model, args, kwargs, HookOptions(keep=store.keep), show_phase=False)
             if run.failure is not None:  # the user's model raised or exited: nothing is saved
                 report.layers = run.layers
                 if batches:
