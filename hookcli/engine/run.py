@@ -1,8 +1,9 @@
 """One run of a model: load it, build its inputs, select modules, run it with hooks, say who failed.
 
-Everything a command needs to run a model once (``prepare`` -> ``running`` -> ``forward_report``), and
-the failure attribution (``blame``: the model raised, or hookcli did). Commands build on this; the
-public API (``hookcli.api``) calls the commands.
+Everything a command needs to run a model (``prepare`` -> ``running`` -> ``run_step``, THE run loop:
+forward, loss, backward or optimiser steps, under the hooks, returning a ``RunResult``;
+``forward_report`` for forward-only reports), and the failure attribution (``blame``: the model
+raised, or hookcli did). Commands build on this; the public API (``hookcli.api``) calls the commands.
 """
 
 from __future__ import annotations
