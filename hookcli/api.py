@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
-           "check_rules", "run_check", "publish_check", "diff", "watch", "kernel_status"]
+           "check_rules", "run_check", "diff", "watch", "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -47,10 +47,8 @@ def shapes(model: Any = None, **options: Any) -> Report:
     .pt/.pth files (it runs code from them; only for files you trust); the other functions take it too.
     """
     from hookcli.commands.shapes import shapes_report
-    from hookcli.engine.state import exclusive
 
-    with exclusive(model):
-        return shapes_report(_options(model, options))
+    return shapes_report(_options(model, options))
 
 
 def stats(model: Any = None, **options: Any) -> Report:
@@ -61,13 +59,9 @@ def stats(model: Any = None, **options: Any) -> Report:
     path), ``"pkg.mod:attr"`` / ``"path/file.py:attr"`` naming an iterable of batches, any iterable of
     batches (a DataLoader; each item a tensor, a tuple of positional inputs or a dict of keyword
     inputs), or a tensor / tuple of tensors / dict of tensors sliced along its first dimension."""
-    from hookcli.engine.run import forward_report, prepare, require_values
-    from hookcli.engine.state import exclusive
+    from hookcli.commands.stats import stats_report
 
-    with exclusive(model):
-        prep = prepare(_options(model, options), batched=True)
-        require_values(prep, "stats")  # statistics of meta tensors would be a table of dashes
-        return forward_report(prep, "stats", stats=True)
+    return stats_report(_options(model, options))
 
 
 def inspect(model: Any = None, *, with_stats: bool = True, **options: Any) -> Report:
@@ -86,18 +80,10 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
     as for ``stats``: each layer's output-gradient statistics merged over the batches (each of its
     batch's loss), each parameter's gradient that of the mean loss over the batches.
     """
-    import torch
-
-    from hookcli.commands.grads import backward_report, check_order, order_rows
-    from hookcli.engine.run import prepare
-    from hookcli.engine.state import exclusive
+    from hookcli.commands.grads import check_order, grads_report
 
     check_order(sort, top)
-    opts = _options(model, options)
-    # inference_mode(False): a model hookcli builds gets normal tensors, also under the caller's
-    with exclusive(model), torch.inference_mode(False):
-        report = backward_report(prepare(opts, batched=True), "grads")
-    return order_rows(report, sort=sort, top=top)
+    return grads_report(_options(model, options), sort=sort, top=top)
 
 
 def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weights: str | None = None,
@@ -106,15 +92,13 @@ def modules(model: Any = None, *, model_args: dict[str, Any] | None = None, weig
     """The model's module tree (names, types, parameter counts), to choose ``--layers`` from;
     ``depth``: only modules down to that depth (0: the model, 1: its children, ...)."""
     from hookcli.commands.modules import module_tree
-    from hookcli.engine.state import exclusive
     from hookcli.options import _check_int
 
     depth = _check_int("--depth", depth, 0, optional=True, hint="--depth N lists modules down to depth N")
-    with exclusive(model):
-        return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
-                                            "model_source": model_source, "trust_pickle": trust_pickle,
-                                            "model_roots": model_roots, "trust_remote_code": trust_remote_code}),
-                           depth)
+    return module_tree(_options(model, {"model_args": model_args or {}, "weights": weights,
+                                        "model_source": model_source, "trust_pickle": trust_pickle,
+                                        "model_roots": model_roots, "trust_remote_code": trust_remote_code}),
+                       depth)
 
 
 def models(pattern: str | None = None, source: str = "torchvision") -> ModelList:
@@ -144,8 +128,10 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     >>> assert result.ok, result
     """
     from hookcli.commands.check.run import api_check
+    from hookcli.config import load_config
 
-    return api_check(model, checks=checks, config=config, baseline=baseline, options=options)
+    cfg = load_config(config) if config is not None else None  # config files are read at the edges only
+    return api_check(model, checks=checks, config=cfg, baseline=baseline, options=options)
 
 
 def check_rules(config: Config | None, *, baseline: str | os.PathLike[str] | None = None) -> CheckRules:
@@ -162,14 +148,6 @@ def run_check(rules: CheckRules, model: Any = None, **options: Any) -> CheckResu
     return run(_options(model, options), rules)
 
 
-def publish_check(result: CheckResult, *, junit: str | os.PathLike[str] | None = None,
-                  github: bool | None = None) -> None:
-    """Write a check result for CI: a JUnit XML file, and GitHub annotations and step summary."""
-    from hookcli.commands.check.ci import publish
-
-    publish(result, junit=junit, github=github)
-
-
 def features(model: Any = None, *, output: str | os.PathLike[str] | None = None, progress: bool | None = None,
              **options: Any) -> FeatureExport:
     """Keep the outputs of the selected modules: one entry per call and output tensor.
@@ -184,10 +162,8 @@ def features(model: Any = None, *, output: str | os.PathLike[str] | None = None,
     >>> hookcli.features("resnet18", layers="layer4,avgpool", output="feats.safetensors")
     """
     from hookcli.commands.features import run_features
-    from hookcli.engine.state import exclusive
 
-    with exclusive(model):
-        return run_features(_options(model, options), output=output, progress=progress)
+    return run_features(_options(model, options), output=output, progress=progress)
 
 
 def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | None = None,
@@ -205,12 +181,10 @@ def fmaps(model: Any = None, *, layer: str, output: str | os.PathLike[str] | Non
     >>> hookcli.fmaps("resnet18", layer="conv1", inputs=["photo.jpg"], output="conv1.png")
     """
     from hookcli.commands.fmaps import FmapOptions, run_fmaps
-    from hookcli.engine.state import exclusive
 
     spec = FmapOptions(layer=layer, channels=channels, sample=sample, call=call, output_key=output_key,
                        scale=scale, channel_dim=channel_dim)
-    with exclusive(model):
-        return run_fmaps(_options(model, options), spec, output=output)
+    return run_fmaps(_options(model, options), spec, output=output)
 
 
 def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None, vs_dtype: str | None = None,
@@ -228,15 +202,11 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
     >>> report = hookcli.diff("resnet18", input_shapes=["1x3x32x32"], vs_dtype="bfloat16", all_modules=True)
     >>> report.first_divergence.label
     """
-    import torch
-
-    from hookcli.commands.diff import VsOptions, diff_report
-    from hookcli.engine.state import exclusive
+    from hookcli.commands.diff import VsOptions, run_diff
 
     vs = VsOptions(weights=os.fspath(vs_weights) if vs_weights is not None else None, dtype=vs_dtype,
                    device=vs_device, model=vs_model, compile=vs_compile, rtol=rtol, atol=atol, grads=grads)
-    with exclusive(model), exclusive(vs_model), torch.inference_mode(False):
-        return diff_report(_options(model, options), vs)
+    return run_diff(_options(model, options), vs)
 
 
 def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
@@ -267,6 +237,6 @@ def kernel_status() -> str:
 
     Torch-free: the kernel (and its OpenMP runtime) is only inspected, never loaded before torch.
     """
-    from hookcli.engine import kernel
+    from hookcli.commands.stats import kernel_status as status
 
-    return kernel.status()
+    return status()

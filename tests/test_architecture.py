@@ -22,8 +22,8 @@ LEAVES = {"hookcli._version", "hookcli.errors", "hookcli.options", "hookcli.conf
 #: layer -> the layers it may import (besides itself, the leaves and records).
 ALLOWED = {
     "cli": {"api", "render"},
-    "api": {"commands", "engine"},
-    "commands": {"engine", "render"},
+    "api": {"commands"},
+    "commands": {"engine"},
     "engine": set(),
     "render": set(),
     "records": set(),
@@ -195,3 +195,29 @@ def test_every_public_api_function_is_on_the_package_without_importing_torch() -
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+#: The engine's run loop owns these: the hook session's reducer, which module's gradient came last
+#: (backward failure blame), the ``extra`` vectors riding on the records' host transfer, and ``attach``
+#: itself (a command runs the model through ``engine.run.run_step``/``run_model``/``forward_report``).
+ENGINE_PRIVATE = {"reducer", "last_grad_call", "attach", "HookSession"}
+
+
+def test_commands_use_the_engines_public_face_only() -> None:
+    """Commands import no private (``_name``) engine name and never touch the hook session's inner
+    parts: the one run loop (``engine.run.run_step``) does that for every command."""
+    wrong = []
+    for module, path in modules().items():
+        if layer(module) != "commands":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hookcli.engine"):
+                wrong += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") or a.name in ENGINE_PRIVATE]
+            elif isinstance(node, ast.Attribute) and node.attr in ENGINE_PRIVATE:
+                wrong.append(f"{module} uses .{node.attr}")
+            elif isinstance(node, ast.Name) and node.id in ENGINE_PRIVATE:
+                wrong.append(f"{module} uses {node.id}")
+            elif isinstance(node, ast.keyword) and node.arg == "extra":
+                wrong.append(f"{module} passes extra=")
+    assert not wrong, "commands reaching into the engine:\n" + "\n".join(sorted(set(wrong)))

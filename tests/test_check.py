@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli.commands.check.ci import annotations, escape_data, escape_property
+from hookcli.render.ci import annotations, escape_data, escape_property
 from hookcli.commands.check.schema import DEFAULTS, OVERRIDE_KEYS, parse_checks
 from hookcli.errors import ConfigError
 from reference import finished_outputs
@@ -547,3 +547,72 @@ def test_lr_accepts_exactly_the_finite_positive_numbers(value: float) -> None:
     else:
         with pytest.raises(ConfigError):
             parse_checks({"params_change": {"lr": value}})
+
+
+# --------------------------------------------------------------------------- params_change: the SGD steps
+
+
+class _SquaredLoss(nn.Module):
+    """A model whose output is its own scalar loss (what check differentiates as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.calls = 0  # a plain attribute: copy.deepcopy copies it with the model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (self.lin(x) ** 2).mean()
+
+
+@settings(max_examples=8, deadline=None)
+@given(steps=st.integers(1, 4), lr=st.sampled_from([1e-3, 0.05, 0.3]))
+def test_params_change_is_what_torch_sgd_does_to_a_copy(tmp_path_factory, steps: int, lr: float) -> None:
+    """params_change's value is the smallest (over parameters) largest |change| that ``steps`` plain
+    torch SGD steps give a copy of the model; the user's model is not stepped."""
+    torch.manual_seed(0)
+    model, x = _SquaredLoss(), torch.randn(5, 4)
+    reference = __import__("copy").deepcopy(model)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    sgd = torch.optim.SGD(reference.parameters(), lr=lr)
+    for _ in range(steps):
+        sgd.zero_grad()
+        reference(x).backward()
+        sgd.step()
+    changes = {n: float((p.detach() - before[n]).abs().max()) for n, p in reference.named_parameters()}
+    smallest = min(changes, key=changes.get)
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = check_on(model, x, tmp_path_factory.mktemp("sgd"),
+                      checks={"params_change": {"steps": steps, "lr": lr}})
+    rule = result.rule("params_change")
+    assert rule.status == "PASS" and rule.offender == smallest
+    assert rule.value == pytest.approx(changes[smallest], rel=1e-5)
+    assert all(torch.equal(p, mine[n]) for n, p in model.named_parameters())
+
+
+class _FailsOnTheCopy(_SquaredLoss):
+    """Runs once (the checked run), then raises or exits on every later call: the copy's SGD step."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls >= 1:
+            if self.how == "exit":
+                raise SystemExit(7)
+            raise ValueError("boom on the copy")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("raise", "the SGD step on the copy raised ValueError: boom on the copy"),
+    ("exit", "the model exited with code 7 during the SGD step on the copy"),
+])
+def test_a_copy_that_fails_its_sgd_step_fails_params_change_only(cli, tmp_path: Path, how: str, message: str) -> None:
+    """The checked run passed; the copy's step raising (or exiting) is params_change's FAIL, said once."""
+    torch.manual_seed(0)
+    result = check_on(_FailsOnTheCopy(how), torch.randn(5, 4), tmp_path)
+    rule = result.rule("params_change")
+    assert result.rule("runs").status == "PASS"
+    assert rule.status == "FAIL" and rule.violations[0]["message"] == message

@@ -420,6 +420,7 @@ def check(**values: Any) -> None:
     --depth or --params narrow it; the model runs in train mode (as in training) unless --eval.
     """
     ctx, values = _start(values)
+    from hookcli.cli.ci import publish
     from hookcli.output import ensure_writable
 
     rules = api.check_rules(ctx.meta[META_CONFIG], baseline=values["baseline"])
@@ -427,7 +428,7 @@ def check(**values: Any) -> None:
         ensure_writable(values["junit"])
     result = api.run_check(rules, **run_fields(ctx, values))
     _emit(result, fmt=values["format"], output=values["output"])
-    api.publish_check(result, junit=values["junit"], github=values["github"])
+    publish(result, junit=values["junit"], github=values["github"])
     if not result.ok:
         raise CheckFailedError(result.headline(), result=result) from result.cause
 

@@ -1,2 +1,3 @@
-"""What each command computes, on top of the engine: grads, check, features, fmaps (shapes and stats are
-one forward run of the engine). Returns records; never renders, never registers hooks."""
+"""What each command computes, on top of the engine's run loop (``engine.run``): stats, shapes, grads,
+check, features, fmaps, diff, modules. Each entry holds the run lock; returns records; never renders,
+never registers hooks."""

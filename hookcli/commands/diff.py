@@ -20,21 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, describe_exception
+from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError, describe_exception
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.engine.run import (
     Prepared,
-    blame,
     failure_message,
     new_report,
-    params_by_module,
     prepare,
     require_values,
-    running,
+    run_model,
 )
 from hookcli.engine.selection import module_depth
-from hookcli.engine.session import HookOptions, attach
-from hookcli.engine.stats import dtype_name, iter_tensors
+from hookcli.engine.session import HookOptions
+from hookcli.engine.state import exclusive
+from hookcli.engine.stats import dtype_name
 from hookcli.options import DTYPES, RunOptions, model_is_instance
 from hookcli.commands.diff_numbers import (
     DiskStore,
@@ -141,45 +140,24 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
          *, grads: bool, compile_model: bool) -> tuple[list[LayerRecord], dict[str, Any] | None]:
     """One run with ``keep`` on every selected output (and ``keep_grad`` on their gradients with
     ``grads``); its records and the loss. The model raising is a ModelRaisedError naming the run."""
-    from hookcli.commands.grads import _loss, inputs_for_backward, no_gradients
+    from hookcli.commands.grads import loss_for, no_gradients
 
     opts = prep.options
     refuse_torchscript(prep.loaded.model, prep.selection)
-    loss_info: dict[str, Any] | None = None
-    with running(prep) as (model, args, kwargs):
-        fn: Callable[..., Any] = torch.compile(model) if compile_model else model
-        if grads:
-            args, kwargs = inputs_for_backward(args, kwargs, model, False)
-        options = HookOptions(grads=grads, keep=keep, keep_grad=keep_grad)
-        with attach(model, prep.selection, options, model_modules=len(prep.index.named),
-                    compiled=compile_model) as session:
-            phase = "forward"
-            try:
-                with torch.enable_grad() if grads else torch.no_grad():
-                    output = fn(*args, **kwargs)
-                    session.raise_error()
-                    if grads:
-                        choice = _loss(output, opts, (args, kwargs), model)
-                        del output
-                        leaves = [p for p in model.parameters() if p.requires_grad]
-                        leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
-                        if not choice.value.requires_grad:
-                            raise no_gradients(prep)
-                        phase = "backward"
-                        torch.autograd.grad(choice.value, leaves, allow_unused=True)
-                        loss_info = choice.info(float(choice.value.detach()))
-                session.raise_error()
-            except HookcliError:
-                raise
-            except BaseException as exc:  # the user's model raised or exited
-                if isinstance(exc, INTERRUPTS):
-                    raise
-                session.raise_error()
-                failure = blame(exc, model, phase)
-                raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,
-                                       input_shapes=failure.input_shapes, phase=failure.phase) from exc
-            records, _ = session.records(params_by_module(prep))
-    return records, loss_info
+
+    def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module) -> tuple[torch.Tensor, Any]:
+        choice = loss_for(output, opts, (args, kwargs), model)
+        if not choice.value.requires_grad:
+            raise no_gradients(prep)
+        return choice.value, choice
+
+    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad), loss=loss if grads else None,
+                    compiled=compile_model, show_phase=False)
+    if run.failure is not None:
+        failure = run.failure
+        raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,
+                               input_shapes=failure.input_shapes, phase=failure.phase) from run.cause
+    return run.layers, run.loss.info(run.loss_value) if run.loss is not None else None
 
 
 def _options_b(opts: RunOptions, vs: VsOptions) -> RunOptions:
@@ -223,6 +201,12 @@ def _share_weights(a: nn.Module, b: nn.Module) -> list[str]:
             hint="save A's weights (torch.save(model.state_dict(), PATH)) and give them to B with --vs-weights PATH",
         ) from exc
     return sorted(set(own) - set(fits))
+
+
+def run_diff(opts: RunOptions, vs: VsOptions) -> DiffReport:
+    """``diff`` under the run lock for both models, with gradients possible (``inference_mode(False)``)."""
+    with exclusive(opts.model), exclusive(vs.model), torch.inference_mode(False):
+        return diff_report(opts, vs)
 
 
 def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
@@ -361,4 +345,4 @@ def _rows(records_a: list[LayerRecord], records_b: list[LayerRecord], outputs: _
     return merged
 
 
-__all__ = ["VsOptions", "diff_report"]
+__all__ = ["VsOptions", "diff_report", "run_diff"]

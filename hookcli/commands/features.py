@@ -1,6 +1,6 @@
 """``hookcli features``: save the outputs of the selected modules to .safetensors, .pt or .npz.
 
-The seeds' FeatureExtractor, through the hook engine: ``engine.run.hooked_forward`` (one batch
+The seeds' FeatureExtractor, through the hook engine: ``engine.run.run_step`` (one batch
 with the session's hooks, and the model's failure located) with a ``keep`` callback that gets
 every output tensor of every selected call; only those are kept (detached, copied to CPU), so
 memory grows with what is selected, not with the model. Entries are named like the JSON report's
@@ -39,13 +39,12 @@ from hookcli._version import __version__
 from hookcli.progress import bar as progress_bar
 from hookcli.engine.run import (
     Prepared,
-    hooked_forward,
     new_report,
-    params_by_module,
     place_inputs,
     prepare,
     raise_failure,
     require_values,
+    run_step,
     running,
 )
 from hookcli.errors import InputError, InternalError, OutputError, UnsupportedError
@@ -54,6 +53,7 @@ from hookcli.engine.input_files import list_input_files
 from hookcli.engine.inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import MemoryInputs, RunOptions
+from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name
 from hookcli.records import FeatureExport, InputInfo, LayerRecord, SavedTensor
 
@@ -355,9 +355,13 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     lists every saved entry; its ``tensors`` dict holds the tensors (CPU) for Python callers.
     Raises ModelRaisedError (with the partial report) when the model raises or exits, InternalError
     when hookcli's hooks fail, UnsupportedError for TorchScript; nothing is written then. Sparse
-    outputs are saved as dense tensors.
+    outputs are saved as dense tensors. Holds the run lock (``exclusive``) throughout.
     """
-    opts = options.validate()
+    with exclusive(options.model):
+        return _run_features(options.validate(), output=output, progress=progress)
+
+
+def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, progress: bool | None) -> FeatureExport:
     target, fmt = check_output(output) if output is not None else (None, None)
     first_opts, batches, label = _plan(opts)
     prep = prepare(first_opts)
@@ -369,15 +373,13 @@ def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None =
     total = sum(len(b) for b in batches) if batches else None
     store = FeatureStore(total)
     report = new_report(prep, "features")
-    params = params_by_module(prep)
     bar, advance = progress_bar("features", total or 0, "images",
                                 enabled=progress if progress is not None else sys.stderr.isatty())
     with bar, running(prep) as (model, args, kwargs):
         for index in range(max(1, len(batches))):
             if index > 0:
                 args, kwargs = place_inputs(prep, make_inputs(prep.loaded, files=batches[index]))
-            run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(keep=store.keep), params,
-                                 show_phase=False)
+            run = run_step(prep, model, args, kwargs, HookOptions(keep=store.keep), show_phase=False)
             if run.failure is not None:  # the user's model raised or exited: nothing is saved
                 report.layers = run.layers
                 if batches:

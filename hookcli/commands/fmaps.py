@@ -34,6 +34,7 @@ from hookcli._version import __version__
 from hookcli.engine.run import forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
 from hookcli.options import MAX_FMAP_SCALE, RunOptions, output_key_path
+from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name, shape_of
 from hookcli.records import ChannelRecord, FeatureMaps
 
@@ -295,7 +296,13 @@ def run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLi
 
     Options are checked (and ``output``: ``.png``, writable) before the model is built. Raises
     UsageError (exit 2) for an output that cannot be drawn, ModelRaisedError when the model raises.
+    Holds the run lock (``exclusive``) throughout.
     """
+    with exclusive(options.model):
+        return _run_fmaps(options, fmap, output=output)
+
+
+def _run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathLike[str] | None) -> FeatureMaps:
     spec = fmap.validate()
     opts = replace(options, layers=[spec.layer], types=None, depth=None, all_modules=False).validate()
     target = check_png(output) if output is not None else None

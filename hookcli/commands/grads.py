@@ -1,35 +1,29 @@
 """Backward through the model: the loss, output/input gradients per call, parameter gradients.
 
-Gradients come from ``torch.autograd.grad`` (so no parameter's ``.grad`` is touched) and from tensor
-hooks that the engine session (``engine.session.attach``) registers on every selected output tensor.
-``--clip`` is the seeds' gradient clipper: tensor hooks on the parameters clamp each gradient to
-[-clip, clip] (``engine.session.clipped_gradients``).
+The engine's run loop (``engine.run.run_step``) runs forward, the loss built here and backward:
+gradients come from ``torch.autograd.grad`` (so no parameter's ``.grad`` is touched) and from tensor
+hooks on every selected output tensor; ``--clip`` clamps each parameter gradient to [-clip, clip]
+there. This module picks the loss, the parameters to report and orders the rows.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookcli import progress
-from hookcli.errors import INTERRUPTS, HookcliError, UnsupportedError, UsageError
+from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
-from hookcli.engine.session import HookOptions, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
-from hookcli.options import GradSort, Loss, output_key_path, values_of
-from hookcli.records import FailureInfo, ParamRecord, Report
-from hookcli.engine.stats import Reducer, Vector, device_float, gradient_stats, iter_tensors, shape_of, to_host
-
-if TYPE_CHECKING:  # (imported where FLOPs are counted: torch.utils.flop_counter costs 0.15 s)
-    from hookcli.engine.flops import FlopCounter
+from hookcli.engine.session import HookOptions, RunObserver
+from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
+from hookcli.records import ParamRecord, Report
+from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, reduce_tensor, shape_of, to_host
 
 LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
               Loss.mean: "mean"}
@@ -230,6 +224,18 @@ def check_order(sort: str | None, top: int | None) -> None:
         raise UsageError(f"--top must be an integer 1 or more, got {top!r}", hint="e.g. --top 10")
 
 
+def grads_report(options: RunOptions, *, sort: str | None = None, top: int | None = None) -> Report:
+    """``grads``: forward, loss and backward once under the run lock, rows ordered and cut by
+    ``sort``/``top`` (``order_rows``; the caller checks them first with ``check_order``).
+    ``inference_mode(False)``: a model hookcli builds gets normal tensors, also under the caller's."""
+    from hookcli.engine.run import prepare
+    from hookcli.engine.state import exclusive
+
+    with exclusive(options.model), torch.inference_mode(False):
+        report = backward_report(prepare(options, batched=True), "grads")
+    return order_rows(report, sort=sort, top=top)
+
+
 def _grad_key(grad: dict[str, Any] | None, sort: str) -> float:
     if not grad:
         return -math.inf  # no gradient: last
@@ -272,33 +278,7 @@ def order_rows(report: Report, *, sort: str | None, top: int | None) -> Report:
     return report
 
 
-def require_grad(obj: Any) -> Any:
-    """Fresh leaf copies of the floating tensors in a nested input, with ``requires_grad`` (an
-    inference tensor, made under the caller's ``torch.inference_mode``, is copied out of it)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_inference():
-            obj = obj.clone()  # outside inference mode (backward_report's), a normal tensor
-        return obj.detach().requires_grad_(True) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(require_grad(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(require_grad(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: require_grad(v) for k, v in obj.items()}
-    return obj
-
-
-def inputs_for_backward(args: Any, kwargs: Any, model: nn.Module, input_grads: bool) -> tuple[Any, Any]:
-    """The run's inputs for a backward pass: as training passes them (not requiring grad), unless
-    gradients w.r.t. them are asked for (``input_grads``) or are the only ones (no parameter of
-    ``model`` requires grad). A model may set ``requires_grad`` on a tensor it makes from its input
-    (wav2vec2's feature encoder in train mode), which raises when that input requires grad."""
-    if input_grads or not any(p.requires_grad for p in model.parameters()):
-        return require_grad(args), require_grad(kwargs)
-    return args, kwargs
-
-
-def _loss(output: Any, opts: Any, inputs: Any = None, model: nn.Module | None = None) -> LossChoice:
+def loss_for(output: Any, opts: Any, inputs: Any = None, model: nn.Module | None = None) -> LossChoice:
     """``build_loss`` on the model's output; a failure there is hookcli's (it cannot build a loss from
     that output: UnsupportedError), never the model's."""
     try:
@@ -356,18 +336,6 @@ def no_gradients(prep: Any) -> UnsupportedError:
         "stats and shapes need no gradients")
 
 
-def _reentrant_checkpoint(exc: BaseException) -> bool:
-    """Whether ``exc`` is reentrant ``torch.utils.checkpoint`` refusing ``autograd.grad``: raised by its
-    own backward (a failure of the checkpointed code itself is raised from that code's frames)."""
-    tb = exc.__traceback__
-    if not isinstance(exc, RuntimeError) or tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    return code.co_name == "backward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
-
-
 def _refuse_inference_tensors(index: ModelIndex) -> None:
     """Parameters/buffers made under ``torch.inference_mode`` cannot take part in a backward pass."""
     named = index.named_parameters() + index.named_buffers()
@@ -406,141 +374,55 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
-    from hookcli.engine.run import blame, new_report, params_by_module, raise_failure, running
+    from hookcli.engine.run import new_report, raise_failure, run_step, running
 
     opts = prep.options
     report = new_report(prep, command)
-    failure: FailureInfo | None = None
-    cause: BaseException | None = None
-    loss_choice: LossChoice | None = None
-    grads: dict[int, torch.Tensor | None] = {}
-    unreached: dict[int, list[str]] = {}  # parameter id -> other outputs it feeds (no gradient from the loss)
-    others: list[tuple[str, Any]] = []
-    hook_options = HookOptions(stats=stats, grads=True, input_grads=opts.input_grads, flops=opts.flops,
-                               observe=observer.tensor if observer is not None and observer.wants_tensors else None)
-    forward_flops: FlopCounter | None = None
-    backward_flops: FlopCounter | None = None
-    # parameters are read inside ``running``: moving the model may replace its parameter objects
-    with running(prep) as (model, args, kwargs), \
-            clipped_gradients(all_params := prep.index.named_parameters(), opts.clip) as clipped:
-        reported = param_scope(prep.index, prep.selection, opts.params)
-        args, kwargs = inputs_for_backward(args, kwargs, model, opts.input_grads)
-        reads = ParamReads([p for _, p in all_params if p.requires_grad]) if (
-            observer is not None and observer.wants_param_reads and not is_compiled(model, prep.selection)) else None
-        with attach(model, prep.selection, hook_options, model_modules=len(prep.index.named)) as session:
-            phase = "forward"
-            if opts.flops:
-                from hookcli.engine.flops import FlopCounter
+    hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
-                forward_flops, backward_flops = FlopCounter(session.add_flops), FlopCounter()
-            try:
-                with torch.enable_grad():
-                    with forward_flops or nullcontext(), progress.phase("forward"), reads or nullcontext():
-                        output = model(*args, **kwargs)
-                        if observer is not None:
-                            session.call(observer.output, output, where="observer of the model output")
-                    session.raise_error()
-                    loss_choice = _loss(output, opts, (args, kwargs), model)
-                    # the other outputs' graphs: which of them a parameter without a gradient still feeds
-                    others = [(path, t.grad_fn) for path, t in iter_tensors(output)
-                              if path != loss_choice.output and t.grad_fn is not None]
-                    del output
-                    leaves = [p for _, p in all_params if p.requires_grad]
-                    leaves += [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
-                    if not loss_choice.value.requires_grad:
-                        raise no_gradients(prep)
-                    phase = "backward"
-                    with backward_flops or nullcontext(), progress.phase("backward"), warnings.catch_warnings():
-                        # ops without a backward (quantized ones) give no gradient: said by the report
-                        # (a note, or UnsupportedError when nothing got one), not by torch's warning
-                        warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
-                        results = torch.autograd.grad(loss_choice.value, leaves, allow_unused=True)
-                session.raise_error()
-                for counter in (forward_flops, backward_flops):
-                    if counter is not None:
-                        counter.raise_error()
-                if all(g is None for g in results):  # e.g. quantized ops: backward reached nothing
-                    raise no_gradients(prep)
-                grads = {id(leaf): g for leaf, g in zip(leaves, results)}
-                missing = {id(p) for _, p in reported if p.requires_grad and grads.get(id(p)) is None}
-                if missing:
-                    reaches = reached_from(others, missing)
-                    unreached = {i: reaches.get(i, []) for i in missing}
-                del others
-            except HookcliError:
-                raise
-            except BaseException as exc:  # the user's model raised or exited: keep what we have
-                if isinstance(exc, INTERRUPTS):
-                    raise
-                session.raise_error()  # unless one of hookcli's hooks failed first
-                if phase == "backward" and _reentrant_checkpoint(exc):
-                    raise UnsupportedError(
-                        "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
-                        "use_reentrant=True), which refuses torch.autograd.grad: hookcli reads gradients "
-                        "without touching .grad",
-                        hint="checkpoint with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
-                             "gradient_checkpointing_kwargs={'use_reentrant': False})), or run without checkpointing",
-                    ) from None
-                cause = exc
-                failure = blame(exc, model, phase)
-                if phase == "backward" and session.last_grad_call is not None:
-                    failure.module = session.last_grad_call.name or None
-                    failure.module_type = session.last_grad_call.type
-                    failure.input_shapes = session.last_grad_call.input_shapes
-            if observer is not None:
-                observer.finished(session.completion_order())
-            extra: list[Vector] = []
-            plan: list[tuple[str, nn.Parameter, int | None, int, int | None]] = []
-            for name, p in reported:
-                g = grads.get(id(p))
-                g_slot = None
-                if g is not None:
-                    extra.append(session.reducer.reduce(g, zeros=False))
-                    g_slot = len(extra) - 1
-                extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
-                n_slot = len(extra) - 1
-                c_slot = None
-                if name in clipped:
-                    extra.append(clipped[name].reshape(1))
-                    c_slot = len(extra) - 1
-                plan.append((name, p, g_slot, n_slot, c_slot))
-            if loss_choice is not None:
-                extra.append(loss_choice.value.detach().reshape(1))
-            report.layers, values = session.records(params_by_module(prep), extra)
-    params: list[ParamRecord] = []
-    for name, p, g_slot, n_slot, c_slot in plan:
-        params.append(ParamRecord(
-            name=name,
-            shape=shape_of(p),
-            requires_grad=p.requires_grad,
-            norm=values[n_slot][0],
-            grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
-            clipped=int(values[c_slot][0]) if c_slot is not None else (0 if opts.clip and p.requires_grad else None),
-            other_outputs=unreached.get(id(p)),
-            unused=True if reads is not None and id(p) in unreached and id(p) not in reads.read else None,
-        ))
-    report.params = params if opts.params != "none" else None
-    if opts.params == "selected" and not params:
+    def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
+             ) -> tuple[torch.Tensor, tuple[LossChoice, list[tuple[str, Any]]]]:
+        choice = loss_for(output, opts, (args, kwargs), model)
+        # the other outputs' graphs: which of them a parameter without a gradient still feeds
+        others = [(path, t.grad_fn) for path, t in iter_tensors(output)
+                  if path != choice.output and t.grad_fn is not None]
+        if not choice.value.requires_grad:
+            raise no_gradients(prep)
+        return choice.value, (choice, others)
+
+    # parameters are read inside ``running``: moving the model may replace its parameter objects
+    with running(prep) as (model, args, kwargs):
+        run = run_step(prep, model, args, kwargs, hooks, loss=loss, observer=observer, clip=opts.clip,
+                       params=param_scope(prep.index, prep.selection, opts.params))
+    if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
+        raise no_gradients(prep)
+    report.layers = run.layers
+    if run.unreached and run.loss is not None:
+        reaches = reached_from(run.loss[1], {id(p) for p in run.unreached.values()})
+        for record in run.params:
+            if record.name in run.unreached:
+                record.other_outputs = reaches.get(id(run.unreached[record.name]), [])
+    report.params = run.params if opts.params != "none" else None
+    if opts.params == "selected" and not run.params:
         report.notes.append("the selected modules have no parameters (--params all lists every parameter)")
-    if loss_choice is not None:
-        report.loss = loss_choice.info(values[-1][0])
-    if forward_flops is not None and backward_flops is not None:
-        report.flops = forward_flops.summary(backward=backward_flops.total)
-        report.flops["partial"] = forward_flops.partial or backward_flops.partial
-        report.flops["missing_ops"] = sorted(forward_flops.missing | backward_flops.missing)
+    if run.loss is not None:
+        report.loss = run.loss[0].info(run.loss_value)
+    if run.flops is not None:
+        report.flops = run.flops
     quantized = quantized_modules(model)
     if quantized:
         report.notes.append("no gradient flows back through quantized modules: " + ", ".join(quantized[:5])
                             + (", ..." if len(quantized) > 5 else ""))
     if opts.clip is not None:
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
-    if failure is not None:
-        raise_failure(report, failure, cause)
+    if run.failure is not None:
+        raise_failure(report, run.failure, run.cause)
     return report
 
 
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
-    """``grads`` over every batch of ``--data``: one forward and backward per batch.
+    """``grads`` over every batch of ``--data``: one forward and backward per batch (the engine's
+    ``run_step``).
 
     What the rows mean over many batches: each layer row's output gradient is that of its batch's loss,
     and its statistics are merged over the batches (the distribution of the per-batch gradients, as
@@ -550,10 +432,10 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     is the mean of the batch losses. ``--flops``, ``--input-grads`` and ``--clip`` are refused with
     ``--data`` (exit 2). The model raising on a batch is ModelRaisedError naming the batch, with the rows
     merged so far. ``stats``: activation statistics too, merged the same way (``check``)."""
+    from hookcli.progress import bar as progress_bar
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
-    from hookcli.engine.run import (blame, data_batches, data_source, new_report, params_by_module, raise_failure,
-                                    require_values, running)
+    from hookcli.engine.run import data_batches, data_source, new_report, raise_failure, require_values, run_step, running
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -566,68 +448,45 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     _refuse_inference_tensors(prep.index)
     report = new_report(prep, command)
     rows = MergedRows()
-    sums: dict[int, torch.Tensor] = {}  # parameter id -> sum of its per-batch gradients
+    sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
     losses: list[float] = []
     choice: LossChoice | None = None
-    bar, advance = progress.bar(command, prep.data.total, "batches")
+
+    def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
+             ) -> tuple[torch.Tensor, LossChoice]:
+        made = loss_for(output, opts, (args, kwargs), model)
+        if not made.value.requires_grad:
+            raise no_gradients(prep)
+        return made.value, made
+
+    bar, advance = progress_bar(command, prep.data.total, "batches")
     with torch.inference_mode(False), bar, running(prep) as (model, first_args, first_kwargs):
         reported = param_scope(prep.index, prep.selection, opts.params)
-        leaves = [p for _, p in prep.index.named_parameters() if p.requires_grad]
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
-            args, kwargs = inputs_for_backward(args, kwargs, model, False)
-            failure: FailureInfo | None = None
-            cause: BaseException | None = None
-            with attach(model, prep.selection, HookOptions(stats=stats, grads=True),
-                        model_modules=len(prep.index.named)) as session:
-                phase = "forward"
-                try:
-                    with torch.enable_grad():
-                        output = model(*args, **kwargs)
-                        session.raise_error()
-                        choice = _loss(output, opts, (args, kwargs), model)
-                        del output
-                        batch_leaves = leaves + [t for _, t in iter_tensors((args, kwargs)) if t.requires_grad]
-                        if not choice.value.requires_grad:
-                            raise no_gradients(prep)
-                        phase = "backward"
-                        with warnings.catch_warnings():
-                            warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
-                            results = torch.autograd.grad(choice.value, batch_leaves, allow_unused=True)
-                    session.raise_error()
-                    if all(g is None for g in results):
-                        raise no_gradients(prep)
-                    for leaf, g in zip(leaves, results):
-                        if g is not None:  # summed in at least float32: many float16 terms would lose digits
-                            have = sums.get(id(leaf))
-                            sums[id(leaf)] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
-                                if have is None else have.add_(g)
-                    losses.append(float(choice.value.detach()))
-                except HookcliError:
-                    raise
-                except BaseException as exc:  # the user's model raised or exited: keep what we have
-                    if isinstance(exc, INTERRUPTS):
-                        raise
-                    session.raise_error()
-                    cause, failure = exc, blame(exc, model, phase)
-                    if phase == "backward" and session.last_grad_call is not None:
-                        failure.module = session.last_grad_call.name or None
-                        failure.module_type = session.last_grad_call.type
-                        failure.input_shapes = session.last_grad_call.input_shapes
-            layers, _ = session.records(params_by_module(prep))
-            rows.add(layers, session.vectors(), batch_size_of(batch))
-            if failure is not None:
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,
+                           show_phase=False, merge=True)
+            rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
+            if run.failure is not None:
                 report.layers = rows.records()
                 data_source(prep, report, rows)
-                raise_failure(report, failure, cause, where=f"batch {index}")
+                raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+            if not run.reached:
+                raise no_gradients(prep)
+            for name, g in (run.gradients or {}).items():
+                if g is not None:  # summed in at least float32: many float16 terms would lose digits
+                    have = sums.get(name)
+                    sums[name] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
+                        if have is None else have.add_(g)
+            choice = run.loss
+            losses.append(float(run.loss_value) if run.loss_value is not None else math.nan)
             advance(1)
         count = len(losses)
         extra: list[Vector] = []
         plan: list[tuple[str, nn.Parameter, int | None, int]] = []
-        reducer = Reducer()
         for name, p in reported:
             g_slot = None
-            if id(p) in sums:
-                extra.append(reducer.reduce(sums[id(p)].div_(count), zeros=False))
+            if name in sums:
+                extra.append(reduce_tensor(sums[name].div_(count), zeros=False))
                 g_slot = len(extra) - 1
             extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
             plan.append((name, p, g_slot, len(extra) - 1))

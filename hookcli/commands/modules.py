@@ -9,6 +9,7 @@ from hookcli.errors import UsageError, did_you_mean
 from hookcli.engine.loading import list_torchvision_models
 from hookcli.engine.run import load, model_info
 from hookcli.engine.selection import module_depth
+from hookcli.engine.state import exclusive
 from hookcli.options import RunOptions
 from hookcli.records import ModelList, ModuleRow, ModuleTree
 
@@ -16,7 +17,11 @@ from hookcli.records import ModelList, ModuleRow, ModuleTree
 def module_tree(options: RunOptions, depth: int | None = None) -> ModuleTree:
     """Every named module of the model (down to ``depth``: 0 is the model itself, 1 its children, ...):
     type, depth, parameters (in its subtree and its own), children."""
-    opts = options.validate()
+    with exclusive(options.model):
+        return _module_tree(options.validate(), depth)
+
+
+def _module_tree(opts: RunOptions, depth: int | None) -> ModuleTree:
     loaded = load(opts)
     rows = [
         ModuleRow(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hookcli.engine.run import forward_report, prepare
+from hookcli.engine.state import exclusive
 from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError, UnsupportedError, safe_str
 from hookcli.options import RunOptions, model_is_instance
 from hookcli.records import Report
@@ -33,7 +34,11 @@ def refuse_too_large(size: int | None, fallback: str) -> None:
 
 def shapes_report(options: RunOptions) -> Report:
     """``shapes``: on the meta device when possible, else (or when the model cannot run there) for real."""
-    opts = options.validate()
+    with exclusive(options.model):
+        return _shapes(options.validate())
+
+
+def _shapes(opts: RunOptions) -> Report:
     fallback: str | None = None
     size: int | None = None  # bytes of the weights, as the meta build counted them
     if wants_meta(opts):

@@ -1,8 +1,9 @@
 """One run of a model: load it, build its inputs, select modules, run it with hooks, say who failed.
 
-Everything a command needs to run a model once (``prepare`` -> ``running`` -> ``forward_report``), and
-the failure attribution (``blame``: the model raised, or hookcli did). Commands build on this; the
-public API (``hookcli.api``) calls the commands.
+Everything a command needs to run a model (``prepare`` -> ``running`` -> ``run_step``, THE run loop:
+forward, loss, backward or optimiser steps, under the hooks, returning a ``RunResult``;
+``forward_report`` for forward-only reports), and the failure attribution (``blame``: the model
+raised, or hookcli did). Commands build on this; the public API (``hookcli.api``) calls the commands.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sysconfig
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -25,17 +27,18 @@ from hookcli.errors import (
     INTERRUPTS, HookcliError, InputError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error,
     safe_str,
 )
-from hookcli.engine.session import HookOptions, KeepFn, attach
+from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance
-from hookcli.engine.stats import Vector, iter_tensors, shape_of
+from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
 from hookcli.records import (
     LayerRecord,
     FailureInfo,
     ModelInfo,
+    ParamRecord,
     Report,
 )
 from hookcli.engine.selection import select_modules
@@ -335,54 +338,265 @@ def new_report(prep: Prepared, command: str) -> Report:
     )
 
 
+#: The loss a gradient run differentiates: (model output, args, kwargs, model) -> (the scalar loss, what
+#: the caller keeps of it, handed back as ``RunResult.loss``). It runs after forward, before backward; what
+#: it raises is passed on as it is (the caller's own refusal: UsageError, UnsupportedError).
+LossFn = Callable[[Any, tuple[Any, ...], dict[str, Any], nn.Module], tuple[torch.Tensor, Any]]
+
+
 @dataclass
-class ForwardPass:
-    """What one hooked forward pass gathered: the rows, and the model's failure (if it raised)."""
+class RunResult:
+    """What one run gathered (``run_step``): plain data, read after the hooks are gone.
+
+    ``layers``: one record per call of a selected module, also when the model raised (then ``failure``
+    says where, ``cause`` is the exception). With a loss: ``loss`` is the loss function's second value,
+    ``loss_value`` the loss, ``params`` the reported parameters' gradient statistics (``other_outputs``
+    left for the caller), ``reached`` whether backward reached any parameter or input at all, and
+    ``unreached`` the reported trainable parameters no gradient reached (name -> parameter).
+    """
 
     layers: list[LayerRecord]
     failure: FailureInfo | None = None
     cause: BaseException | None = None
     flops: dict[str, Any] | None = None
-    #: With ``vectors``: each output tensor's (statistics, gradient) vectors (``HookSession.vectors``)
+    loss: Any = None
+    loss_value: float | None = None
+    params: list[ParamRecord] = field(default_factory=list)
+    reached: bool = True
+    unreached: dict[str, nn.Parameter] = field(default_factory=dict)
+    #: With ``merge``: each output tensor's (statistics, gradient) vectors (``HookSession.vectors``) and each
+    #: of ``params``' gradient tensor (None where backward did not reach it), to merge over batches
     vectors: dict[tuple[str, int, str], tuple[Vector | None, Vector | None]] | None = None
+    gradients: dict[str, torch.Tensor | None] | None = None
 
 
-def hooked_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   selection: Sequence[tuple[str, nn.Module]], hooks: HookOptions,
-                   params: dict[str, int], *, show_phase: bool = True,
-                   model_modules: int | None = None, vectors: bool = False) -> ForwardPass:
-    """One forward pass of an already placed model (``running``) under ``torch.no_grad``, with the
-    session's hooks on ``selection``; the rows of every call, also when the model raised.
+@dataclass
+class OptimiserSteps:
+    """Training steps instead of one ``autograd.grad`` (``run_step``): ``count`` times forward, loss,
+    ``loss.backward()`` into ``.grad`` and ``optimizer.step()``. ``optimizer`` makes the optimiser once
+    the model is placed; ``after_backward`` runs under ``torch.no_grad`` after each backward (to read
+    ``.grad``); ``finished`` once after the last step (none failed), while the model is still placed
+    (to read what the steps changed). What ``after_backward`` raises is blamed like the model's code
+    (``blame``), what ``finished`` raises is passed on."""
 
-    A model that raises or exits gives ``failure`` (``blame``) and the rows gathered up to it;
-    hookcli's own hook failures raise (InternalError, or the HookcliError a hook raised) after the
-    run. ``hooks.flops`` counts forward FLOPs per call (``flops``: the counter's summary).
-    ``show_phase``: the "forward" spinner (off where the command shows its own progress bar);
-    ``model_modules``: the model's module count (``attach`` hooks a large selection process-wide);
-    ``vectors``: also hand back the statistics vectors, to merge over batches (``MergedRows``).
+    optimizer: Callable[[], torch.optim.Optimizer]
+    count: int = 1
+    after_backward: Callable[[], None] | None = None
+    finished: Callable[[], None] | None = None
+
+
+def require_grad(obj: Any) -> Any:
+    """Fresh leaf copies of the floating tensors in a nested input, with ``requires_grad`` (an
+    inference tensor, made under the caller's ``torch.inference_mode``, is copied out of it)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_inference():
+            obj = obj.clone()  # outside inference mode (the gradient commands'), a normal tensor
+        return obj.detach().requires_grad_(True) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(require_grad(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(require_grad(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: require_grad(v) for k, v in obj.items()}
+    return obj
+
+
+def inputs_for_backward(args: Any, kwargs: Any, model: nn.Module, input_grads: bool) -> tuple[Any, Any]:
+    """The run's inputs for a backward pass: as training passes them (not requiring grad), unless
+    gradients w.r.t. them are asked for (``input_grads``) or are the only ones (no parameter of
+    ``model`` requires grad). A model may set ``requires_grad`` on a tensor it makes from its input
+    (wav2vec2's feature encoder in train mode), which raises when that input requires grad."""
+    if input_grads or not any(p.requires_grad for p in model.parameters()):
+        return require_grad(args), require_grad(kwargs)
+    return args, kwargs
+
+
+def _reentrant_checkpoint(exc: BaseException) -> bool:
+    """Whether ``exc`` is reentrant ``torch.utils.checkpoint`` refusing ``autograd.grad``: raised by its
+    own backward (a failure of the checkpointed code itself is raised from that code's frames)."""
+    tb = exc.__traceback__
+    if not isinstance(exc, RuntimeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return code.co_name == "backward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
+
+
+def _no_reentrant_checkpoint() -> UnsupportedError:
+    return UnsupportedError(
+        "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
+        "use_reentrant=True), which refuses torch.autograd.grad: hookcli reads gradients "
+        "without touching .grad",
+        hint="checkpoint with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+             "gradient_checkpointing_kwargs={'use_reentrant': False})), or run without checkpointing",
+    )
+
+
+def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], inputs: Any,
+               flops: Any, spin: Callable[[str], Any]) -> dict[int, torch.Tensor | None]:
+    """``torch.autograd.grad`` of ``value`` w.r.t. every trainable parameter and input (``.grad``
+    untouched): leaf id -> gradient, None where backward did not reach it."""
+    leaves = [p for _, p in params if p.requires_grad]
+    leaves += [t for _, t in iter_tensors(inputs) if t.requires_grad]
+    with flops or nullcontext(), spin("backward"), warnings.catch_warnings():
+        # ops without a backward (quantized ones) give no gradient: said by the report
+        # (a note, or UnsupportedError when nothing got one), not by torch's warning
+        warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
+        results = torch.autograd.grad(value, leaves, allow_unused=True)
+    return {id(leaf): g for leaf, g in zip(leaves, results)}
+
+
+def run_model(prep: Prepared, hooks: HookOptions, **step: Any) -> RunResult:
+    """``run_step`` on ``prep``'s model and inputs, placed for the run (``running``) and restored after."""
+    with running(prep) as (model, args, kwargs):
+        return run_step(prep, model, args, kwargs, hooks, **step)
+
+
+def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], hooks: HookOptions,
+             *, loss: LossFn | None = None, params: Sequence[tuple[str, nn.Parameter]] = (),
+             clip: float | None = None, observer: RunObserver | None = None, compiled: bool = False,
+             show_phase: bool = True, steps: OptimiserSteps | None = None, merge: bool = False) -> RunResult:
+    """THE run loop: one forward pass of an already placed model (``running``) with the session's
+    hooks on ``prep.selection`` and, with ``loss``, the loss and one backward pass; failures blamed.
+
+    Without ``loss`` forward runs under ``torch.no_grad``. With it, gradients are enabled, floating
+    inputs require grad where needed (``inputs_for_backward``), and ``torch.autograd.grad`` takes the gradients of every
+    trainable parameter and input (the model's ``.grad`` is never written); ``params`` (of the placed
+    model) get gradient statistics in ``RunResult.params``, and ``clip`` clamps every parameter
+    gradient to [-clip, clip] (``clipped_gradients``). ``hooks.flops`` counts FLOPs per call (forward;
+    backward too with a loss). ``observer`` sees every selected output (when it wants them), the
+    model's output, the completion order and (``wants_param_reads``) which trainable parameters
+    forward read (``ParamRecord.unused``). ``compiled``: run ``torch.compile(model)``.
+    ``show_phase``: the forward/backward spinners (off where a command shows its own progress).
+    ``steps`` (with ``loss``): optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``;
+    the inputs as they are, no gradient statistics). ``merge``: also hand back what a run over many
+    batches merges (``RunResult.vectors`` and ``gradients``).
+
+    The model raising or exiting gives ``failure`` (``blame``; in backward, the module whose gradient
+    arrived last) and the rows gathered up to it; hookcli's own failures (hooks, observer) raise after
+    the run: InternalError, or the HookcliError raised. UnsupportedError for reentrant checkpointing
+    (it refuses ``autograd.grad``). One host transfer for every number.
     """
-    failure: FailureInfo | None = None
-    cause: BaseException | None = None
-    with attach(model, selection, hooks, model_modules=model_modules) as session:
-        counter = None
+    if observer is not None and observer.wants_tensors:
+        hooks = dataclasses.replace(hooks, observe=observer.tensor)
+    if loss is not None and steps is None:
+        hooks = dataclasses.replace(hooks, grads=True)
+        args, kwargs = inputs_for_backward(args, kwargs, model, hooks.input_grads)
+    result = RunResult([])
+    fn: Callable[..., Any] = torch.compile(model) if compiled else model
+    all_params = prep.index.named_parameters()
+    spin = progress.phase if show_phase else (lambda _name: nullcontext())
+    choice: Any = None
+    value: torch.Tensor | None = None
+    grads: dict[int, torch.Tensor | None] = {}
+    # which trainable parameters forward reads: one without a gradient is unused rather than cut off
+    reads = ParamReads([p for _, p in all_params if p.requires_grad]) if (
+        loss is not None and observer is not None and observer.wants_param_reads
+        and not is_compiled(model, prep.selection)) else None
+    with clipped_gradients(all_params if loss is not None else [], clip) as clipped, \
+            attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=compiled) as session:
+        forward_flops = backward_flops = None
         if hooks.flops:  # (torch.utils.flop_counter is imported only when counting: 0.15 s)
             from hookcli.engine.flops import FlopCounter
 
-            counter = FlopCounter(session.add_flops)
+            forward_flops = FlopCounter(session.add_flops)
+            backward_flops = FlopCounter() if loss is not None else None
+        optimizer = steps.optimizer() if steps is not None else None
+        phase = "forward"
         try:
-            with torch.no_grad(), counter or nullcontext(), progress.phase("forward") if show_phase else nullcontext():
-                model(*args, **kwargs)
+            for _ in range(steps.count if steps is not None else 1):
+                phase = "forward"
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                with torch.enable_grad() if loss is not None else torch.no_grad():
+                    with forward_flops or nullcontext(), spin("forward"), reads or nullcontext():
+                        output = fn(*args, **kwargs)
+                        if observer is not None:
+                            session.call(observer.output, output, where="observer of the model output")
+                    if loss is not None:
+                        session.raise_error()
+                        value, choice = loss(output, args, kwargs, model)
+                        del output
+                        phase = "backward"
+                        if optimizer is not None:
+                            value.backward()
+                        else:
+                            grads = _gradients(value, all_params, (args, kwargs), backward_flops, spin)
+                            result.reached = any(g is not None for g in grads.values())
+                if optimizer is not None and steps is not None:
+                    if steps.after_backward is not None:
+                        with torch.no_grad():
+                            steps.after_backward()
+                    optimizer.step()
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            session.raise_error()
+            for counter in (forward_flops, backward_flops):
+                if counter is not None:
+                    counter.raise_error()
+        except HookcliError:
+            raise
         except BaseException as exc:  # the user's model raised or exited: keep what we have
             if isinstance(exc, INTERRUPTS):
                 raise
             session.raise_error()  # unless one of hookcli's hooks failed first
-            failure, cause = blame(exc, model, "forward"), exc
-        session.raise_error()
-        if counter is not None:
-            counter.raise_error()
-    layers, _ = session.records(params)
-    return ForwardPass(layers, failure, cause, counter.summary() if counter is not None else None,
-                       session.vectors() if vectors else None)
+            if phase == "backward" and optimizer is None and _reentrant_checkpoint(exc):
+                raise _no_reentrant_checkpoint() from None
+            result.failure, result.cause = blame(exc, model, phase), exc
+            last = session.last_grad_call if phase == "backward" else None
+            if last is not None:  # backward raised: the module whose gradient arrived last
+                result.failure.module = last.name or None
+                result.failure.module_type = last.type
+                result.failure.input_shapes = last.input_shapes
+        if steps is not None and steps.finished is not None and result.failure is None:
+            steps.finished()
+        if observer is not None:
+            observer.finished(session.completion_order())
+        extra: list[Vector] = []
+        plan: list[tuple[str, nn.Parameter, int | None, int, int | None]] = []
+        for name, p in params:
+            g = grads.get(id(p))
+            g_slot = None
+            if g is not None:
+                extra.append(session.reducer.reduce(g, zeros=False))
+                g_slot = len(extra) - 1
+            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
+            n_slot = len(extra) - 1
+            c_slot = None
+            if name in clipped:
+                extra.append(clipped[name].reshape(1))
+                c_slot = len(extra) - 1
+            plan.append((name, p, g_slot, n_slot, c_slot))
+        if value is not None:
+            extra.append(value.detach().reshape(1))
+        if merge:
+            result.vectors = session.vectors()
+            result.gradients = {name: grads.get(id(p)) for name, p in params}
+        result.layers, values = session.records(params_by_module(prep), extra)
+    for name, p, g_slot, n_slot, c_slot in plan:
+        result.params.append(ParamRecord(
+            name=name,
+            shape=shape_of(p),
+            requires_grad=p.requires_grad,
+            norm=values[n_slot][0],
+            grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
+            clipped=int(values[c_slot][0]) if c_slot is not None else (0 if clip and p.requires_grad else None),
+        ))
+        if result.failure is None and p.requires_grad and g_slot is None:
+            result.unreached[name] = p
+            if reads is not None and id(p) not in reads.read:
+                result.params[-1].unused = True
+    if value is not None:
+        result.loss, result.loss_value = choice, values[-1][0]
+    if forward_flops is not None:
+        if backward_flops is not None:
+            result.flops = forward_flops.summary(backward=backward_flops.total)
+            result.flops["partial"] = forward_flops.partial or backward_flops.partial
+            result.flops["missing_ops"] = sorted(forward_flops.missing | backward_flops.missing)
+        else:
+            result.flops = forward_flops.summary()
+    return result
 
 
 def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "") -> None:
@@ -407,9 +621,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if prep.data is not None:
         return data_forward_report(prep, command)
     report = new_report(prep, command)
-    with running(prep) as (model, args, kwargs):
-        run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(stats=stats, flops=flops, keep=keep),
-                             params_by_module(prep), model_modules=len(prep.index.named))
+    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep))
     report.layers = run.layers
     if run.flops is not None:
         report.flops = run.flops
@@ -452,12 +664,10 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     assert prep.data is not None
     report = new_report(prep, command)
     rows = MergedRows()
-    params = params_by_module(prep)
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
-            run = hooked_forward(model, args, kwargs, prep.selection, HookOptions(stats=True), params,
-                                 show_phase=False, model_modules=len(prep.index.named), vectors=True)
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
                 report.layers = rows.records()

@@ -24,10 +24,12 @@ from torch import nn
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
-from hookcli.config import Config, config_options, confine_read, load_config
-from hookcli.errors import ConfigError, ModelRaisedError, UnsupportedError, describe_exception, exit_status
+from hookcli.config import Config, config_options, confine_read
+from hookcli.errors import (
+    ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
+)
 from hookcli.commands.grads import backward_report, build_loss, data_backward_report
-from hookcli.engine.session import CompletionOrder, RunObserver
+from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
@@ -188,44 +190,51 @@ class SteppedCopy:
         return replace(self.prep, loaded=replace(self.prep.loaded, model=self.clone), selection=selection)
 
     def step(self, steps: int) -> dict[str, float | None] | None:
-        """``steps`` SGD steps on the copy (same inputs, loss and seed as the checked run); the largest
-        absolute change of each tracked parameter since the copy was made (None: it never got a gradient)."""
+        """``steps`` SGD steps on the copy (same inputs, loss and seed as the checked run: the engine's
+        run loop with ``OptimiserSteps``, no hooks); the largest absolute change of each tracked
+        parameter since the copy was made (None: it never got a gradient)."""
         if self.error is not None or not self.tracked:
             return None
         opts = self.prep.options
-        with engine.running(self.prepared()) as (model, args, kwargs):
-            optimizer = torch.optim.SGD([p for _, p in self.tracked], lr=self.lr)
-            gmax: dict[str, torch.Tensor] = {}
-            try:
-                for _ in range(steps):
-                    optimizer.zero_grad(set_to_none=True)
-                    with torch.enable_grad():
-                        output = model(*args, **kwargs)
-                        loss = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
-                                          inputs=(args, kwargs), model=model, seed=opts.seed)
-                        del output
-                        loss.value.backward()
-                    with torch.no_grad():
-                        for n, p in self.tracked:
-                            if p.grad is not None:
-                                self.got_grad[n] = True
-                                g = p.grad.detach().abs().max().float()
-                                gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            except Exception as exc:  # noqa: BLE001 - the main run passed; report this rule's own failure
-                self.error = f"the SGD step on the copy raised {describe_exception(exc)}"
-                return None
-            except SystemExit as exc:  # the model's code called sys.exit on the copy's step
-                self.error = f"the model exited with {exit_status(exc.code)} during the SGD step on the copy"
-                return None
+        gmax: dict[str, torch.Tensor] = {}
+        changes: list[list[float]] = []
+
+        def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module) -> tuple[torch.Tensor, None]:
+            return build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
+                              inputs=(args, kwargs), model=model, seed=opts.seed).value, None
+
+        def after_backward() -> None:
+            for n, p in self.tracked:
+                if p.grad is not None:
+                    self.got_grad[n] = True
+                    g = p.grad.detach().abs().max().float()
+                    gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
+
+        def finished() -> None:  # the copy is still placed (as the run put it)
             with torch.no_grad():
                 deltas = [(p.detach().float() - b.float()).abs().max().reshape(1)
                           for (_, p), b in zip(self.tracked, self.before)]
-            named = list(gmax)
-            values = to_host(deltas + [gmax[n].reshape(1) for n in named])
-        self.grad_max.update({n: max(self.grad_max.get(n, 0.0), v[0]) for n, v in zip(named, values[len(deltas):])})
-        return {n: (v[0] if self.got_grad.get(n) else None) for (n, _), v in zip(self.tracked, values)}
+            changes.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]))
+
+        plan = engine.OptimiserSteps(lambda: torch.optim.SGD([p for _, p in self.tracked], lr=self.lr), steps,
+                                     after_backward, finished)
+        try:
+            run = engine.run_model(replace(self.prepared(), selection=[]), HookOptions(), loss=loss, steps=plan,
+                                   show_phase=False)
+        except HookcliError as exc:  # building the loss failed, or hookcli's own code raised on the copy
+            cause = exc.__cause__ if isinstance(exc, InternalError) and isinstance(exc.__cause__, Exception) else exc
+            self.error = f"the SGD step on the copy raised {describe_exception(cause)}"
+            return None
+        if isinstance(run.cause, SystemExit):  # the model's code called sys.exit on the copy's step
+            self.error = f"the model exited with {exit_status(run.cause.code)} during the SGD step on the copy"
+            return None
+        if run.cause is not None:  # the main run passed; report this rule's own failure
+            self.error = f"the SGD step on the copy raised {describe_exception(run.cause)}"
+            return None
+        named = list(gmax)
+        self.grad_max.update({n: max(self.grad_max.get(n, 0.0), v[0])
+                              for n, v in zip(named, changes[len(self.tracked):])})
+        return {n: (v[0] if self.got_grad.get(n) else None) for (n, _), v in zip(self.tracked, changes)}
 
 
 def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observations, BaseException | None]:
@@ -406,10 +415,11 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
     return parse_checks(table, source=source, base_dir=base_dir, section=section)
 
 
-def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: str | os.PathLike[str] | None,
+def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: Config | None,
               baseline: str | os.PathLike[str] | None, options: dict[str, Any]) -> CheckResult:
-    """``hookcli.check``: options from ``config`` (if given), keyword options over them."""
-    cfg = load_config(config) if config is not None else None
+    """``hookcli.check``: options from ``config`` (a Config the API loaded, if any), keyword options
+    over them."""
+    cfg = config
     fields = config_options(cfg) if cfg is not None else {}
     if "model" in fields and cfg is not None:
         fields["model_source"], fields["model_roots"] = cfg.origin, cfg.roots()

@@ -1,6 +1,6 @@
-"""CI outputs of ``hookcli check``: JUnit XML, GitHub Actions annotations and the job summary.
+"""CI outputs of ``hookcli check`` as text: JUnit XML, GitHub Actions annotations and the job summary.
 
-Never imports torch. Annotations (``::error title=...::message``) go to **stderr**: the Actions
+Never imports torch, writes nothing: the command line's edge (``hookcli.cli.ci``) writes them. Annotations (``::error title=...::message``) go to **stderr**: the Actions
 runner reads workflow commands from both streams, and stdout stays clean for ``--format json``.
 Escaping follows GitHub's toolkit (``@actions/core`` ``command.ts``): in messages ``%``, ``\\r`` and
 ``\\n`` become ``%25``, ``%0D`` and ``%0A``; property values (``title``, ``file``) also escape ``:``
@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 import re
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
-from hookcli.output import write_atomic
-from hookcli.records import CheckResult, RuleResult
 from hookcli.escape import escape_control
+from hookcli.records import CheckResult, RuleResult
+from hookcli.render import render
 
 #: How many offenders an annotation or a JUnit failure lists (JSON lists them all).
 MAX_LISTED = 10
@@ -113,41 +112,9 @@ def junit_xml(result: CheckResult) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 
 
-def write_junit(result: CheckResult, path: str | os.PathLike[str]) -> Path:
-    """Write :func:`junit_xml` to ``path`` atomically (temp file + rename)."""
-    return write_atomic(path, junit_xml(result))
+def step_summary(result: CheckResult) -> str:
+    """The text appended to ``$GITHUB_STEP_SUMMARY``: the Markdown rendering of ``result``."""
+    return render(result, "markdown") + "\n"
 
 
-def append_step_summary(result: CheckResult, path: str | os.PathLike[str]) -> None:
-    """Append the Markdown rendering of ``result`` to ``$GITHUB_STEP_SUMMARY`` (appending is the
-    contract of that file: every step adds to it)."""
-    from hookcli.render import render
-
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(render(result, "markdown") + "\n")
-
-
-def github_enabled(flag: bool | None) -> bool:
-    """``--github``/``--no-github``, else on when ``GITHUB_ACTIONS=true``."""
-    return flag if flag is not None else os.environ.get("GITHUB_ACTIONS", "") == "true"
-
-
-def publish(result: CheckResult, *, junit: str | os.PathLike[str] | None = None, github: bool | None = None) -> None:
-    """Every CI output the options and environment ask for (annotations on stderr)."""
-    import click
-
-    if junit:
-        click.echo(f"wrote {write_junit(result, junit)}", err=True)
-    if github_enabled(github):
-        for line in annotations(result):
-            click.echo(line, err=True)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        try:
-            append_step_summary(result, summary)
-        except OSError as exc:  # never hide the check's verdict behind a summary problem
-            click.echo(f"warning: cannot append to GITHUB_STEP_SUMMARY ({summary}): {exc}", err=True)
-
-
-__all__ = ["annotations", "append_step_summary", "escape_data", "escape_property", "github_enabled",
-           "junit_xml", "publish", "write_junit"]
+__all__ = ["annotations", "escape_data", "escape_property", "junit_xml", "rule_text", "step_summary"]
