@@ -52,7 +52,13 @@ def shapes(model: Any = None, **options: Any) -> Report:
 
 
 def stats(model: Any = None, **options: Any) -> Report:
-    """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call."""
+    """Activation statistics (mean, std, min, max, norm, zero fraction, NaN/Inf counts) per call.
+
+    ``data``: a data set run in batches (``batches``: at most N; ``batch_size``: images or rows per
+    batch), each row's statistics merged over all of them: a folder of images or a tensor file (a
+    path), ``"pkg.mod:attr"`` / ``"path/file.py:attr"`` naming an iterable of batches, any iterable of
+    batches (a DataLoader; each item a tensor, a tuple of positional inputs or a dict of keyword
+    inputs), or a tensor / tuple of tensors / dict of tensors sliced along its first dimension."""
     from hookcli.commands.stats import stats_report
 
     return stats_report(_options(model, options))
@@ -70,7 +76,9 @@ def grads(model: Any = None, *, top: int | None = None, sort: str | None = None,
     ``params`` (selected|all|none), ``clip``, ``input_grads``. With ``train=True`` the dummy batch
     defaults to 2 (BatchNorm needs more than one value per channel; as for every command). ``sort`` (norm|max|name) orders the
     layer and parameter rows (largest gradient first), ``top`` keeps the first N of each (by norm
-    unless ``sort`` says otherwise); ``report.notes`` says what was left out.
+    unless ``sort`` says otherwise); ``report.notes`` says what was left out. ``data`` / ``batches``
+    as for ``stats``: each layer's output-gradient statistics merged over the batches (each of its
+    batch's loss), each parameter's gradient that of the mean loss over the batches.
     """
     from hookcli.commands.grads import check_order, grads_report
 
@@ -109,7 +117,8 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     defaults and the ``[checks]`` table (the API never reads ./pyproject.toml on its own);
     ``checks``: rule entries as a dict, e.g. ``{"output_shape": [2, 10], "grad_norm": {"max": 1e3}}``,
     replacing the config's entries of the same rules; ``baseline``: a saved JSON report to compare
-    with; ``options``: ``RunOptions`` fields (``input_shapes``, ``layers``, ``device``, ``params``...).
+    with; ``options``: ``RunOptions`` fields (``input_shapes``, ``layers``, ``device``, ``params``...;
+    ``data``: the rules on statistics see every batch of a data set, see ``stats``).
     Every module is hooked and every parameter checked unless options narrow it; the model runs in
     train mode (``train=False`` for eval), seeded with ``seed``. The model raising
     is a failed ``runs`` rule (``result.ok`` is False), never an exception; bad rules or options raise

@@ -168,6 +168,9 @@ OPTION_KEYS: dict[str, KeySpec] = {
     "input_shape": _spec(STRS, "shape of each dummy input, e.g. \"1x3x224x224\"", _str_list),
     "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
     "batch_size": _spec("integer > 0", "batch size of dummy inputs", integer(1)),
+    "data": _spec(STR, "a data set run in batches: a folder of images, a tensor file, or pkg.mod:attr / file.py:attr "
+                  "naming an iterable of batches (the repository's own)", _str),
+    "batches": _spec("integer > 0", "at most this many batches of data", integer(1)),
     "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
     "seed": _spec("integer >= 0", "random seed for dummy inputs", integer(0)),
     "seq_len": _spec("integer > 0", "sequence length of generated token/sequence inputs", integer(1)),
@@ -278,7 +281,7 @@ def _resolve_weights(value: str, base: Path) -> str:
 
 #: The flag that names each path key on the command line, where the user's own choice may go anywhere.
 PATH_FLAGS = {"output": "-o FILE", "input": "--input FILE", "weights": "--weights FILE", "model": "MODEL",
-              "baseline": "--baseline FILE"}
+              "baseline": "--baseline FILE", "data": "--data"}
 
 
 def confine_write(path: Path, key: str, used: str) -> None:
@@ -311,7 +314,7 @@ def confine_read(path: Path, key: str, used: str) -> None:
             hint=f"move the file into the repository, or pass {PATH_FLAGS.get(key, key)} on the command line")
 
 
-def _confine_model(spec: str, path: Path) -> None:
+def _confine_model(spec: str, path: Path, key: str = "model") -> None:
     """A config's model must be the repository's own code: a ``file.py`` inside it, an import path
     whose top-level package is found inside it (``numpy:load``, ``pickle:loads``, ``torch:load``
     and ``transformers:...`` are not), or an ``hf:DIR`` inside it. Judged before anything is
@@ -324,7 +327,7 @@ def _confine_model(spec: str, path: Path) -> None:
     if text.lower().startswith("hf:"):
         folder = text[3:].strip()
         if folder and os.path.isdir(os.path.expanduser(folder)):
-            confine_read(path, "model", folder)
+            confine_read(path, key, folder)
         return
     module = import_target_module(text)
     if module is not None:
@@ -333,14 +336,33 @@ def _confine_model(spec: str, path: Path) -> None:
         if outside:
             where = outside[0]
             raise ConfigError(
-                f"{path}: key 'model' names {spec!r}, whose module {module.partition('.')[0]!r} is not the "
+                f"{path}: key {key!r} names {spec!r}, whose module {module.partition('.')[0]!r} is not the "
                 f"repository's own code ({where}); refusing to import or call it from a config",
-                hint="a config may name a model of its repository (pkg.mod:Net, net.py:build) or a torchvision, "
-                "timm: or hf: model; name any other code on the command line")
+                hint=f"a config may name {_OWN[key]}; name any other code on the command line")
         return
     target = text.rpartition(":")[0].strip() if ":" in text else text
     if target.endswith(".py"):
-        confine_read(path, "model", target)
+        confine_read(path, key, target)
+
+
+#: What a config's code-naming key may name (``_confine_model``'s hint).
+_OWN = {"model": "a model of its repository (pkg.mod:Net, net.py:build) or a torchvision, timm: or hf: model",
+        "data": "a data set of its repository (a folder, a tensor file, pkg.mod:loader or data.py:loader)"}
+
+
+def _confine_data(spec: str, path: Path) -> None:
+    """A config's ``data`` is the repository's: a folder or tensor file inside it, or an import path of its
+    own code, judged as a config's model is (``_confine_model``) before anything is imported."""
+    from hookcli.targets import stdlib_target
+
+    if ":" not in spec or os.path.exists(spec):
+        confine_read(path, "data", spec)
+        return
+    found = stdlib_target(spec)
+    if found is not None:
+        raise ConfigError(f"{path}: key 'data' names {spec!r}, from Python's standard library ({found}), not a data "
+                          "set; refusing to import it", hint=f"a config may name {_OWN['data']}")
+    _confine_model(spec, path, "data")
 
 
 def _refuse_stdlib_model(spec: str, path: Path) -> None:
@@ -408,6 +430,10 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
         values["model"] = _resolve_model(values["model"], base)
         _refuse_stdlib_model(values["model"], path)
         _confine_model(values["model"], path)
+    if "data" in values:
+        data = values["data"]
+        values["data"] = _resolve_model(data, base) if ".py:" in data else data if ":" in data else _resolve(data, base)
+        _confine_data(values["data"], path)
     if "weights" in values:
         values["weights"] = _resolve_weights(values["weights"], base)
         if looks_like_weights_file(values["weights"], base):

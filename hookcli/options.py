@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum, StrEnum
@@ -304,8 +305,14 @@ class RunOptions:
     # let an hf: model run the Python code that comes with it (auto_map); command line or Python only
     trust_remote_code: bool = _flag("--trust-remote-code", False)
     input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
-    inputs: Sequence[str | os.PathLike[str]] = _flag("--input", ())
+    #: files (paths); from Python also tensors: a tensor, a tuple/list of them, a dict of keyword inputs
+    inputs: Any = _flag("--input", ())
     batch_size: int | None = _flag("--batch-size")
+    #: a data set to run over in batches (stats, grads, check): a folder of images or a tensor file (a
+    #: path), an import path of an iterable of batches (pkg.mod:attr, path/file.py:attr), or (Python
+    #: only) any iterable of batches, or a tensor / tuple of tensors / dict of tensors to slice
+    data: Any = _flag("--data")
+    batches: int | None = _flag("--batches")  # at most this many batches of ``data`` (None: all)
     fill: Fill | str = _flag("--fill", Fill.randn)
     seed: int = _flag("--seed", 0)
     seq_len: int | None = _flag("--seq-len")  # length of generated sequences (None: 128, capped by an HF config)
@@ -342,6 +349,8 @@ class RunOptions:
             opts.input_shapes = [opts.input_shapes]
         if isinstance(opts.inputs, (str, os.PathLike)):
             opts.inputs = [opts.inputs]
+        elif _in_memory(opts.inputs):
+            opts.inputs = [MemoryInputs(opts.inputs)]
         opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
         opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
         for name in ("layers", "types"):
@@ -356,7 +365,7 @@ class RunOptions:
                                  hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
             opts.weights = os.fspath(opts.weights)
         opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
-        opts.inputs = [os.fspath(p) for p in opts.inputs]
+        opts.inputs = [p if isinstance(p, MemoryInputs) else os.fspath(p) for p in opts.inputs]
         opts.model_args = _check_model_args(opts.model_args)
         if opts.model_args and model_is_instance(opts.model):
             raise UsageError("model_args apply when hookcli builds the model; this model is already built",
@@ -370,10 +379,22 @@ class RunOptions:
         if opts.specs and opts.inputs:
             raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
         for path in opts.inputs:
-            if not os.path.exists(path):
+            if not isinstance(path, MemoryInputs) and not os.path.exists(path):
                 raise InputError(f"input file not found: {path}",
                                  hint="check the path (relative paths start at the current directory)")
         opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
+        opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
+                                  hint="--batches N runs at most N batches of --data")
+        if isinstance(opts.data, os.PathLike):
+            opts.data = os.fspath(opts.data)
+        if opts.batches is not None and opts.data is None:
+            raise UsageError("--batches needs --data (the data set to take the batches from)",
+                             hint="e.g. --data images/ --batches 10")
+        if opts.data is not None and (opts.specs or opts.inputs):
+            raise UsageError("--data and --input / --input-shape are mutually exclusive",
+                             hint="--data runs a data set in batches; --input / --input-shape give one batch")
+        if isinstance(opts.data, str) and not opts.data.strip():
+            raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
         opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
         opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
                                   hint="the sequence length of generated token inputs, e.g. --seq-len 128")
@@ -432,6 +453,24 @@ def check_option_names(options: Mapping[str, Any]) -> None:
     if unknown:
         raise UsageError(f"unknown option {unknown[0]!r}",
                          hint=did_you_mean(unknown[0], names) or "options: " + ", ".join(names))
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Inputs given as tensors in Python (``inputs=tensor``, a tuple or list of tensors, a dict of keyword
+    inputs): read as the same object saved to a .pt file and given as ``--input`` would be."""
+
+    value: Any
+
+
+def _in_memory(value: Any) -> bool:
+    """Whether ``inputs`` are tensors (not file paths). No torch import: no tensor exists without it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if isinstance(value, (torch.Tensor, Mapping)):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
 
 
 def _sequence(name: str, value: Any, example: str) -> Sequence[Any]:

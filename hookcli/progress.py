@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 _DELAY_S = 1.0
@@ -58,3 +58,21 @@ def phase(description: str) -> Iterator[None]:
             for live in status:
                 live.stop()
             status.clear()
+
+
+def bar(description: str, total: int | None, unit: str, *,
+        enabled: bool | None = None) -> tuple[AbstractContextManager[Any], Callable[[int], None]]:
+    """A Rich progress bar on stderr counting ``unit`` (``images``, ``batches``) up to ``total`` (None:
+    not known up front), and its ``advance(n)``. Shown when ``enabled``, by default when the CLI
+    ``enable``d progress (stderr is a terminal); else a no-op context and advance."""
+    show = enabled if enabled is not None else _enabled
+    if not show or (total is not None and total <= 0):
+        return nullcontext(), lambda n: None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(file=sys.stderr)
+    progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                        TimeRemainingColumn(), console=console, transient=console.is_terminal)
+    task = progress.add_task(description, total=total)
+    return progress, lambda n: progress.advance(task, n)

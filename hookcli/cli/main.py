@@ -33,6 +33,7 @@ from hookcli.cli.options import (
     META_OUTPUT,
     HookcliCommand,
     check_options,
+    data_options,
     diff_options,
     file_output_options,
     fmap_options,
@@ -377,6 +378,7 @@ def shapes(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @output_options
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""
@@ -386,6 +388,7 @@ def stats(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @click.option("--sort", type=click.Choice(values_of(GradSort)),
@@ -403,6 +406,7 @@ def grads(**values: Any) -> None:
 
 @main.command()
 @model_run_options
+@data_options
 @grad_options
 @check_options
 @output_options

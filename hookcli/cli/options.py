@@ -159,7 +159,8 @@ input_options = _compose(
     click.option("--input", "inputs", multiple=True, metavar="FILE",
                  help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable."),
     click.option("--batch-size", type=click.IntRange(min=1),
-                 help="Batch size of the dummy input (features: images per batch from --input, default 32)."),
+                 help="Batch size of the dummy input (features: images per batch from --input; --data: images or "
+                 "rows per batch; default 32)."),
     click.option("--fill", type=_choice(Fill), default=Fill.randn.value,
                  show_default=True, help="How the dummy input is filled."),
     click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
@@ -185,6 +186,16 @@ run_options = _compose(
     click.option("--train/--eval", "train", default=False, help="Run in training or eval mode (default eval)."),
 )
 """Where and how the model runs."""
+
+data_options = _compose(
+    click.option("--data", metavar="DIR|FILE|SPEC",
+                 help="Run a data set in batches, statistics merged over all of them: a folder of images, a "
+                 "tensor file of (samples, ...) tensors, or pkg.mod:attr / path/data.py:attr naming an iterable "
+                 "of batches (a DataLoader; each batch a tensor, tuple or dict of inputs)."),
+    click.option("--batches", type=click.IntRange(min=1), metavar="N",
+                 help="Run at most N batches of --data (default: all; needed for an iterable without a length)."),
+)
+"""A data set run in batches (stats, grads, check); ``--batch-size`` sets images or rows per batch."""
 
 model_run_options = _compose(model_options, input_options, selection_options, run_options)
 """The model, its input, the modules to hook and how it runs: what every command that runs a model takes."""

@@ -28,8 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +36,7 @@ from typing import IO, Any
 import torch
 
 from hookcli._version import __version__
+from hookcli.progress import bar as progress_bar
 from hookcli.engine.run import (
     Prepared,
     new_report,
@@ -52,7 +52,7 @@ from hookcli.engine.session import HookOptions
 from hookcli.engine.input_files import list_input_files
 from hookcli.engine.inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
-from hookcli.options import RunOptions
+from hookcli.options import MemoryInputs, RunOptions
 from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name
 from hookcli.records import FeatureExport, InputInfo, LayerRecord, SavedTensor
@@ -337,7 +337,7 @@ def _plan(opts: RunOptions) -> tuple[RunOptions, list[list[Path]], str]:
 
     No batches (``[]``) when the inputs are not images, or fit in one batch.
     """
-    if not opts.inputs:
+    if not opts.inputs or isinstance(opts.inputs[0], MemoryInputs):
         return opts, [], ""
     kind, paths, label = list_input_files(opts.inputs)
     size = opts.batch_size or DEFAULT_IMAGE_BATCH
@@ -345,21 +345,6 @@ def _plan(opts: RunOptions) -> tuple[RunOptions, list[list[Path]], str]:
         return opts, [], label
     batches = [paths[i:i + size] for i in range(0, len(paths), size)]
     return replace(opts, inputs=[os.fspath(p) for p in batches[0]]), batches, label
-
-
-def _progress(enabled: bool | None, total: int) -> tuple[AbstractContextManager[Any], Callable[[int], None]]:
-    """A rich progress bar on stderr (only on a terminal unless ``enabled``) and its advance()."""
-    show = enabled if enabled is not None else sys.stderr.isatty()
-    if not show or total <= 0:
-        return nullcontext(), lambda n: None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    console = Console(file=sys.stderr)
-    bar = Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(), TextColumn("images"),
-                   TimeRemainingColumn(), console=console, transient=console.is_terminal)
-    task = bar.add_task("features", total=total)
-    return bar, lambda n: bar.advance(task, n)
 
 
 def run_features(options: RunOptions, *, output: str | os.PathLike[str] | None = None,
@@ -388,7 +373,8 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
     total = sum(len(b) for b in batches) if batches else None
     store = FeatureStore(total)
     report = new_report(prep, "features")
-    bar, advance = _progress(progress, total or 0)
+    bar, advance = progress_bar("features", total or 0, "images",
+                                enabled=progress if progress is not None else sys.stderr.isatty())
     with bar, running(prep) as (model, args, kwargs):
         for index in range(max(1, len(batches))):
             if index > 0:

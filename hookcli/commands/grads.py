@@ -22,8 +22,8 @@ from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver
 from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
-from hookcli.records import Report
-from hookcli.engine.stats import iter_tensors, shape_of
+from hookcli.records import ParamRecord, Report
+from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, reduce_tensor, shape_of, to_host
 
 LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
               Loss.mean: "mean"}
@@ -232,7 +232,7 @@ def grads_report(options: RunOptions, *, sort: str | None = None, top: int | Non
     from hookcli.engine.state import exclusive
 
     with exclusive(options.model), torch.inference_mode(False):
-        report = backward_report(prepare(options), "grads")
+        report = backward_report(prepare(options, batched=True), "grads")
     return order_rows(report, sort=sort, top=top)
 
 
@@ -364,6 +364,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
     from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
 
+    if prep.data is not None and command == "grads" and observer is None:
+        return data_backward_report(prep, command)
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)
     _refuse_inference_tensors(prep.index)
@@ -415,4 +417,87 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if run.failure is not None:
         raise_failure(report, run.failure, run.cause)
+    return report
+
+
+def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
+    """``grads`` over every batch of ``--data``: one forward and backward per batch (the engine's
+    ``run_step``).
+
+    What the rows mean over many batches: each layer row's output gradient is that of its batch's loss,
+    and its statistics are merged over the batches (the distribution of the per-batch gradients, as
+    activation statistics are merged); each parameter's gradient is that of the *mean* of the batch
+    losses (the per-batch gradients summed, one tensor per parameter as ``.grad`` accumulates, divided
+    by the number of batches), which is what a training step over those batches would apply; the loss
+    is the mean of the batch losses. ``--flops``, ``--input-grads`` and ``--clip`` are refused with
+    ``--data`` (exit 2). The model raising on a batch is ModelRaisedError naming the batch, with the rows
+    merged so far. ``stats``: activation statistics too, merged the same way (``check``)."""
+    from hookcli.progress import bar as progress_bar
+    from hookcli.engine.batches import MergedRows, batch_size_of
+    from hookcli.engine.loading import refuse_torchscript
+    from hookcli.engine.run import data_batches, data_source, new_report, raise_failure, require_values, run_step, running
+
+    opts = prep.options
+    given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
+                                   ("--clip", opts.clip is not None)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
+                         hint="leave them out, or run one batch with --input / --input-shape")
+    require_values(prep, command)
+    refuse_torchscript(prep.loaded.model, prep.selection)
+    _refuse_inference_tensors(prep.index)
+    report = new_report(prep, command)
+    rows = MergedRows()
+    sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
+    losses: list[float] = []
+    choice: LossChoice | None = None
+
+    def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
+             ) -> tuple[torch.Tensor, LossChoice]:
+        made = loss_for(output, opts, (args, kwargs), model)
+        if not made.value.requires_grad:
+            raise no_gradients(prep)
+        return made.value, made
+
+    bar, advance = progress_bar(command, prep.data.total, "batches")
+    with torch.inference_mode(False), bar, running(prep) as (model, first_args, first_kwargs):
+        reported = param_scope(prep.index, prep.selection, opts.params)
+        for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,
+                           show_phase=False, merge=True)
+            rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
+            if run.failure is not None:
+                report.layers = rows.records()
+                data_source(prep, report, rows)
+                raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+            if not run.reached:
+                raise no_gradients(prep)
+            for name, g in (run.gradients or {}).items():
+                if g is not None:  # summed in at least float32: many float16 terms would lose digits
+                    have = sums.get(name)
+                    sums[name] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
+                        if have is None else have.add_(g)
+            choice = run.loss
+            losses.append(float(run.loss_value) if run.loss_value is not None else math.nan)
+            advance(1)
+        count = len(losses)
+        extra: list[Vector] = []
+        plan: list[tuple[str, nn.Parameter, int | None, int]] = []
+        for name, p in reported:
+            g_slot = None
+            if name in sums:
+                extra.append(reduce_tensor(sums[name].div_(count), zeros=False))
+                g_slot = len(extra) - 1
+            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
+            plan.append((name, p, g_slot, len(extra) - 1))
+        values = to_host(extra)
+        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=values[n][0],
+                                     grad=gradient_stats(values[g], abs_max=True) if g is not None else None)
+                         for name, p, g, n in plan] if opts.params != "none" else None
+    report.layers = rows.records()
+    data_source(prep, report, rows)
+    if choice is not None:
+        report.loss = choice.info(math.fsum(losses) / count)
+    report.notes.append(f"parameter gradients: of the mean loss over the {count} batches; layer gradients: "
+                        "of each batch's loss, their statistics merged")
     return report

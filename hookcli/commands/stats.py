@@ -21,7 +21,7 @@ def stats_report(options: RunOptions) -> Report:
     from hookcli.engine.state import exclusive
 
     with exclusive(options.model):
-        prep = prepare(options)
+        prep = prepare(options, batched=True)
         require_values(prep, "stats")  # statistics of meta tensors would be a table of dashes
         return forward_report(prep, "stats", stats=True)
 

@@ -267,6 +267,11 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
             raise InputError(message, hint=hint) from exc
         raise InputError(f"could not read input file {label}: {describe_exception(exc)}",
                          hint=f"is it a complete {suffix} file of plain tensors?") from exc
+    return _entries(obj, label, family)
+
+
+def _entries(obj: Any, label: str, family: str | None) -> list[Entry]:
+    """What a tensor file (or ``inputs=`` in Python) holds as positional / keyword entries."""
     if isinstance(obj, torch.Tensor):
         return [(None, obj, f"file: {label}")]
     if isinstance(obj, (list, tuple)):
@@ -280,13 +285,33 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
                      hint="save the inputs with torch.save(tensor_or_tuple_or_dict, PATH)")
 
 
+def memory_inputs(loaded: LoadedModel, value: Any) -> ModelInputs:
+    """Inputs given as tensors in Python (``inputs=``): read as the same object in a .pt file would be.
+    Each tensor is a copy, so that a model changing its input in place leaves the caller's as it was."""
+    entries = [(k, _copied(v), "python: inputs" + src.removeprefix("file: inputs"))
+               for k, v, src in _entries(value, "inputs", loaded.family)]
+    return _packed(entries)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
 def tensor_inputs(loaded: LoadedModel, files: Sequence[str | os.PathLike[str]], *,
                   trust_pickle: bool = False) -> ModelInputs:
     """Several tensor files: positional inputs in the given order, keyword inputs merged."""
-    entries = [e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family, trust_pickle)]
+    return _packed([e for f in files for e in _read_tensor_file(Path(f), os.fspath(f), loaded.family, trust_pickle)])
+
+
+def _packed(entries: list[Entry]) -> ModelInputs:
     for _, value, source in entries:
         if any(t.is_meta for _, t in iter_tensors(value)):  # shapes without values: nothing to run on
-            raise InputError(f"{source.removeprefix('file: ')} holds a meta tensor: it has a shape but no values",
+            raise InputError(f"{source.removeprefix('file: ').removeprefix('python: ')} holds a meta tensor: it has "
+                             "a shape but no values",
                              hint="save the input from a real device (tensor.cpu()), or give --input-shape instead")
     keyword = [(k, v, src) for k, v, src in entries if k is not None]
     names = [k for k, _, _ in keyword]

@@ -21,7 +21,7 @@ import math
 
 from hookcli.errors import InputError, UsageError, describe_exception
 from hookcli.options import (
-    MAX_NUMEL, Fill, InputSpec, member,
+    MAX_NUMEL, Fill, InputSpec, MemoryInputs, member,
 )
 from hookcli.engine.loading import LoadedModel
 from hookcli.engine.model_inputs import (
@@ -368,7 +368,11 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         raise UsageError("give input shapes or input files, not both",
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
-    if files:
+    if files and isinstance(files[0], MemoryInputs):
+        from hookcli.engine.input_files import memory_inputs
+
+        made = memory_inputs(loaded, files[0].value)
+    elif files:
         from hookcli.engine.input_files import expand_files, image_inputs, tensor_inputs  # decoders only when needed
 
         kind, paths, label = expand_files(files)

@@ -180,12 +180,13 @@ def _on_sys_path(*dirs: str) -> Iterator[None]:
                 sys.path.remove(d)
 
 
-def _refuse_stdlib_target(target: str, spec: str, is_file: bool) -> None:
-    """Refuse a MODEL import path into the standard library before importing it (``antigravity``
-    opens a browser on import): such a target is never a model, and from a config it is an attack."""
+def _refuse_stdlib_target(target: str, spec: str, is_file: bool, noun: str = "model") -> None:
+    """Refuse a MODEL (or ``--data``) import path into the standard library before importing it
+    (``antigravity`` opens a browser on import): such a target is never a model or a data set, and
+    from a config it is an attack."""
     if is_stdlib_path(Path(target).expanduser()) if is_file else is_stdlib_module(target):
-        raise UsageError(f"refusing model {spec!r}: {target!r} is part of Python's standard library, "
-                         "not a model", hint=OWN_CODE_HINT)
+        raise UsageError(f"refusing {noun} {spec!r}: {target!r} is part of Python's standard library, "
+                         f"not a {noun}", hint=OWN_CODE_HINT if noun == "model" else DATA_HINT)
 
 
 def _origin(obj: Any) -> tuple[str, str]:
@@ -255,11 +256,11 @@ def _import_module(module_name: str) -> Any:
             raise model_exited(exc, f"importing {module_name!r}") from exc
 
 
-def _import_file(path_text: str) -> Any:
+def _import_file(path_text: str, noun: str = "model") -> Any:
     """Import a .py file under a unique module name, its folder on sys.path for sibling imports."""
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise ModelNotFoundError(f"model file not found: {path_text}", hint="give an existing .py file")
+        raise ModelNotFoundError(f"{noun} file not found: {path_text}", hint="give an existing .py file")
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     stem = "".join(c if c.isalnum() else "_" for c in resolved.stem)
@@ -356,16 +357,30 @@ def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
                          "model class or factory); name any other code on the command line")
 
 
+#: The hint of a refused or unusable ``--data`` import path.
+DATA_HINT = ("--data names a folder of images, a tensor file, or an iterable of batches in your own code "
+             "(package.module:loader or path/to/data.py:loader, e.g. a DataLoader)")
+
+
+def import_attr(spec: str, target: str, attr: str, *, noun: str = "model") -> Any:
+    """What an import path names (``target`` a module or a ``.py`` file, ``attr`` dotted), imported
+    the one way MODEL specs and ``--data`` are: Python's own modules refused before the import, the
+    working directory (a file's folder) first on sys.path, close matches for a missing attribute."""
+    is_file = target.endswith(".py")
+    if not attr or not target:
+        example = ("path/to/net.py:Net" if is_file else "package.module:Net") if noun == "model" else (
+            "path/to/data.py:loader" if is_file else "package.module:loader")
+        raise UsageError(f"{noun} spec {spec!r} needs both a module and an attribute",
+                         hint=f"e.g. {example}")
+    _refuse_stdlib_target(target, spec, is_file, noun)
+    module = _import_file(target, noun) if is_file else _import_module(target)
+    return _resolve_attr(module, attr, target)
+
+
 def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
                weights: str | None, trust_pickle: bool = False, own_code: Sequence[str] = ()) -> LoadedModel:
     is_file = target.endswith(".py")
-    if not attr or not target:
-        example = "path/to/net.py:Net" if is_file else "package.module:Net"
-        raise UsageError(f"model spec {spec!r} needs both a module and an attribute",
-                         hint=f"e.g. {example}")
-    _refuse_stdlib_target(target, spec, is_file)
-    module = _import_file(target) if is_file else _import_module(target)
-    obj = _resolve_attr(module, attr, target)
+    obj = import_attr(spec, target, attr)
     if own_code:  # the general refusal first (it names the standard library or PyTorch), then the config's
         check_target(obj, spec)
         check_own_code(obj, spec, own_code)

@@ -24,9 +24,11 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import (
-    INTERRUPTS, HookcliError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error, safe_str,
+    INTERRUPTS, HookcliError, InputError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error,
+    safe_str,
 )
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
+from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
@@ -61,6 +63,8 @@ class Prepared:
     info: ModelInfo
     #: ``index`` as made for the model at hand (a copy of a Prepared with another model remakes it).
     model_index: ModelIndex | None = None
+    #: ``--data``: the data set's batches (``inputs`` is its first batch), else None
+    data: DataBatches | None = None
 
     @property
     def index(self) -> ModelIndex:
@@ -76,7 +80,8 @@ TRAIN_BATCH = 2
 TRAIN_BATCH_NOTE = f"batch of {TRAIN_BATCH} in train mode"
 
 
-def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False) -> Prepared:
+def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool = False,
+            batched: bool = False) -> Prepared:
     """Validate options, load the model, select modules, build inputs (no forward pass yet).
 
     Generated inputs get batch ``--batch-size``, else ``default_batch``, else in train mode
@@ -85,8 +90,14 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     ``meta=True`` builds the model on the meta device (no memory for weights or activations; shapes
     only) and runs it there. A model instance the caller passed in is never moved to meta (its
     weights could not come back): it runs as ``meta_copy``, a copy without weights.
+
+    ``batched``: the caller runs every batch of ``--data`` (``data``; its first batch is ``inputs``);
+    other callers refuse ``--data`` (UsageError) before the model is built.
     """
     opts = options.validate()  # a fresh copy: safe to adjust
+    if opts.data is not None and not batched:
+        raise UsageError("--data (a data set run in batches) is taken by stats, grads and check only",
+                         hint="give this command one batch with --input or --input-shape")
     if meta:
         opts.device = "meta"
     loaded = load(opts, meta=meta)
@@ -104,19 +115,26 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         loaded.model, layers=opts.layers, types=opts.types, depth=opts.depth, all_modules=opts.all_modules,
         named=index.named,
     )
-    batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
-    train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
-    if train_batch:
-        batch = TRAIN_BATCH
-    inputs = make_inputs(
-        loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
-        trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
-    )
-    if train_batch:
-        inputs = with_note(inputs, TRAIN_BATCH_NOTE)
+    data = None
+    if opts.data is not None:
+        with seeded_rng(opts.seed):  # a DataLoader draws from torch's RNG (its seed, a shuffle): not the caller's
+            data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
+                             trust_pickle=opts.trust_pickle)
+        inputs = data.first
+    else:
+        batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
+        train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
+        if train_batch:
+            batch = TRAIN_BATCH
+        inputs = make_inputs(
+            loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
+            trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
+        )
+        if train_batch:
+            inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
-    return Prepared(opts, loaded, inputs, selection, info, index)
+    return Prepared(opts, loaded, inputs, selection, info, index, data)
 
 
 def require_values(prep: Prepared, command: str) -> None:
@@ -346,6 +364,10 @@ class RunResult:
     params: list[ParamRecord] = field(default_factory=list)
     reached: bool = True
     unreached: dict[str, nn.Parameter] = field(default_factory=dict)
+    #: With ``merge``: each output tensor's (statistics, gradient) vectors (``HookSession.vectors``) and each
+    #: of ``params``' gradient tensor (None where backward did not reach it), to merge over batches
+    vectors: dict[tuple[str, int, str], tuple[Vector | None, Vector | None]] | None = None
+    gradients: dict[str, torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -434,7 +456,7 @@ def run_model(prep: Prepared, hooks: HookOptions, **step: Any) -> RunResult:
 def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], hooks: HookOptions,
              *, loss: LossFn | None = None, params: Sequence[tuple[str, nn.Parameter]] = (),
              clip: float | None = None, observer: RunObserver | None = None, compiled: bool = False,
-             show_phase: bool = True, steps: OptimiserSteps | None = None) -> RunResult:
+             show_phase: bool = True, steps: OptimiserSteps | None = None, merge: bool = False) -> RunResult:
     """THE run loop: one forward pass of an already placed model (``running``) with the session's
     hooks on ``prep.selection`` and, with ``loss``, the loss and one backward pass; failures blamed.
 
@@ -448,7 +470,8 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     forward read (``ParamRecord.unused``). ``compiled``: run ``torch.compile(model)``.
     ``show_phase``: the forward/backward spinners (off where a command shows its own progress).
     ``steps`` (with ``loss``): optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``;
-    the inputs as they are, no gradient statistics).
+    the inputs as they are, no gradient statistics). ``merge``: also hand back what a run over many
+    batches merges (``RunResult.vectors`` and ``gradients``).
 
     The model raising or exiting gives ``failure`` (``blame``; in backward, the module whose gradient
     arrived last) and the rows gathered up to it; hookcli's own failures (hooks, observer) raise after
@@ -547,6 +570,9 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
             plan.append((name, p, g_slot, n_slot, c_slot))
         if value is not None:
             extra.append(value.detach().reshape(1))
+        if merge:
+            result.vectors = session.vectors()
+            result.gradients = {name: grads.get(id(p)) for name, p in params}
         result.layers, values = session.records(params_by_module(prep), extra)
     for name, p, g_slot, n_slot, c_slot in plan:
         result.params.append(ParamRecord(
@@ -573,11 +599,13 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     return result
 
 
-def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None) -> None:
-    """Raise ModelRaisedError for the model's ``failure``, carrying the partial ``report``."""
+def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "") -> None:
+    """Raise ModelRaisedError for the model's ``failure``, carrying the partial ``report``; ``where``
+    (``batch 3``) starts the message."""
     report.failure = failure
-    raise ModelRaisedError(failure_message(failure), report=report, module=failure.module,
-                           input_shapes=failure.input_shapes, phase=failure.phase) from cause
+    raise ModelRaisedError(f"{where}: {failure_message(failure)}" if where else failure_message(failure),
+                           report=report, module=failure.module, input_shapes=failure.input_shapes,
+                           phase=failure.phase) from cause
 
 
 def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False,
@@ -590,6 +618,8 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     InternalError when hookcli's own hook code fails, UnsupportedError for a TorchScript model.
     """
     refuse_torchscript(prep.loaded.model, prep.selection)
+    if prep.data is not None:
+        return data_forward_report(prep, command)
     report = new_report(prep, command)
     run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep))
     report.layers = run.layers
@@ -597,4 +627,53 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         report.flops = run.flops
     if run.failure is not None:
         raise_failure(report, run.failure, run.cause)
+    return report
+
+
+def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> Iterator[tuple[int, ModelInputs, tuple[Any, ...], dict[str, Any]]]:
+    """Every batch of ``prep.data`` as (index, CPU inputs, placed args, placed kwargs), the first from
+    ``args``/``kwargs`` (``running`` placed it), each later one checked against forward's signature
+    and placed on the run's device in its dtype as it comes: one batch is held at a time."""
+    assert prep.data is not None
+    yield 0, prep.inputs, args, kwargs
+    for index, batch in enumerate(prep.data.rest, start=1):
+        try:
+            check_signature(prep.loaded.model, batch)
+        except InputError as exc:
+            raise InputError(f"batch {index}: {exc.message}", hint=exc.hint) from None
+        yield index, batch, *place_inputs(prep, batch)
+
+
+def data_source(prep: Prepared, report: Report, rows: MergedRows) -> None:
+    """Say in ``report`` where the batches came from and how many batches and samples were seen:
+    each input row's source (its shape and dtype are the first batch's), and the merged rows' notes."""
+    assert prep.data is not None
+    seen = f"{prep.data.label}, {batches_text(rows.batches)}, {rows.samples} samples"
+    report.inputs = [dataclasses.replace(info, source=seen) for info in report.inputs]
+    report.notes += rows.notes
+
+
+def data_forward_report(prep: Prepared, command: str) -> Report:
+    """``forward_report`` over every batch of ``--data``: one row per (module, call, output path) with
+    statistics merged over the batches (``MergedRows``), a progress bar on stderr counting batches.
+
+    The model raising on a batch is ModelRaisedError naming the batch, carrying the rows merged so far
+    (that batch's included); a batch the model's forward cannot take, or an item of another type than
+    a tensor, tuple or dict, is InputError naming the batch (exit 2)."""
+    assert prep.data is not None
+    report = new_report(prep, command)
+    rows = MergedRows()
+    bar, advance = progress.bar(command, prep.data.total, "batches")
+    with bar, running(prep) as (model, first_args, first_kwargs):
+        for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
+            rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
+            if run.failure is not None:
+                report.layers = rows.records()
+                data_source(prep, report, rows)
+                raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+            advance(1)
+    report.layers = rows.records()
+    data_source(prep, report, rows)
     return report

@@ -356,6 +356,12 @@ class HookSession:
         return hook
 
     # -- results ---------------------------------------------------------------------------------
+    def vectors(self) -> dict[tuple[str, int, str], tuple[Vector | None, Vector | None]]:
+        """The statistics and gradient vectors of each recorded output tensor, by (module name, call
+        index, output path): what a run over many batches merges (``engine.batches.MergedRows``)."""
+        return {(call.name, call.call, t.path): (t.stats, t.grad) for call in self.calls for t in call.outputs
+                if t.stats is not None or t.grad is not None}
+
     def completion_order(self) -> CompletionOrder:
         """Where each call that returned stands in the order calls *finished* (children before
         their parents): the finite rule names the first layer that made a NaN by it."""

@@ -28,7 +28,7 @@ from hookcli.config import Config, config_options, confine_read
 from hookcli.errors import (
     ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
 )
-from hookcli.commands.grads import backward_report, build_loss
+from hookcli.commands.grads import backward_report, build_loss, data_backward_report
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
@@ -298,6 +298,31 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
 
 
+#: What ``check --data`` says about the rules that see the first batch alone.
+FIRST_BATCH_NOTE = ("dead_channels, output_shape, params_change and the output's NaN/Inf count judge the first batch; "
+                    "the rules on layer statistics, gradients and the loss see every batch")
+
+
+def over_data(prep: engine.Prepared, first: Report) -> tuple[Report, BaseException | None]:
+    """``check --data``: ``first`` (the checked run of the first batch) with its layer rows, parameter
+    gradients and loss replaced by those of a run over every batch (``data_backward_report``: statistics
+    merged, parameter gradients of the mean loss). What the rules measure beyond the report (dead
+    channels, the output, the SGD step on a copy) stays the first batch's (``FIRST_BATCH_NOTE``). The
+    model raising on a later batch is the run's failure (the ``runs`` rule), with the rows merged so far."""
+    cause: BaseException | None = None
+    try:
+        merged = data_backward_report(prep, "check", stats=True)
+    except ModelRaisedError as exc:
+        if exc.report is None:
+            raise
+        merged, cause = exc.report, exc
+    grads = {p.name: p.grad for p in merged.params or []}
+    params = [replace(p, grad=grads.get(p.name, p.grad)) for p in first.params] if first.params is not None else None
+    report = replace(first, inputs=merged.inputs, layers=merged.layers, params=params, loss=merged.loss or first.loss,
+                     failure=merged.failure, notes=[*first.notes, *merged.notes, FIRST_BATCH_NOTE])
+    return report, cause
+
+
 def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
     """Forward and backward once, the extra measurements, the SGD step on a copy, then the rules.
 
@@ -319,9 +344,11 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         opts = replace(opts, all_modules=True)
     base_rule = rules.get("baseline")
     baseline = load_baseline(base_rule["file"], rules.source) if base_rule else None
-    prep = engine.prepare(opts, default_batch=2)
+    prep = engine.prepare(opts, default_batch=2, batched=True)
     run_started = time.perf_counter()
     report, obs, cause = measure(prep, rules)
+    if prep.data is not None and cause is None:
+        report, cause = over_data(prep, report)
     obs.baseline = baseline
     run_seconds = time.perf_counter() - run_started
     step_seconds: float | None = None
