@@ -25,6 +25,7 @@ from hookcli.engine.session import HookOptions, attach
 from hookcli.records import LayerRecord
 
 from tests.reference import float64_stats, forward_with
+from tiny_models import Checkpointed
 
 
 class Block(nn.Module):
@@ -195,21 +196,6 @@ def test_a_compiled_model_keeps_module_hooks_run_eagerly(recwarn: pytest.Warning
                   depth=r["depth"] - 1) for r in compiled if r["name"] != "_orig_mod"]
     assert inner == [r for r in eager]
     assert not [w for w in recwarn if "global hooks" in str(w.message)]
-
-
-class Checkpointed(nn.Module):
-    """``a`` -> checkpointed ``block`` (rerun during backward) -> ``head``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.block = nn.Sequential(nn.Linear(6, 6), nn.GELU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils import checkpoint
-
-        return self.head(checkpoint.checkpoint(self.block, self.a(x), use_reentrant=False))
 
 
 def test_process_wide_hooks_skip_checkpoint_recomputation_and_give_torch_gradients(tmp_path: Any) -> None:

@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.modules import module as torch_module
-from torch.utils import checkpoint
 
 from reference import float64_stats
 from transcripts import one_thread
@@ -25,6 +24,7 @@ from hookcli.engine.selection import select_modules
 from hookcli.engine.session import HookOptions, HookSet
 from hookcli.engine.state import run_lock
 from hookcli.errors import UsageError
+from tiny_models import Checkpointed
 
 
 class ConvMLP(nn.Module):
@@ -39,25 +39,6 @@ class ConvMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(self.act(self.conv(x)).flatten(1))))
-
-
-class Checkpointed(nn.Module):
-    """``a`` -> ``block`` (checkpointed, either flavour: rerun during backward) -> ``head``."""
-
-    def __init__(self, reentrant: bool | None) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.a = nn.Linear(6, 6)
-        self.block = nn.Sequential(nn.Linear(6, 6), nn.GELU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if self.reentrant is not None:
-            h = checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
-        else:
-            h = self.block(h)
-        return self.head(h)
 
 
 def _hooked_anywhere(model: nn.Module, tensors: list[torch.Tensor]) -> list[str]:

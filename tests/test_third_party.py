@@ -7,24 +7,10 @@ Every number is checked against plain torch (forward hooks and ``torch.autograd.
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import hookcli
-
-
-class Checkpointed(nn.Module):
-    """``a`` -> checkpointed ``block`` -> ``head``, as timm/Hugging Face do with gradient checkpointing."""
-
-    def __init__(self, reentrant: bool = False) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.a = nn.Linear(6, 6)
-        self.block = nn.Sequential(nn.Linear(6, 6), nn.GELU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(checkpoint.checkpoint(self.block, self.a(x), use_reentrant=self.reentrant))
+from tiny_models import Checkpointed
 
 
 class RunningBuffers(nn.Module):
@@ -82,7 +68,7 @@ def test_reentrant_checkpoint_is_unsupported_not_the_models_fault(cli) -> None:
     model(torch.randn(2, 6, requires_grad=True)).sum().backward()
 
     for command in ("grads", "check"):
-        result = cli(command, "test_third_party:Checkpointed", "--model-arg", "reentrant=True",
+        result = cli(command, "tiny_models:Checkpointed", "--model-arg", "reentrant=True",
                      "--input-shape", "2x6")
         assert result.exit_code == 2, result.stderr
         assert result.stdout == ""

@@ -214,3 +214,24 @@ class BrokenInBfloat16(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.fc2(self.act(self.fc1(x))))
+
+
+class Checkpointed(nn.Module):
+    """``a`` -> ``block`` -> ``head``, ``block`` under activation checkpointing (rerun during backward), as
+    timm and Hugging Face do with gradient checkpointing: non-reentrant by default, ``reentrant=True`` the
+    other flavour, ``None`` not checkpointed (the same model, for reference)."""
+
+    def __init__(self, reentrant: bool | None = False) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a = nn.Linear(6, 6)
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.GELU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils import checkpoint
+
+        h = self.a(x)
+        if self.reentrant is None:
+            return self.head(self.block(h))
+        return self.head(checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant))
