@@ -395,6 +395,15 @@ def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list
 
 
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config's option values (checked against ``OPTION_KEYS``, paths resolved and confined) and its
+    raw ``[checks]`` table; ConfigError naming ``path`` and the key for anything wrong."""
+    values, checks = _check_keys(table, path)
+    _resolve_and_confine(values, path)
+    return values, checks
+
+
+def _check_keys(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each key known, given once and not command-line only, each value of its key's type."""
     values: dict[str, Any] = {}
     checks: dict[str, Any] = {}
     seen: dict[str, str] = {}
@@ -435,6 +444,12 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
                 f"{path}: model_args key {name!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[name]} on the "
                 "command line instead", hint="it runs code from files, and a config may come from someone else's "
                 "repository")
+    return values, checks
+
+
+def _resolve_and_confine(values: dict[str, Any], path: Path) -> None:
+    """Resolve the paths ``values`` name against the config's directory, in place, and refuse those a
+    config may not name (``confine_read``, ``confine_write``, ``_confine_model``, ``_confine_data``)."""
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
@@ -456,7 +471,6 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
         for value in values["input"]:
             match = _KEYWORD_INPUT.match(value)
             confine_read(path, "input", match.group(2) if match else value)
-    return values, checks
 
 
 def load_config(
