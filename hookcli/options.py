@@ -38,6 +38,9 @@ MODEL_SOURCES: tuple[tuple[str, str], ...] = (
     ("a file", "path/net.py:build"),
 )
 
+#: Whose model names ``hookcli models --source`` lists (the CLI's choices and ``hookcli.models``' check).
+LISTED_SOURCES: tuple[str, ...] = ("torchvision", "timm", "hf")
+
 
 def model_sources_text() -> str:
     """``a torchvision name (resnet50), timm:NAME (...) (timm:resnet18), ...``: every MODEL form."""

@@ -18,8 +18,8 @@ import hookcli
 from hookcli.cli import main
 from hookcli.config import KEY_EXCEPTIONS, OPTION_KEYS, Config, config_options, load_config, option_keys
 from hookcli.options import (
-    DTYPES, DType, Fill, Loss, OutputFormat, ParamScope, RunOptions, looks_like_weights_file, option_flags,
-    output_key_path, parse_dtype, values_of,
+    DTYPES, LISTED_SOURCES, DType, Fill, Loss, OutputFormat, ParamScope, RunOptions, looks_like_weights_file,
+    option_flags, output_key_path, parse_dtype, values_of,
 )
 from hookcli.records import FailureInfo
 
@@ -265,3 +265,15 @@ def test_docs_name_every_config_key_and_every_command_line_only_option() -> None
     cli_only = {flag for name, flag in option_flags().items() if name not in option_keys(config) and name != "model"}
     cli_only_part = cli_part.split("are command-line only")[0]
     assert set(re.findall(r"`(--[a-z-]+)`", cli_only_part)) == cli_only
+
+
+def test_models_sources_are_one_list_for_the_cli_and_the_api(cli) -> None:
+    (source,) = [p for p in main.commands["models"].params if p.name == "source"]
+    assert tuple(source.type.choices) == LISTED_SOURCES
+    with pytest.raises(hookcli.errors.UsageError) as info:
+        hookcli.models(source="tim")
+    assert "timm" in (info.value.hint or "")
+    result = cli("models", "--source", "timm", "resnet18", "-f", "json")
+    assert result.exit_code == 0 and result.stderr == ""
+    names = [row["name"] for row in json.loads(result.stdout)["models"]]
+    assert names == ["timm:resnet18"]

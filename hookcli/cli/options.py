@@ -148,8 +148,8 @@ model_options = _compose(
                  "Use it only for code you trust (never from a config; hookcli never asks on stdin)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE", is_eager=True,
                  callback=_read_config,
-                 help="TOML config giving defaults for the options (docs/options.md#config-files; else [tool.hookcli] in "
-                 "./pyproject.toml)."),
+                 help="TOML config giving defaults for the options (docs/options.md#config-files; else "
+                 "[tool.hookcli] in ./pyproject.toml)."),
 )
 """MODEL argument, how to build it, and whether its files may be unpickled."""
 
