@@ -1,4 +1,4 @@
-"""TOML configuration: defaults for any CLI option, from ``--config FILE`` or ``[tool.hookcli]``.
+"""TOML configuration: defaults for the CLI options of ``OPTION_KEYS``, from ``--config FILE`` or ``[tool.hookcli]``.
 
 A config is flat: option keys at the top level (or in ``[tool.hookcli]`` of a pyproject.toml),
 plus a ``[checks]`` table kept raw for the ``check`` command. Keys may use ``-`` or ``_``.
@@ -29,11 +29,14 @@ import tomllib
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.targets import is_inside
 from hookcli.limits import TEXT_BYTES, read_capped
-from hookcli.options import Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, values_of
+from hookcli.options import (
+    DType, Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, option_help, parse_dtype, values_of,
+)
 
 FILLS = values_of(Fill)
 MODES = values_of(Mode)
 FORMATS = values_of(OutputFormat)
+DTYPE_NAMES = values_of(DType)
 
 
 class Invalid(Exception):
@@ -159,28 +162,35 @@ def _spec(expected: str, description: str, validate: Callable[[Any], Any]) -> Ke
 
 STR, STRS = "string", "string or array of strings"
 
-#: Every option a config may set (normalised names), with the type it takes.
+
+def _dtype(value: Any) -> str:
+    """A dtype spelling ``--dtype`` takes (``parse_dtype``), kept as written for Click and RunOptions."""
+    if not isinstance(value, str) or parse_dtype(value) is None:
+        raise Invalid
+    return value
+
+
+#: Every option a config may set (normalised names), with the type it takes. A key that sets a
+#: RunOptions field shows that field's help (``option_help``), the same text as its CLI option.
 OPTION_KEYS: dict[str, KeySpec] = {
-    "model": _spec(STR, "model spec: torchvision name, module:attr, file.py:attr, timm:NAME or hf:TYPE", _str),
-    "weights": _spec(STR, "weights file (or torchvision weights name)", _str),
-    "model_args": _spec("table, or array of \"KEY=VALUE\" strings",
-                        "keyword arguments for the model builder", _model_args),
-    "input_shape": _spec(STRS, "shape of each dummy input, e.g. \"1x3x224x224\"", _str_list),
-    "input": _spec(STRS, "input file(s): image, .pt, .npy, .safetensors", _str_list),
-    "batch_size": _spec("integer > 0", "batch size of dummy inputs", integer(1)),
-    "data": _spec(STR, "a data set run in batches: a folder of images, a tensor file, or pkg.mod:attr / file.py:attr "
-                  "naming an iterable of batches (the repository's own)", _str),
-    "batches": _spec("integer > 0", "at most this many batches of data", integer(1)),
-    "fill": _spec(" | ".join(FILLS), "how dummy inputs are filled", _choice(FILLS)),
-    "seed": _spec("integer >= 0", "random seed for dummy inputs", integer(0)),
-    "seq_len": _spec("integer > 0", "sequence length of generated token/sequence inputs", integer(1)),
-    "layers": _spec(STRS, "layer name patterns to hook", _str_list),
-    "types": _spec(STRS, "module type names to hook", _str_list),
-    "depth": _spec("integer >= 0", "maximum module depth to hook", integer(0)),
-    "all": _spec("boolean", "hook every module, not only leaves", boolean),
-    "device": _spec(STR, "device to run on (cpu, cuda, cuda:1, mps)", _str),
-    "dtype": _spec(STR, "dtype to run in (float32, float16, bfloat16)", _str),
-    "mode": _spec(" | ".join(MODES), "module mode during the run", _choice(MODES)),
+    "model": _spec(STR, option_help("model"), _str),
+    "weights": _spec(STR, option_help("weights"), _str),
+    "model_args": _spec("table, or array of \"KEY=VALUE\" strings", option_help("model_args"), _model_args),
+    "input_shape": _spec(STRS, option_help("input_shapes"), _str_list),
+    "input": _spec(STRS, option_help("inputs"), _str_list),
+    "batch_size": _spec("integer > 0", option_help("batch_size"), integer(1)),
+    "data": _spec(STR, option_help("data") + " A config's data is the repository's own.", _str),
+    "batches": _spec("integer > 0", option_help("batches"), integer(1)),
+    "fill": _spec(" | ".join(FILLS), option_help("fill"), _choice(FILLS)),
+    "seed": _spec("integer >= 0", option_help("seed"), integer(0)),
+    "seq_len": _spec("integer > 0", option_help("seq_len"), integer(1)),
+    "layers": _spec(STRS, option_help("layers"), _str_list),
+    "types": _spec(STRS, option_help("types"), _str_list),
+    "depth": _spec("integer >= 0", option_help("depth"), integer(0)),
+    "all": _spec("boolean", option_help("all_modules"), boolean),
+    "device": _spec(STR, option_help("device"), _str),
+    "dtype": _spec(" | ".join(DTYPE_NAMES), option_help("dtype"), _dtype),
+    "mode": _spec(" | ".join(MODES), option_help("train"), _choice(MODES)),
     "format": _spec(" | ".join(FORMATS), "output format", _choice(FORMATS)),
     "output": _spec(STR, "file to write the report to", _str),
     "width": _spec("integer > 0", "table width in columns", integer(1)),
@@ -385,6 +395,15 @@ def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list
 
 
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config's option values (checked against ``OPTION_KEYS``, paths resolved and confined) and its
+    raw ``[checks]`` table; ConfigError naming ``path`` and the key for anything wrong."""
+    values, checks = _check_keys(table, path)
+    _resolve_and_confine(values, path)
+    return values, checks
+
+
+def _check_keys(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each key known, given once and not command-line only, each value of its key's type."""
     values: dict[str, Any] = {}
     checks: dict[str, Any] = {}
     seen: dict[str, str] = {}
@@ -425,6 +444,12 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
                 f"{path}: model_args key {name!r} cannot be set in a config file; pass {CLI_ONLY_KEYS[name]} on the "
                 "command line instead", hint="it runs code from files, and a config may come from someone else's "
                 "repository")
+    return values, checks
+
+
+def _resolve_and_confine(values: dict[str, Any], path: Path) -> None:
+    """Resolve the paths ``values`` name against the config's directory, in place, and refuse those a
+    config may not name (``confine_read``, ``confine_write``, ``_confine_model``, ``_confine_data``)."""
     base = path.parent
     if "model" in values:
         values["model"] = _resolve_model(values["model"], base)
@@ -446,7 +471,6 @@ def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[s
         for value in values["input"]:
             match = _KEYWORD_INPUT.match(value)
             confine_read(path, "input", match.group(2) if match else value)
-    return values, checks
 
 
 def load_config(

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hookcli.records import Report
 
+#: The CLI's exit codes besides 0, in one place (docs/options.md "Errors and exit codes" documents them).
+EXIT_FAILED = 1  # the model raised or exited, or a check failed
+EXIT_USAGE = 2  # bad usage or input, or something hookcli does not support
+EXIT_INTERNAL = 3  # a bug in hookcli
+
 
 class HookcliError(Exception):
     """Base class of every error hookcli raises on purpose.
@@ -22,7 +27,7 @@ class HookcliError(Exception):
     class's ``default_hint``, so no message reaches the user without one.
     """
 
-    exit_code: int = 2
+    exit_code: int = EXIT_USAGE
     default_hint: str = "run the command with --help to see its options"
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
@@ -100,7 +105,7 @@ class ModelRaisedError(HookcliError):
 
     default_hint = "run again with --debug for the model's traceback"
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
     def __init__(
         self,
@@ -124,7 +129,7 @@ class CheckFailedError(HookcliError):
 
     default_hint = 'see the FAIL rows above; thresholds come from [checks] in the config'
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
     def __init__(self, message: str, *, result: Any = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
@@ -136,7 +141,7 @@ class InternalError(HookcliError):
 
     default_hint = 'run again with --debug for the traceback, and please report it'
 
-    exit_code = 3
+    exit_code = EXIT_INTERNAL
 
 
 class Terminated(BaseException):
@@ -183,13 +188,6 @@ def internal_error(exc: BaseException, where: str) -> InternalError:
     text = safe_str(exc).strip()
     detail = f": {text.splitlines()[0]}" if text else ""
     return InternalError(f"internal error: {where} raised {type(exc).__name__}{detail}", hint=INTERNAL_HINT)
-
-
-#: The CLI's exit codes, in one place (README "Exit codes" documents them).
-EXIT_OK = 0
-EXIT_FAILED = 1  # the model raised or exited, or a check failed
-EXIT_USAGE = 2  # bad usage or input, or something hookcli does not support
-EXIT_INTERNAL = 3  # a bug in hookcli
 
 
 def close_matches(word: str, candidates: Iterable[str], n: int = 5) -> list[str]:

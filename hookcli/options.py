@@ -38,6 +38,9 @@ MODEL_SOURCES: tuple[tuple[str, str], ...] = (
     ("a file", "path/net.py:build"),
 )
 
+#: Whose model names ``hookcli models --source`` lists (the CLI's choices and ``hookcli.models``' check).
+LISTED_SOURCES: tuple[str, ...] = ("torchvision", "timm", "hf")
+
 
 def model_sources_text() -> str:
     """``a torchvision name (resnet50), timm:NAME (...) (timm:resnet18), ...``: every MODEL form."""
@@ -269,18 +272,31 @@ def parse_input_shape(text: str) -> InputSpec:
 MAX_NUMEL = 2**63 - 1
 
 
-def _flag(name: str, default: Any = None, **kwargs: Any) -> Any:
+def _flag(name: str, default: Any = None, *, help: str | None = None, **kwargs: Any) -> Any:  # noqa: A002
     """A RunOptions field that the command line sets with ``name`` (its long flag; a config key is
-    the flag's name, ``-`` or ``_``): the one place a field's flag is written beside the field."""
+    the flag's name, ``-`` or ``_``): the one place a field's flag, and the help that the CLI option
+    and the config key both show, are written beside the field."""
     if "default_factory" not in kwargs:
         kwargs["default"] = default
-    return field(metadata={"flag": name}, **kwargs)
+    metadata = {"flag": name} if help is None else {"flag": name, "help": help}
+    return field(metadata=metadata, **kwargs)
 
 
 def option_flags() -> dict[str, str]:
     """RunOptions field -> the flag that sets it (``input_shapes`` -> ``--input-shape``; ``model``:
     the MODEL argument)."""
     return {f.name: f.metadata["flag"] for f in fields(RunOptions) if "flag" in f.metadata}
+
+
+def option_help(name: str) -> str:
+    """The help of RunOptions field ``name``: the text of its CLI option and its config key alike."""
+    return next(f.metadata["help"] for f in fields(RunOptions) if f.name == name)
+
+
+def parse_dtype(value: Any) -> DType | None:
+    """The DType a ``--dtype`` spelling names (``bf16``, ``torch.float16``, any case), or None: the one
+    reading of a dtype, for the command line, the API and a config's ``dtype`` alike."""
+    return DTYPES.get(str(value).removeprefix("torch.").lower())
 
 
 @dataclass
@@ -292,37 +308,61 @@ class RunOptions:
     ``input_shapes``), see ``config_options``.
     """
 
-    model: Any = _flag("model")  # a spec string, an nn.Module, or None for the default (MODEL argument)
+    model: Any = _flag("model", help="The model: " + model_sources_text() + ".")  # a spec string, an nn.Module, or None for the default (MODEL argument)
     model_source: str = "argument"
     #: set when a config named the model: the directories its code must come from (the repository),
     #: see ``hookcli.config.read_roots``; empty when the user named it
     model_roots: tuple[str, ...] = ()
-    model_args: Mapping[str, Any] = _flag("--model-arg", default_factory=dict)  # config: model_args
-    weights: str | None = _flag("--weights")
+    model_args: Mapping[str, Any] = _flag(
+        "--model-arg", default_factory=dict,
+        help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) or a plain word "
+        "taken as a string (relu); repeatable.")  # config: model_args
+    weights: str | None = _flag(
+        "--weights",
+        help="State dict file (.pt/.pth/.safetensors) or torchvision weights name (DEFAULT; downloads).")
     # let torch.load unpickle arbitrary objects from weights/input files (runs code from them);
     # only the command line or a Python keyword sets it, never a config file
     trust_pickle: bool = _flag("--trust-pickle", False)
     # let an hf: model run the Python code that comes with it (auto_map); command line or Python only
     trust_remote_code: bool = _flag("--trust-remote-code", False)
-    input_shapes: Sequence[Any] = _flag("--input-shape", ())  # strings like "2x3x224x224:float16" or InputSpec
+    input_shapes: Sequence[Any] = _flag(
+        "--input-shape", (),
+        help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; NAME= makes it a keyword input "
+        "(input_ids=1x128:int64); repeat for several inputs.")  # strings like "2x3x224x224:float16" or InputSpec
     #: files (paths); from Python also tensors: a tensor, a tuple/list of them, a dict of keyword inputs
-    inputs: Any = _flag("--input", ())
-    batch_size: int | None = _flag("--batch-size")
+    inputs: Any = _flag(
+        "--input", (),
+        help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable.")
+    batch_size: int | None = _flag(
+        "--batch-size",
+        help="Batch size of the dummy input (features: images per batch from --input; --data: images or rows "
+        "per batch; default 32).")
     #: a data set to run over in batches (stats, grads, check): a folder of images or a tensor file (a
     #: path), an import path of an iterable of batches (pkg.mod:attr, path/file.py:attr), or (Python
     #: only) any iterable of batches, or a tensor / tuple of tensors / dict of tensors to slice
-    data: Any = _flag("--data")
-    batches: int | None = _flag("--batches")  # at most this many batches of ``data`` (None: all)
-    fill: Fill | str = _flag("--fill", Fill.randn)
-    seed: int = _flag("--seed", 0)
-    seq_len: int | None = _flag("--seq-len")  # length of generated sequences (None: 128, capped by an HF config)
-    layers: Sequence[str] | str | None = _flag("--layers")
-    types: Sequence[str] | str | None = _flag("--types")
-    depth: int | None = _flag("--depth")
-    all_modules: bool = _flag("--all", False)
-    device: str | None = _flag("--device")
-    dtype: DType | str | None = _flag("--dtype")
-    train: bool = _flag("--train", False)
+    data: Any = _flag(
+        "--data",
+        help="Run a data set in batches, statistics merged over all of them: a folder of images, a tensor file "
+        "of (samples, ...) tensors, or pkg.mod:attr / path/data.py:attr naming an iterable of batches (a "
+        "DataLoader; each batch a tensor, tuple or dict of inputs).")
+    batches: int | None = _flag(
+        "--batches", help="Run at most N batches of --data (default: all; needed for an iterable without a length).")  # at most this many batches of ``data`` (None: all)
+    fill: Fill | str = _flag("--fill", Fill.randn, help="How the dummy input is filled.")
+    seed: int = _flag("--seed", 0, help="Random seed of the dummy input (0 to 2**64-1).")
+    seq_len: int | None = _flag(
+        "--seq-len",
+        help="Sequence length of generated token/sequence inputs (default 128, or less where a transformers "
+        "config limits positions).")  # length of generated sequences (None: 128, capped by an HF config)
+    layers: Sequence[str] | str | None = _flag(
+        "--layers", help="Module names or globs, comma-separated or repeated (layer4, 'layer1.*').")
+    types: Sequence[str] | str | None = _flag("--types", help="Module class names, e.g. Conv2d,ReLU.")
+    depth: int | None = _flag("--depth", help="Every module down to this depth.")
+    all_modules: bool = _flag("--all", False, help="Every module of the model.")
+    device: str | None = _flag(
+        "--device", help="cpu (default), cuda, cuda:N, mps; `shapes` uses meta when none is given.")
+    dtype: DType | str | None = _flag(
+        "--dtype", help=f"Cast the model and float inputs: {', '.join(values_of(DType))}.")
+    train: bool = _flag("--train", False, help="Run in training or eval mode (default eval).")
     # gradients (grads, check)
     loss: Loss | str = _flag("--loss", Loss.auto)
     target: int = _flag("--target", 0)
@@ -403,11 +443,12 @@ class RunOptions:
         opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
                                 hint="--depth N hooks every module down to depth N (0: the model itself)")
         if opts.dtype is not None:
-            key = str(opts.dtype).removeprefix("torch.").lower()
-            if key not in DTYPES:
+            dtype = parse_dtype(opts.dtype)
+            if dtype is None:
+                key = str(opts.dtype).removeprefix("torch.").lower()
                 raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
                                  f"choose one of: {', '.join(values_of(DType))}")
-            opts.dtype = DTYPES[key]
+            opts.dtype = dtype
         if opts.device is not None:
             opts.device = _check_device(str(opts.device))
         opts.loss = member(Loss, opts.loss, "--loss")

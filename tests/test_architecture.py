@@ -221,3 +221,32 @@ def test_commands_use_the_engines_public_face_only() -> None:
             elif isinstance(node, ast.keyword) and node.arg == "extra":
                 wrong.append(f"{module} passes extra=")
     assert not wrong, "commands reaching into the engine:\n" + "\n".join(sorted(set(wrong)))
+
+
+def _top_level_names(tree: ast.Module) -> Iterator[str]:
+    """The functions, classes and constants a module defines at its top level."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.Assign):
+            yield from (t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            yield node.target.id
+
+
+def test_no_dead_code_every_top_level_name_is_used_somewhere() -> None:
+    """ruff finds unused imports and locals, not a public function or constant nothing calls: a name
+    defined at a module's top level must be named again somewhere (hookcli, tests, benchmarks, docs)."""
+    import re
+
+    root = PACKAGE.parent
+    sources = [*root.glob("hookcli/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py"),
+               *root.glob("docs/*.md"), root / "README.md", root / "setup.py"]
+    words: dict[str, int] = {}
+    for path in sources:
+        for word in re.findall(r"\w+", path.read_text(encoding="utf-8")):
+            words[word] = words.get(word, 0) + 1
+    unused = sorted(f"{name}.{defined}" for name, path in modules().items()
+                    for defined in _top_level_names(ast.parse(path.read_text(encoding="utf-8")))
+                    if not defined.startswith("__") and words.get(defined, 0) <= 1)
+    assert not unused, f"defined but never used (delete, or use it): {unused}"

@@ -26,7 +26,7 @@ import hookcli
 from hookcli import errors
 from hookcli.errors import HookcliError, UsageError
 from hookcli.commands.fmaps import compact_ranges, parse_channels
-from hookcli.engine.inputs import make_inputs
+from hookcli.engine.build_inputs import make_inputs
 from hookcli.options import parse_input_shape
 from hookcli.engine.loading import from_instance
 from hookcli.options import parse_model_args

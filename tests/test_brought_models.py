@@ -310,7 +310,7 @@ def test_one_input_of_an_embedding_first_model_is_still_token_ids(cli: Any) -> N
 def test_generated_length_is_the_default_capped_by_every_declared_limit(text: int, vision: int,
                                                                        seq: int | None) -> None:
     """Limits in sub-configs count (CLIP's text_config); an explicit --seq-len is kept as given."""
-    from hookcli.engine.inputs import DEFAULT_SEQ_LEN, _hf_seq_len
+    from hookcli.engine.build_inputs import DEFAULT_SEQ_LEN, _hf_seq_len
 
     config = transformers.CLIPConfig(text_config={"max_position_embeddings": text},
                                      vision_config={"max_position_embeddings": vision})

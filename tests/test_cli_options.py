@@ -4,6 +4,7 @@ default_map through one function, closed vocabularies as enums, and facts kept i
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import hookcli
 from hookcli.cli import main
 from hookcli.config import KEY_EXCEPTIONS, OPTION_KEYS, Config, config_options, load_config, option_keys
 from hookcli.options import (
-    Fill, Loss, OutputFormat, ParamScope, RunOptions, looks_like_weights_file, option_flags, output_key_path,
-    values_of,
+    DTYPES, LISTED_SOURCES, DType, Fill, Loss, OutputFormat, ParamScope, RunOptions, looks_like_weights_file,
+    option_flags, output_key_path, parse_dtype, values_of,
 )
 from hookcli.records import FailureInfo
 
@@ -206,3 +207,73 @@ def test_help_is_shown_whatever_the_config_holds(cli, tmp_path: Path, help_flag:
     assert result.exit_code == 0 and result.stdout.startswith("Usage:") and result.stderr == ""
     result = cli("stats", "--config", cfg)
     assert result.exit_code == 2 and "'seed'" in result.stderr and str(cfg) in result.stderr
+
+
+def test_a_config_key_and_its_cli_option_show_the_run_options_fields_one_help() -> None:
+    """Config descriptions were written apart from the CLI's help and drifted (``all``: "not only
+    leaves"; ``dtype``: three of the four dtypes): both now come from the field's own help."""
+    config = Config({key: None for key in OPTION_KEYS}, None, "config")
+    field_help = {f.name: f.metadata["help"] for f in fields(RunOptions) if "help" in f.metadata}
+    for name, key in option_keys(config).items():
+        assert OPTION_KEYS[key].description.startswith(field_help[name]), key
+    for command in commands():
+        for param in command.params:
+            own = (command.name, param.name) in {("check", "train"), ("fmaps", "output_key")}  # their own default
+            if param.name in field_help and isinstance(param, click.Option) and not own:
+                assert param.help == field_help[param.name], (command.name, param.name)
+    # every field a config sets has its help; the help names every dtype --dtype takes
+    assert set(option_keys(config)) <= set(field_help)
+    assert all(d in field_help["dtype"] for d in values_of(DType))
+
+
+def test_a_config_accepts_exactly_the_dtypes_the_command_line_takes(cli, tmp_path: Path) -> None:
+    for spelling in DTYPES:
+        assert load_config(write(tmp_path / "ok.toml", f'dtype = "{spelling}"\n')).values["dtype"] == spelling
+    cfg = write(tmp_path / "bad.toml", 'model = "tiny_models:Scaled"\ninput_shape = "2x4"\ndtype = "int8"\n')
+    result = cli("stats", "--config", cfg)
+    assert result.exit_code == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert str(cfg) in result.stderr and "'dtype'" in result.stderr
+    assert " | ".join(values_of(DType)) in result.stderr
+    ok = write(tmp_path / "h.toml", 'model = "tiny_models:Scaled"\ninput_shape = "2x4"\ndtype = "bf16"\n')
+    result = cli("shapes", "--config", ok, "--device", "cpu", "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layers"][0]["dtype"] == "bfloat16"
+
+
+@given(st.sampled_from(sorted(DTYPES)), st.booleans(), st.booleans())
+def test_parse_dtype_reads_any_case_and_torch_prefix(spelling: str, upper: bool, prefixed: bool) -> None:
+    text = ("torch." if prefixed else "") + (spelling.upper() if upper else spelling)
+    assert parse_dtype(text) is DTYPES[spelling]
+    assert getattr(torch, parse_dtype(text).value).is_floating_point
+
+
+def test_docs_list_every_dtype_and_fill() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text(encoding="utf-8")
+    assert "--fill " + "|".join(values_of(Fill)) in text
+    listed = text.split("`--dtype ", 1)[1].split("`", 1)[0].split("|")
+    assert sorted(listed) == sorted(values_of(DType))
+
+
+def test_docs_name_every_config_key_and_every_command_line_only_option() -> None:
+    """docs/options.md said "any option but --trust-pickle" could come from a config; the loss options
+    never could. It now lists the keys and the command-line-only flags, checked against the code."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text(encoding="utf-8")
+    section = " ".join(text.split("## Config files", 1)[1].split("```", 1)[0].split())
+    keys_part, _, cli_part = section.partition("command line wins.")[2].partition("each takes")
+    assert set(re.findall(r"`([^`]+)`", keys_part)) - {'"train"', '"eval"'} == set(OPTION_KEYS)
+    config = Config({key: None for key in OPTION_KEYS}, None, "config")
+    cli_only = {flag for name, flag in option_flags().items() if name not in option_keys(config) and name != "model"}
+    cli_only_part = cli_part.split("are command-line only")[0]
+    assert set(re.findall(r"`(--[a-z-]+)`", cli_only_part)) == cli_only
+
+
+def test_models_sources_are_one_list_for_the_cli_and_the_api(cli) -> None:
+    (source,) = [p for p in main.commands["models"].params if p.name == "source"]
+    assert tuple(source.type.choices) == LISTED_SOURCES
+    with pytest.raises(hookcli.errors.UsageError) as info:
+        hookcli.models(source="tim")
+    assert "timm" in (info.value.hint or "")
+    result = cli("models", "--source", "timm", "resnet18", "-f", "json")
+    assert result.exit_code == 0 and result.stderr == ""
+    names = [row["name"] for row in json.loads(result.stdout)["models"]]
+    assert names == ["timm:resnet18"]

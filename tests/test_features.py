@@ -173,7 +173,7 @@ def test_folder_runs_in_batches_and_equals_one_run(tmp_path: Path) -> None:
         assert saved[label].shape[0] == 5
         assert torch.allclose(saved[label], at_once.tensors[label], atol=1e-6), label
     # and the all-at-once run matches the model run by hand on hookcli's preprocessed batch
-    from hookcli.engine.inputs import make_inputs
+    from hookcli.engine.build_inputs import make_inputs
     from hookcli.engine.loading import from_instance
 
     x = make_inputs(from_instance(model), files=[tmp_path / "imgs"]).args[0]

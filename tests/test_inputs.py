@@ -16,7 +16,7 @@ from PIL import Image
 from torch import nn
 
 from hookcli.errors import InputError, UsageError
-from hookcli.engine.inputs import make_inputs
+from hookcli.engine.build_inputs import make_inputs
 from hookcli.options import FILLS, InputSpec, parse_input_shape
 from hookcli.engine.loading import LoadedModel, from_instance, list_torchvision_models
 

@@ -26,7 +26,7 @@ from hookcli.errors import (
     OutputError, Terminated, UsageError, exit_status, one_line, safe_str,
 )
 
-from hookcli.options import DEFAULT_MODEL, GradSort, model_sources_text, values_of
+from hookcli.options import DEFAULT_MODEL, LISTED_SOURCES, GradSort, model_sources_text, values_of
 from hookcli.cli.options import (
     META_CONFIG,
     META_DEBUG,
@@ -485,7 +485,7 @@ def modules(**values: Any) -> None:
 
 @main.command()
 @click.argument("pattern", required=False)
-@click.option("--source", type=click.Choice(["torchvision", "timm", "hf"]), default="torchvision", show_default=True,
+@click.option("--source", type=click.Choice(LISTED_SOURCES), default="torchvision", show_default=True,
               help="Whose names: torchvision's, timm's (timm:NAME) or transformers' model types (hf:TYPE).")
 @output_options
 def models(pattern: str | None, source: str, **values: Any) -> None:

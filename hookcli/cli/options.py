@@ -20,7 +20,8 @@ from click.core import ParameterSource
 
 from hookcli.errors import ConfigError, OutputError
 from hookcli.options import (
-    MAX_FMAP_SCALE, MAX_SEED, Fill, Loss, OutputFormat, ParamScope, option_flags, parse_model_args, values_of,
+    MAX_FMAP_SCALE, MAX_SEED, Fill, Loss, OutputFormat, ParamScope, option_flags, option_help, parse_model_args,
+    values_of,
 )
 
 META_OUTPUT = "hookcli.output"
@@ -136,10 +137,9 @@ model_options = _compose(
     click.argument("model", required=False),
     click.option("--model-arg", "model_args", multiple=True, type=_ModelArg(), callback=_model_args,
                  metavar="KEY=VALUE",
-                 help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) "
-                 "or a plain word taken as a string (relu); repeatable."),
+                 help=option_help("model_args")),
     click.option("--weights", metavar="FILE|NAME",
-                 help="State dict file (.pt/.pth/.safetensors) or torchvision weights name (DEFAULT; downloads)."),
+                 help=option_help("weights")),
     click.option("--trust-pickle", "trust_pickle", is_flag=True,
                  help="Let torch.load unpickle arbitrary Python objects from --weights/--input files. "
                  "Unpickling runs code from the file: use it only for files you trust (never from a config)."),
@@ -148,52 +148,48 @@ model_options = _compose(
                  "Use it only for code you trust (never from a config; hookcli never asks on stdin)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE", is_eager=True,
                  callback=_read_config,
-                 help="TOML config giving defaults for any option (else [tool.hookcli] in ./pyproject.toml)."),
+                 help="TOML config giving defaults for the options (docs/options.md#config-files; else "
+                 "[tool.hookcli] in ./pyproject.toml)."),
 )
 """MODEL argument, how to build it, and whether its files may be unpickled."""
 
 input_options = _compose(
     click.option("--input-shape", "input_shapes", multiple=True, metavar="[NAME=]SHAPE[:DTYPE]",
-                 help="Dummy input shape, e.g. 2x3x224x224 or 1x16:int64; NAME= makes it a keyword input "
-                 "(input_ids=1x128:int64); repeat for several inputs."),
+                 help=option_help("input_shapes")),
     click.option("--input", "inputs", multiple=True, metavar="FILE",
-                 help="Image(s), a folder of images, or a .pt/.npy/.npz/.safetensors tensor file; repeatable."),
+                 help=option_help("inputs")),
     click.option("--batch-size", type=click.IntRange(min=1),
-                 help="Batch size of the dummy input (features: images per batch from --input; --data: images or "
-                 "rows per batch; default 32)."),
+                 help=option_help("batch_size")),
     click.option("--fill", type=_choice(Fill), default=Fill.randn.value,
-                 show_default=True, help="How the dummy input is filled."),
+                 show_default=True, help=option_help("fill")),
     click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
-                 help="Random seed of the dummy input (0 to 2**64-1)."),
+                 help=option_help("seed")),
     click.option("--seq-len", "seq_len", type=click.IntRange(min=1), metavar="N",
-                 help="Sequence length of generated token/sequence inputs (default 128, or less where a "
-                 "transformers config limits positions)."),
+                 help=option_help("seq_len")),
 )
 """What goes into the model."""
 
 selection_options = _compose(
     click.option("--layers", "-l", multiple=True, metavar="NAMES",
-                 help="Module names or globs, comma-separated or repeated (layer4, 'layer1.*')."),
-    click.option("--types", "-t", multiple=True, metavar="TYPES", help="Module class names, e.g. Conv2d,ReLU."),
-    click.option("--depth", "-d", type=click.IntRange(min=0), help="Every module down to this depth."),
-    click.option("--all", "all_modules", is_flag=True, help="Every module of the model."),
+                 help=option_help("layers")),
+    click.option("--types", "-t", multiple=True, metavar="TYPES", help=option_help("types")),
+    click.option("--depth", "-d", type=click.IntRange(min=0), help=option_help("depth")),
+    click.option("--all", "all_modules", is_flag=True, help=option_help("all_modules")),
 )
 """Which modules get hooks (default: the model's direct children)."""
 
 run_options = _compose(
-    click.option("--device", help="cpu (default), cuda, cuda:N, mps; `shapes` uses meta when none is given."),
-    click.option("--dtype", help="Cast the model and float inputs: float32, float16, bfloat16, float64."),
-    click.option("--train/--eval", "train", default=False, help="Run in training or eval mode (default eval)."),
+    click.option("--device", help=option_help("device")),
+    click.option("--dtype", help=option_help("dtype")),
+    click.option("--train/--eval", "train", default=False, help=option_help("train")),
 )
 """Where and how the model runs."""
 
 data_options = _compose(
     click.option("--data", metavar="DIR|FILE|SPEC",
-                 help="Run a data set in batches, statistics merged over all of them: a folder of images, a "
-                 "tensor file of (samples, ...) tensors, or pkg.mod:attr / path/data.py:attr naming an iterable "
-                 "of batches (a DataLoader; each batch a tensor, tuple or dict of inputs)."),
+                 help=option_help("data")),
     click.option("--batches", type=click.IntRange(min=1), metavar="N",
-                 help="Run at most N batches of --data (default: all; needed for an iterable without a length)."),
+                 help=option_help("batches")),
 )
 """A data set run in batches (stats, grads, check); ``--batch-size`` sets images or rows per batch."""
 

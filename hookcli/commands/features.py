@@ -49,8 +49,8 @@ from hookcli.engine.run import (
 )
 from hookcli.errors import InputError, InternalError, OutputError, UnsupportedError
 from hookcli.engine.session import HookOptions
-from hookcli.engine.input_files import list_input_files
-from hookcli.engine.inputs import make_inputs
+from hookcli.engine.read_inputs import list_input_files
+from hookcli.engine.build_inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.options import MemoryInputs, RunOptions
 from hookcli.engine.state import exclusive

@@ -10,7 +10,7 @@ from hookcli.engine.loading import list_torchvision_models
 from hookcli.engine.run import load, model_info
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import exclusive
-from hookcli.options import RunOptions
+from hookcli.options import HF_PREFIX, LISTED_SOURCES, TIMM_PREFIX, RunOptions
 from hookcli.records import ModelList, ModuleRow, ModuleTree
 
 
@@ -38,24 +38,21 @@ def _module_tree(opts: RunOptions, depth: int | None) -> ModuleTree:
     return ModuleTree(model=model_info(loaded, opts.model_source, opts.model_args), modules=rows, version=__version__)
 
 
-MODEL_SOURCES = ("torchvision", "timm", "hf")
-
-
 def model_list(pattern: str | None = None, source: str = "torchvision") -> ModelList:
     """Model names a source can build, filtered by a case-insensitive glob like ``resnet*``:
     torchvision's (with their family), timm's (``timm:NAME``) or transformers' model types
     (``hf:TYPE``); timm and hf need their extras installed."""
-    if source not in MODEL_SOURCES:
-        raise UsageError(f"unknown model source {source!r}",
-                         hint=did_you_mean(str(source), MODEL_SOURCES) or f"choose one of: {', '.join(MODEL_SOURCES)}")
+    if source not in LISTED_SOURCES:
+        raise UsageError(f"unknown model source {source!r}", hint=did_you_mean(str(source), LISTED_SOURCES)
+                         or f"choose one of: {', '.join(LISTED_SOURCES)}")
     if source == "timm":
         from hookcli.engine.sources import list_timm_models
 
-        rows = [{"name": f"timm:{n}", "family": "timm"} for n in list_timm_models(pattern)]
+        rows = [{"name": f"{TIMM_PREFIX}{n}", "family": "timm"} for n in list_timm_models(pattern)]
     elif source == "hf":
         from hookcli.engine.sources import model_types
 
-        rows = [{"name": f"hf:{n}", "family": "transformers"} for n in model_types()
+        rows = [{"name": f"{HF_PREFIX}{n}", "family": "transformers"} for n in model_types()
                 if not pattern or fnmatch.fnmatchcase(n.lower(), pattern.lower())]
     else:
         rows = [{"name": n, "family": f} for n, f in list_torchvision_models(pattern)]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hookcli.engine.loading import DATA_HINT, LoadedModel, import_attr
-from hookcli.engine.model_inputs import (
+from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
     ModelInputs,
@@ -110,7 +110,7 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         label = f"data: {text.rstrip('/' + os.sep)}/ ({plural(len(images), 'image')})"
         return _images(loaded, chunks), label, len(chunks)
     if path.is_file() and path.suffix.lower() in TENSOR_SUFFIXES:
-        from hookcli.engine.input_files import tensor_inputs
+        from hookcli.engine.read_inputs import tensor_inputs
 
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
         n = _leading(whole, f"data file {text}")
@@ -127,7 +127,7 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
 
 
 def _images(loaded: LoadedModel, chunks: list[list[Path]]) -> Iterator[ModelInputs]:
-    from hookcli.engine.inputs import make_inputs  # (it imports the image decoders only when reading)
+    from hookcli.engine.build_inputs import make_inputs  # (it imports the image decoders only when reading)
 
     for chunk in chunks:
         yield make_inputs(loaded, files=chunk)

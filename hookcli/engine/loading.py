@@ -54,7 +54,7 @@ def model_exited(exc: SystemExit, what: str) -> ModelRaisedError:
 
 @dataclass
 class LoadedModel:
-    """A built model plus where it came from (read by inputs.py and the report header)."""
+    """A built model plus where it came from (read by build_inputs.py and the report header)."""
 
     model: nn.Module
     spec: str  # the spec as the user gave it

@@ -29,7 +29,7 @@ from hookcli.errors import (
 )
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
-from hookcli.engine.inputs import ModelInputs, check_signature, make_inputs, with_note
+from hookcli.engine.build_inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance

@@ -236,9 +236,3 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
             raise UsageError(f"hf:{name} comes with its own Python code (auto_map in its config.json), which "
                              "hookcli runs only when told to", hint=TRUST_REMOTE_CODE_HINT) from exc
         raise
-
-
-def hf_config(model: nn.Module) -> Any:
-    """The transformers ``PretrainedConfig`` of a model, or None for other models."""
-    config = getattr(model, "config", None)
-    return config if config is not None and hasattr(config, "model_type") and hasattr(config, "to_dict") else None

@@ -145,8 +145,3 @@ class FeatureMaps:
             "channels": [c.to_dict() for c in self.channels],
             "notes": list(self.notes),
         }
-
-
-#: Rule statuses of ``hookcli check``: PASS, FAIL (an ``error`` rule is violated), WARN (a ``warn``
-#: rule is violated), SKIP (the rule could not be evaluated, e.g. the model raised).
-CHECK_STATUSES: tuple[str, ...] = ("PASS", "FAIL", "WARN", "SKIP")

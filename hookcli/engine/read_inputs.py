@@ -1,6 +1,7 @@
-"""Inputs read from files: images (or folders of them) and tensor files (.pt/.npy/.npz/.safetensors).
+"""Inputs read from files (``--input``): images (or folders of them), tensor files (.pt/.npy/.npz/.safetensors)
+and tensors given in Python.
 
-``hookcli.engine.inputs.make_inputs`` calls in here when ``--input`` is given; images are decoded with
+``hookcli.engine.build_inputs.make_inputs`` calls in here when ``--input`` is given; images are decoded with
 torchvision.io (PIL as fallback) and preprocessed with the model's weights transforms when known.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from hookcli.errors import InputError, UsageError, describe_exception
-from hookcli.engine.model_inputs import (
+from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
     ModelInputs,

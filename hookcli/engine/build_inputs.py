@@ -1,4 +1,6 @@
-"""Build the inputs a model is run on: from shapes, from files, or a per-model default.
+"""Build the inputs a model is run on (``make_inputs``, the one entry): generated from shapes or a
+per-model default (torchvision metadata, ``example_inputs``, or guessed from the first layer), or read
+from files by ``read_inputs``.
 
 Everything is built on CPU (the caller moves it to a device and dtype). Random fills use their own
 seeded ``torch.Generator`` so runs are reproducible and the global RNG is never touched. Each input
@@ -24,7 +26,7 @@ from hookcli.options import (
     MAX_NUMEL, Fill, InputSpec, MemoryInputs, member,
 )
 from hookcli.engine.loading import LoadedModel
-from hookcli.engine.model_inputs import (
+from hookcli.engine.input_types import (
     ModelInputs, pack_inputs, plural, transform_size,
 )
 
@@ -369,11 +371,11 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
     if files and isinstance(files[0], MemoryInputs):
-        from hookcli.engine.input_files import memory_inputs
+        from hookcli.engine.read_inputs import memory_inputs
 
         made = memory_inputs(loaded, files[0].value)
     elif files:
-        from hookcli.engine.input_files import expand_files, image_inputs, tensor_inputs  # decoders only when needed
+        from hookcli.engine.read_inputs import expand_files, image_inputs, tensor_inputs  # decoders only when needed
 
         kind, paths, label = expand_files(files)
         if kind == "images":

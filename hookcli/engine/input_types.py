@@ -1,7 +1,7 @@
 """The inputs of one run (``ModelInputs``) and what both input builders share.
 
-``inputs`` builds them from shapes and per-model defaults, ``input_files`` from images and tensor
-files; both pack their tensors here, so neither imports the other's module at import time.
+``build_inputs`` generates them from shapes and per-model defaults, ``read_inputs`` reads them from
+images and tensor files; both pack their tensors here, so neither imports the other at import time.
 """
 
 from __future__ import annotations
