@@ -404,3 +404,62 @@ def test_the_rules_read_records_only() -> None:
     imported |= {node.module or "" for node in ast.walk(ast.parse(source.read_text()))
                  if isinstance(node, ast.ImportFrom)}
     assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy") or m.startswith("hookcli.engine")}
+
+
+def test_when_the_optimizer_ends_steps_raise_comes_at_the_blocks_end(tmp_path: Path) -> None:
+    """No w.step(): nothing is raised into optimizer.step(); the watch goes idle after the finding's line
+    and CheckFailedError comes when the block ends."""
+    torch.manual_seed(0)
+    model = Net()
+    log = tmp_path / "log.jsonl"
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    data = regression()
+    steps = []
+    with pytest.raises(CheckFailedError, match="frozen"):
+        with hookcli.watch(model, opt, out=log, on_finding="raise"):
+            for step in range(6):
+                data(model, step).backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(step)
+    assert steps == list(range(6))
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+
+
+_stat_value = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none())
+
+
+@st.composite
+def _stats(draw: st.DrawFn) -> dict[str, Any] | None:
+    if draw(st.booleans()):
+        return None
+    from hookcli.records import WATCH_STAT_KEYS
+
+    out: dict[str, Any] = {key: draw(_stat_value) for key in WATCH_STAT_KEYS}
+    out.update(nan_count=draw(st.sampled_from([0, 0, 0, 2])), inf_count=draw(st.sampled_from([0, 0, 0, 1])), count=draw(st.integers(0, 100)),
+               zero_fraction=draw(st.one_of(st.none(), st.floats(0, 1))))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(
+    st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), _stats(), _stats()), max_size=3),
+    st.lists(st.tuples(st.sampled_from(["w", "v"]), st.lists(st.integers(0, 3), max_size=3), _stats(),
+                       st.one_of(st.none(), st.floats(0, 1e9)), st.floats(0, 1e9)), max_size=3)),
+    max_size=6))
+def test_the_rules_take_any_records_without_failing(steps: list[Any]) -> None:
+    """The rules are total over the records (any None, NaN, Inf, 0 count): each finding names a known rule,
+    its step and a direction; never an exception (an InternalError would be the answer to the user's data)."""
+    from hookcli.commands.watch_rules import RULES, Rules, rule_settings
+    from hookcli.records import WatchLayer, WatchParam, WatchStep
+
+    rules = Rules(rule_settings(None))
+    for i, (loss, layers, params) in enumerate(steps):
+        rec = WatchStep(i, loss, [WatchLayer(n, "Linear", "", 1, [2], "float32", s, g) for n, s, g in layers],
+                        [WatchParam(n, shape, norm, g, update, None if update is None or not norm else update / norm)
+                         for n, shape, g, update, norm in params])
+        for found in rules.observe(rec):
+            assert found.rule in RULES and found.step == i
+            assert found.direction in ("forward", "backward", "update", "loss") and found.message
+            json.dumps(found.to_dict())

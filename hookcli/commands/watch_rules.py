@@ -227,9 +227,11 @@ class Rules:
     def _grad_explode(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The gradient's global norm above ``ratio`` times its mean over the previous ``window`` logged
         steps; the finding names the parameter whose gradient grew the most."""
-        norms = [(p.name, _norm(p.grad)) for p in rec.params if p.grad is not None]
-        if not norms or any(n is None for _, n in norms):
-            return []  # no backward, or NaN/Inf: the nonfinite rule's
+        if any(_bad(p.grad) for p in rec.params):
+            return []  # NaN/Inf: the nonfinite rule's
+        norms = [(p.name, n) for p in rec.params if (n := _norm(p.grad)) is not None]
+        if not norms:
+            return []  # no backward reached the parameters
         total = math.sqrt(sum(n * n for _, n in norms))  # type: ignore[operator]
         history = self.state.grad_norms
         assert history is not None
@@ -248,7 +250,7 @@ class Rules:
         assert runs is not None and told is not None
         found = []
         for layer in rec.layers:
-            if layer.stats is None or not layer.stats["count"]:
+            if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
                 continue
             name = _layer_name(layer)
             dead = layer.stats["zero_fraction"] >= cfg["fraction"]
@@ -268,7 +270,8 @@ class Rules:
         found = []
         for layer in rec.layers:
             stats, name = layer.stats, _layer_name(layer)
-            if stats is None or _bad(stats) or not _finite(stats["rms"]) or not stats["rms"] or name in told:
+            if stats is None or _bad(stats) or not _finite(stats["rms"]) or not stats["rms"] \
+                    or not _finite(stats["abs_max"]) or name in told:
                 continue
             ratio = float(stats["abs_max"]) / float(stats["rms"])
             if ratio > cfg["ratio"]:
