@@ -189,6 +189,23 @@ def test_sgd_diverging_is_exploding_gradients() -> None:
     assert found and found[0].layer in dict(model.named_parameters()) and found[0].direction == "backward"
 
 
+def test_gradients_vanishing_across_depth_are_flagged_at_the_first_layer() -> None:
+    """Twelve sigmoid layers: the gradient's RMS at the first Linear's output over the head's is about
+    1e-11; the value is that ratio from torch.autograd.grad."""
+    torch.manual_seed(0)
+    body = [m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(nn.Linear(4, 16), *body, nn.Linear(16, 1))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    first = model[0](x)
+    last = model[-1](model[1:-1](first))
+    g_first, g_last = torch.autograd.grad(nn.functional.mse_loss(last, x.sum(1, keepdim=True)), [first, last])
+    want = float(g_first.double().pow(2).mean().sqrt() / g_last.double().pow(2).mean().sqrt())
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 1)
+    (found,) = flagged(w.findings, "grad_depth", 2)
+    assert (found.layer, found.step, found.direction) == ("0", 0, "backward")
+    assert found.value == pytest.approx(want, rel=1e-4) and found.value < found.limit == 1e-6
+
+
 class Tokens(nn.Module):
     def __init__(self, bad: bool) -> None:
         super().__init__()
@@ -376,6 +393,7 @@ def test_rules_settings_change_the_thresholds_and_switch_rules_off() -> None:
     st.fixed_dictionaries({"dead_units": st.fixed_dictionaries({"fraction": st.floats(1.0001, 1e9)})}),
     st.fixed_dictionaries({"frozen": st.fixed_dictionaries({"steps": st.integers(max_value=0)})}),
     st.fixed_dictionaries({"update_ratio": st.fixed_dictionaries({"low": st.just(2.0), "high": st.just(1.0)})}),
+    st.fixed_dictionaries({"grad_depth": st.fixed_dictionaries({"low": st.floats(max_value=0.0)})}),
     st.just({"loss_spikes": {}}), st.just({"frozen": {"step": 3}}), st.just({"frozen": 3}), st.just([1])))
 def test_bad_rules_are_a_config_error_before_any_hook(rules: Any) -> None:
     """A ConfigError (exit 2) naming the rule, with a hint; nothing hooked."""
@@ -463,3 +481,22 @@ def test_the_rules_take_any_records_without_failing(steps: list[Any]) -> None:
             assert found.rule in RULES and found.step == i
             assert found.direction in ("forward", "backward", "update", "loss") and found.message
             json.dumps(found.to_dict())
+
+
+def test_grad_explode_reads_the_parameters_that_have_a_gradient() -> None:
+    """A parameter without a finite norm (an empty one: no values, RMS None) does not hide the others'
+    gradient growing 100x; the finding names the largest."""
+    from hookcli.commands.watch_rules import Rules, rule_settings
+    from hookcli.records import WATCH_STAT_KEYS, WatchParam, WatchStep
+
+    def grad(rms: float | None, count: int) -> dict[str, Any]:
+        return {**dict.fromkeys(WATCH_STAT_KEYS, 0.0), "rms": rms, "nan_count": 0, "inf_count": 0, "count": count}
+
+    rules = Rules(rule_settings(None))
+    found = []
+    for step, scale in enumerate([1.0, 1.0, 100.0]):
+        found += rules.observe(WatchStep(step, params=[WatchParam("empty", [0], 0.0, grad(None, 0)),
+                                                       WatchParam("w", [2, 2], 1.0, grad(scale, 4)),
+                                                       WatchParam("b", [2], 1.0, grad(scale / 2, 2))]))
+    assert [(f.rule, f.step, f.layer) for f in found] == [("grad_explode", 2, "w")]
+    assert found[0].value == pytest.approx(100.0)

@@ -28,6 +28,7 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
     "loss_spike": {"ratio": (3.0, number(1, low_open=True)), "fast": (1, integer(1)), "slow": (10, integer(2)),
                    "warmup": (3, integer(1))},
     "grad_explode": {"ratio": (10.0, number(1, low_open=True)), "window": (5, integer(1))},
+    "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
     "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
     "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
 }
@@ -66,6 +67,9 @@ def rule_settings(rules: Mapping[str, Any] | None) -> dict[str, Settings]:
         if name == "update_ratio" and settings["low"] >= settings["high"]:
             raise ConfigError(f"rules: update_ratio's low ({settings['low']:g}) must be below its high "
                               f"({settings['high']:g})", hint="e.g. {'low': 1e-7, 'high': 0.5}")
+        if name == "grad_depth" and settings["low"] >= settings["high"]:
+            raise ConfigError(f"rules: grad_depth's low ({settings['low']:g}) must be below its high "
+                              f"({settings['high']:g})", hint="e.g. {'low': 1e-6, 'high': 1e6}")
         if name == "loss_spike" and settings["fast"] >= settings["slow"]:
             raise ConfigError(f"rules: loss_spike's fast window ({settings['fast']}) must be shorter than its "
                               f"slow one ({settings['slow']})", hint="e.g. {'fast': 1, 'slow': 10}")
@@ -136,7 +140,8 @@ class Rules:
         found: list[Finding] = []
         for name, check in (("nonfinite", self._nonfinite), ("frozen", self._frozen),
                             ("update_ratio", self._update_ratio), ("loss_spike", self._loss_spike),
-                            ("grad_explode", self._grad_explode), ("dead_units", self._dead_units),
+                            ("grad_explode", self._grad_explode), ("grad_depth", self._grad_depth),
+                            ("dead_units", self._dead_units),
                             ("activation_growth", self._activation_growth)):
             if name in self.settings:
                 found.extend(check(record, self.settings[name]))
@@ -243,6 +248,23 @@ class Rules:
         return [Finding("grad_explode", "warning", rec.step, top[0], "backward", total / previous, cfg["ratio"],
                         f"gradient norm {total:.4g} at step {rec.step}, {total / previous:.3g}x its recent mean; "
                         f"largest: {top[0]}'s")]
+
+    def _grad_depth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """The gradient's RMS at the first selected output (in forward order) over the last's out of
+        [low, high]: gradients vanishing (or exploding) across depth; names the first layer."""
+        rms = [(_layer_name(layer), float(layer.grad["rms"])) for layer in rec.layers
+               if layer.grad is not None and not _bad(layer.grad) and layer.grad["count"]
+               and _finite(layer.grad["rms"])]
+        if len(rms) < 2 or rms[-1][1] <= 0:
+            return []
+        (first, value), last = rms[0], rms[-1][0]
+        ratio = value / rms[-1][1]
+        if cfg["low"] <= ratio <= cfg["high"]:
+            return []
+        low = ratio < cfg["low"]
+        return [Finding("grad_depth", "warning", rec.step, first, "backward", ratio, cfg["low"] if low else cfg["high"],
+                        f"gradients {'vanish' if low else 'explode'} across depth: {first}'s output gradient RMS is "
+                        f"{ratio:.3g}x {last}'s")]
 
     def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output that is zero in at least ``fraction`` of its values at ``steps`` logged steps in a row."""
