@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hookcli.config import Invalid, boolean, describe_value, integer, number
@@ -115,13 +115,11 @@ class _State:
     """What the rules keep of earlier logged steps."""
 
     nonfinite_seen: bool = False
-    losses: list[float] | None = None
-    grad_norms: deque[float] | None = None
-    frozen_runs: dict[str, int] | None = None
-    frozen_told: set[str] | None = None
-    dead_runs: dict[str, int] | None = None
-    dead_told: set[str] | None = None
-    growth_told: set[str] | None = None
+    losses: list[float] = field(default_factory=list)
+    grad_norms: deque[float] = field(default_factory=deque)
+    frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
+    dead_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row mostly zeros
+    told: dict[str, set[str]] = field(default_factory=dict)  # rule -> the layers/parameters it named
 
 
 class Rules:
@@ -131,10 +129,15 @@ class Rules:
 
     def __init__(self, settings: dict[str, Settings]) -> None:
         self.settings = settings
-        self.state = _State(losses=[], grad_norms=None, frozen_runs={}, frozen_told=set(), dead_runs={},
-                            dead_told=set(), growth_told=set())
-        window = settings.get("grad_explode", {}).get("window", 1)
-        self.state.grad_norms = deque(maxlen=window)
+        self.state = _State(grad_norms=deque(maxlen=settings.get("grad_explode", {}).get("window", 1)))
+
+    def _new(self, rule: str, name: str) -> bool:
+        """Whether ``rule`` has not named ``name`` yet (it has from now on)."""
+        told = self.state.told.setdefault(rule, set())
+        if name in told:
+            return False
+        told.add(name)
+        return True
 
     def observe(self, record: WatchStep) -> list[Finding]:
         found: list[Finding] = []
@@ -177,15 +180,13 @@ class Rules:
 
     def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row."""
-        runs, told = self.state.frozen_runs, self.state.frozen_told
-        assert runs is not None and told is not None
+        runs = self.state.frozen_runs
         found = []
         for p in rec.params:
             if p.update_norm is None:
                 continue
             runs[p.name] = runs.get(p.name, 0) + 1 if p.update_norm == 0 else 0
-            if runs[p.name] >= cfg["steps"] and p.name not in told:
-                told.add(p.name)
+            if runs[p.name] >= cfg["steps"] and self._new("frozen", p.name):
                 found.append(Finding("frozen", "warning", rec.step, p.name, "update", 0.0, 0.0,
                                      f"{p.name} requires grad but did not change in {runs[p.name]} logged steps "
                                      "(not in the optimizer? a learning rate of 0?)"))
@@ -214,7 +215,6 @@ class Rules:
     def _loss_spike(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The loss's fast moving average over its slow one above ``ratio`` (after ``warmup`` logged steps)."""
         losses = self.state.losses
-        assert losses is not None
         if rec.loss is None or not math.isfinite(rec.loss):
             return []
         history = losses[-cfg["slow"]:]
@@ -239,7 +239,6 @@ class Rules:
             return []  # no backward reached the parameters
         total = math.sqrt(sum(n * n for _, n in norms))  # type: ignore[operator]
         history = self.state.grad_norms
-        assert history is not None
         previous = sum(history) / len(history) if history else None
         history.append(total)
         if previous is None or previous <= 0 or total <= cfg["ratio"] * previous:
@@ -268,8 +267,7 @@ class Rules:
 
     def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output that is zero in at least ``fraction`` of its values at ``steps`` logged steps in a row."""
-        runs, told = self.state.dead_runs, self.state.dead_told
-        assert runs is not None and told is not None
+        runs = self.state.dead_runs
         found = []
         for layer in rec.layers:
             if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
@@ -277,8 +275,7 @@ class Rules:
             name = _layer_name(layer)
             dead = layer.stats["zero_fraction"] >= cfg["fraction"]
             runs[name] = runs.get(name, 0) + 1 if dead else 0
-            if runs[name] >= cfg["steps"] and name not in told:
-                told.add(name)
+            if runs[name] >= cfg["steps"] and self._new("dead_units", name):
                 found.append(Finding("dead_units", "warning", rec.step, name, "forward",
                                      float(layer.stats["zero_fraction"]), cfg["fraction"],
                                      f"{name}'s output is {layer.stats['zero_fraction']:.1%} zeros in "
@@ -287,17 +284,14 @@ class Rules:
 
     def _activation_growth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output whose largest magnitude is above ``ratio`` times its RMS (massive activations)."""
-        told = self.state.growth_told
-        assert told is not None
         found = []
         for layer in rec.layers:
             stats, name = layer.stats, _layer_name(layer)
             if stats is None or _bad(stats) or not _finite(stats["rms"]) or not stats["rms"] \
-                    or not _finite(stats["abs_max"]) or name in told:
+                    or not _finite(stats["abs_max"]):
                 continue
             ratio = float(stats["abs_max"]) / float(stats["rms"])
-            if ratio > cfg["ratio"]:
-                told.add(name)
+            if ratio > cfg["ratio"] and self._new("activation_growth", name):
                 found.append(Finding("activation_growth", "warning", rec.step, name, "forward", ratio, cfg["ratio"],
                                      f"{name}'s output has a value {ratio:.3g}x its RMS (massive activations)"))
         return found
