@@ -369,7 +369,8 @@ def test_on_finding_raise_raises_after_the_line_is_written(tmp_path: Path) -> No
 
 
 def test_rules_settings_change_the_thresholds_and_switch_rules_off() -> None:
-    """A lower loss_spike ratio flags a smaller spike; frozen switched off finds nothing."""
+    """frozen switched off finds nothing; its steps at 2 names the frozen weights a step sooner; the
+    spike of a corrupted batch passes under a loss_spike ratio above it."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
@@ -383,6 +384,11 @@ def test_rules_settings_change_the_thresholds_and_switch_rules_off() -> None:
     opt = torch.optim.Adam(model.fc1.parameters(), lr=1e-2)
     w = train(model, opt, regression(), 2, rules={"frozen": {"steps": 2}, "dead_units": False})
     assert {f.layer for f in w.findings if f.step == 1} >= {"head.weight", "fc2.weight"}
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(spike_at=5), 6,
+              rules={"loss_spike": {"ratio": 1e6}, "grad_explode": False})
+    assert w.findings == []
 
 
 @settings(max_examples=30, deadline=None)
