@@ -13,7 +13,7 @@ this module does not import torch (``hookcli --help`` stays fast): each function
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookcli.options import RunOptions, check_option_names, model_is_instance
@@ -211,7 +211,8 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
 
 def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
           out: str | os.PathLike[str] | None = None, layers: Sequence[str] | str | None = None,
-          types: Sequence[str] | str | None = None) -> Watch:
+          types: Sequence[str] | str | None = None, rules: Mapping[str, Any] | None = None,
+          on_finding: str = "warn") -> Watch:
     """Watch your own training loop: every ``every``-th step (0, every, 2 * every, ...) the selected
     modules' activation and output-gradient statistics, each parameter's norm, gradient and update,
     and the loss, as one JSON line appended to ``out`` (docs/watch.md: the schema, what a step is).
@@ -220,6 +221,9 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     ``step()``; None: only ``w.step()`` ends them); ``layers``/``types``: as elsewhere (default: every
     module that owns parameters directly, and the activation functions). Unlogged steps cost nothing
     measurable; the run's numbers and RNG are untouched; every hook is gone after the block.
+    ``rules``: the rules' thresholds over their defaults (``{"loss_spike": {"ratio": 3.0}}``, a rule's
+    name to False switches it off); their findings are in ``w.findings`` and on the log's lines;
+    ``on_finding="raise"`` raises ``CheckFailedError`` at the first (docs/watch.md#rules).
 
     >>> with hookcli.watch(model, optimizer, every=50, out="runs/exp.jsonl") as w:
     ...     for x, y in loader:
@@ -229,7 +233,8 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     """
     from hookcli.commands.watch import Watch
 
-    return Watch(model, optimizer, every=every, out=out, layers=layers, types=types)
+    return Watch(model, optimizer, every=every, out=out, layers=layers, types=types, rules=rules,
+                 on_finding=on_finding)
 
 
 def kernel_status() -> str:

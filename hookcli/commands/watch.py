@@ -8,35 +8,46 @@ logged step's record here; this module keeps the latest and appends it to the lo
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import torch
 from torch import nn
 
 from hookcli.engine.selection import owners_and_activations, select_modules
+from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.engine.watch import StepWatcher
-from hookcli.errors import UsageError
+from hookcli.errors import CheckFailedError, UsageError
 from hookcli.output import LineLog
-from hookcli.records import WatchStep
+from hookcli.records import Finding, WatchStep
+
+ON_FINDING = ("warn", "raise")
 
 
 class Watch:
     """A watch over a training loop; a context manager (``with hookcli.watch(...) as w:``).
 
     ``w.step(loss=...)`` ends a step (optional: ``optimizer.step()`` ends steps too); ``w.last`` is
-    the latest logged step's record; ``w.findings`` the rules' findings (none yet: rules come later).
+    the latest logged step's record; ``w.findings`` every finding of the rules so far (each also on
+    its step's log line). ``on_finding="raise"``: a finding raises ``CheckFailedError`` once its
+    step's line is written.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
-                 types: Sequence[str] | str | None) -> None:
+                 types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
+                 on_finding: str = "warn") -> None:
         check_arguments(model, optimizer, every)
+        if on_finding not in ON_FINDING:
+            raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
+                             hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
+        self._rules = Rules(rule_settings(rules))
+        self.on_finding = on_finding
         selection = (select_modules(model, layers=layers, types=types) if layers or types
                      else owners_and_activations(model))
         self.log = LineLog(out) if out is not None else None  # the path is checked now
         self.last: WatchStep | None = None
-        self.findings: list[Any] = []
+        self.findings: list[Finding] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
         self._open = self._used = False
 
@@ -71,9 +82,16 @@ class Watch:
         self._watcher.user_step(loss)
 
     def _logged(self, record: WatchStep) -> None:
+        record.findings = self._rules.observe(record)
         self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())
+        self.findings.extend(record.findings)
+        if record.findings and self.on_finding == "raise":
+            first = record.findings[0]
+            raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,
+                                   hint="w.findings and the log's findings say more; "
+                                        "rules={...} sets the thresholds, on_finding='warn' only records them")
 
 
 def check_arguments(model: Any, optimizer: Any, every: Any) -> None:

@@ -56,18 +56,41 @@ class WatchParam:
 
 
 @dataclass
+class Finding:
+    """What one of the watch's rules found at one logged step: where (a layer's output or a parameter),
+    in which direction (``forward``: an output; ``backward``: a gradient; ``update``: the optimizer's
+    step; ``loss``: the loss), the value measured and the limit it crossed."""
+
+    rule: str
+    severity: str  # "error" (the run is broken: NaN/Inf) or "warning"
+    step: int
+    layer: str | None  # the module's name or the parameter's; None for the loss
+    direction: str  # "forward" | "backward" | "update" | "loss"
+    value: float | None
+    limit: float | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "severity": self.severity, "step": self.step, "layer": self.layer,
+                "direction": self.direction, "value": self.value, "limit": self.limit, "message": self.message}
+
+
+@dataclass
 class WatchStep:
-    """One logged step: the loss (None when not given), the selected modules' outputs, the parameters."""
+    """One logged step: the loss (None when not given), the selected modules' outputs, the parameters,
+    and what the rules found at this step."""
 
     step: int
     loss: float | None = None
     layers: list[WatchLayer] = field(default_factory=list)
     params: list[WatchParam] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
                 "layers": [layer.to_dict() for layer in self.layers],
-                "params": [param.to_dict() for param in self.params]}
+                "params": [param.to_dict() for param in self.params],
+                "findings": [finding.to_dict() for finding in self.findings]}
 
     def to_json_line(self) -> str:
         """``to_dict()`` as one line of JSON Lines (compact; non-finite numbers as ``sanitize`` writes

@@ -1,0 +1,302 @@
+"""The rules of ``hookcli.watch`` (docs/watch.md#rules): pure functions of the logged steps' records.
+
+Each rule reads ``WatchStep`` records only (no torch, no hooks), keeps what it needs of earlier logged
+steps, and returns ``Finding`` records. Thresholds come from ``RULES`` (the defaults, chosen so the
+healthy runs of tests/test_watch_rules.py stay quiet) overridden by ``rules={...}``, validated with the
+config's validators as ``[checks]`` is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hookcli.config import Invalid, boolean, describe_value, integer, number
+from hookcli.errors import ConfigError, did_you_mean
+from hookcli.records import Finding, WatchStep
+
+Settings = dict[str, Any]
+
+#: rule -> {key: (default, validator)}; every rule also takes ``enabled`` (a boolean).
+RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
+    "nonfinite": {},
+    "frozen": {"steps": (3, integer(1))},
+    "update_ratio": {"low": (1e-6, number(0)), "high": (1.0, number(0, low_open=True))},
+    "loss_spike": {"ratio": (3.0, number(1, low_open=True)), "fast": (1, integer(1)), "slow": (10, integer(2)),
+                   "warmup": (3, integer(1))},
+    "grad_explode": {"ratio": (10.0, number(1, low_open=True)), "window": (5, integer(1))},
+    "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
+    "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
+    "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
+}
+
+RULES_HINT = "e.g. rules={'loss_spike': {'ratio': 3.0}, 'dead_units': False}; the rules: " + ", ".join(RULES)
+
+
+def rule_settings(rules: Mapping[str, Any] | None) -> dict[str, Settings]:
+    """The enabled rules' settings: the defaults with ``rules`` over them (a rule's table of keys, or a
+    boolean that switches it on or off). ConfigError for an unknown rule or key or a value out of range."""
+    if rules is not None and not isinstance(rules, Mapping):
+        raise ConfigError(f"rules must be a dict of rule settings, got {type(rules).__name__}", hint=RULES_HINT)
+    given = dict(rules or {})
+    out: dict[str, Settings] = {}
+    for name in given:
+        if name not in RULES:
+            near = did_you_mean(str(name), RULES)
+            raise ConfigError(f"rules: unknown rule {name!r}" + (f" ({near})" if near else ""), hint=RULES_HINT)
+    for name, keys in RULES.items():
+        raw = given.get(name, {})
+        if isinstance(raw, bool):
+            raw = {"enabled": raw}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"rules: {name!r} expects a dict of its keys or a boolean, got {describe_value(raw)}",
+                              hint=RULES_HINT)
+        settings = {key: default for key, (default, _) in keys.items()}
+        enabled = True
+        for key, value in raw.items():
+            if key == "enabled":
+                enabled = _valid(name, key, value, boolean)
+            elif key in keys:
+                settings[key] = _valid(name, key, value, keys[key][1])
+            else:
+                valid = ", ".join(["enabled", *keys])
+                raise ConfigError(f"rules: {name!r} has no key {key!r}", hint=f"its keys: {valid}")
+        if name == "update_ratio" and settings["low"] >= settings["high"]:
+            raise ConfigError(f"rules: update_ratio's low ({settings['low']:g}) must be below its high "
+                              f"({settings['high']:g})", hint="e.g. {'low': 1e-7, 'high': 0.5}")
+        if name == "grad_depth" and settings["low"] >= settings["high"]:
+            raise ConfigError(f"rules: grad_depth's low ({settings['low']:g}) must be below its high "
+                              f"({settings['high']:g})", hint="e.g. {'low': 1e-6, 'high': 1e6}")
+        if name == "loss_spike" and settings["fast"] >= settings["slow"]:
+            raise ConfigError(f"rules: loss_spike's fast window ({settings['fast']}) must be shorter than its "
+                              f"slow one ({settings['slow']})", hint="e.g. {'fast': 1, 'slow': 10}")
+        if enabled:
+            out[name] = settings
+    return out
+
+
+def _valid(rule: str, key: str, value: Any, validate: Callable[[Any], Any]) -> Any:
+    try:
+        return validate(value)
+    except Invalid as exc:
+        raise ConfigError(f"rules: {rule}.{key} expects {exc.expected}, got {describe_value(value)}",
+                          hint=RULES_HINT) from None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _bad(stats: Mapping[str, Any] | None) -> bool:
+    return stats is not None and bool(stats["nan_count"] or stats["inf_count"])
+
+
+def _norm(stats: Mapping[str, Any] | None) -> float | None:
+    """The L2 norm of the values that ``stats`` describe (rms * sqrt(count)); None when not finite."""
+    if stats is None or _bad(stats) or not _finite(stats["rms"]):
+        return None
+    return float(stats["rms"]) * math.sqrt(stats["count"])
+
+
+def _ema(values: list[float], window: int) -> float:
+    """The exponential moving average of ``values`` (oldest first), alpha = 2 / (window + 1)."""
+    alpha = 2.0 / (window + 1)
+    avg = values[0]
+    for value in values[1:]:
+        avg = alpha * value + (1 - alpha) * avg
+    return avg
+
+
+@dataclass
+class _State:
+    """What the rules keep of earlier logged steps."""
+
+    nonfinite_seen: bool = False
+    losses: list[float] = field(default_factory=list)
+    grad_norms: deque[float] = field(default_factory=deque)
+    frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
+    dead_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row mostly zeros
+    told: dict[str, set[str]] = field(default_factory=dict)  # rule -> the layers/parameters it named
+
+
+class Rules:
+    """The enabled rules over a run's logged steps, in step order: ``observe(step)`` is the findings at
+    that step (each fact told once: a layer or parameter a rule has named is not named by it again,
+    and the first NaN/Inf is the only one told)."""
+
+    def __init__(self, settings: dict[str, Settings]) -> None:
+        self.settings = settings
+        self.state = _State(grad_norms=deque(maxlen=settings.get("grad_explode", {}).get("window", 1)))
+
+    def _new(self, rule: str, name: str) -> bool:
+        """Whether ``rule`` has not named ``name`` yet (it has from now on)."""
+        told = self.state.told.setdefault(rule, set())
+        if name in told:
+            return False
+        told.add(name)
+        return True
+
+    def observe(self, record: WatchStep) -> list[Finding]:
+        found: list[Finding] = []
+        for name, check in (("nonfinite", self._nonfinite), ("frozen", self._frozen),
+                            ("update_ratio", self._update_ratio), ("loss_spike", self._loss_spike),
+                            ("grad_explode", self._grad_explode), ("grad_depth", self._grad_depth),
+                            ("dead_units", self._dead_units),
+                            ("activation_growth", self._activation_growth)):
+            if name in self.settings:
+                found.extend(check(record, self.settings[name]))
+        return found
+
+    def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
+        """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
+        backward order (the last output in forward order); else a parameter's gradient; else the loss."""
+        if self.state.nonfinite_seen:
+            return []
+        where: tuple[str | None, str, Mapping[str, Any] | None] | None = None
+        forward = [layer for layer in rec.layers if _bad(layer.stats)]
+        backward = [layer for layer in rec.layers if _bad(layer.grad)]
+        params = [p for p in rec.params if _bad(p.grad)]
+        if forward:
+            where = (_layer_name(forward[0]), "forward", forward[0].stats)
+        elif backward:
+            where = (_layer_name(backward[-1]), "backward", backward[-1].grad)
+        elif params:
+            where = (params[-1].name, "backward", params[-1].grad)
+        elif rec.loss is not None and not math.isfinite(rec.loss):
+            where = (None, "loss", None)
+        if where is None:
+            return []
+        self.state.nonfinite_seen = True
+        name, direction, stats = where
+        count = float(stats["nan_count"] + stats["inf_count"]) if stats is not None else None
+        what = {"forward": "output", "backward": "gradient", "loss": "loss"}[direction]
+        at = f"{name}'s {what}" if name is not None else "the loss"
+        return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
+                        f"first NaN/Inf of the run at step {rec.step}: {at}"
+                        + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}"))]
+
+    def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row."""
+        runs = self.state.frozen_runs
+        found = []
+        for p in rec.params:
+            if p.update_norm is None:
+                continue
+            runs[p.name] = runs.get(p.name, 0) + 1 if p.update_norm == 0 else 0
+            if runs[p.name] >= cfg["steps"] and self._new("frozen", p.name):
+                found.append(Finding("frozen", "warning", rec.step, p.name, "update", 0.0, 0.0,
+                                     f"{p.name} requires grad but did not change in {runs[p.name]} logged steps "
+                                     "(not in the optimizer? a learning rate of 0?)"))
+        return found
+
+    def _update_ratio(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """The median update / norm ratio over the weights (parameters of 2 dimensions or more) out of
+        [low, high]: a learning rate far too high or too low. The median, as one weight of a healthy run
+        can move a lot (a token initialised near 0, a first convolution at a random init); the finding
+        names the weight furthest out."""
+        ratios = sorted((p.update_ratio, p.name) for p in rec.params if len(p.shape) >= 2
+                        and p.update_ratio is not None and math.isfinite(p.update_ratio) and p.update_ratio > 0)
+        if not ratios:
+            return []  # no optimizer, or nothing moved (the frozen rule's)
+        middle = len(ratios) // 2
+        median = ratios[middle][0] if len(ratios) % 2 else (ratios[middle - 1][0] + ratios[middle][0]) / 2
+        if cfg["low"] <= median <= cfg["high"]:
+            return []
+        high = median > cfg["high"]
+        limit = cfg["high"] if high else cfg["low"]
+        worst, name = ratios[-1] if high else ratios[0]
+        return [Finding("update_ratio", "warning", rec.step, name, "update", median, limit,
+                        f"the weights' median update is {median:.3g} of their norm, {'above' if high else 'below'} "
+                        f"{limit:g} (learning rate too {'high' if high else 'low'}?); {name}'s: {worst:.3g}")]
+
+    def _loss_spike(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """The loss's fast moving average over its slow one above ``ratio`` (after ``warmup`` logged steps)."""
+        losses = self.state.losses
+        if rec.loss is None or not math.isfinite(rec.loss):
+            return []
+        history = losses[-cfg["slow"]:]
+        losses.append(rec.loss)
+        if len(history) < cfg["warmup"]:
+            return []
+        slow = _ema(history, cfg["slow"])
+        fast = _ema(losses[-cfg["fast"] - 1:], cfg["fast"]) if cfg["fast"] > 1 else rec.loss
+        if slow <= 0 or fast <= cfg["ratio"] * slow:
+            return []
+        return [Finding("loss_spike", "warning", rec.step, None, "loss", fast / slow, cfg["ratio"],
+                        f"loss spike at step {rec.step}: {rec.loss:.4g}, {fast / slow:.3g}x its slow average "
+                        f"{slow:.4g}")]
+
+    def _grad_explode(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """The gradient's global norm above ``ratio`` times its mean over the previous ``window`` logged
+        steps; the finding names the parameter whose gradient grew the most."""
+        if any(_bad(p.grad) for p in rec.params):
+            return []  # NaN/Inf: the nonfinite rule's
+        norms = [(p.name, n) for p in rec.params if (n := _norm(p.grad)) is not None]
+        if not norms:
+            return []  # no backward reached the parameters
+        total = math.sqrt(sum(n * n for _, n in norms))  # type: ignore[operator]
+        history = self.state.grad_norms
+        previous = sum(history) / len(history) if history else None
+        history.append(total)
+        if previous is None or previous <= 0 or total <= cfg["ratio"] * previous:
+            return []
+        top = max(norms, key=lambda item: item[1])  # type: ignore[arg-type,return-value]
+        return [Finding("grad_explode", "warning", rec.step, top[0], "backward", total / previous, cfg["ratio"],
+                        f"gradient norm {total:.4g} at step {rec.step}, {total / previous:.3g}x its recent mean; "
+                        f"largest: {top[0]}'s")]
+
+    def _grad_depth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """The gradient's RMS at the first selected output (in forward order) over the last's out of
+        [low, high]: gradients vanishing (or exploding) across depth; names the first layer."""
+        rms = [(_layer_name(layer), float(layer.grad["rms"])) for layer in rec.layers
+               if layer.grad is not None and not _bad(layer.grad) and layer.grad["count"]
+               and _finite(layer.grad["rms"])]
+        if len(rms) < 2 or rms[-1][1] <= 0:
+            return []
+        (first, value), last = rms[0], rms[-1][0]
+        ratio = value / rms[-1][1]
+        if cfg["low"] <= ratio <= cfg["high"]:
+            return []
+        low = ratio < cfg["low"]
+        return [Finding("grad_depth", "warning", rec.step, first, "backward", ratio, cfg["low"] if low else cfg["high"],
+                        f"gradients {'vanish' if low else 'explode'} across depth: {first}'s output gradient RMS is "
+                        f"{ratio:.3g}x {last}'s")]
+
+    def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """An output that is zero in at least ``fraction`` of its values at ``steps`` logged steps in a row."""
+        runs = self.state.dead_runs
+        found = []
+        for layer in rec.layers:
+            if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
+                continue
+            name = _layer_name(layer)
+            dead = layer.stats["zero_fraction"] >= cfg["fraction"]
+            runs[name] = runs.get(name, 0) + 1 if dead else 0
+            if runs[name] >= cfg["steps"] and self._new("dead_units", name):
+                found.append(Finding("dead_units", "warning", rec.step, name, "forward",
+                                     float(layer.stats["zero_fraction"]), cfg["fraction"],
+                                     f"{name}'s output is {layer.stats['zero_fraction']:.1%} zeros in "
+                                     f"{runs[name]} logged steps in a row (dead units)"))
+        return found
+
+    def _activation_growth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
+        """An output whose largest magnitude is above ``ratio`` times its RMS (massive activations)."""
+        found = []
+        for layer in rec.layers:
+            stats, name = layer.stats, _layer_name(layer)
+            if stats is None or _bad(stats) or not _finite(stats["rms"]) or not stats["rms"] \
+                    or not _finite(stats["abs_max"]):
+                continue
+            ratio = float(stats["abs_max"]) / float(stats["rms"])
+            if ratio > cfg["ratio"] and self._new("activation_growth", name):
+                found.append(Finding("activation_growth", "warning", rec.step, name, "forward", ratio, cfg["ratio"],
+                                     f"{name}'s output has a value {ratio:.3g}x its RMS (massive activations)"))
+        return found
+
+
+def _layer_name(layer: Any) -> str:
+    """The module's name, with the output's path when it is not the whole output (``attn[0]``)."""
+    return layer.name + layer.output

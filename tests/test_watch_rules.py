@@ -1,0 +1,508 @@
+"""The rules of ``hookcli.watch`` (docs/watch.md#rules): a zoo of seeded training bugs, each flagged within 3
+logged steps naming the right layer or parameter, and healthy short runs of six families with no finding;
+the findings on the log's lines, ``on_finding="raise"``, and ``rules={...}`` validated."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hookcli
+from hookcli.errors import CheckFailedError, ConfigError
+from hookcli.records import Finding
+
+DataFn = Callable[[nn.Module, int], torch.Tensor]
+
+
+class Net(nn.Module):
+    """A hand-written MLP: fc1 -> act1 -> fc2 -> act2 -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(4, 16), nn.ReLU()
+        self.fc2, self.act2 = nn.Linear(16, 16), nn.ReLU()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+def regression(spike_at: int | None = None) -> DataFn:
+    """Batches of a regression task from a generator of their own; ``spike_at``: that step's targets are
+    100x (a corrupted batch)."""
+    g = torch.Generator().manual_seed(1)
+
+    def data(model: nn.Module, step: int) -> torch.Tensor:
+        x = torch.randn(32, 4, generator=g)
+        y = x.sum(1, keepdim=True) * (100 if step == spike_at else 1)
+        return nn.functional.mse_loss(model(x), y)
+
+    return data
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data: DataFn, steps: int, **kwargs: Any) -> Any:
+    """``steps`` training steps under a watch that logs every step; the watch."""
+    with hookcli.watch(model, opt, every=1, **kwargs) as w:
+        for step in range(steps):
+            loss = data(model, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    return w
+
+
+def flagged(findings: list[Finding], rule: str, by_step: int) -> list[Finding]:
+    return [f for f in findings if f.rule == rule and f.step <= by_step]
+
+
+# -- the zoo: seeded bugs ------------------------------------------------------------------------------------------
+
+
+def test_a_nan_injected_at_one_layer_is_named_at_its_step() -> None:
+    """fc2's output gets a NaN at step 2 (a hook of the test's own, registered first): the first NaN/Inf
+    is fc2's output at step 2, forward, though act2 and head are NaN too; counted as plain torch counts."""
+    torch.manual_seed(0)
+    model = Net()
+    seen: list[torch.Tensor] = []
+
+    def inject(_m: nn.Module, _i: Any, out: torch.Tensor) -> torch.Tensor:
+        if len(seen) == 2:
+            out = out.clone()
+            out[0, :3] = float("nan")
+        seen.append(out.detach())
+        return out
+
+    model.fc2.register_forward_hook(inject)
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(), 4)
+    (first,) = [f for f in w.findings if f.rule == "nonfinite"]
+    assert (first.step, first.layer, first.direction, first.severity) == (2, "fc2", "forward", "error")
+    assert first.value == int(torch.isnan(seen[2]).sum()) == 3
+    assert not flagged(w.findings, "nonfinite", 1)
+
+
+class SqrtBlock(nn.Module):
+    """A block with the seeded bug of torch.where: sqrt where positive. The forward is finite (where
+    drops sqrt's NaN at the negative values), the backward is not (where's 0 times sqrt's NaN: NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.where(h > 0, torch.sqrt(h), torch.zeros_like(h))
+
+
+def test_a_nan_born_in_the_backward_is_named_at_the_first_layer_of_the_backward() -> None:
+    """The first non-finite gradient in backward order is blk.fc's output's (the layers before it get
+    NaN from it); the forward is finite at that step, as plain torch shows."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc0", nn.Linear(4, 16))
+    model.add_module("act0", nn.Tanh())
+    model.add_module("blk", SqrtBlock())
+    model.add_module("head", nn.Linear(16, 1))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    out = model[2].fc(model[1](model[0](x)))
+    y = model[3](torch.where(out > 0, torch.sqrt(out), torch.zeros_like(out)))
+    assert torch.isfinite(y).all()
+    grad = torch.autograd.grad(y.pow(2).mean(), out)[0]
+    assert torch.isnan(grad).any()
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 2)
+    first = [f for f in w.findings if f.rule == "nonfinite"]
+    assert [(f.step, f.layer, f.direction) for f in first] == [(0, "blk.fc", "backward")]
+
+
+def test_a_learning_rate_100x_too_high_is_flagged() -> None:
+    """Adam at lr 1 where 1e-2 trains (the healthy run below): the weights' median update / norm ratio
+    is above 1, and the finding's value is that median, from plain torch's weights around the step."""
+    torch.manual_seed(0)
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1.0), regression(), 1)
+    ratios = sorted(float((p.detach() - before[n]).norm() / before[n].norm())
+                    for n, p in model.named_parameters() if p.dim() >= 2)
+    (found,) = flagged(w.findings, "update_ratio", 2)
+    assert found.step == 0 and found.direction == "update" and found.value == pytest.approx(ratios[1], rel=1e-5)
+    assert found.layer in ("fc1.weight", "fc2.weight", "head.weight") and found.value > found.limit == 1.0
+
+
+def test_a_learning_rate_far_too_low_is_flagged() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-9), regression(), 1)
+    (found,) = flagged(w.findings, "update_ratio", 2)
+    assert found.value < found.limit == 1e-6 and "too low" in found.message
+
+
+def test_a_layer_left_out_of_the_optimizer_is_frozen() -> None:
+    """The head's parameters require grad but were never given to the optimizer: named at the third
+    logged step (the rule's 3 steps in a row), and nothing else is."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    w = train(model, opt, regression(), 4)
+    assert [(f.rule, f.layer, f.step) for f in w.findings] == [("frozen", "head.weight", 2), ("frozen", "head.bias", 2)]
+
+
+def test_a_bad_init_that_kills_the_relus_is_flagged_at_the_relu() -> None:
+    """fc1's bias at -20: act1's output is all zeros (plain torch says so) in every step."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.fc1.bias.fill_(-20.0)
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    assert (model.act1(model.fc1(x)) == 0).all()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(), 3)
+    (dead,) = flagged(w.findings, "dead_units", 2)
+    assert (dead.layer, dead.direction, dead.value) == ("act1", "forward", 1.0)
+
+
+def test_a_corrupted_batch_is_a_loss_spike_at_its_step() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(spike_at=5), 6)
+    spikes = [f for f in w.findings if f.rule == "loss_spike"]
+    assert [(f.step, f.layer, f.direction) for f in spikes] == [(5, None, "loss")]
+    assert spikes[0].value > spikes[0].limit == 3.0
+
+
+def test_sgd_diverging_is_exploding_gradients() -> None:
+    """SGD at lr 0.5 on the regression (0.01 trains): the gradient's norm grows step over step; flagged
+    within 3 logged steps, naming a parameter of the model."""
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.SGD(model.parameters(), lr=0.5), regression(), 3)
+    found = flagged(w.findings, "grad_explode", 2)
+    assert found and found[0].layer in dict(model.named_parameters()) and found[0].direction == "backward"
+
+
+def test_gradients_vanishing_across_depth_are_flagged_at_the_first_layer() -> None:
+    """Twelve sigmoid layers: the gradient's RMS at the first Linear's output over the head's is about
+    1e-11; the value is that ratio from torch.autograd.grad."""
+    torch.manual_seed(0)
+    body = [m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(nn.Linear(4, 16), *body, nn.Linear(16, 1))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    first = model[0](x)
+    last = model[-1](model[1:-1](first))
+    g_first, g_last = torch.autograd.grad(nn.functional.mse_loss(last, x.sum(1, keepdim=True)), [first, last])
+    want = float(g_first.double().pow(2).mean().sqrt() / g_last.double().pow(2).mean().sqrt())
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 1)
+    (found,) = flagged(w.findings, "grad_depth", 2)
+    assert (found.layer, found.step, found.direction) == ("0", 0, "backward")
+    assert found.value == pytest.approx(want, rel=1e-4) and found.value < found.limit == 1e-6
+
+
+class Tokens(nn.Module):
+    def __init__(self, bad: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 64)
+        self.head = nn.Linear(64, 50)
+        if bad:  # the seeded bug: one dimension of the first token's row at 1e4 (a mis-scaled init)
+            with torch.no_grad():
+                self.emb.weight[0, 5] = 1e4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def tokens(model: nn.Module, step: int) -> torch.Tensor:
+    x = torch.randint(1, 50, (4, 128), generator=torch.Generator().manual_seed(step))
+    x[0, 0] = 0  # token 0 once in the batch
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+
+def test_a_massive_activation_is_flagged_at_its_layer() -> None:
+    """The value is abs max / RMS of emb's output as plain torch computes it in float64."""
+    torch.manual_seed(0)
+    model = Tokens(bad=True)
+    x = torch.randint(1, 50, (4, 128), generator=torch.Generator().manual_seed(0))
+    x[0, 0] = 0
+    out = model.emb(x).detach().double()
+    want = float(out.abs().max() / out.pow(2).mean().sqrt())
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-3), tokens, 1)
+    found = flagged(w.findings, "activation_growth", 2)[0]  # the first; head, fed by it, may follow
+    assert (found.layer, found.step, found.direction) == ("emb", 0, "forward")
+    assert found.value == pytest.approx(want, rel=1e-5) and found.value > found.limit
+
+
+# -- healthy runs: no finding --------------------------------------------------------------------------------------
+
+
+def _images(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+class Checkpointed(nn.Module):
+    """Blocks under activation checkpointing (their forward runs again in the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _family(name: str) -> tuple[nn.Module, torch.optim.Optimizer, DataFn]:
+    torch.manual_seed(0)
+    if name == "torchvision resnet18":
+        torchvision = pytest.importorskip("torchvision")
+        model = torchvision.models.resnet18(weights=None, num_classes=10)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), _images
+    if name == "timm vit":
+        timm = pytest.importorskip("timm")
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                                  num_classes=10, depth=2)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), _images
+    if name == "gpt2":
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+
+        def text(m: nn.Module, step: int) -> torch.Tensor:
+            ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(step))
+            return m(input_ids=ids, labels=ids).loss
+
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), text
+    if name == "lstm":
+        model = LSTMNet()
+
+        def seqs(m: nn.Module, step: int) -> torch.Tensor:
+            x = torch.randn(8, 10, 8, generator=torch.Generator().manual_seed(step))
+            return nn.functional.mse_loss(m(x), x.sum((1, 2))[:, None] / 10)
+
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2), seqs
+    if name == "mlp":
+        model = Net()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2), regression()
+    model = Checkpointed()
+
+    def classes(m: nn.Module, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(step)
+        return nn.functional.cross_entropy(m(torch.randn(16, 16, generator=g)), torch.randint(0, 2, (16,), generator=g))
+
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), classes
+
+
+@pytest.mark.parametrize("family", ["torchvision resnet18", "timm vit", "gpt2", "lstm", "mlp", "checkpointing"])
+def test_a_healthy_run_has_no_finding(family: str, tmp_path: Path) -> None:
+    """Six steps, every one logged, with every rule on; the log's lines carry an empty findings list."""
+    model, opt, data = _family(family)
+    log = tmp_path / "log.jsonl"
+    w = train(model.train(), opt, data, 6, out=log, on_finding="raise")
+    assert w.findings == []
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(6)) and all(line["findings"] == [] for line in lines)
+    assert all(math.isfinite(line["loss"]) for line in lines)
+
+
+# -- the findings' line, raise, and the rules' settings -------------------------------------------------------------
+
+
+def test_findings_are_on_their_step_line_and_pandas_reads_them(tmp_path: Path) -> None:
+    pandas = pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = Net()
+    log = tmp_path / "log.jsonl"
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    w = train(model, opt, regression(), 4, out=log)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [len(line["findings"]) for line in lines] == [0, 0, 2, 0]
+    assert lines[2]["findings"] == [f.to_dict() for f in w.findings]
+    frame = pandas.read_json(log, lines=True)
+    found = pandas.json_normalize(frame.to_dict("records"), "findings")  # a finding has its step
+    assert list(found["layer"]) == ["head.weight", "head.bias"] and set(found["rule"]) == {"frozen"}
+    assert list(found["step"]) == [2, 2]
+
+
+def test_on_finding_raise_raises_after_the_line_is_written(tmp_path: Path) -> None:
+    """CheckFailedError (exit 1: a check failed) at w.step() of the finding's step, its line written;
+    the hooks are gone and the model's weights are those of the steps that ran."""
+    torch.manual_seed(0)
+    model = Net()
+    log = tmp_path / "log.jsonl"
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    data = regression()
+    steps = []
+    with pytest.raises(CheckFailedError) as info:
+        with hookcli.watch(model, opt, out=log, on_finding="raise") as w:
+            for step in range(10):
+                loss = data(model, step)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(step)
+                w.step(loss=loss)
+    assert steps == [0, 1, 2] and info.value.exit_code == 1
+    assert "frozen" in str(info.value) and "head.weight" in str(info.value) and info.value.hint
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+    assert not model.fc1._forward_hooks and [f.layer for f in w.findings] == ["head.weight", "head.bias"]
+
+
+def test_rules_settings_change_the_thresholds_and_switch_rules_off() -> None:
+    """frozen switched off finds nothing; its steps at 2 names the frozen weights a step sooner; the
+    spike of a corrupted batch passes under a loss_spike ratio above it."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    w = train(model, opt, regression(), 4, rules={"frozen": False})
+    assert w.findings == []
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(), 4, rules={"frozen": {"steps": 2}})
+    assert w.findings == []
+    model = Net()
+    opt = torch.optim.Adam(model.fc1.parameters(), lr=1e-2)
+    w = train(model, opt, regression(), 2, rules={"frozen": {"steps": 2}, "dead_units": False})
+    assert {f.layer for f in w.findings if f.step == 1} >= {"head.weight", "fc2.weight"}
+    torch.manual_seed(0)
+    model = Net()
+    w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(spike_at=5), 6,
+              rules={"loss_spike": {"ratio": 1e6}, "grad_explode": False})
+    assert w.findings == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(rules=st.one_of(
+    st.fixed_dictionaries({"loss_spike": st.fixed_dictionaries(
+        {"ratio": st.one_of(st.floats(max_value=1.0), st.just(math.inf), st.just(math.nan), st.booleans(),
+                            st.text(max_size=3))})}),
+    st.fixed_dictionaries({"dead_units": st.fixed_dictionaries({"fraction": st.floats(1.0001, 1e9)})}),
+    st.fixed_dictionaries({"frozen": st.fixed_dictionaries({"steps": st.integers(max_value=0)})}),
+    st.fixed_dictionaries({"update_ratio": st.fixed_dictionaries({"low": st.just(2.0), "high": st.just(1.0)})}),
+    st.fixed_dictionaries({"grad_depth": st.fixed_dictionaries({"low": st.floats(max_value=0.0)})}),
+    st.just({"loss_spikes": {}}), st.just({"frozen": {"step": 3}}), st.just({"frozen": 3}), st.just([1])))
+def test_bad_rules_are_a_config_error_before_any_hook(rules: Any) -> None:
+    """A ConfigError (exit 2) naming the rule, with a hint; nothing hooked."""
+    model = Net()
+    with pytest.raises(ConfigError) as info:
+        hookcli.watch(model, rules=rules)
+    assert info.value.exit_code == 2 and info.value.hint and str(info.value).startswith("rules")
+    assert not model.fc1._forward_hooks
+
+
+def test_a_misspelt_rule_is_named_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match="'loss_spikes'.*loss_spike"):
+        hookcli.watch(Net(), rules={"loss_spikes": {"ratio": 2.0}})
+
+
+def test_on_finding_must_be_warn_or_raise() -> None:
+    with pytest.raises(hookcli.errors.UsageError, match="on_finding"):
+        hookcli.watch(Net(), on_finding="stop")
+
+
+def test_the_rules_read_records_only() -> None:
+    """The rules are pure functions of the records: their module imports neither torch nor the engine."""
+    source = Path(hookcli.__file__).parent / "commands" / "watch_rules.py"
+    imported = {alias.name for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(ast.parse(source.read_text()))
+                 if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy") or m.startswith("hookcli.engine")}
+
+
+def test_when_the_optimizer_ends_steps_raise_comes_at_the_blocks_end(tmp_path: Path) -> None:
+    """No w.step(): nothing is raised into optimizer.step(); the watch goes idle after the finding's line
+    and CheckFailedError comes when the block ends."""
+    torch.manual_seed(0)
+    model = Net()
+    log = tmp_path / "log.jsonl"
+    opt = torch.optim.Adam([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2)
+    data = regression()
+    steps = []
+    with pytest.raises(CheckFailedError, match="frozen"):
+        with hookcli.watch(model, opt, out=log, on_finding="raise"):
+            for step in range(6):
+                data(model, step).backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(step)
+    assert steps == list(range(6))
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+
+
+_stat_value = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none())
+
+
+@st.composite
+def _stats(draw: st.DrawFn) -> dict[str, Any] | None:
+    if draw(st.booleans()):
+        return None
+    from hookcli.records import WATCH_STAT_KEYS
+
+    out: dict[str, Any] = {key: draw(_stat_value) for key in WATCH_STAT_KEYS}
+    out.update(nan_count=draw(st.sampled_from([0, 0, 0, 2])), inf_count=draw(st.sampled_from([0, 0, 0, 1])), count=draw(st.integers(0, 100)),
+               zero_fraction=draw(st.one_of(st.none(), st.floats(0, 1))))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(
+    st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), _stats(), _stats()), max_size=3),
+    st.lists(st.tuples(st.sampled_from(["w", "v"]), st.lists(st.integers(0, 3), max_size=3), _stats(),
+                       st.one_of(st.none(), st.floats(0, 1e9)), st.floats(0, 1e9)), max_size=3)),
+    max_size=6))
+def test_the_rules_take_any_records_without_failing(steps: list[Any]) -> None:
+    """The rules are total over the records (any None, NaN, Inf, 0 count): each finding names a known rule,
+    its step and a direction; never an exception (an InternalError would be the answer to the user's data)."""
+    from hookcli.commands.watch_rules import RULES, Rules, rule_settings
+    from hookcli.records import WatchLayer, WatchParam, WatchStep
+
+    rules = Rules(rule_settings(None))
+    for i, (loss, layers, params) in enumerate(steps):
+        rec = WatchStep(i, loss, [WatchLayer(n, "Linear", "", 1, [2], "float32", s, g) for n, s, g in layers],
+                        [WatchParam(n, shape, norm, g, update, None if update is None or not norm else update / norm)
+                         for n, shape, g, update, norm in params])
+        for found in rules.observe(rec):
+            assert found.rule in RULES and found.step == i
+            assert found.direction in ("forward", "backward", "update", "loss") and found.message
+            json.dumps(found.to_dict())
+
+
+def test_grad_explode_reads_the_parameters_that_have_a_gradient() -> None:
+    """A parameter without a finite norm (an empty one: no values, RMS None) does not hide the others'
+    gradient growing 100x; the finding names the largest."""
+    from hookcli.commands.watch_rules import Rules, rule_settings
+    from hookcli.records import WATCH_STAT_KEYS, WatchParam, WatchStep
+
+    def grad(rms: float | None, count: int) -> dict[str, Any]:
+        return {**dict.fromkeys(WATCH_STAT_KEYS, 0.0), "rms": rms, "nan_count": 0, "inf_count": 0, "count": count}
+
+    rules = Rules(rule_settings(None))
+    found = []
+    for step, scale in enumerate([1.0, 1.0, 100.0]):
+        found += rules.observe(WatchStep(step, params=[WatchParam("empty", [0], 0.0, grad(None, 0)),
+                                                       WatchParam("w", [2, 2], 1.0, grad(scale, 4)),
+                                                       WatchParam("b", [2], 1.0, grad(scale / 2, 2))]))
+    assert [(f.rule, f.step, f.layer) for f in found] == [("grad_explode", 2, "w")]
+    assert found[0].value == pytest.approx(100.0)
