@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -244,6 +245,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
     (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
     (tmp_path / "bomb.npz").write_bytes(_zip_claiming(3_000_000_000, members=3))
+    np.save(tmp_path / "struct.npy", np.zeros(2, dtype=[("a", "f4"), ("b", "i4")]))
     (tmp_path / "badcrc.png").write_bytes(_corrupt_png("crc"))
     (tmp_path / "badfilter.jpg").write_bytes(_corrupt_png("filter"))  # a PNG by content, named .jpg
     for name in ("huge.json", "huge.toml"):  # sparse: 65 MiB of zeros that take no disk
@@ -298,6 +300,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("missing input file", ["stats", LIN, "--input", "nope.png"], 2, "nope.png"),
     ("unreadable image", ["stats", LIN, "--input", "bad.png"], 2, "bad.png"),
     ("corrupt .pt input", ["stats", LIN, "--input", "corrupt.pt"], 2, "corrupt"),
+    ("structured .npy input", ["stats", LIN, "--input", "struct.npy"], 2, "numpy dtype [('a', '<f4')"),
     ("PNG with a bad CRC", ["stats", LIN, "--input", "badcrc.png"], 2, "CRC of its 'IDAT' chunk"),
     ("PNG with a bad filter byte", ["stats", LIN, "--input", "badfilter.jpg"], 2, "a corrupt PNG file"),
     ("folder without images", ["stats", LIN, "--input", "folder"], 2, "no images"),

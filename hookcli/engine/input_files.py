@@ -275,6 +275,23 @@ def _check_expanded(source: Path | io.BytesIO, label: str) -> None:
         raise TENSOR_BYTES.exceeded(f"input file {label}", f"its arrays expand to {total:,} bytes")
 
 
+def _numpy_tensor(array: Any, label: str) -> torch.Tensor:
+    """A numpy array as a tensor of its own values: a byte order other than the machine's (a
+    ``>f4`` file) is converted, since torch refuses it; a dtype torch has no tensor for
+    (structured, strings) is an InputError naming it."""
+    import numpy as np
+
+    array = np.array(array)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(array)
+    except TypeError as exc:
+        raise InputError(f"input file {label} holds an array of numpy dtype {array.dtype}, which torch has no "
+                         "tensor type for",
+                         hint="save numeric or bool arrays (numpy.save / numpy.savez)") from exc
+
+
 def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: bool = False) -> list[Entry]:
     """Read one tensor file into positional / keyword entries (``trust_pickle``: a .pt/.pth file
     may hold any pickled object, e.g. a namedtuple of tensors; unpickling runs code from it)."""
@@ -288,9 +305,9 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
                 _check_expanded(source, label)
             data = np.load(source, allow_pickle=False)
             if suffix == ".npy":
-                return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
+                return [(None, _numpy_tensor(data, label), f"file: {label}")]
             with data:
-                return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
+                return _split_keyed({k: _numpy_tensor(data[k], f"{label}[{k}]") for k in data.files}, label)
         if suffix == ".safetensors":
             from safetensors.torch import load, load_file
 
