@@ -291,6 +291,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("factory raising", ["stats", "lin.py:boom"], 2, "factory exploded"),
     # weights
     ("missing weights", ["stats", LIN, "--weights", "nope.pt"], 2, "nope.pt"),
+    ("weights from a device", ["stats", LIN, "--weights", "/dev/null"], 2, "'/dev/null' is not a regular file"),
     ("corrupt .pt weights", ["stats", LIN, "--weights", "corrupt.pt"], 2, "corrupt"),
     ("truncated .pt weights", ["stats", LIN, "--weights", "trunc.pt"], 2, "corrupt or truncated"),
     ("weights of another model", ["stats", LIN, "--weights", "good.pt"], 2, "do not fit"),
