@@ -61,3 +61,49 @@ def test_a_big_endian_npy_is_read_as_its_values(cli, linear: Path, order: str, k
     stats = _layer_stats(result.stdout, "0")
     for key in ("mean", "std", "min", "max", "norm"):
         assert stats[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+
+
+SCALED_FILE = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    '''x * SCALE through an Identity: a float64 model whose activations have grown huge.'''
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.out = nn.Identity()
+
+    def forward(self, x):
+        return self.out(x * self.scale)
+"""
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "torch"])
+@pytest.mark.parametrize("scale, offset", [(1e100, 0.0), (1e160, 1.0)], ids=["spread-1e100", "mean-1e160"])
+def test_huge_float64_activations_are_reported_not_an_internal_error(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scale: float, offset: float, kernel: str) -> None:
+    """A float64 model whose activations have grown huge. Values spread over 1e100: the fourth moment
+    overflows, and Python's ``float ** 4`` raised OverflowError inside the hook (exit 3, internal
+    error). Values near 1e160 spread by 1e150: the norm's ``mean ** 2`` raised the same. The statistics
+    must be reported (the kurtosis may be NaN); the norm is compared with torch's of the values scaled
+    down, since ``vector_norm`` itself overflows there."""
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+
+    monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
+    (tmp_path / "scaled.py").write_text(SCALED_FILE)
+    monkeypatch.chdir(tmp_path)
+    spread = 1e-10 if offset else 1.0
+    x = offset + spread * torch.randn(4, 300, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.save(x, tmp_path / "x.pt")
+    result = cli("stats", "scaled.py:Scaled", "--model-arg", f"scale={scale!r}", "--dtype", "float64",
+                 "--input", "x.pt", "--layers", "out", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    expected = float64_stats(x * scale)
+    expected["norm"] = float(torch.linalg.vector_norm(x)) * scale
+    stats = _layer_stats(result.stdout, "out")
+    for key in ("mean", "std", "min", "max", "norm"):
+        assert stats[key] == pytest.approx(expected[key], rel=1e-6), key
