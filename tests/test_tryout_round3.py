@@ -107,3 +107,26 @@ def test_huge_float64_activations_are_reported_not_an_internal_error(
     stats = _layer_stats(result.stdout, "out")
     for key in ("mean", "std", "min", "max", "norm"):
         assert stats[key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("loss", ["ce", "mean_square", "mean"])
+def test_a_float64_models_loss_and_gradients_are_float64(cli, linear: Path, loss: str) -> None:
+    """``grads --dtype float64``: the loss was computed on ``output.float()``, so a float64 model's
+    loss and every gradient carried float32 rounding (relative errors of 1e-8..1e-7) and outputs above
+    3e38 became inf. They must equal float64 torch to float64 precision."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).double()
+    torch.save(model.state_dict(), linear / "w.pt")
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    torch.save(x, linear / "x.pt")
+    result = cli("grads", "net.py:build", "--weights", "w.pt", "--dtype", "float64", "--input", "x.pt",
+                 "--loss", loss, "--params", "all", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    out = model(x)
+    value = {"ce": lambda: torch.nn.functional.cross_entropy(out, torch.zeros(5, dtype=torch.long)),
+             "mean_square": lambda: out.square().mean(), "mean": lambda: out.mean()}[loss]()
+    report = json.loads(result.stdout)
+    assert report["loss"]["value"] == pytest.approx(value.item(), rel=1e-13)
+    grads = dict(zip(("0.weight", "0.bias"), torch.autograd.grad(value, [model[0].weight, model[0].bias])))
+    for param in report["params"]:
+        assert param["grad"]["norm"] == pytest.approx(float(grads[param["name"]].norm()), rel=1e-12), param["name"]
