@@ -130,3 +130,39 @@ def test_a_float64_models_loss_and_gradients_are_float64(cli, linear: Path, loss
     grads = dict(zip(("0.weight", "0.bias"), torch.autograd.grad(value, [model[0].weight, model[0].bias])))
     for param in report["params"]:
         assert param["grad"]["norm"] == pytest.approx(float(grads[param["name"]].norm()), rel=1e-12), param["name"]
+
+
+TINY_GPT2 = ("--model-arg", "n_layer=1", "--model-arg", "n_embd=16", "--model-arg", "n_head=2",
+             "--model-arg", "vocab_size=50", "--seq-len", "4")
+
+
+@pytest.mark.parametrize("command", ["stats", "grads", "check"])
+def test_an_hf_model_too_large_for_the_memory_is_refused_before_it_is_built(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """``hookcli stats hf:llama`` (the default config: 7B parameters, 25 GiB) was built for real and
+    killed by the system (exit 137) after minutes of swapping. The weights are counted on the meta
+    device first: over half the memory is exit 2 with a hint. Here the machine is told it has 64 KiB,
+    less than twice this tiny GPT-2's weights."""
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli(command, "hf:gpt2", *TINY_GPT2)
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and "hf:gpt2 has" in lines[0] and "GiB of weights" in lines[0], result.stderr
+    assert lines[1].startswith("  hint: hookcli shapes")
+    assert result.stdout == ""
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 1 << 40)
+    assert cli(command, "hf:gpt2", *TINY_GPT2).exit_code == 0
+
+
+def test_shapes_of_an_hf_model_too_large_for_the_memory_still_run_on_meta(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli("shapes", "hf:gpt2", *TINY_GPT2, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["device"] == "meta"

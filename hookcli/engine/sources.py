@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
+from hookcli.errors import (
+    ModelNotFoundError, UnsupportedError, UsageError, WeightsError, describe_exception, did_you_mean,
+)
+from hookcli import limits
 from hookcli.engine.quiet import quiet_imported
 
 EXTRAS = {"timm": ("timm", "timm"), "transformers": ("hf", "transformers")}
@@ -168,6 +171,7 @@ def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: boo
         _check_config_args(config, model_args, text)
         cls = _auto_class(transformers, config)
         try:
+            _refuse_too_large(lambda: cls.from_config(config), f"hf:{text}")
             return cls.from_config(config)
         except (TypeError, ValueError, AttributeError, AssertionError, RuntimeError) as exc:
             with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -182,6 +186,27 @@ def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: boo
                                  hint=f"{hint}; or ORG/NAME from the local cache" if hint else
                                  "e.g. hf:gpt2, hf:bert (model types), hf:DIR or hf:ORG/NAME (local cache)")
     return _from_pretrained(transformers, text, model_args, local=False, trust_remote_code=trust_remote_code)
+
+
+def _refuse_too_large(build: Any, what: str) -> None:
+    """UnsupportedError (exit 2) when the model ``build()`` makes (built here on the meta device, which
+    costs no memory) has weights over half this machine's memory: hf:llama's default config is 7B
+    parameters (25 GiB), and building it for real was killed by the system (exit 137) after minutes
+    of swapping. Nothing is refused when the default device is already meta (``shapes``)."""
+    if torch.get_default_device().type == "meta":
+        return
+    memory = limits.memory_bytes()
+    if memory is None:
+        return
+    with torch.device("meta"):
+        model = build()
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if size > memory // 2:
+        raise UnsupportedError(
+            f"{what} has {size / 2**30:.3g} GiB of weights, more than half this machine's memory "
+            f"({memory / 2**30:.3g} GiB): building it would exhaust the memory",
+            hint="hookcli shapes runs it on the meta device; for the other commands give a smaller config "
+                 "(e.g. --model-arg num_hidden_layers=2 --model-arg hidden_size=256)")
 
 
 def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) -> None:
@@ -225,6 +250,8 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         # from its config, so a 7B checkpoint is never read into memory to print its shapes
         build = getattr(cls, "from_config", None) or cls._from_config  # (Auto classes | model classes)
         return build(config, **auto)
+    build = getattr(cls, "from_config", None) or cls._from_config
+    _refuse_too_large(lambda: build(config, **auto), f"hf:{name}")
     try:
         return cls.from_pretrained(name, config=config, local_files_only=True, **auto)
     except OSError as exc:
