@@ -284,6 +284,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("model-arg without =", ["stats", LIN, "--model-arg", "width"], 2, "KEY=VALUE"),
     ("model-arg of wrong type", ["stats", LIN, "--model-arg", "width=foo"], 2, "width='foo'"),
     ("unknown model", ["stats", "resnt18"], 2, "resnt18"),
+    ("timm: without a name", ["shapes", "timm:"], 2, "timm: needs a model name"),
     ("empty model spec", ["stats", ""], 2, "empty"),
     ("missing attribute", ["stats", "lin.py:missing"], 2, "missing"),
     ("missing model file", ["stats", "nofile.py:Net"], 2, "nofile.py"),

@@ -166,3 +166,16 @@ def test_shapes_of_an_hf_model_too_large_for_the_memory_still_run_on_meta(
     result = cli("shapes", "hf:gpt2", *TINY_GPT2, "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["device"] == "meta"
+
+
+def test_a_timm_model_too_large_for_the_memory_is_refused_before_it_is_built(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """timm has models of billions of parameters (aimv2_3b: 11 GiB): counted on meta as for hf:."""
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli("stats", "timm:test_resnet", "--input-shape", "1x3x32x32")
+    assert result.exit_code == 2, result.stderr
+    assert "timm:test_resnet has" in result.stderr and "  hint: " in result.stderr
+    assert result.stdout == ""

@@ -85,6 +85,8 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     """``timm.create_model(name, pretrained=False, **model_args)``; unknown names get close matches."""
     timm = require_extra("timm")
     name = name.strip()
+    if not name:
+        raise UsageError("timm: needs a model name", hint="e.g. timm:resnet18; 'hookcli models --source timm' lists them")
     if not timm.is_model(name):
         hint = did_you_mean(name, timm.list_models()) or "run 'hookcli models --source timm' to list them"
         raise ModelNotFoundError(f"unknown timm model {name!r}", hint=hint)
@@ -94,6 +96,7 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
                          f"--model-arg {loader[0]} is not a model argument",
                          hint=f"drop --model-arg {loader[0]}; give a weights file with --weights FILE")
     try:
+        _refuse_too_large(lambda: timm.create_model(name, pretrained=False, **model_args), f"timm:{name}")
         return timm.create_model(name, pretrained=False, **model_args)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
         with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -192,14 +195,18 @@ def _refuse_too_large(build: Any, what: str) -> None:
     """UnsupportedError (exit 2) when the model ``build()`` makes (built here on the meta device, which
     costs no memory) has weights over half this machine's memory: hf:llama's default config is 7B
     parameters (25 GiB), and building it for real was killed by the system (exit 137) after minutes
-    of swapping. Nothing is refused when the default device is already meta (``shapes``)."""
+    of swapping. Nothing is refused when the default device is already meta (``shapes``), or when the
+    model cannot be built there."""
     if torch.get_default_device().type == "meta":
         return
     memory = limits.memory_bytes()
     if memory is None:
         return
-    with torch.device("meta"):
-        model = build()
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:  # an init that reads values cannot run on meta: the real build says what it says
+        return
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if size > memory // 2:
         raise UnsupportedError(
