@@ -18,6 +18,15 @@ from hookcli.errors import InputError, UsageError
 MiB = 1 << 20
 
 
+def memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say (what a generated
+    input or a model's weights are checked against before they are allocated)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 @dataclass(frozen=True)
 class Limit:
     """One limit: its default, the unit it counts and the environment variable that overrides it."""

@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -161,6 +162,22 @@ def _png_header(width: int, height: int) -> bytes:
             + chunk(b"IEND", b""))
 
 
+def _corrupt_png(fault: str) -> bytes:
+    """An 8x8 RGB PNG with one fault: ``"crc"`` (IDAT's CRC wrong) or ``"filter"`` (a row's filter
+    byte is 7, with correct CRCs). torchvision's libpng decoder ended the process on both (SIGSEGV)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes, crc_xor: int = 0) -> bytes:
+        crc = zlib.crc32(kind + data) ^ crc_xor
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    rows = b"".join((b"\7" if fault == "filter" else b"\0") + bytes(range(24)) for _ in range(8))
+    ihdr = struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(rows), crc_xor=0xFF if fault == "crc" else 0) + chunk(b"IEND", b""))
+
+
 def _zip_claiming(size: int, members: int) -> bytes:
     """A small .npz whose zip directory says each member expands to ``size`` bytes (as a zip bomb's
     does): the sizes are written into the local and central headers of small deflated members."""
@@ -228,6 +245,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     torch.save(torch.empty(2, 16, device="meta"), tmp_path / "meta.pt")
     (tmp_path / "huge.png").write_bytes(_png_header(30000, 30000))
     (tmp_path / "bomb.npz").write_bytes(_zip_claiming(3_000_000_000, members=3))
+    np.save(tmp_path / "struct.npy", np.zeros(2, dtype=[("a", "f4"), ("b", "i4")]))
+    (tmp_path / "badcrc.png").write_bytes(_corrupt_png("crc"))
+    (tmp_path / "badfilter.jpg").write_bytes(_corrupt_png("filter"))  # a PNG by content, named .jpg
     for name in ("huge.json", "huge.toml"):  # sparse: 65 MiB of zeros that take no disk
         with open(tmp_path / name, "wb") as fh:
             fh.truncate(65 << 20)
@@ -264,6 +284,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("model-arg without =", ["stats", LIN, "--model-arg", "width"], 2, "KEY=VALUE"),
     ("model-arg of wrong type", ["stats", LIN, "--model-arg", "width=foo"], 2, "width='foo'"),
     ("unknown model", ["stats", "resnt18"], 2, "resnt18"),
+    ("timm: without a name", ["shapes", "timm:"], 2, "timm: needs a model name"),
     ("empty model spec", ["stats", ""], 2, "empty"),
     ("missing attribute", ["stats", "lin.py:missing"], 2, "missing"),
     ("missing model file", ["stats", "nofile.py:Net"], 2, "nofile.py"),
@@ -271,6 +292,7 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("factory raising", ["stats", "lin.py:boom"], 2, "factory exploded"),
     # weights
     ("missing weights", ["stats", LIN, "--weights", "nope.pt"], 2, "nope.pt"),
+    ("weights from a device", ["stats", LIN, "--weights", "/dev/null"], 2, "'/dev/null' is not a regular file"),
     ("corrupt .pt weights", ["stats", LIN, "--weights", "corrupt.pt"], 2, "corrupt"),
     ("truncated .pt weights", ["stats", LIN, "--weights", "trunc.pt"], 2, "corrupt or truncated"),
     ("weights of another model", ["stats", LIN, "--weights", "good.pt"], 2, "do not fit"),
@@ -280,6 +302,9 @@ ROWS: list[tuple[str, list[str], int, str]] = [
     ("missing input file", ["stats", LIN, "--input", "nope.png"], 2, "nope.png"),
     ("unreadable image", ["stats", LIN, "--input", "bad.png"], 2, "bad.png"),
     ("corrupt .pt input", ["stats", LIN, "--input", "corrupt.pt"], 2, "corrupt"),
+    ("structured .npy input", ["stats", LIN, "--input", "struct.npy"], 2, "numpy dtype [('a', '<f4')"),
+    ("PNG with a bad CRC", ["stats", LIN, "--input", "badcrc.png"], 2, "CRC of its 'IDAT' chunk"),
+    ("PNG with a bad filter byte", ["stats", LIN, "--input", "badfilter.jpg"], 2, "a corrupt PNG file"),
     ("folder without images", ["stats", LIN, "--input", "folder"], 2, "no images"),
     ("unsupported input file", ["stats", LIN, "--input", "lin.py"], 2, "unsupported input file"),
     ("too many inputs", ["stats", LIN, "--input-shape", "2x16", "--input-shape", "2x16"], 2, "too many"),

@@ -144,6 +144,12 @@ def sequence_targets(out: torch.Tensor, inputs: Any, seed: int) -> tuple[torch.T
     return out, labels, f"randint(0, {vocab}, seed={seed}) per token"
 
 
+def _in_loss_precision(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in the precision the loss is computed in: float32, or float64 for a float64 output
+    (a float64 model's loss and gradients were rounded to float32, and its outputs above 3e38 became inf)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, inputs: Any = None,
                model: nn.Module | None = None, seed: int = 0) -> LossChoice:
     """The loss to backpropagate from the model's ``output``.
@@ -160,12 +166,12 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
     loss = Loss(loss)
     losses = loss_collection(output) if loss == Loss.auto and output_key is None else None
     if losses is not None:
-        value = torch.stack([t.float() for _, t in losses]).sum()
+        value = torch.stack([_in_loss_precision(t) for _, t in losses]).sum()
         return LossChoice("model_loss", "sum of " + ", ".join(p for p, _ in losses), None, value)
     path, out = pick_output(output, output_key, skip_loss=loss != Loss.auto)
     if loss == Loss.auto:
         if out.dim() == 0 and (output_key is not None or _is_model_loss(path, out) or path == ""):
-            return LossChoice("model_loss", path, None, out.float(), "the model's own loss")
+            return LossChoice("model_loss", path, None, _in_loss_precision(out), "the model's own loss")
         if is_sequence_logits(path, out, model, inputs):
             loss = Loss.ce
         elif out.dim() == 2 and out.shape[1] > 1:
@@ -179,18 +185,18 @@ def build_loss(output: Any, *, loss: str, target: int, output_key: str | None, i
         fn = F.cross_entropy if loss == Loss.ce else F.nll_loss
         if out.dim() == 3:  # [batch, seq, vocab]: per token, classes on the last dimension
             logits, labels, described = sequence_targets(out, inputs, seed)
-            value = fn(logits.float().reshape(-1, out.shape[-1]), labels.reshape(-1))
+            value = fn(_in_loss_precision(logits).reshape(-1, out.shape[-1]), labels.reshape(-1))
             return LossChoice(LOSS_NAMES[loss], path, None, value, described)
         if target >= out.shape[1]:
             raise UsageError(f"--target {target} is out of range for {out.shape[1]} classes",
                              hint=f"give --target 0 to {out.shape[1] - 1}")
         # [batch, classes] or [batch, classes, d1, ...] (segmentation): class ``target`` everywhere
         labels = torch.full((out.shape[0], *out.shape[2:]), target, dtype=torch.long, device=out.device)
-        value = fn(out.float(), labels)
+        value = fn(_in_loss_precision(out), labels)
         return LossChoice(LOSS_NAMES[loss], path, target, value)  # ``target`` says it
     if loss == Loss.mean_square:
-        return LossChoice(LOSS_NAMES[loss], path, None, out.float().square().mean())
-    value = out.float().sum() if loss == Loss.sum else out.float().mean()
+        return LossChoice(LOSS_NAMES[loss], path, None, _in_loss_precision(out).square().mean())
+    value = _in_loss_precision(out).sum() if loss == Loss.sum else _in_loss_precision(out).mean()
     return LossChoice(LOSS_NAMES[loss], path, None, value)
 
 

@@ -21,9 +21,9 @@ def wants_meta(opts: RunOptions) -> bool:
 def refuse_too_large(size: int | None, fallback: str) -> None:
     """UnsupportedError (exit 2) when the weights of a model that cannot run on the meta device would not
     fit in this machine's memory: building it for real (a 7B model on the CPU) would be killed instead."""
-    from hookcli.engine.build_inputs import memory_bytes
+    from hookcli import limits
 
-    memory = memory_bytes()
+    memory = limits.memory_bytes()
     if size is None or memory is None or size <= memory // 2:
         return
     raise UnsupportedError(

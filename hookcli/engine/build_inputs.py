@@ -21,6 +21,7 @@ from torch import nn
 
 import math
 
+from hookcli import limits
 from hookcli.errors import InputError, UsageError, describe_exception
 from hookcli.options import (
     MAX_NUMEL, Fill, InputSpec, MemoryInputs, member,
@@ -34,14 +35,6 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def memory_bytes() -> int | None:
-    """This machine's physical memory in bytes, or None where the OS does not say."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def _gb(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
@@ -51,7 +44,7 @@ def check_input_size(shape: Sequence[int], dtype: torch.dtype) -> None:
     (with memory overcommit a huge allocation can succeed and the filling then kills the process)."""
     numel = math.prod(shape)
     size = numel * torch.empty((), dtype=dtype).element_size()
-    memory = memory_bytes()
+    memory = limits.memory_bytes()
     if numel > MAX_NUMEL or (memory is not None and size > memory):
         dims = "x".join(map(str, shape))
         have = f"this machine has {_gb(memory)}" if memory is not None else "more than a tensor can hold"

@@ -414,6 +414,10 @@ def _read_state_dict(path: Path, *, trust_pickle: bool = False) -> dict[str, tor
     """Read a state dict from a file: safetensors, or torch.load with weights_only unless
     ``trust_pickle`` (then a whole pickled ``nn.Module`` gives its ``state_dict()``)."""
     if not path.is_file():
+        if path.exists():  # /dev/null, a FIFO, a folder: "not found" would send the user looking for it
+            raise WeightsError(f"weights file {str(path)!r} is not a regular file (a folder, device or pipe)",
+                               hint="give a state-dict file (.pt, .pth, .safetensors) written by torch.save or "
+                               "safetensors")
         raise WeightsError(f"weights file not found: {path}", hint="give an existing state-dict file")
     if path.suffix.lower() == ".safetensors":
         try:

@@ -102,12 +102,57 @@ def _check_pixels(path: Path) -> None:
         raise IMAGE_PIXELS.exceeded(f"image {str(path)!r}", f"{width}x{height} = {width * height:,} pixels")
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png(path: Path) -> None:
+    """InputError when a PNG is corrupt: a chunk's CRC is wrong or PIL cannot decode its data.
+
+    torchvision's libpng decoder ends the whole process (SIGSEGV) on such files (a bad CRC, a
+    broken deflate stream, a bad filter byte), so a PNG is checked before it reaches it: the CRCs
+    here, the data by PIL, which raises instead. Called after ``_check_pixels``, so the decode is bounded.
+    """
+    import zlib
+
+    from PIL import Image
+
+    data = path.read_bytes()
+    pos = len(PNG_SIGNATURE)
+    problem = ""
+    while pos + 12 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        kind, end = data[pos + 4:pos + 8], pos + 8 + length
+        if end + 4 > len(data):
+            break  # truncated: PIL below says so
+        if zlib.crc32(data[pos + 4:end]) != int.from_bytes(data[end:end + 4], "big"):
+            problem = f"the CRC of its {kind.decode('latin-1')!r} chunk is wrong"
+            break
+        pos = end + 4
+        if kind == b"IEND":
+            break
+    if not problem:
+        pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # judged by _check_pixels
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                im.load()
+        except Exception as exc:
+            problem = describe_exception(exc)
+        finally:
+            Image.MAX_IMAGE_PIXELS = pil_limit
+    if problem:
+        raise InputError(f"could not decode image {str(path)!r}: a corrupt PNG file: {problem}",
+                         hint="is it a valid, complete image file? re-save it with an image editor or PIL")
+
+
 def _decode(path: Path) -> torch.Tensor:
     """Decode an image file to a uint8 RGB CHW tensor (torchvision, falling back to PIL), after
-    checking its size (``_check_pixels``)."""
+    checking its size (``_check_pixels``) and, for a PNG, its soundness (``_check_png``)."""
     from torchvision.io import ImageReadMode, decode_image
 
     _check_pixels(path)
+    with open(path, "rb") as fh:
+        if fh.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE:  # by content: decode_image sniffs it too
+            _check_png(path)
     try:
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -231,6 +276,23 @@ def _check_expanded(source: Path | io.BytesIO, label: str) -> None:
         raise TENSOR_BYTES.exceeded(f"input file {label}", f"its arrays expand to {total:,} bytes")
 
 
+def _numpy_tensor(array: Any, label: str) -> torch.Tensor:
+    """A numpy array as a tensor of its own values: a byte order other than the machine's (a
+    ``>f4`` file) is converted, since torch refuses it; a dtype torch has no tensor for
+    (structured, strings) is an InputError naming it."""
+    import numpy as np
+
+    array = np.array(array)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(array)
+    except TypeError as exc:
+        raise InputError(f"input file {label} holds an array of numpy dtype {array.dtype}, which torch has no "
+                         "tensor type for",
+                         hint="save numeric or bool arrays (numpy.save / numpy.savez)") from exc
+
+
 def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: bool = False) -> list[Entry]:
     """Read one tensor file into positional / keyword entries (``trust_pickle``: a .pt/.pth file
     may hold any pickled object, e.g. a namedtuple of tensors; unpickling runs code from it)."""
@@ -244,9 +306,9 @@ def _read_tensor_file(path: Path, label: str, family: str | None, trust_pickle: 
                 _check_expanded(source, label)
             data = np.load(source, allow_pickle=False)
             if suffix == ".npy":
-                return [(None, torch.from_numpy(np.array(data)), f"file: {label}")]
+                return [(None, _numpy_tensor(data, label), f"file: {label}")]
             with data:
-                return _split_keyed({k: torch.from_numpy(np.array(data[k])) for k in data.files}, label)
+                return _split_keyed({k: _numpy_tensor(data[k], f"{label}[{k}]") for k in data.files}, label)
         if suffix == ".safetensors":
             from safetensors.torch import load, load_file
 

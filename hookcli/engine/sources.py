@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.errors import ModelNotFoundError, UsageError, WeightsError, describe_exception, did_you_mean
+from hookcli.errors import (
+    ModelNotFoundError, UnsupportedError, UsageError, WeightsError, describe_exception, did_you_mean,
+)
+from hookcli import limits
 from hookcli.engine.quiet import quiet_imported
 
 EXTRAS = {"timm": ("timm", "timm"), "transformers": ("hf", "transformers")}
@@ -82,6 +85,8 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
     """``timm.create_model(name, pretrained=False, **model_args)``; unknown names get close matches."""
     timm = require_extra("timm")
     name = name.strip()
+    if not name:
+        raise UsageError("timm: needs a model name", hint="e.g. timm:resnet18; 'hookcli models --source timm' lists them")
     if not timm.is_model(name):
         hint = did_you_mean(name, timm.list_models()) or "run 'hookcli models --source timm' to list them"
         raise ModelNotFoundError(f"unknown timm model {name!r}", hint=hint)
@@ -91,6 +96,7 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
                          f"--model-arg {loader[0]} is not a model argument",
                          hint=f"drop --model-arg {loader[0]}; give a weights file with --weights FILE")
     try:
+        _refuse_too_large(lambda: timm.create_model(name, pretrained=False, **model_args), f"timm:{name}")
         return timm.create_model(name, pretrained=False, **model_args)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
         with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -168,6 +174,7 @@ def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: boo
         _check_config_args(config, model_args, text)
         cls = _auto_class(transformers, config)
         try:
+            _refuse_too_large(lambda: cls.from_config(config), f"hf:{text}")
             return cls.from_config(config)
         except (TypeError, ValueError, AttributeError, AssertionError, RuntimeError) as exc:
             with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -182,6 +189,31 @@ def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: boo
                                  hint=f"{hint}; or ORG/NAME from the local cache" if hint else
                                  "e.g. hf:gpt2, hf:bert (model types), hf:DIR or hf:ORG/NAME (local cache)")
     return _from_pretrained(transformers, text, model_args, local=False, trust_remote_code=trust_remote_code)
+
+
+def _refuse_too_large(build: Any, what: str) -> None:
+    """UnsupportedError (exit 2) when the model ``build()`` makes (built here on the meta device, which
+    costs no memory) has weights over half this machine's memory: hf:llama's default config is 7B
+    parameters (25 GiB), and building it for real was killed by the system (exit 137) after minutes
+    of swapping. Nothing is refused when the default device is already meta (``shapes``), or when the
+    model cannot be built there."""
+    if torch.get_default_device().type == "meta":
+        return
+    memory = limits.memory_bytes()
+    if memory is None:
+        return
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:  # an init that reads values cannot run on meta: the real build says what it says
+        return
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if size > memory // 2:
+        raise UnsupportedError(
+            f"{what} has {size / 2**30:.3g} GiB of weights, more than half this machine's memory "
+            f"({memory / 2**30:.3g} GiB): building it would exhaust the memory",
+            hint="hookcli shapes runs it on the meta device; for the other commands give a smaller config "
+                 "(e.g. --model-arg num_hidden_layers=2 --model-arg hidden_size=256)")
 
 
 def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) -> None:
@@ -225,6 +257,8 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         # from its config, so a 7B checkpoint is never read into memory to print its shapes
         build = getattr(cls, "from_config", None) or cls._from_config  # (Auto classes | model classes)
         return build(config, **auto)
+    build = getattr(cls, "from_config", None) or cls._from_config
+    _refuse_too_large(lambda: build(config, **auto), f"hf:{name}")
     try:
         return cls.from_pretrained(name, config=config, local_files_only=True, **auto)
     except OSError as exc:

@@ -402,9 +402,10 @@ def central_moments(n: Any, shift: Any, s1: Any, s2: Any, s3: Any, s4: Any) -> t
     whose mean is small against its spread. Works on floats and on 0-d tensors alike.
     """
     delta = s1 / n
+    d2 = delta * delta  # products, not **: a float's ** raises OverflowError where * gives inf
     m2 = s2 - s1 * delta
-    m3 = s3 - 3 * delta * s2 + 2 * n * delta ** 3
-    m4 = s4 - 4 * delta * s3 + 6 * delta * delta * s2 - 3 * n * delta ** 4
+    m3 = s3 - 3 * delta * s2 + 2 * n * d2 * delta
+    m4 = s4 - 4 * delta * s3 + 6 * d2 * s2 - 3 * n * d2 * d2
     return shift + delta, m2, m3, m4
 
 
@@ -443,10 +444,11 @@ def _pebay(na: Any, nb: Any, delta: Any, ma: Sequence[Any], mb: Sequence[Any], n
     whose means differ by ``delta`` and whose central moment sums are ``ma``, ``mb`` (floats or tensors)."""
     (m2a, m3a, m4a), (m2b, m3b, m4b) = ma, mb
     wa, wb = na / n, nb / n
-    m2 = m2a + m2b + delta * delta * na * wb
-    m3 = m3a + m3b + delta ** 3 * na * wb * (wa - wb) + 3 * delta * (wa * m2b - wb * m2a)
-    m4 = (m4a + m4b + delta ** 4 * na * wb * (wa * wa - wa * wb + wb * wb)
-          + 6 * delta * delta * (wa * wa * m2b + wb * wb * m2a) + 4 * delta * (wa * m3b - wb * m3a))
+    d2 = delta * delta  # products, not **: a float's ** raises OverflowError where * gives inf
+    m2 = m2a + m2b + d2 * na * wb
+    m3 = m3a + m3b + d2 * delta * na * wb * (wa - wb) + 3 * delta * (wa * m2b - wb * m2a)
+    m4 = (m4a + m4b + d2 * d2 * na * wb * (wa * wa - wa * wb + wb * wb)
+          + 6 * d2 * (wa * wa * m2b + wb * wb * m2a) + 4 * delta * (wa * m3b - wb * m3a))
     return delta * wb, m2, m3, m4
 
 
@@ -540,14 +542,15 @@ def summary(values: Sequence[float]) -> tuple[float, float, float, float, float]
 
 
 def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel: float) -> float:
-    """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64."""
+    """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64 (as sqrt(n) *
+    hypot(std, mean): squares of float64 data above ~1e154 would overflow, the norm itself does not)."""
     if nan_count:
         return math.nan
     if inf_count:
         return math.inf
     if not numel:
         return 0.0  # an empty sum of squares, as torch.linalg.vector_norm of an empty tensor
-    return math.sqrt(numel * (std ** 2 + mean ** 2))
+    return math.sqrt(numel) * math.hypot(std, mean)
 
 
 def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:

@@ -1,0 +1,181 @@
+"""Round-3 tryout: inputs and models nobody here wrote, used as a new user would.
+
+Every number is checked against plain torch computed here (``torch.autograd.grad`` for gradients);
+the faults these found have bad-input rows in ``tests/test_bad_inputs.py`` besides.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reference import float64_stats
+
+LINEAR_FILE = """
+from torch import nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+"""
+
+
+@pytest.fixture
+def linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A file model ``net.py:build`` in a scratch working directory."""
+    (tmp_path / "net.py").write_text(LINEAR_FILE)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _layer_stats(stdout: str, name: str) -> dict[str, float]:
+    (layer,) = [r for r in json.loads(stdout)["layers"] if r["name"] == name]
+    return layer["stats"]
+
+
+@pytest.mark.parametrize("npz", [False, True], ids=["npy", "npz"])
+@pytest.mark.parametrize("kind", ["f4", "f8"])
+@pytest.mark.parametrize("order", [">", "<"], ids=["big-endian", "little-endian"])
+def test_a_big_endian_npy_is_read_as_its_values(cli, linear: Path, order: str, kind: str, npz: bool) -> None:
+    """numpy writes the byte order into the file (``>f4``); torch.from_numpy refused a non-native one
+    (exit 2, "is it a complete .npy file?"). The values must arrive as they were saved."""
+    values = np.linspace(-2, 2, 8).reshape(2, 4)
+    array = values.astype(order + kind)
+    if npz:
+        np.savez(linear / "x.npz", input=array)
+    else:
+        np.save(linear / "x.npy", array)
+    linear_layer = torch.nn.Linear(4, 3)
+    torch.save(torch.nn.Sequential(linear_layer, torch.nn.Tanh()).state_dict(), linear / "w.pt")
+    dtype = ["--dtype", "float64"] if kind == "f8" else []
+    result = cli("stats", "net.py:build", "--weights", "w.pt", "--input", "x.npz" if npz else "x.npy",
+                 "--layers", "0", "--format", "json", *dtype)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    with torch.no_grad():
+        expected = float64_stats(linear_layer.double()(torch.from_numpy(values)))
+    stats = _layer_stats(result.stdout, "0")
+    for key in ("mean", "std", "min", "max", "norm"):
+        assert stats[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+
+
+SCALED_FILE = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    '''x * SCALE through an Identity: a float64 model whose activations have grown huge.'''
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.out = nn.Identity()
+
+    def forward(self, x):
+        return self.out(x * self.scale)
+"""
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "torch"])
+@pytest.mark.parametrize("scale, offset", [(1e100, 0.0), (1e160, 1.0)], ids=["spread-1e100", "mean-1e160"])
+def test_huge_float64_activations_are_reported_not_an_internal_error(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scale: float, offset: float, kernel: str) -> None:
+    """A float64 model whose activations have grown huge. Values spread over 1e100: the fourth moment
+    overflows, and Python's ``float ** 4`` raised OverflowError inside the hook (exit 3, internal
+    error). Values near 1e160 spread by 1e150: the norm's ``mean ** 2`` raised the same. The statistics
+    must be reported (the kurtosis may be NaN); the norm is compared with torch's of the values scaled
+    down, since ``vector_norm`` itself overflows there."""
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+
+    monkeypatch.setenv(NO_KERNEL_ENV, "0" if kernel == "kernel" else "1")
+    (tmp_path / "scaled.py").write_text(SCALED_FILE)
+    monkeypatch.chdir(tmp_path)
+    spread = 1e-10 if offset else 1.0
+    x = offset + spread * torch.randn(4, 300, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.save(x, tmp_path / "x.pt")
+    result = cli("stats", "scaled.py:Scaled", "--model-arg", f"scale={scale!r}", "--dtype", "float64",
+                 "--input", "x.pt", "--layers", "out", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    expected = float64_stats(x * scale)
+    expected["norm"] = float(torch.linalg.vector_norm(x)) * scale
+    stats = _layer_stats(result.stdout, "out")
+    for key in ("mean", "std", "min", "max", "norm"):
+        assert stats[key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("loss", ["ce", "mean_square", "mean"])
+def test_a_float64_models_loss_and_gradients_are_float64(cli, linear: Path, loss: str) -> None:
+    """``grads --dtype float64``: the loss was computed on ``output.float()``, so a float64 model's
+    loss and every gradient carried float32 rounding (relative errors of 1e-8..1e-7) and outputs above
+    3e38 became inf. They must equal float64 torch to float64 precision."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).double()
+    torch.save(model.state_dict(), linear / "w.pt")
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    torch.save(x, linear / "x.pt")
+    result = cli("grads", "net.py:build", "--weights", "w.pt", "--dtype", "float64", "--input", "x.pt",
+                 "--loss", loss, "--params", "all", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    out = model(x)
+    value = {"ce": lambda: torch.nn.functional.cross_entropy(out, torch.zeros(5, dtype=torch.long)),
+             "mean_square": lambda: out.square().mean(), "mean": lambda: out.mean()}[loss]()
+    report = json.loads(result.stdout)
+    assert report["loss"]["value"] == pytest.approx(value.item(), rel=1e-13)
+    grads = dict(zip(("0.weight", "0.bias"), torch.autograd.grad(value, [model[0].weight, model[0].bias])))
+    for param in report["params"]:
+        assert param["grad"]["norm"] == pytest.approx(float(grads[param["name"]].norm()), rel=1e-12), param["name"]
+
+
+TINY_GPT2 = ("--model-arg", "n_layer=1", "--model-arg", "n_embd=16", "--model-arg", "n_head=2",
+             "--model-arg", "vocab_size=50", "--seq-len", "4")
+
+
+@pytest.mark.parametrize("command", ["stats", "grads", "check"])
+def test_an_hf_model_too_large_for_the_memory_is_refused_before_it_is_built(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """``hookcli stats hf:llama`` (the default config: 7B parameters, 25 GiB) was built for real and
+    killed by the system (exit 137) after minutes of swapping. The weights are counted on the meta
+    device first: over half the memory is exit 2 with a hint. Here the machine is told it has 64 KiB,
+    less than twice this tiny GPT-2's weights."""
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli(command, "hf:gpt2", *TINY_GPT2)
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and "hf:gpt2 has" in lines[0] and "GiB of weights" in lines[0], result.stderr
+    assert lines[1].startswith("  hint: hookcli shapes")
+    assert result.stdout == ""
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 1 << 40)
+    assert cli(command, "hf:gpt2", *TINY_GPT2).exit_code == 0
+
+
+def test_shapes_of_an_hf_model_too_large_for_the_memory_still_run_on_meta(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli("shapes", "hf:gpt2", *TINY_GPT2, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["device"] == "meta"
+
+
+def test_a_timm_model_too_large_for_the_memory_is_refused_before_it_is_built(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """timm has models of billions of parameters (aimv2_3b: 11 GiB): counted on meta as for hf:."""
+    from hookcli import limits
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 10)
+    result = cli("stats", "timm:test_resnet", "--input-shape", "1x3x32x32")
+    assert result.exit_code == 2, result.stderr
+    assert "timm:test_resnet has" in result.stderr and "  hint: " in result.stderr
+    assert result.stdout == ""
