@@ -30,7 +30,8 @@ from hookcli.engine.input_types import (
     pack_inputs,
     plural,
 )
-from hookcli.engine.stats import Vector, activation_stats, gradient_stats, iter_tensors, merge, to_host
+from hookcli.engine.stats import (Vector, activation_stats, gradient_stats, iter_tensors, map_tensors, merge,
+                                  to_host)
 from hookcli.errors import InputError, UnsupportedError, describe_exception
 from hookcli.records import LayerRecord
 
@@ -196,15 +197,7 @@ def _leading(whole: ModelInputs, what: str) -> int:
 
 def _copy(item: Any) -> Any:
     """``item`` with every tensor in its tuples, lists and dicts copied."""
-    if isinstance(item, torch.Tensor):
-        return item.detach().clone()
-    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
-        return type(item)(*(_copy(v) for v in item))
-    if isinstance(item, (tuple, list)):
-        return type(item)(_copy(v) for v in item)
-    if isinstance(item, Mapping):
-        return {k: _copy(v) for k, v in item.items()}
-    return item
+    return map_tensors(lambda t: t.detach().clone(), item)
 
 
 def _sliced(whole: ModelInputs, size: int, what: str, *, copy: bool = False) -> Iterator[ModelInputs]:

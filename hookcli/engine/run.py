@@ -33,7 +33,7 @@ from hookcli.engine.build_inputs import ModelInputs, check_signature, make_input
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, model_is_instance
-from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, shape_of
+from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, map_tensors, shape_of
 from hookcli.records import (
     LayerRecord,
     FailureInfo,
@@ -201,17 +201,12 @@ def params_by_module(prep: Prepared) -> dict[str, int]:
 
 def to_device(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     """Move every tensor in a nested input to ``device``; cast floating ones to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        if dtype is not None and obj.is_floating_point():
-            return obj.to(device=device, dtype=dtype)
-        return obj.to(device=device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(v, device, dtype) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device, dtype) for v in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device, dtype) for k, v in obj.items()}
-    return obj
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+
+    return map_tensors(move, obj)
 
 
 def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
@@ -388,17 +383,12 @@ class OptimiserSteps:
 def require_grad(obj: Any) -> Any:
     """Fresh leaf copies of the floating tensors in a nested input, with ``requires_grad`` (an
     inference tensor, made under the caller's ``torch.inference_mode``, is copied out of it)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_inference():
-            obj = obj.clone()  # outside inference mode (the gradient commands'), a normal tensor
-        return obj.detach().requires_grad_(True) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(require_grad(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(require_grad(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: require_grad(v) for k, v in obj.items()}
-    return obj
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if t.is_inference():
+            t = t.clone()  # outside inference mode (the gradient commands'), a normal tensor
+        return t.detach().requires_grad_(True) if t.is_floating_point() else t
+
+    return map_tensors(leaf, obj)
 
 
 def inputs_for_backward(args: Any, kwargs: Any, model: nn.Module, input_grads: bool) -> tuple[Any, Any]:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -655,6 +655,21 @@ def iter_tensors(obj: Any, path: str = "", _level: int = 0) -> Iterator[tuple[st
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", _level + 1)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in its tuples, namedtuples, lists and mappings (a
+    mapping comes back as a dict); anything else as it is. Inputs are walked with it (moved, copied,
+    made to require grad); outputs are read with ``iter_tensors``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    return obj
 
 
 def shape_of(t: torch.Tensor) -> list[int]:
