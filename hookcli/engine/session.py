@@ -1,6 +1,6 @@
 """The hook engine: attach forward pre-hooks and forward hooks to selected modules, record every call.
 
-Rules (DESIGN.md): a pre-hook sees the inputs before an in-place module changes them; an
+Rules (docs/how-it-works.md): a pre-hook sees the inputs before an in-place module changes them; an
 ``always_call`` forward hook sees the outputs and still fires when forward raises; one record per
 call, in execution order; every tensor of any output structure; statistics reduced on the device;
 gradients through tensor hooks registered on output (and input) tensors, never module backward hooks
