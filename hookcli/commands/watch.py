@@ -30,14 +30,17 @@ class Watch:
     ``w.step(loss=...)`` ends a step (optional: ``optimizer.step()`` ends steps too); ``w.last`` is
     the latest logged step's record; ``w.findings`` every finding of the rules so far (each also on
     its step's log line). ``on_finding="raise"``: a finding raises ``CheckFailedError`` once its
-    step's line is written.
+    step's line is written. ``flight=K``: the flight recorder (``hookcli.engine.flight``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
                  types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
-                 on_finding: str = "warn") -> None:
+                 on_finding: str = "warn", flight: int | None = None) -> None:
         check_arguments(model, optimizer, every)
+        if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
+            raise UsageError(f"flight must be a whole number of steps, 1 or more, got {flight!r}",
+                             hint="flight=100 keeps every step's statistics of the last 100 steps")
         if on_finding not in ON_FINDING:
             raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
@@ -48,7 +51,7 @@ class Watch:
         self.log = LineLog(out) if out is not None else None  # the path is checked now
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
-        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
+        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight)
         self._open = self._used = False
 
     def __enter__(self) -> Self:
@@ -63,7 +66,7 @@ class Watch:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._open = False
         try:
-            self._watcher.close()
+            self._watcher.close(raised=exc_type is not None)
         except Exception:
             if exc_type is None:
                 raise
@@ -82,8 +85,12 @@ class Watch:
         self._watcher.user_step(loss)
 
     def _logged(self, record: WatchStep) -> None:
-        record.findings = self._rules.observe(record)
-        self.last = record
+        """A logged step's record, or a flight recorder's (``record.flight``: only its NaN/Inf is looked for)."""
+        if record.flight:
+            record.findings = self._rules.observe_flight(record)
+        else:
+            record.findings = self._rules.observe(record)
+            self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())
         self.findings.extend(record.findings)
