@@ -16,7 +16,7 @@ from torch import nn
 
 from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
-from hookcli.engine.watch import StepWatcher
+from hookcli.engine.watch import StepWatcher, compiled_inner
 from hookcli.errors import CheckFailedError, UsageError
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
@@ -46,8 +46,9 @@ class Watch:
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
-        selection = (select_modules(model, layers=layers, types=types) if layers or types
-                     else owners_and_activations(model))
+        inner = compiled_inner(model)  # torch.compile(model): the modules are named as in the model
+        selection = (select_modules(inner, layers=layers, types=types) if layers or types
+                     else owners_and_activations(inner))
         self.log = LineLog(out) if out is not None else None  # the path is checked now
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []

@@ -39,6 +39,13 @@ def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]])
     return chosen
 
 
+def compiled_inner(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` wraps (its modules and parameters keep their own names),
+    or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 class StepWatcher:
     """Counts the user's steps and records every ``every``-th (steps 0, every, 2 * every, ...).
 
@@ -59,7 +66,7 @@ class StepWatcher:
         self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
-        self.params = watched_params(model, self.selection)
+        self.params = watched_params(compiled_inner(model), self.selection)
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
