@@ -16,6 +16,7 @@ from torch import nn
 
 from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
+from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
 from hookcli.errors import CheckFailedError, UsageError
 from hookcli.output import LineLog
@@ -30,13 +31,15 @@ class Watch:
     ``w.step(loss=...)`` ends a step (optional: ``optimizer.step()`` ends steps too); ``w.last`` is
     the latest logged step's record; ``w.findings`` every finding of the rules so far (each also on
     its step's log line). ``on_finding="raise"``: a finding raises ``CheckFailedError`` once its
-    step's line is written. ``flight=K``: the flight recorder (``hookcli.engine.flight``).
+    step's line is written. ``flight=K``: the flight recorder (``hookcli.engine.flight``);
+    ``tensorboard_dir``: the logged steps as TensorBoard scalars too (``watch_tensorboard``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
                  types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
-                 on_finding: str = "warn", flight: int | None = None) -> None:
+                 on_finding: str = "warn", flight: int | None = None,
+                 tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         check_arguments(model, optimizer, every)
         if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
             raise UsageError(f"flight must be a whole number of steps, 1 or more, got {flight!r}",
@@ -50,6 +53,7 @@ class Watch:
         selection = (select_modules(inner, layers=layers, types=types) if layers or types
                      else owners_and_activations(inner))
         self.log = LineLog(out) if out is not None else None  # the path is checked now
+        self.tensorboard = TensorBoardLog(tensorboard_dir) if tensorboard_dir is not None else None
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight)
@@ -75,6 +79,8 @@ class Watch:
         finally:
             if self.log is not None:
                 self.log.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
         if exc_type is None:
             self._watcher.raise_error()
 
@@ -94,6 +100,8 @@ class Watch:
             self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())
+        if self.tensorboard is not None and not record.flight:
+            self.tensorboard.write(record)
         self.findings.extend(record.findings)
         if record.findings and self.on_finding == "raise":
             first = record.findings[0]
