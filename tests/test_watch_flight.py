@@ -219,3 +219,39 @@ def test_the_device_flag_names_the_first_bad_step_without_reading_every_step() -
         recorder.push(step, {("a", ""): ["Linear", [3], "float32", 1, None, vector]}, None)
     assert recorder.first_bad is None
     assert recorder.read() == 2
+    two = {("a", ""): ["Linear", [6], "float32", 1, reducer._reduce_device(good, True),
+                       reducer._reduce_device(good * 2, False)]}
+    recorder.push(6, two, None)
+    stats, grad = two[("a", "")][4:]  # one tensor per step in the ring, its rows the vectors
+    assert stats.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    assert stats.tolist() == reducer._reduce_device(good, True).tolist()
+
+
+def test_without_w_step_the_optimizer_ends_the_recorded_steps(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    model[4].at = 7
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookcli.watch(model, opt, every=50, out=tmp_path / "log.jsonl", flight=4) as w:
+        for _ in range(10):
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(f.layer, f.step, f.direction) for f in w.findings] == [("4", 7, "forward")]
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [line["step"] for line in lines] == [0, 4, 5, 6, 7]
+    assert all(line["loss"] is None for line in lines)
+
+
+def test_a_nan_at_a_logged_step_writes_the_steps_before_it(tmp_path: Path) -> None:
+    """every=5, the NaN at step 10 (logged): the ring's 8 and 9 are written before 10's own line, which
+    carries the finding as without flight."""
+    torch.manual_seed(0)
+    model = mlp()
+    model[2].at = 10
+    w = run(model, 12, tmp_path / "log.jsonl", every=5, flight=3)
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [(line["step"], line.get("flight", False)) for line in lines] == [
+        (0, False), (5, False), (8, True), (9, True), (10, False)]
+    assert [(f.layer, f.step, f.direction) for f in w.findings] == [("2", 10, "forward")]
+    assert lines[-1]["findings"][0]["rule"] == "nonfinite" and lines[-1]["params"]

@@ -41,28 +41,38 @@ class FlightRecorder:
         self._unread = 0  # steps pushed since the device flags were last read
 
     def push(self, step: int, groups: dict[tuple[str, str], list[Any]], loss: Vector | None) -> None:
-        """Keep ``step``'s statistics (the oldest step drops out) and note whether one is not finite."""
+        """Keep ``step``'s statistics (the oldest step drops out) and note whether one is not finite.
+
+        A step's device vectors are stacked into one tensor per device (``groups`` then holds its rows):
+        one allocation per step in the ring instead of one per vector."""
         self.ring.append((step, groups, loss))
+        places: dict[torch.device, list[tuple[list[Any], int]]] = {}
+        host_bad = False
+        for group in groups.values():
+            for index in (4, 5):
+                vector = group[index]
+                if isinstance(vector, tuple):
+                    host_bad = host_bad or bool(vector[NANS] or vector[INFS])
+                elif vector is not None:
+                    places.setdefault(vector.device, []).append((group, index))
+        device_bad: dict[torch.device, torch.Tensor] = {}
+        for device, where in places.items():
+            block = torch.stack([group[index] for group, index in where])
+            for row, (group, index) in enumerate(where):
+                group[index] = block[row]
+            device_bad[device] = (block[:, NANS] + block[:, INFS]).sum() > 0
+        if isinstance(loss, torch.Tensor) and not loss.is_cpu:
+            nonfinite = torch.isfinite(loss).logical_not().any()
+            device_bad[loss.device] = device_bad[loss.device] | nonfinite if loss.device in device_bad else nonfinite
+        elif loss is not None:
+            host_bad = host_bad or not all(map(math.isfinite, loss.tolist() if isinstance(loss, torch.Tensor) else loss))
         if self.first_bad is not None:
             return
-        counts: dict[torch.device, list[torch.Tensor]] = {}
-        for group in groups.values():
-            for vector in (group[4], group[5]):
-                if vector is None:
-                    continue
-                if isinstance(vector, tuple):
-                    if vector[NANS] or vector[INFS]:
-                        self.first_bad = step
-                        return
-                else:
-                    counts.setdefault(vector.device, []).append((vector[NANS] + vector[INFS]).float())
-        if isinstance(loss, torch.Tensor) and not loss.is_cpu:
-            counts.setdefault(loss.device, []).append(torch.isfinite(loss).logical_not().sum().float())
-        elif loss is not None and not all(map(math.isfinite, loss.tolist() if isinstance(loss, torch.Tensor) else loss)):
-            self.first_bad = step
+        if host_bad:
+            if self.read() is None:  # (a device's flag may hold an earlier step)
+                self.first_bad = step
             return
-        for device, values in counts.items():
-            bad = torch.stack(values).sum() > 0
+        for device, bad in device_bad.items():
             first = self._device_first.get(device)
             if first is None:
                 first = self._device_first[device] = torch.full((), -1, dtype=torch.int64, device=device)
