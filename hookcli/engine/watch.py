@@ -97,7 +97,7 @@ class StepWatcher:
             raise
 
     def _begin(self) -> None:
-        """A step begins: the hooks record it when it is logged and idle otherwise."""
+        """A step begins: the hooks record it when it is logged (or with ``flight``) and are idle otherwise."""
         assert self.hooks.session is not None
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
