@@ -212,7 +212,8 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
 def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
           out: str | os.PathLike[str] | None = None, layers: Sequence[str] | str | None = None,
           types: Sequence[str] | str | None = None, rules: Mapping[str, Any] | None = None,
-          on_finding: str = "warn") -> Watch:
+          on_finding: str = "warn", flight: int | None = None,
+          tensorboard_dir: str | os.PathLike[str] | None = None) -> Watch:
     """Watch your own training loop: every ``every``-th step (0, every, 2 * every, ...) the selected
     modules' activation and output-gradient statistics, each parameter's norm, gradient and update,
     and the loss, as one JSON line appended to ``out`` (docs/watch.md: the schema, what a step is).
@@ -224,6 +225,9 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     ``rules``: the rules' thresholds over their defaults (``{"loss_spike": {"ratio": 3.0}}``, a rule's
     name to False switches it off); their findings are in ``w.findings`` and on the log's lines;
     ``on_finding="raise"`` raises ``CheckFailedError`` at the first (docs/watch.md#rules).
+    ``flight=K``: every step's output statistics kept in a ring of the last K steps, written to the log
+    when a NaN/Inf appears or the loop raises (docs/watch.md#flight-recorder). ``tensorboard_dir``:
+    the logged steps as TensorBoard scalars too (needs ``pip install 'hookcli[tensorboard]'``).
 
     >>> with hookcli.watch(model, optimizer, every=50, out="runs/exp.jsonl") as w:
     ...     for x, y in loader:
@@ -234,7 +238,7 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     from hookcli.commands.watch import Watch
 
     return Watch(model, optimizer, every=every, out=out, layers=layers, types=types, rules=rules,
-                 on_finding=on_finding)
+                 on_finding=on_finding, flight=flight, tensorboard_dir=tensorboard_dir)
 
 
 def kernel_status() -> str:

@@ -16,7 +16,8 @@ from torch import nn
 
 from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
-from hookcli.engine.watch import StepWatcher
+from hookcli.commands.watch_tensorboard import TensorBoardLog
+from hookcli.engine.watch import StepWatcher, compiled_inner
 from hookcli.errors import CheckFailedError, UsageError
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
@@ -30,25 +31,32 @@ class Watch:
     ``w.step(loss=...)`` ends a step (optional: ``optimizer.step()`` ends steps too); ``w.last`` is
     the latest logged step's record; ``w.findings`` every finding of the rules so far (each also on
     its step's log line). ``on_finding="raise"``: a finding raises ``CheckFailedError`` once its
-    step's line is written.
+    step's line is written. ``flight=K``: the flight recorder (``hookcli.engine.flight``);
+    ``tensorboard_dir``: the logged steps as TensorBoard scalars too (``watch_tensorboard``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
                  types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
-                 on_finding: str = "warn") -> None:
+                 on_finding: str = "warn", flight: int | None = None,
+                 tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         check_arguments(model, optimizer, every)
+        if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
+            raise UsageError(f"flight must be a whole number of steps, 1 or more, got {flight!r}",
+                             hint="flight=100 keeps every step's statistics of the last 100 steps")
         if on_finding not in ON_FINDING:
             raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
-        selection = (select_modules(model, layers=layers, types=types) if layers or types
-                     else owners_and_activations(model))
+        inner = compiled_inner(model)  # torch.compile(model): the modules are named as in the model
+        selection = (select_modules(inner, layers=layers, types=types) if layers or types
+                     else owners_and_activations(inner))
         self.log = LineLog(out) if out is not None else None  # the path is checked now
+        self.tensorboard = TensorBoardLog(tensorboard_dir) if tensorboard_dir is not None else None
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
-        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
+        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight)
         self._open = self._used = False
 
     def __enter__(self) -> Self:
@@ -63,7 +71,7 @@ class Watch:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._open = False
         try:
-            self._watcher.close()
+            self._watcher.close(raised=exc_type is not None)
         except Exception:
             if exc_type is None:
                 raise
@@ -71,6 +79,8 @@ class Watch:
         finally:
             if self.log is not None:
                 self.log.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
         if exc_type is None:
             self._watcher.raise_error()
 
@@ -82,10 +92,16 @@ class Watch:
         self._watcher.user_step(loss)
 
     def _logged(self, record: WatchStep) -> None:
-        record.findings = self._rules.observe(record)
-        self.last = record
+        """A logged step's record, or a flight recorder's (``record.flight``: only its NaN/Inf is looked for)."""
+        if record.flight:
+            record.findings = self._rules.observe_flight(record)
+        else:
+            record.findings = self._rules.observe(record)
+            self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())
+        if self.tensorboard is not None and not record.flight:
+            self.tensorboard.write(record)
         self.findings.extend(record.findings)
         if record.findings and self.on_finding == "raise":
             first = record.findings[0]

@@ -150,6 +150,10 @@ class Rules:
                 found.extend(check(record, self.settings[name]))
         return found
 
+    def observe_flight(self, record: WatchStep) -> list[Finding]:
+        """The findings at a flight recorder's step (its outputs and loss only): the first NaN/Inf."""
+        return self._nonfinite(record, self.settings["nonfinite"]) if "nonfinite" in self.settings else []
+
     def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
         """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
         backward order (the last output in forward order); else a parameter's gradient; else the loss."""

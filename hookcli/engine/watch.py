@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
 from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, UsageError, internal_error
@@ -38,6 +39,13 @@ def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]])
     return chosen
 
 
+def compiled_inner(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` wraps (its modules and parameters keep their own names),
+    or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 class StepWatcher:
     """Counts the user's steps and records every ``every``-th (steps 0, every, 2 * every, ...).
 
@@ -50,11 +58,15 @@ class StepWatcher:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
-                 on_step: Callable[[WatchStep], None]) -> None:
+                 on_step: Callable[[WatchStep], None], flight: int | None = None) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
+        #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
+        #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
+        self.flight = FlightRecorder(flight) if flight else None
+        self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
-        self.params = watched_params(model, self.selection)
+        self.params = watched_params(compiled_inner(model), self.selection)
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
@@ -85,9 +97,10 @@ class StepWatcher:
             raise
 
     def _begin(self) -> None:
-        """A step begins: the hooks record it when it is logged and idle otherwise."""
+        """A step begins: the hooks record it when it is logged (or with ``flight``) and are idle otherwise."""
         assert self.hooks.session is not None
-        self.hooks.session.idle = self.error is not None or self.step % self.every != 0
+        self.logged = self.error is None and self.step % self.every == 0
+        self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self._before = self._param_vectors = self._updates = None
         self._stepped = False
 
@@ -107,8 +120,7 @@ class StepWatcher:
         if self._pending is not None:  # no user_step followed the first step: the optimizer ends steps
             self.user_steps = False
             self._hand_on()
-        assert self.hooks.session is not None
-        if not self.hooks.session.idle:
+        if self.logged:
             self._param_vectors = self.hooks.param_vectors()
             self._before = [p.detach().clone() for _, p in self.params]
 
@@ -147,14 +159,23 @@ class StepWatcher:
         if pending is not None and pending.step >= 0:
             self.on_step(pending)
 
-    def close(self) -> None:
+    def close(self, raised: bool = False) -> None:
         """Remove every hook; hand on a pending record, or the record of a step that ``user_step`` would
-        have ended after the optimizer's step (also when the loop raised)."""
+        have ended after the optimizer's step (also when the loop raised). With ``flight``: the loop
+        ``raised``: the ring's steps not written yet, the step in progress included, are written;
+        else they are when a NaN/Inf appeared."""
         try:
             if self.error is None:
                 self._hand_on()
                 if self.user_steps and self._stepped and (record := self._close(None)) is not None:
                     self.on_step(record)
+                elif raised and self.flight is not None and self.hooks.session is not None \
+                        and self.hooks.session.calls:
+                    self.flight.push(self.step, merged_outputs(self.hooks.session.calls), None)
+                if self.flight is not None:
+                    if not raised:
+                        self.flight.read()
+                    self._write_flight(everything=raised)
         finally:
             self.hooks.remove()
             self._before = self._param_vectors = self._updates = None
@@ -179,12 +200,32 @@ class StepWatcher:
         step = self.step
         try:
             session.raise_error()
+            groups = merged_outputs(session.calls)
+            if self.flight is not None:
+                self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
+                if not self.logged:
+                    self._write_flight()
+                    return None
+                self.flight.read()  # a logged step transfers anyway
+                self._write_flight(before=step)
+                self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
-            record = self._collect(step, merged_outputs(session.calls), params, self._updates, loss)
+            record = self._collect(step, groups, params, self._updates, loss)
         finally:
             self.hooks.end_step()
             self._begin()
         return record
+
+    def _write_flight(self, *, before: int | None = None, everything: bool = False) -> None:
+        """Hand on the ring's steps not written yet (before ``before``: that step's own line follows) as
+        flight records: once, when the first NaN/Inf is known, and when the loop raised (``everything``)."""
+        flight = self.flight
+        assert flight is not None
+        if not everything and (flight.first_bad is None or flight.dumped):
+            return
+        flight.dumped = flight.first_bad is not None
+        for record in flight_records(flight.unwritten(before)):
+            self.on_step(record)
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any) -> WatchStep:

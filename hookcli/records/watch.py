@@ -78,19 +78,24 @@ class Finding:
 @dataclass
 class WatchStep:
     """One logged step: the loss (None when not given), the selected modules' outputs, the parameters,
-    and what the rules found at this step."""
+    and what the rules found at this step. ``flight``: an unlogged step from the flight recorder's ring
+    (``flight=K``): its outputs and loss only, no parameters."""
 
     step: int
     loss: float | None = None
     layers: list[WatchLayer] = field(default_factory=list)
     params: list[WatchParam] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    flight: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
+        line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
                 "layers": [layer.to_dict() for layer in self.layers],
                 "params": [param.to_dict() for param in self.params],
                 "findings": [finding.to_dict() for finding in self.findings]}
+        if self.flight:  # only on the flight recorder's lines: a logged step's line is as before
+            line["flight"] = True
+        return line
 
     def to_json_line(self) -> str:
         """``to_dict()`` as one line of JSON Lines (compact; non-finite numbers as ``sanitize`` writes

@@ -1,0 +1,62 @@
+"""``hookcli.watch(tensorboard_dir=...)``: each logged step's record as TensorBoard scalars
+(docs/watch.md#tensorboard; the extra ``hookcli[tensorboard]``).
+
+The values are the record's, the log line's numbers: nothing is measured again on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from hookcli.errors import OutputError, UsageError
+from hookcli.output import describe
+from hookcli.records import WatchStep
+
+#: The statistics of each layer written as scalars (tag ``layers/<name>/<key>``; ``grad_rms``: its gradient's).
+LAYER_SCALARS = ("rms", "abs_max", "zero_fraction")
+
+
+class TensorBoardLog:
+    """A TensorBoard event file in ``directory`` (made now, with missing folders), one set of scalars per
+    logged step, flushed at each: ``loss``; ``layers/<name>/rms``, ``abs_max``, ``zero_fraction``,
+    ``grad_rms``; ``params/<name>/grad_norm``, ``update_ratio``. UsageError without the tensorboard
+    package, OutputError for a directory that cannot be made."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UsageError("tensorboard_dir= needs the tensorboard package, which is not installed",
+                             hint="pip install 'hookcli[tensorboard]' (or pip install tensorboard)") from None
+        path = Path(directory)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=os.fspath(path))
+        except OSError as exc:
+            message, hint = describe(path, exc, path.parent)
+            raise OutputError(message, hint=hint) from None
+
+    def write(self, record: WatchStep) -> None:
+        """The scalars of one logged step (a value that is None, such as no loss given, is left out)."""
+        step, add = record.step, self.writer.add_scalar
+        if record.loss is not None:
+            add("loss", record.loss, step)
+        for layer in record.layers:
+            name = layer.name + layer.output
+            for key in LAYER_SCALARS:
+                if layer.stats is not None and layer.stats[key] is not None:
+                    add(f"layers/{name}/{key}", layer.stats[key], step)
+            if layer.grad is not None and layer.grad["rms"] is not None:
+                add(f"layers/{name}/grad_rms", layer.grad["rms"], step)
+        for param in record.params:
+            if param.grad is not None and param.grad["rms"] is not None:
+                add(f"params/{param.name}/grad_norm", param.grad["rms"] * math.sqrt(param.grad["count"]), step)
+            if param.update_ratio is not None:
+                add(f"params/{param.name}/update_ratio", param.update_ratio, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file. Safe to call twice."""
+        self.writer.close()
