@@ -14,6 +14,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from hookcli.engine import distributed
 from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.engine.watch import StepWatcher
@@ -43,9 +44,11 @@ class Watch:
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
+        model = distributed.unwrap(model)  # a DDP model's layers under their own names
         selection = (select_modules(model, layers=layers, types=types) if layers or types
                      else owners_and_activations(model))
-        self.log = LineLog(out) if out is not None else None  # the path is checked now
+        # under torchrun only rank 0 writes (every rank gets the same record: docs/distributed.md)
+        self.log = LineLog(out) if out is not None and distributed.rank() == 0 else None  # the path is checked now
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged)
@@ -82,7 +85,7 @@ class Watch:
         self._watcher.user_step(loss)
 
     def _logged(self, record: WatchStep) -> None:
-        record.findings = self._rules.observe(record)
+        record.findings = record.findings + self._rules.observe(record)  # the engine's rank findings first
         self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())

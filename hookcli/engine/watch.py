@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookcli.engine import distributed
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
 from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, UsageError, internal_error
@@ -55,6 +56,10 @@ class StepWatcher:
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
         self.params = watched_params(model, self.selection)
+        #: under torchrun: the step's rows merged over the ranks (docs/distributed.md), else None
+        group = distributed.process_group()
+        self.reduction = distributed.StepReduction(group) if group is not None else None
+        self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
@@ -110,12 +115,13 @@ class StepWatcher:
         assert self.hooks.session is not None
         if not self.hooks.session.idle:
             self._param_vectors = self.hooks.param_vectors()
-            self._before = [p.detach().clone() for _, p in self.params]
+            self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
 
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [torch.linalg.vector_norm(before.sub_(p.detach()), dtype=device_float(p.device))
+            self._updates = [torch.linalg.vector_norm(before.sub_(distributed.local(p.detach())),
+                                                     dtype=device_float(p.device))
                              .reshape(1) for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
@@ -136,6 +142,8 @@ class StepWatcher:
         if pending is not None:
             if pending.step >= 0:
                 pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
+                if self.reduction is not None:  # the ranks' mean, as _collect gives it
+                    pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
             return
         record = self._close(loss)
@@ -188,6 +196,9 @@ class StepWatcher:
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any) -> WatchStep:
+        if self.reduction is not None:  # under torchrun: over every rank
+            return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
+                                          _loss_vector(loss) if loss is not None else None)
         vectors: list[Vector] = []
 
         def slot(vector: Vector | None) -> int | None:

@@ -1,0 +1,88 @@
+"""What each rank runs under torchrun in tests/test_distributed.py (not a test module itself).
+
+``python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py MODE OUT``: trains
+``model()`` for ``STEPS`` steps on its slice of the global batch ``batch()`` under ``hookcli.watch``
+(every step logged, the log at ``OUT/log.jsonl``), and writes ``OUT/rank<r>.json``: each logged
+record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
+
+MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``nan`` (DDP; rank 1's input has a NaN at
+step 1) | ``desync`` (DDP; rank 1's copy of ``2.weight`` nudged) | ``count4`` / ``count40`` (DDP over
+4 or 40 Linear layers: collectives per logged step).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookcli
+
+STEPS = 3
+GLOBAL_BATCH = 8
+LR = 0.1
+
+
+def model(layers: int = 0) -> nn.Sequential:
+    """The matrix's tiny model (seed 0): 5 rows in the first weight (FSDP2 on 2 ranks: 3 + 2) and one
+    in the last (1 + 0: an empty shard). ``layers``: a stack of that many Linear(4, 4) + ReLU instead."""
+    torch.manual_seed(0)
+    if layers:
+        return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(4, 4), nn.ReLU())), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def batch(step: int, features: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same in every process)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, features, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+def main(mode: str, out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    layers = {"count4": 4, "count40": 40}.get(mode, 0)
+    net = model(layers)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for index in (0, 2, 4):
+            fully_shard(net[index])
+        wrapped: nn.Module = fully_shard(net)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(net)
+        if mode == "desync" and rank == 1:
+            with torch.no_grad():
+                net[2].weight[0, 0] += 1e-3
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    group = dist.group.WORLD
+    records, collectives = [], []
+    per_rank = GLOBAL_BATCH // world
+    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
+        for step in range(STEPS):
+            x, y = batch(step, 4 if layers else 3)
+            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            if mode == "nan" and rank == 1 and step == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
+            w.step(loss=loss)
+            after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
+            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
+            records.append(w.last.to_dict())
+    (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
+                                                       "findings": [f.to_dict() for f in w.findings]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
