@@ -78,9 +78,10 @@ def main(mode: str, out: Path) -> None:
             w.step(loss=loss)
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
-            records.append(w.last.to_dict())
+            records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
                                                        "findings": [f.to_dict() for f in w.findings]}))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 

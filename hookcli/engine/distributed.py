@@ -56,6 +56,25 @@ def process_group() -> Any | None:
     return torch.distributed.group.WORLD
 
 
+#: The oldest torch a distributed watch runs on: FSDP2 (``fully_shard``) and DTensor are public from 2.6.
+MIN_TORCH = (2, 6)
+
+
+def check_supported(model: nn.Module) -> None:
+    """UnsupportedError, under a process group, for a torch older than ``MIN_TORCH`` and for FSDP1
+    (``FullyShardedDataParallel``: its flat parameters are not per-layer tensors hookcli could name)."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        raise UnsupportedError(f"hookcli.watch under torchrun needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer, "
+                               f"this is {torch.__version__}",
+                               hint="upgrade torch, or watch one rank's model without a process group")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise UnsupportedError("hookcli.watch does not reduce FSDP1 (FullyShardedDataParallel) models",
+                               hint="shard with FSDP2 (torch.distributed.fsdp.fully_shard) or use DDP")
+
+
 def rank() -> int:
     """This process's rank in the default group (0 without one)."""
     group = process_group()

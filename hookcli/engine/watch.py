@@ -58,6 +58,8 @@ class StepWatcher:
         self.params = watched_params(model, self.selection)
         #: under torchrun: the step's rows merged over the ranks (docs/distributed.md), else None
         group = distributed.process_group()
+        if group is not None:
+            distributed.check_supported(model)
         self.reduction = distributed.StepReduction(group) if group is not None else None
         self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
