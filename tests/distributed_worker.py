@@ -5,9 +5,9 @@
 (every step logged, the log at ``OUT/log.jsonl``), and writes ``OUT/rank<r>.json``: each logged
 record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
 
-MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``nan`` (DDP; rank 1's input has a NaN at
-step 1) | ``desync`` (DDP; rank 1's copy of ``2.weight`` nudged) | ``count4`` / ``count40`` (DDP over
-4 or 40 Linear layers: collectives per logged step).
+MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``faults`` (DDP; rank 1's copy of
+``2.weight`` nudged after DDP's broadcast, and a NaN in rank 1's input at step 1) | ``count4`` /
+``count40`` (DDP over 4 or 40 Linear layers: collectives per logged step).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(mode: str, out: Path) -> None:
         wrapped: nn.Module = fully_shard(net)
     else:
         wrapped = nn.parallel.DistributedDataParallel(net)
-        if mode == "desync" and rank == 1:
+        if mode == "faults" and rank == 1:
             with torch.no_grad():
                 net[2].weight[0, 0] += 1e-3
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
@@ -67,7 +67,7 @@ def main(mode: str, out: Path) -> None:
         for step in range(STEPS):
             x, y = batch(step, 4 if layers else 3)
             x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-            if mode == "nan" and rank == 1 and step == 1:
+            if mode == "faults" and rank == 1 and step == 1:
                 x = x.clone()
                 x[0, 0] = float("nan")
             loss = nn.functional.mse_loss(wrapped(x), y)

@@ -162,23 +162,20 @@ def test_collectives_per_logged_step_do_not_grow_with_layers(tmp_path: Path) -> 
     assert counts[4] == counts[40] == [1, 3, 3]
 
 
-def test_nan_on_rank_1_is_reported_as_rank_1s(tmp_path: Path) -> None:
-    ranks = torchrun("nan", tmp_path)
+def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) -> None:
+    """Rank 1's copy of 2.weight is nudged by 1e-3 after DDP's broadcast: a replica desync from step 0;
+    rank 1's input has a NaN at step 1: rank 1 saw it first, in layer 0's output."""
+    ranks = torchrun("faults", tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    desync = [(f["rule"], f["layer"], f["value"]) for f in lines[0]["findings"]]
+    assert desync == [("replica_desync", "2.weight", 1.0)]
+    assert "rank 1" in lines[0]["findings"][0]["message"]
     found = [f for f in lines[1]["findings"] if f["rule"] == "nonfinite_rank"]
     assert len(found) == 1 and found[0]["value"] == 1 and found[0]["layer"] == "0"
     assert "rank 1" in found[0]["message"]
-    assert lines[0]["findings"] == [] and lines[1]["layers"][0]["stats"]["nan_count"] == 5  # 1 NaN x 5 outputs
+    assert lines[1]["layers"][0]["stats"]["nan_count"] == 5  # one NaN input value x 5 outputs
+    assert ranks[0]["records"] == ranks[1]["records"] == lines
     assert ranks[0]["findings"] == ranks[1]["findings"]
-
-
-def test_replica_desync_is_named_by_parameter_and_rank(tmp_path: Path) -> None:
-    ranks = torchrun("desync", tmp_path)
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    found = [(f["rule"], f["layer"], f["value"]) for f in lines[0]["findings"]]
-    assert found == [("replica_desync", "2.weight", 1.0)]
-    assert "rank 1" in lines[0]["findings"][0]["message"]
-    assert ranks[0]["records"] == ranks[1]["records"]
 
 
 def test_merged_rows_match_moments_of_the_concatenation() -> None:

@@ -333,7 +333,7 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
     of them are shards (``is_sharded``). Every rank gets the same record; rank diagnostics are findings."""
     local_vectors: list[Vector] = []
-    for typ, shape, dtype, calls, stats, grad in groups.values():
+    for *_, stats, grad in groups.values():
         local_vectors += [v for v in (stats, grad) if v is not None]
     for i, p in enumerate(params):
         local_vectors += [v for v in (p.grad, p.norm, updates[i] if updates else None) if v is not None]
