@@ -42,6 +42,25 @@ def batch(step: int, features: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, features, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
 
 
+def refusals() -> list[tuple[str, int, str]]:
+    """What hookcli.watch says of what it does not reduce yet: (error class, exit code, message) for a
+    DTensor parameter on a 2-D mesh (tensor parallelism's layout). (FSDP1, also refused, cannot be
+    built on CPU: "FSDP needs a non-CPU accelerator device".)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    tp = nn.Linear(4, 4)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Replicate(), Shard(0)]))
+    said = []
+    for net in (tp,):
+        try:
+            hookcli.watch(net, None)
+        except hookcli.errors.HookcliError as exc:
+            said.append((type(exc).__name__, exc.exit_code, str(exc)))
+    return said
+
+
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,6 +100,8 @@ def main(mode: str, out: Path) -> None:
             records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
                                                        "findings": [f.to_dict() for f in w.findings]}))
+    if mode == "faults":
+        (out / f"refused{rank}.json").write_text(json.dumps(refusals()))
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 

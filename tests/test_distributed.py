@@ -176,6 +176,12 @@ def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) ->
     assert lines[1]["layers"][0]["stats"]["nan_count"] == 5  # one NaN input value x 5 outputs
     assert ranks[0]["records"] == ranks[1]["records"] == lines
     assert ranks[0]["findings"] == ranks[1]["findings"]
+    # what this step does not reduce is refused when the watch is made, with exit code 2
+    refused = [json.loads((tmp_path / f"refused{r}.json").read_text()) for r in range(WORLD)]
+    assert refused[0] == refused[1]
+    [(error, code, message)] = refused[0]
+    assert (error, code) == ("UnsupportedError", 2)
+    assert "parameter weight" in message and "2-D mesh" in message
 
 
 def test_merged_rows_match_moments_of_the_concatenation() -> None:

@@ -112,16 +112,16 @@ def is_sharded(name: str, p: torch.Tensor) -> bool:
     mesh, placements = p.device_mesh, p.placements
     if mesh.ndim != 1 or mesh.size() != torch.distributed.get_world_size():
         raise UnsupportedError(f"parameter {name} is a DTensor over a {mesh.ndim}-D mesh of {mesh.size()} ranks",
-                         hint="hookcli's distributed watch reduces FSDP2/DTensor parameters on a 1-D mesh "
-                              "of the whole world (FSDP2 or DDP); tensor parallelism is a later step")
+                               hint="hookcli's distributed watch reduces DTensor parameters on a 1-D mesh of the "
+                                    "whole world (FSDP2) and replicated ones (DDP); tensor parallelism is not yet")
     if placements[0].is_partial():
         raise UnsupportedError(f"parameter {name} is a DTensor with a Partial placement",
-                         hint="watch parameters that are sharded or replicated (FSDP2, DDP)")
+                               hint="watch parameters that are sharded or replicated (FSDP2, DDP)")
     return bool(placements[0].is_shard())
 
 
 @dataclass
-class _Plan:
+class Plan:
     """The slots of one reduction: kind and local row (None: this rank holds nothing there)."""
 
     kinds: list[str] = field(default_factory=list)
@@ -309,8 +309,6 @@ class StepReduction:
                 at, at3 = at + 2 + len(Moments._fields), at3 + 1
         return StepResult(rows, nonfinite_rank, desync_rank), max_calls, False
 
-
-Plan = _Plan
 
 
 def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
