@@ -6,7 +6,8 @@
 record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
 
 MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``faults`` (DDP; rank 1's copy of
-``2.weight`` nudged after DDP's broadcast, and a NaN in rank 1's input at step 1) | ``count4`` /
+``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
+on rank 1 that hookcli's hook cannot read) | ``count4`` /
 ``count40`` (DDP over 4 or 40 Linear layers: collectives per logged step).
 """
 
@@ -40,6 +41,20 @@ def batch(step: int, features: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (the same in every process)."""
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(GLOBAL_BATCH, features, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+class Unreadable(torch.Tensor):
+    """A tensor subclass whose first ``detach`` raises (``armed``): hookcli's forward hook, the first to
+    detach the output, fails; the model and the loss run on."""
+
+    armed = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.Tensor.detach and Unreadable.armed:
+            Unreadable.armed = False
+            raise RuntimeError("this output cannot be detached")
+        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def refusals() -> list[tuple[str, int, str]]:
@@ -80,7 +95,7 @@ def main(mode: str, out: Path) -> None:
                 net[2].weight[0, 0] += 1e-3
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     group = dist.group.WORLD
-    records, collectives = [], []
+    records, collectives, errors = [], [], []
     per_rank = GLOBAL_BATCH // world
     with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
         for step in range(STEPS):
@@ -89,17 +104,24 @@ def main(mode: str, out: Path) -> None:
             if mode == "faults" and rank == 1 and step == 1:
                 x = x.clone()
                 x[0, 0] = float("nan")
+            if mode == "faults" and rank == 1 and step == 2:
+                net[1].register_forward_hook(lambda _m, _a, out: out.as_subclass(Unreadable))
             loss = nn.functional.mse_loss(wrapped(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
-            w.step(loss=loss)
+            try:
+                w.step(loss=loss)
+            except hookcli.errors.HookcliError as exc:  # faults: every rank stops at step 2
+                errors.append((type(exc).__name__, exc.exit_code, str(exc)))
+                break
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
             records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
-                                                       "findings": [f.to_dict() for f in w.findings]}))
+                                                       "findings": [f.to_dict() for f in w.findings],
+                                                       "errors": errors}))
     if mode == "faults":
         (out / f"refused{rank}.json").write_text(json.dumps(refusals()))
     dist.barrier()  # no rank tears gloo down while another still talks to it

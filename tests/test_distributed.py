@@ -164,7 +164,8 @@ def test_collectives_per_logged_step_do_not_grow_with_layers(tmp_path: Path) -> 
 
 def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) -> None:
     """Rank 1's copy of 2.weight is nudged by 1e-3 after DDP's broadcast: a replica desync from step 0;
-    rank 1's input has a NaN at step 1: rank 1 saw it first, in layer 0's output."""
+    rank 1's input has a NaN at step 1: rank 1 saw it first, in layer 0's output; at step 2 hookcli's
+    hook fails on rank 1 alone: both ranks stop there (rank 1 with its own error), neither hangs."""
     ranks = torchrun("faults", tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     desync = [(f["rule"], f["layer"], f["value"]) for f in lines[0]["findings"]]
@@ -174,8 +175,11 @@ def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) ->
     assert len(found) == 1 and found[0]["value"] == 1 and found[0]["layer"] == "0"
     assert "rank 1" in found[0]["message"]
     assert lines[1]["layers"][0]["stats"]["nan_count"] == 5  # one NaN input value x 5 outputs
-    assert ranks[0]["records"] == ranks[1]["records"] == lines
+    assert ranks[0]["records"] == ranks[1]["records"] == lines and len(lines) == 2
     assert ranks[0]["findings"] == ranks[1]["findings"]
+    [(error0, code0, message0)], [(error1, code1, message1)] = ranks[0]["errors"], ranks[1]["errors"]
+    assert (error0, code0) == ("RanksFailed", 2) and "1 of 2 ranks" in message0
+    assert (error1, code1) == ("InternalError", 3) and "cannot be detached" in message1
     # what this step does not reduce is refused when the watch is made, with exit code 2
     refused = [json.loads((tmp_path / f"refused{r}.json").read_text()) for r in range(WORLD)]
     assert refused[0] == refused[1]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hookcli.engine.stats import EMPTY, Moments, Vector, as_moments, to_host, watch_stats
-from hookcli.errors import UnsupportedError
+from hookcli.errors import HookcliError, UnsupportedError
 from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
 
 #: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
@@ -45,6 +45,14 @@ from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
 MERGED, REPLICATED, SHARDED_NORM, RANK_MEAN = "merged", "replicated", "sharded_norm", "rank_mean"
 #: Replicas whose rows differ by more than this (relative) are a desync; equal copies reduce equally.
 DESYNC_RTOL = 1e-9
+
+
+class RanksFailed(HookcliError):
+    """hookcli's hooks failed during a logged step on some rank: every rank stops there (a rank that
+    raised alone would leave the others waiting in the step's collectives); the failed rank raises its
+    own error instead of this one."""
+
+    default_hint = "the failed rank's error says what went wrong (run with --debug on that rank for its traceback)"
 
 
 def process_group() -> Any | None:
@@ -178,7 +186,8 @@ class StepReduction:
     # -- the reduction ---------------------------------------------------------------------------
     def reduce(self, layer_rows: dict[tuple[str, str], tuple[tuple[Any, ...], Sequence[float] | None,
                                                               Sequence[float] | None]],
-               params: Plan, loss: float | None) -> tuple[list[tuple[tuple[str, str], tuple[Any, ...]]], StepResult]:
+               params: Plan, loss: float | None, *, failed: bool = False
+               ) -> tuple[list[tuple[tuple[str, str], tuple[Any, ...]]], StepResult]:
         """Global rows of a step. ``layer_rows``: key -> (meta ``(type, shape, dtype, calls)``, stats row,
         gradient row) of the layers this rank ran, in the order they ran; ``params``: the parameter
         slots in attach order; ``loss``: this rank's. Returns the layers in layout order, each as key
@@ -196,7 +205,7 @@ class StepReduction:
             plan.rows += params.rows
             plan.add(RANK_MEAN, None if loss is None else [loss])
             calls = [float(layer_rows[key][0][3]) if key in layer_rows else 0.0 for key in self.layers]
-            result, max_calls, more = self._reduce(plan, calls, new)
+            result, max_calls, more = self._reduce(plan, calls, new, failed)
             if not more:
                 break
             self._learn(local_meta)
@@ -215,10 +224,11 @@ class StepReduction:
         self.collectives += 1
         return buffer.cpu().tolist()
 
-    def _reduce(self, plan: Plan, calls: list[float], new: int) -> tuple[StepResult, list[float], bool]:
+    def _reduce(self, plan: Plan, calls: list[float], new: int, failed: bool
+                ) -> tuple[StepResult, list[float], bool]:
         """The three collectives over ``plan``; ``more``: a rank has keys the layout lacks (the caller
         learns them and reduces again)."""
-        sum1: list[float] = [float(new)]
+        sum1: list[float] = [float(new), float(failed)]
         for kind, row in zip(plan.kinds, plan.rows):
             present = row is not None
             if kind == MERGED:
@@ -235,12 +245,14 @@ class StepReduction:
                 sum1 += [float(v) for v in row] + [0.0] * (len(Moments._fields) - len(row)) if mine \
                     else [0.0] * len(Moments._fields)
         total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
+        if total1[1] > 0:
+            raise RanksFailed(f"hookcli's hooks failed on {int(total1[1])} of {self.world} ranks in this step")
         if total1[0] > 0:
             return StepResult([], {}, {}), [], True
         # global means, then each rank's central sums about them
         sum2: list[float] = []
         means: list[float] = []
-        at = 1
+        at = 2
         for kind, row in zip(plan.kinds, plan.rows):
             if kind == MERGED:
                 n, s = total1[at + 1], total1[at + 2]
@@ -262,7 +274,7 @@ class StepReduction:
         total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
         # extremes, calls, the first rank with a NaN/Inf, desynced replicas
         max1: list[float] = list(calls)
-        at = 1
+        at = 2
         for kind, row in zip(plan.kinds, plan.rows):
             if kind == MERGED:
                 m = as_moments(row) if row is not None else EMPTY
@@ -282,7 +294,7 @@ class StepReduction:
         rows: list[list[float] | None] = []
         nonfinite_rank: dict[int, int] = {}
         desync_rank: dict[int, int] = {}
-        at, at2, at3 = 1, 0, 0
+        at, at2, at3 = 2, 0, 0
         for slot, kind in enumerate(plan.kinds):
             if kind == MERGED:
                 present, n, _, zeros, nans, infs = total1[at:at + 6]
@@ -325,11 +337,31 @@ def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
 
 def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
-               loss: Vector | None) -> WatchStep:
+               loss: Vector | None, *, failed: bool = False) -> WatchStep:
     """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
     ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
-    of them are shards (``is_sharded``). Every rank gets the same record; rank diagnostics are findings."""
+    of them are shards (``is_sharded``); ``failed``: hookcli's hooks failed on this rank in the step.
+    Every rank gets the same record; rank diagnostics are findings."""
+    try:
+        rows = _local_rows(groups, params, sharded, updates, loss)
+    except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
+        plan = Plan()  # the same slots as the other ranks', all empty
+        for shard in sharded:
+            for kind in ((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
+                plan.add(kind, None)
+        try:
+            reduction.reduce({}, plan, None, failed=True)
+        except RanksFailed:
+            pass
+        raise
+    layers, result = reduction.reduce(*rows, failed=failed)
+    return _record(reduction, step, layers, params, result)
+
+
+def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
+                updates: Sequence[Vector] | None, loss: Vector | None) -> tuple[Any, Plan, float | None]:
+    """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer."""
     local_vectors: list[Vector] = []
     for *_, stats, grad in groups.values():
         local_vectors += [v for v in (stats, grad) if v is not None]
@@ -351,7 +383,12 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
         plan.add(norm_kind, take(p.norm))
         plan.add(norm_kind, take(updates[i]) if updates else None)
     loss_row = take(loss)
-    layers, result = reduction.reduce(layer_rows, plan, loss_row[0] if loss_row is not None else None)
+    return layer_rows, plan, loss_row[0] if loss_row is not None else None
+
+
+def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[str, str], tuple[Any, ...]]],
+            params: Sequence[Any], result: StepResult) -> WatchStep:
+    """The step's record from the global rows (the same on every rank)."""
     rows = result.rows
 
     def stats_of(slot: int) -> dict[str, Any] | None:

@@ -188,9 +188,13 @@ class StepWatcher:
             return None
         step = self.step
         try:
-            session.raise_error()
+            if self.reduction is None:
+                session.raise_error()
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
             record = self._collect(step, merged_outputs(session.calls), params, self._updates, loss)
+        except distributed.RanksFailed:  # under torchrun: every rank stops at the step, none waits
+            session.raise_error()  # this rank's own failure, if it had one
+            raise
         finally:
             self.hooks.end_step()
             self._begin()
@@ -200,7 +204,8 @@ class StepWatcher:
                  loss: Any) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
-                                          _loss_vector(loss) if loss is not None else None)
+                                          _loss_vector(loss) if loss is not None else None,
+                                          failed=self.hooks.session.error is not None)
         vectors: list[Vector] = []
 
         def slot(vector: Vector | None) -> int | None:
