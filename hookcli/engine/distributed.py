@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hookcli.engine.stats import EMPTY, Moments, Vector, as_moments, to_host, watch_stats
-from hookcli.errors import HookcliError, UnsupportedError
+from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
 
 #: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
@@ -45,14 +45,6 @@ from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
 MERGED, REPLICATED, SHARDED_NORM, RANK_MEAN = "merged", "replicated", "sharded_norm", "rank_mean"
 #: Replicas whose rows differ by more than this (relative) are a desync; equal copies reduce equally.
 DESYNC_RTOL = 1e-9
-
-
-class RanksFailed(HookcliError):
-    """hookcli's hooks failed during a logged step on some rank: every rank stops there (a rank that
-    raised alone would leave the others waiting in the step's collectives); the failed rank raises its
-    own error instead of this one."""
-
-    default_hint = "the failed rank's error says what went wrong (run with --debug on that rank for its traceback)"
 
 
 def process_group() -> Any | None:
@@ -246,7 +238,8 @@ class StepReduction:
                     else [0.0] * len(Moments._fields)
         total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
         if total1[1] > 0:
-            raise RanksFailed(f"hookcli's hooks failed on {int(total1[1])} of {self.world} ranks in this step")
+            raise RanksFailed(f"hookcli's hooks failed on {int(total1[1])} of {self.world} ranks in this step",
+                              hint="the failed rank raised its own error: its output says what went wrong")
         if total1[0] > 0:
             return StepResult([], {}, {}), [], True
         # global means, then each rank's central sums about them

@@ -19,7 +19,7 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
 from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
-from hookcli.errors import HookcliError, UsageError, internal_error
+from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
@@ -192,7 +192,7 @@ class StepWatcher:
                 session.raise_error()
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
             record = self._collect(step, merged_outputs(session.calls), params, self._updates, loss)
-        except distributed.RanksFailed:  # under torchrun: every rank stops at the step, none waits
+        except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise
         finally:
