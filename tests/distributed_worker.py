@@ -7,8 +7,8 @@ record as ``w.last.to_dict()`` and the process group's collective counts around 
 
 MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``faults`` (DDP; rank 1's copy of
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
-on rank 1 that hookcli's hook cannot read) | ``count4`` /
-``count40`` (DDP over 4 or 40 Linear layers: collectives per logged step).
+on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
+per logged step; ``OUT/4/`` and ``OUT/40/``).
 """
 
 from __future__ import annotations
@@ -78,9 +78,22 @@ def refusals() -> list[tuple[str, int, str]]:
 
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    layers = {"count4": 4, "count40": 40}.get(mode, 0)
+    if mode == "count":  # one process group, two watches: 4 and 40 layers
+        for layers in (4, 40):
+            (out / str(layers)).mkdir(exist_ok=True)
+            train(mode, out / str(layers), layers)
+    else:
+        train(mode, out, 0)
+    if mode == "faults":
+        (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+def train(mode: str, out: Path, layers: int) -> None:
+    """``STEPS`` steps of ``model(layers)`` under a watch; ``out/rank<r>.json`` says what it saw."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     net = model(layers)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -122,10 +135,6 @@ def main(mode: str, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
                                                        "findings": [f.to_dict() for f in w.findings],
                                                        "errors": errors}))
-    if mode == "faults":
-        (out / f"refused{rank}.json").write_text(json.dumps(refusals()))
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
