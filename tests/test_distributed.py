@@ -18,10 +18,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
-from hookcli.engine import distributed
+from hookcli.engine import distributed, stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker as worker  # noqa: E402
@@ -192,7 +194,33 @@ def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) ->
     assert "parameter weight" in message and "2-D mesh" in message
 
 
-def test_merged_rows_match_moments_of_the_concatenation() -> None:
-    """The packing arithmetic without processes: ``_same`` compares copies by value, NaN included."""
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.integers(0, 50), min_size=2, max_size=4), offset=st.sampled_from([0.0, 1e3, 1e6, -1e8]),
+       seed=st.integers(0, 2**16))
+def test_the_two_sums_give_the_moments_of_all_ranks_values(parts: list[int], offset: float, seed: int) -> None:
+    """What the first two SUMs compute, without processes: each part's ``Moments`` (as a rank reduces
+    its values), the global mean from the summed ``count`` and ``count * mean``, then the summed
+    ``centred_about`` it; against torch in float64 over the concatenation, offsets included (data
+    far from 0 loses no digits: no power sums about 0), and empty parts (a rank that ran nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    values = [offset + torch.randn(n, generator=g, dtype=torch.float64) for n in parts]
+    assume(sum(parts) > 1)
+    moments = [distributed.as_moments(stats.reduce_tensor(v)) if v.numel() else stats.EMPTY for v in values]
+    count = sum(m.count for m in moments)
+    mean = sum(m.count * m.mean for m in moments if m.count) / count
+    m2, m3, m4 = (sum(column) for column in zip(*(distributed.centred_about(m, mean) for m in moments)))
+    everything = torch.cat(values)
+    centred = everything - everything.mean()
+    assert count == everything.numel()
+    assert mean == pytest.approx(everything.mean().item(), rel=1e-12, abs=1e-12)
+    # float64 data at 1e8 resolves its spread to ~2e-8 (eps * offset / std); power sums about 0 would
+    # keep no digit of m2 there (x^2 ~ 1e16 against a spread of ~1)
+    assert m2 == pytest.approx((centred ** 2).sum().item(), rel=1e-6)
+    assert m4 == pytest.approx((centred ** 4).sum().item(), rel=1e-6)
+    assert m3 == pytest.approx((centred ** 3).sum().item(), rel=1e-6, abs=1e-6 * m2 ** 1.5)
+
+
+def test_replicas_are_compared_by_value() -> None:
+    """``_same`` compares copies by value, NaN equal to NaN, at ``DESYNC_RTOL``."""
     assert distributed._same([1.0, math.nan], [1.0, math.nan])
     assert not distributed._same([1.0], [1.0 + 1e-6])

@@ -251,14 +251,7 @@ class StepReduction:
                 n, s = total1[at + 1], total1[at + 2]
                 mean = s / n if n else 0.0
                 means.append(mean)
-                m = as_moments(row) if row is not None else EMPTY
-                if m.count:
-                    d = m.mean - mean
-                    d2 = d * d
-                    sum2 += [m.m2 + m.count * d2, m.m3 + 3 * d * m.m2 + m.count * d2 * d,
-                             m.m4 + 4 * d * m.m3 + 6 * d2 * m.m2 + m.count * d2 * d2]
-                else:
-                    sum2 += [0.0, 0.0, 0.0]
+                sum2 += centred_about(as_moments(row) if row is not None else EMPTY, mean)
                 at += 6
             elif kind in (SHARDED_NORM, RANK_MEAN):
                 at += 2
@@ -314,6 +307,18 @@ class StepReduction:
                 at, at3 = at + 2 + len(Moments._fields), at3 + 1
         return StepResult(rows, nonfinite_rank, desync_rank), max_calls, False
 
+
+
+def centred_about(m: Moments, mean: float) -> list[float]:
+    """The sums of ``(x - mean)^k``, k = 2..4, over ``m``'s finite values, from its own central sums
+    (binomial shift by ``d = m.mean - mean``, small where ranks see alike data): what each rank adds in
+    the second SUM. Zeros for no values."""
+    if not m.count:
+        return [0.0, 0.0, 0.0]
+    d = m.mean - mean
+    d2 = d * d
+    return [m.m2 + m.count * d2, m.m3 + 3 * d * m.m2 + m.count * d2 * d,
+            m.m4 + 4 * d * m.m3 + 6 * d2 * m.m2 + m.count * d2 * d2]
 
 
 def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
