@@ -27,6 +27,7 @@ the local shard is reduced, never gathered).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if ddp is not None and isinstance(model, ddp) else model  # type: ignore[return-value]
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
