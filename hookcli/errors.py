@@ -96,6 +96,14 @@ class UnsupportedError(UsageError):
     default_hint = 'run again with --debug for details, and see the README for what hookcli supports'
 
 
+class RanksFailed(HookcliError):
+    """Under torchrun, hookcli's hooks failed on another rank during a logged step (exit 2): every rank
+    stops there, since one that raised alone would leave the others waiting in the step's collectives;
+    the rank that failed raises its own error instead."""
+
+    default_hint = "the failed rank's error says what went wrong (docs/distributed.md)"
+
+
 class ModelRaisedError(HookcliError):
     """The model raised during forward or backward (exit 1).
 

@@ -14,6 +14,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from hookcli.engine import distributed
 from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
@@ -49,11 +50,13 @@ class Watch:
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
-        inner = compiled_inner(model)  # torch.compile(model): the modules are named as in the model
+        inner = compiled_inner(model)  # torch.compile(model), DDP(model): the modules are named as in the model
         selection = (select_modules(inner, layers=layers, types=types) if layers or types
                      else owners_and_activations(inner))
-        self.log = LineLog(out) if out is not None else None  # the path is checked now
-        self.tensorboard = TensorBoardLog(tensorboard_dir) if tensorboard_dir is not None else None
+        # under torchrun only rank 0 writes (every rank gets the same record: docs/distributed.md)
+        self.log = LineLog(out) if out is not None and distributed.rank() == 0 else None  # the path is checked now
+        self.tensorboard = (TensorBoardLog(tensorboard_dir) if tensorboard_dir is not None and distributed.rank() == 0
+                            else None)
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight)
@@ -92,11 +95,12 @@ class Watch:
         self._watcher.user_step(loss)
 
     def _logged(self, record: WatchStep) -> None:
-        """A logged step's record, or a flight recorder's (``record.flight``: only its NaN/Inf is looked for)."""
+        """A logged step's record, or a flight recorder's (``record.flight``: only its NaN/Inf is looked for).
+        The engine's own findings (under torchrun: which rank) come first."""
         if record.flight:
-            record.findings = self._rules.observe_flight(record)
+            record.findings = record.findings + self._rules.observe_flight(record)
         else:
-            record.findings = self._rules.observe(record)
+            record.findings = record.findings + self._rules.observe(record)
             self.last = record
         if self.log is not None:
             self.log.write_line(record.to_json_line())

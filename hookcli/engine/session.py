@@ -35,6 +35,7 @@ from hookcli.engine.stats import (
     shape_of,
     to_host,
 )
+from hookcli.engine import distributed
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import run_lock
 
@@ -699,9 +700,9 @@ class HookSet:
         plan = []
         for name, p in self._params:
             grad = None
-            if self._accumulated.get(name) and p.grad is not None:
-                grad = session.reducer.reduce(p.grad, zeros=session.options.grad_zeros)
-            norm = torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1)
+            if self._accumulated.get(name) and p.grad is not None:  # a DTensor's: its local shard's
+                grad = session.reducer.reduce(distributed.local(p.grad), zeros=session.options.grad_zeros)
+            norm = torch.linalg.vector_norm(distributed.local(p.detach()), dtype=device_float(p.device)).reshape(1)
             plan.append(ParamVectors(name, p, grad, norm))
         return plan
 

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
 from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
-from hookcli.errors import HookcliError, UsageError, internal_error
+from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
@@ -40,10 +41,15 @@ def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]])
 
 
 def compiled_inner(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile(module)`` wraps (its modules and parameters keep their own names),
-    or ``model`` itself."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
+    """The module under ``torch.compile(module)`` and ``DistributedDataParallel(module)`` wrappers, in
+    any nesting (its modules and parameters keep their own names, as in a plain one-process run), or
+    ``model`` itself."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        inner = inner if isinstance(inner, nn.Module) else distributed.unwrap(model)
+        if inner is model:
+            return model
+        model = inner
 
 
 class StepWatcher:
@@ -67,6 +73,12 @@ class StepWatcher:
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
         self.params = watched_params(compiled_inner(model), self.selection)
+        #: under torchrun: the step's rows merged over the ranks (docs/distributed.md), else None
+        group = distributed.process_group()
+        if group is not None:
+            distributed.check_supported(model)
+        self.reduction = distributed.StepReduction(group) if group is not None else None
+        self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
@@ -122,12 +134,13 @@ class StepWatcher:
             self._hand_on()
         if self.logged:
             self._param_vectors = self.hooks.param_vectors()
-            self._before = [p.detach().clone() for _, p in self.params]
+            self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
 
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [torch.linalg.vector_norm(before.sub_(p.detach()), dtype=device_float(p.device))
+            self._updates = [torch.linalg.vector_norm(before.sub_(distributed.local(p.detach())),
+                                                     dtype=device_float(p.device))
                              .reshape(1) for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
@@ -148,6 +161,8 @@ class StepWatcher:
         if pending is not None:
             if pending.step >= 0:
                 pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
+                if self.reduction is not None:  # the ranks' mean, as _collect gives it
+                    pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
             return
         record = self._close(loss)
@@ -199,7 +214,8 @@ class StepWatcher:
             return None
         step = self.step
         try:
-            session.raise_error()
+            if self.reduction is None:
+                session.raise_error()
             groups = merged_outputs(session.calls)
             if self.flight is not None:
                 self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
@@ -211,6 +227,9 @@ class StepWatcher:
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
             record = self._collect(step, groups, params, self._updates, loss)
+        except RanksFailed:  # under torchrun: every rank stops at the step, none waits
+            session.raise_error()  # this rank's own failure, if it had one
+            raise
         finally:
             self.hooks.end_step()
             self._begin()
@@ -229,6 +248,10 @@ class StepWatcher:
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any) -> WatchStep:
+        if self.reduction is not None:  # under torchrun: over every rank
+            return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
+                                          _loss_vector(loss) if loss is not None else None,
+                                          failed=self.hooks.session.error is not None)
         vectors: list[Vector] = []
 
         def slot(vector: Vector | None) -> int | None:

@@ -1,0 +1,437 @@
+"""Exact global statistics of a watched step under ``torchrun`` (docs/distributed.md).
+
+Every rank reduces what it holds (its micro-batch's activations and activation gradients, its shards
+of FSDP2/DTensor parameters and their gradients) to host ``Moments`` as usual; ``StepReduction`` then
+merges the ranks' rows into the global ones with three ``all_reduce`` calls over packed float64
+buffers, however many layers there are:
+
+1. SUM: presence, counts, ``count * mean``, zero/NaN/Inf counts, squared shard norms, losses, and rank
+   0's copy of every replicated row (the other ranks add zeros);
+2. SUM: the central moment sums ``m2..m4`` about the *global* mean (Chan/Pebay: each rank shifts its
+   own central sums by ``d = mean_r - mean`` with the binomial formula), so no power sums about 0 and
+   no digits lost to an offset;
+3. MAX: maxima, negated minima (MIN as MAX of ``-x``, exact), the call counts, the lowest rank that
+   saw a NaN/Inf (as ``-rank``) and, per replicated row, the highest rank whose copy differs from
+   rank 0's (a replica desync).
+
+A rank that did not run a module contributes the identity (``EMPTY``, no presence). The parameter
+slots are fixed at attach; the layer slots ``(module, output path)`` are learned and then kept: when a
+rank meets one that no rank had before (at the first logged step, and when a module runs for the first
+time), the ranks exchange their keys once (``all_gather_object``) and the step's reduction runs again
+over the larger layout, the same on every rank.
+
+Parameters are *replicated* (a plain or DDP parameter: the ranks hold equal copies, counted once and
+compared) or *sharded* (a DTensor sharded over a 1-D mesh of the whole world, as FSDP2 makes them:
+the local shard is reduced, never gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookcli.engine.stats import EMPTY, Moments, Vector, as_moments, to_host, watch_stats
+from hookcli.errors import RanksFailed, UnsupportedError
+from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
+
+#: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
+#: reported, the others are compared with it), norms of shards (root of the summed squares), and
+#: per-rank numbers reported as their mean over the ranks (the loss).
+MERGED, REPLICATED, SHARDED_NORM, RANK_MEAN = "merged", "replicated", "sharded_norm", "rank_mean"
+#: Replicas whose rows differ by more than this (relative) are a desync; equal copies reduce equally.
+DESYNC_RTOL = 1e-9
+
+
+def process_group() -> Any | None:
+    """The default process group when ``torch.distributed`` is initialised with more than one rank, else None."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() < 2:
+        return None
+    return torch.distributed.group.WORLD
+
+
+#: The oldest torch a distributed watch runs on: FSDP2 (``fully_shard``) and DTensor are public from 2.6.
+MIN_TORCH = (2, 6)
+
+
+def check_supported(model: nn.Module) -> None:
+    """UnsupportedError, under a process group, for a torch older than ``MIN_TORCH`` and for FSDP1
+    (``FullyShardedDataParallel``: its flat parameters are not per-layer tensors hookcli could name)."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        raise UnsupportedError(f"hookcli.watch under torchrun needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer, "
+                               f"this is {torch.__version__}",
+                               hint="upgrade torch, or watch one rank's model without a process group")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise UnsupportedError("hookcli.watch does not reduce FSDP1 (FullyShardedDataParallel) models",
+                               hint="shard with FSDP2 (torch.distributed.fsdp.fully_shard) or use DDP")
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    group = process_group()
+    return torch.distributed.get_rank() if group is not None else 0
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (so layer and parameter names are the model's own,
+    as in a one-process run); any other module as it is."""
+    ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    return model.module if ddp is not None and isinstance(model, ddp) else model  # type: ignore[return-value]
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor
+        return None
+    return DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: no communication); any other tensor as it is."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+def is_sharded(name: str, p: torch.Tensor) -> bool:
+    """Whether ``p``'s ranks hold disjoint parts of it (a DTensor ``Shard`` over the whole world) rather
+    than copies. UnsupportedError for layouts this step does not reduce exactly (a mesh of more than one
+    dimension, a part of the world, a ``Partial`` placement)."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return False
+    mesh, placements = p.device_mesh, p.placements
+    if mesh.ndim != 1 or mesh.size() != torch.distributed.get_world_size():
+        raise UnsupportedError(f"parameter {name} is a DTensor over a {mesh.ndim}-D mesh of {mesh.size()} ranks",
+                               hint="hookcli's distributed watch reduces DTensor parameters on a 1-D mesh of the "
+                                    "whole world (FSDP2) and replicated ones (DDP); tensor parallelism is not yet")
+    if placements[0].is_partial():
+        raise UnsupportedError(f"parameter {name} is a DTensor with a Partial placement",
+                               hint="watch parameters that are sharded or replicated (FSDP2, DDP)")
+    return bool(placements[0].is_shard())
+
+
+@dataclass
+class Plan:
+    """The slots of one reduction: kind and local row (None: this rank holds nothing there)."""
+
+    kinds: list[str] = field(default_factory=list)
+    rows: list[Sequence[float] | None] = field(default_factory=list)
+
+    def add(self, kind: str, row: Sequence[float] | None) -> None:
+        self.kinds.append(kind)
+        self.rows.append(row)
+
+
+@dataclass
+class StepResult:
+    """A step's global rows, by slot, and what the ranks said about them."""
+
+    rows: list[list[float] | None]
+    #: slot -> the lowest rank whose row there had a NaN/Inf
+    nonfinite_rank: dict[int, int]
+    #: slot -> a rank whose replicated row differs from rank 0's
+    desync_rank: dict[int, int]
+
+
+class StepReduction:
+    """The ranks' rows of one watched step merged into global ones (three collectives: see the module).
+
+    ``layers``: the layer keys ``(module name, output path)`` in slot order, the same on every rank.
+    ``collectives`` counts the ``all_reduce``/``all_gather_object`` calls it made (tests check it against the process group's own sequence number).
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.world = torch.distributed.get_world_size(group)
+        self.layers: list[tuple[str, str]] = []
+        #: layer key -> (type, shape, dtype) as the first rank that ran it saw it
+        self.meta: dict[tuple[str, str], tuple[str, list[int] | None, str]] = {}
+        self.collectives = 0
+        self.nonfinite_seen = False
+        backend = torch.distributed.get_backend(group)
+        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+    # -- the layout ------------------------------------------------------------------------------
+    def _learn(self, local_meta: dict[tuple[str, str], tuple[str, list[int] | None, str]]) -> None:
+        """Every rank's keys into the layout (one ``all_gather_object``): known keys keep their slots, new
+        ones follow in rank order and, within a rank, in the order its modules ran."""
+        gathered: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, local_meta, group=self.group)
+        self.collectives += 1
+        for metas in gathered:
+            for key, meta in metas.items():
+                if key not in self.meta:
+                    self.meta[key] = meta
+                    self.layers.append(key)
+
+    # -- the reduction ---------------------------------------------------------------------------
+    def reduce(self, layer_rows: dict[tuple[str, str], tuple[tuple[Any, ...], Sequence[float] | None,
+                                                              Sequence[float] | None]],
+               params: Plan, loss: float | None, *, failed: bool = False
+               ) -> tuple[list[tuple[tuple[str, str], tuple[Any, ...]]], StepResult]:
+        """Global rows of a step. ``layer_rows``: key -> (meta ``(type, shape, dtype, calls)``, stats row,
+        gradient row) of the layers this rank ran, in the order they ran; ``params``: the parameter
+        slots in attach order; ``loss``: this rank's. Returns the layers in layout order, each as key
+        and meta (with the most calls any rank made), and the result: slots ``2 i`` and ``2 i + 1`` are
+        layer ``i``'s statistics and gradient, then come ``params``' slots, then the mean loss."""
+        local_meta = {key: meta[:3] for key, (meta, _, _) in layer_rows.items()}
+        new = sum(1 for key in layer_rows if key not in self.meta)
+        while True:
+            plan = Plan()
+            for key in self.layers:
+                _, stats, grad = layer_rows.get(key, ((), None, None))
+                plan.add(MERGED, stats)
+                plan.add(MERGED, grad)
+            plan.kinds += params.kinds
+            plan.rows += params.rows
+            plan.add(RANK_MEAN, None if loss is None else [loss])
+            calls = [float(layer_rows[key][0][3]) if key in layer_rows else 0.0 for key in self.layers]
+            result, max_calls, more = self._reduce(plan, calls, new, failed)
+            if not more:
+                break
+            self._learn(local_meta)
+            new = 0
+        layers = [(key, (*self.meta[key], int(max_calls[index]))) for index, key in enumerate(self.layers)]
+        return layers, result
+
+    def rank_mean(self, value: float) -> float:
+        """The mean of the ranks' ``value`` (one collective): the first step's loss, when ``Watch.step``
+        adds it after the optimizer closed the step."""
+        return self._all_reduce([value], torch.distributed.ReduceOp.SUM)[0] / self.world
+
+    def _all_reduce(self, values: list[float], op: Any) -> list[float]:
+        buffer = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(buffer, op=op, group=self.group)
+        self.collectives += 1
+        return buffer.cpu().tolist()
+
+    def _reduce(self, plan: Plan, calls: list[float], new: int, failed: bool
+                ) -> tuple[StepResult, list[float], bool]:
+        """The three collectives over ``plan``; ``more``: a rank has keys the layout lacks (the caller
+        learns them and reduces again)."""
+        sum1: list[float] = [float(new), float(failed)]
+        for kind, row in zip(plan.kinds, plan.rows):
+            present = row is not None
+            if kind == MERGED:
+                m = as_moments(row) if present else EMPTY
+                sum1 += [float(present), m.count, m.count * m.mean if m.count else 0.0, m.zeros, m.nans, m.infs]
+            elif kind == SHARDED_NORM:
+                value = row[0] if present else 0.0
+                sum1 += [float(present), value * value]
+            elif kind == RANK_MEAN:
+                sum1 += [float(present), row[0] if present else 0.0]
+            else:  # REPLICATED: rank 0's row (its length first), zeros from the others
+                mine = self.rank == 0 and present
+                sum1 += [float(mine), float(len(row)) if mine else 0.0]
+                sum1 += [float(v) for v in row] + [0.0] * (len(Moments._fields) - len(row)) if mine \
+                    else [0.0] * len(Moments._fields)
+        total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
+        if total1[1] > 0:
+            raise RanksFailed(f"hookcli's hooks failed on {int(total1[1])} of {self.world} ranks in this step",
+                              hint="the failed rank raised its own error: its output says what went wrong")
+        if total1[0] > 0:
+            return StepResult([], {}, {}), [], True
+        # global means, then each rank's central sums about them
+        sum2: list[float] = []
+        means: list[float] = []
+        at = 2
+        for kind, row in zip(plan.kinds, plan.rows):
+            if kind == MERGED:
+                n, s = total1[at + 1], total1[at + 2]
+                mean = s / n if n else 0.0
+                means.append(mean)
+                sum2 += centred_about(as_moments(row) if row is not None else EMPTY, mean)
+                at += 6
+            elif kind in (SHARDED_NORM, RANK_MEAN):
+                at += 2
+            else:
+                at += 2 + len(Moments._fields)
+        total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
+        # extremes, calls, the first rank with a NaN/Inf, desynced replicas
+        max1: list[float] = list(calls)
+        at = 2
+        for kind, row in zip(plan.kinds, plan.rows):
+            if kind == MERGED:
+                m = as_moments(row) if row is not None else EMPTY
+                nonfinite = m.nans + m.infs > 0
+                max1 += [m.max, -m.min, -float(self.rank) if nonfinite else -math.inf]
+                at += 6
+            elif kind in (SHARDED_NORM, RANK_MEAN):
+                at += 2
+            else:
+                size = int(total1[at + 1])
+                theirs = total1[at + 2: at + 2 + size]
+                differs = row is not None and total1[at] > 0 and not _same(row, theirs)
+                max1 += [float(self.rank) if differs else -1.0]
+                at += 2 + len(Moments._fields)
+        total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
+        max_calls, extremes = total3[:len(calls)], total3[len(calls):]
+        rows: list[list[float] | None] = []
+        nonfinite_rank: dict[int, int] = {}
+        desync_rank: dict[int, int] = {}
+        at, at2, at3 = 2, 0, 0
+        for slot, kind in enumerate(plan.kinds):
+            if kind == MERGED:
+                present, n, _, zeros, nans, infs = total1[at:at + 6]
+                top, neg_low, first_bad = extremes[at3:at3 + 3]
+                m2, m3, m4 = total2[at2:at2 + 3]
+                mean = means[at2 // 3]
+                rows.append(list(Moments(mean, -neg_low, top, n, m2, m3, m4, zeros, nans, infs)) if present else None)
+                if first_bad != -math.inf:
+                    nonfinite_rank[slot] = int(-first_bad)
+                at, at2, at3 = at + 6, at2 + 3, at3 + 3
+            elif kind == SHARDED_NORM:
+                present, squares = total1[at:at + 2]
+                rows.append([math.sqrt(squares)] if present else None)
+                at += 2
+            elif kind == RANK_MEAN:
+                present, value = total1[at:at + 2]
+                rows.append([value / present] if present else None)
+                at += 2
+            else:
+                present, size = total1[at:at + 2]
+                rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
+                if extremes[at3] >= 0:
+                    desync_rank[slot] = int(extremes[at3])
+                at, at3 = at + 2 + len(Moments._fields), at3 + 1
+        return StepResult(rows, nonfinite_rank, desync_rank), max_calls, False
+
+
+
+def centred_about(m: Moments, mean: float) -> list[float]:
+    """The sums of ``(x - mean)^k``, k = 2..4, over ``m``'s finite values, from its own central sums
+    (binomial shift by ``d = m.mean - mean``, small where ranks see alike data): what each rank adds in
+    the second SUM. Zeros for no values."""
+    if not m.count:
+        return [0.0, 0.0, 0.0]
+    d = m.mean - mean
+    d2 = d * d
+    return [m.m2 + m.count * d2, m.m3 + 3 * d * m.m2 + m.count * d2 * d,
+            m.m4 + 4 * d * m.m3 + 6 * d2 * m.m2 + m.count * d2 * d2]
+
+
+def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
+    """Whether two copies of a replicated row agree (NaN equals NaN; ``DESYNC_RTOL`` relative)."""
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        if a == b or (math.isnan(a) and math.isnan(b)):
+            continue
+        if not (abs(a - b) <= DESYNC_RTOL * max(abs(a), abs(b))):
+            return False
+    return True
+
+
+def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
+               params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
+               loss: Vector | None, *, failed: bool = False) -> WatchStep:
+    """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
+    ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
+    ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
+    of them are shards (``is_sharded``); ``failed``: hookcli's hooks failed on this rank in the step.
+    Every rank gets the same record; rank diagnostics are findings."""
+    try:
+        rows = _local_rows(groups, params, sharded, updates, loss)
+    except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
+        plan = Plan()  # the same slots as the other ranks', all empty
+        for shard in sharded:
+            for kind in ((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
+                plan.add(kind, None)
+        try:
+            reduction.reduce({}, plan, None, failed=True)
+        except RanksFailed:
+            pass
+        raise
+    layers, result = reduction.reduce(*rows, failed=failed)
+    return _record(reduction, step, layers, params, result)
+
+
+def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
+                updates: Sequence[Vector] | None, loss: Vector | None) -> tuple[Any, Plan, float | None]:
+    """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer."""
+    local_vectors: list[Vector] = []
+    for *_, stats, grad in groups.values():
+        local_vectors += [v for v in (stats, grad) if v is not None]
+    for i, p in enumerate(params):
+        local_vectors += [v for v in (p.grad, p.norm, updates[i] if updates else None) if v is not None]
+    if loss is not None:
+        local_vectors.append(loss)
+    host = iter(to_host(local_vectors))  # the step's one transfer
+
+    def take(vector: Vector | None) -> list[float] | None:
+        return next(host) if vector is not None else None
+
+    layer_rows = {key: ((typ, shape, dtype, calls), take(stats), take(grad))
+                  for key, (typ, shape, dtype, calls, stats, grad) in groups.items()}
+    plan = Plan()
+    for i, p in enumerate(params):
+        plan.add(MERGED if sharded[i] else REPLICATED, take(p.grad))
+        norm_kind = SHARDED_NORM if sharded[i] else REPLICATED
+        plan.add(norm_kind, take(p.norm))
+        plan.add(norm_kind, take(updates[i]) if updates else None)
+    loss_row = take(loss)
+    return layer_rows, plan, loss_row[0] if loss_row is not None else None
+
+
+def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[str, str], tuple[Any, ...]]],
+            params: Sequence[Any], result: StepResult) -> WatchStep:
+    """The step's record from the global rows (the same on every rank)."""
+    rows = result.rows
+
+    def stats_of(slot: int) -> dict[str, Any] | None:
+        return watch_stats(rows[slot]) if rows[slot] is not None else None
+
+    record = WatchStep(step, rows[-1][0] if rows[-1] is not None else None)
+    for i, ((name, path), (typ, shape, dtype, calls)) in enumerate(layers):
+        record.layers.append(WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1)))
+    base = 2 * len(layers)
+    for i, p in enumerate(params):
+        g, n, u = base + 3 * i, base + 3 * i + 1, base + 3 * i + 2
+        norm = rows[n][0] if rows[n] is not None else math.nan
+        update = rows[u][0] if rows[u] is not None else None
+        record.params.append(WatchParam(p.name, list(p.param.shape), norm, stats_of(g), update,
+                                        update / norm if update is not None and norm else None))
+    record.findings = _rank_findings(reduction, step, layers, params, base, result)
+    return record
+
+
+def _rank_findings(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[str, str], Any]],
+                   params: Sequence[Any], base: int, result: StepResult) -> list[Finding]:
+    """``replica_desync`` for each replicated parameter (or its gradient) whose copies differ, and
+    ``nonfinite_rank``, once per run, for the first slot where a rank saw a NaN/Inf."""
+    found: list[Finding] = []
+    for slot, bad_rank in sorted(result.desync_rank.items()):
+        index, part = divmod(slot - base, 3)
+        what = ("gradient", "value", "update")[part]
+        name = params[index].name
+        found.append(Finding("replica_desync", "error", step, name, "update" if part == 2 else
+                             "backward" if part == 0 else "forward", float(bad_rank), None,
+                             f"the {what} of parameter {name} on rank {bad_rank} differs from rank 0's: "
+                             "data-parallel replicas are out of sync"))
+    if result.nonfinite_rank and not reduction.nonfinite_seen:
+        reduction.nonfinite_seen = True
+        slot = min(result.nonfinite_rank)
+        bad_rank = result.nonfinite_rank[slot]
+        if slot < base:
+            (name, path), _ = layers[slot // 2]
+            where, direction = f"{name}{path}" + ("'s output" if slot % 2 == 0 else "'s gradient"), \
+                ("forward" if slot % 2 == 0 else "backward")
+        else:
+            name = params[(slot - base) // 3].name
+            where, direction = f"parameter {name}'s gradient", "backward"
+        found.append(Finding("nonfinite_rank", "error", step, name, direction, float(bad_rank), None,
+                             f"NaN/Inf first seen on rank {bad_rank}, in {where}"))
+    return found

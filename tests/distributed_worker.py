@@ -1,0 +1,141 @@
+"""What each rank runs under torchrun in tests/test_distributed.py (not a test module itself).
+
+``python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py MODE OUT``: trains
+``model()`` for ``STEPS`` steps on its slice of the global batch ``batch()`` under ``hookcli.watch``
+(every step logged, the log at ``OUT/log.jsonl``), and writes ``OUT/rank<r>.json``: each logged
+record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
+
+MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``faults`` (DDP; rank 1's copy of
+``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
+on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
+per logged step; ``OUT/4/`` and ``OUT/40/``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookcli
+
+STEPS = 3
+GLOBAL_BATCH = 8
+LR = 0.1
+
+
+def model(layers: int = 0) -> nn.Sequential:
+    """The matrix's tiny model (seed 0): 5 rows in the first weight (FSDP2 on 2 ranks: 3 + 2) and one
+    in the last (1 + 0: an empty shard). ``layers``: a stack of that many Linear(4, 4) + ReLU instead."""
+    torch.manual_seed(0)
+    if layers:
+        return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(4, 4), nn.ReLU())), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def batch(step: int, features: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same in every process)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, features, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+class Unreadable(torch.Tensor):
+    """A tensor subclass whose first ``detach`` raises (``armed``): hookcli's forward hook, the first to
+    detach the output, fails; the model and the loss run on."""
+
+    armed = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.Tensor.detach and Unreadable.armed:
+            Unreadable.armed = False
+            raise RuntimeError("this output cannot be detached")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def refusals() -> list[tuple[str, int, str]]:
+    """What hookcli.watch says of what it does not reduce yet: (error class, exit code, message) for a
+    DTensor parameter on a 2-D mesh (tensor parallelism's layout). (FSDP1, also refused, cannot be
+    built on CPU: "FSDP needs a non-CPU accelerator device".)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    tp = nn.Linear(4, 4)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Replicate(), Shard(0)]))
+    said = []
+    for net in (tp,):
+        try:
+            hookcli.watch(net, None)
+        except hookcli.errors.HookcliError as exc:
+            said.append((type(exc).__name__, exc.exit_code, str(exc)))
+    return said
+
+
+def main(mode: str, out: Path) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if mode == "count":  # one process group, two watches: 4 and 40 layers
+        for layers in (4, 40):
+            (out / str(layers)).mkdir(exist_ok=True)
+            train(mode, out / str(layers), layers)
+    else:
+        train(mode, out, 0)
+    if mode == "faults":
+        (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+def train(mode: str, out: Path, layers: int) -> None:
+    """``STEPS`` steps of ``model(layers)`` under a watch; ``out/rank<r>.json`` says what it saw."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = model(layers)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for index in (0, 2, 4):
+            fully_shard(net[index])
+        wrapped: nn.Module = fully_shard(net)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(net)
+        if mode == "faults" and rank == 1:
+            with torch.no_grad():
+                net[2].weight[0, 0] += 1e-3
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    group = dist.group.WORLD
+    records, collectives, errors = [], [], []
+    per_rank = GLOBAL_BATCH // world
+    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
+        for step in range(STEPS):
+            x, y = batch(step, 4 if layers else 3)
+            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            if mode == "faults" and rank == 1 and step == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            if mode == "faults" and rank == 1 and step == 2:
+                net[1].register_forward_hook(lambda _m, _a, out: out.as_subclass(Unreadable))
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
+            try:
+                w.step(loss=loss)
+            except hookcli.errors.HookcliError as exc:  # faults: every rank stops at step 2
+                errors.append((type(exc).__name__, exc.exit_code, str(exc)))
+                break
+            after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
+            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
+            records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
+    (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
+                                                       "findings": [f.to_dict() for f in w.findings],
+                                                       "errors": errors}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,226 @@
+"""hookcli.watch under torchrun (docs/distributed.md): 2 ranks on CPU with gloo, DDP and FSDP2, against
+plain torch over the global batch, and against a one-process watch of the same model and batches.
+
+Four torchrun runs (tests/distributed_worker.py), each paying two interpreter and torch start-ups:
+about 2 minutes wall (40 s CPU) on the shared 2-core development machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import hookcli
+from hookcli.engine import distributed, stats
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distributed_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo")
+WORLD = 2
+REL = 1e-5
+
+
+def torchrun(mode: str, out: Path) -> list[dict[str, Any]] | None:
+    """Run the worker on 2 ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None for
+    ``count`` (its files are in ``out/4`` and ``out/40``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                           "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           str(Path(worker.__file__)), mode, str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    if mode == "count":
+        return None
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def torch_stats(t: torch.Tensor) -> dict[str, float]:
+    """What the log says of a tensor, computed by torch over the whole tensor (float64)."""
+    t = t.detach().double()
+    return {"mean": t.mean().item(), "std": t.std(correction=0).item(), "min": t.min().item(),
+            "max": t.max().item(), "count": t.numel(), "zero_fraction": (t == 0).double().mean().item()}
+
+
+def reference() -> list[dict[str, Any]]:
+    """The worker's training in one process over the global batch, in plain torch: per step, each
+    module's output and its gradient w.r.t. the sum of the ranks' losses (each rank's backward
+    starts from its own mean loss), each parameter's norm before the step, its gradient (the ranks'
+    mean: what DDP and FSDP2 leave in .grad), its update, and the ranks' mean loss."""
+    net = worker.model()
+    params = dict(net.named_parameters())
+    per_rank = worker.GLOBAL_BATCH // WORLD
+    steps = []
+    for step in range(worker.STEPS):
+        x, y = worker.batch(step)
+        outputs, h = [], x
+        for module in net:
+            h = module(h)
+            outputs.append(h)
+        losses = [nn.functional.mse_loss(h[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
+                  for r in range(WORLD)]
+        out_grads = torch.autograd.grad(sum(losses), outputs, retain_graph=True)
+        grads = torch.autograd.grad(sum(losses) / WORLD, list(params.values()))
+        record = {"loss": (sum(losses) / WORLD).item(),
+                  "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
+                  "params": {}}
+        with torch.no_grad():
+            for (name, p), g in zip(params.items(), grads):
+                before = p.detach().clone()
+                p -= worker.LR * g
+                record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
+                                          torch.linalg.vector_norm((before - p).double()).item())
+        steps.append(record)
+    return steps
+
+
+def close(actual: float, expected: float) -> bool:
+    return actual == pytest.approx(expected, rel=REL, abs=1e-9)
+
+
+def assert_matches(lines: list[dict[str, Any]], expected: list[dict[str, Any]], *, out_grad_scale: float = 1.0) -> None:
+    """Every logged step's layers and parameters equal the reference (counts exact, floats ``REL``)."""
+    assert [line["step"] for line in lines] == list(range(worker.STEPS))
+    for line, ref in zip(lines, expected):
+        assert close(line["loss"], ref["loss"])
+        assert {layer["name"] for layer in line["layers"]} == set(ref["layers"])
+        for layer in line["layers"]:
+            want_stats, want_grad = ref["layers"][layer["name"]]
+            for key, value in want_stats.items():
+                assert close(layer["stats"][key], value), (line["step"], layer["name"], key)
+            for key, value in want_grad.items():
+                scale = out_grad_scale if key in ("mean", "std", "min", "max") else 1.0
+                assert close(layer["grad"][key], value * scale), (line["step"], layer["name"], "grad", key)
+            assert layer["stats"]["count"] == want_stats["count"]  # exact
+        assert [p["name"] for p in line["params"]] == list(ref["params"])
+        for p in line["params"]:
+            norm, grad, update = ref["params"][p["name"]]
+            assert close(p["norm"], norm) and close(p["update_norm"], update), p["name"]
+            for key, value in grad.items():
+                assert close(p["grad"][key], value), (line["step"], p["name"], "grad", key)
+            assert p["grad"]["count"] == grad["count"]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[dict[str, Any]]:
+    return reference()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, tmp_path: Path,
+                                                           expected: list[dict[str, Any]]) -> None:
+    ranks = torchrun(mode, tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert_matches(lines, expected)
+    # every rank got the same records; only rank 0 wrote (one log, one line per step)
+    assert ranks[0]["records"] == ranks[1]["records"] == lines
+    assert ranks[0]["findings"] == [] and ranks[1]["findings"] == []
+
+
+def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dict[str, Any]]) -> None:
+    """The same model, weights and global batch in one process without a process group: the same
+    numbers, but for output gradients, which are of the global mean loss (1/world of the ranks' sum)."""
+    assert distributed.process_group() is None
+    net = worker.model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=worker.LR)
+    with hookcli.watch(net, optimizer, every=1, out=tmp_path / "log.jsonl") as w:
+        for step in range(worker.STEPS):
+            x, y = worker.batch(step)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert_matches(lines, expected, out_grad_scale=1 / WORLD)
+
+
+def test_collectives_per_logged_step_do_not_grow_with_layers(tmp_path: Path) -> None:
+    """A logged step's reduction is 3 all_reduce calls with 4 layers as with 40, counted by the
+    process group's own sequence number (every collective on it, hookcli's or not) around
+    ``w.step()``; the first step adds only the ranks' mean of its late loss (the layout exchange ran
+    inside optimizer.step(), where the step was closed)."""
+    torchrun("count", tmp_path)
+    counts = {}
+    for layers in (4, 40):
+        ranks = [json.loads((tmp_path / str(layers) / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        for rank in ranks:
+            assert [c["process_group"] for c in rank["collectives"]] == [c["hookcli"] for c in rank["collectives"]]
+        counts[layers] = [c["process_group"] for c in ranks[0]["collectives"]]
+        assert len(ranks[0]["records"][1]["layers"]) == 2 * layers + 1
+    assert counts[4] == counts[40] == [1, 3, 3]
+
+
+def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) -> None:
+    """Rank 1's copy of 2.weight is nudged by 1e-3 after DDP's broadcast: a replica desync from step 0;
+    rank 1's input has a NaN at step 1: rank 1 saw it first, in layer 0's output; at step 2 hookcli's
+    hook fails on rank 1 alone: both ranks stop there (rank 1 with its own error), neither hangs."""
+    ranks = torchrun("faults", tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    desync = [(f["rule"], f["layer"], f["value"]) for f in lines[0]["findings"]]
+    assert desync == [("replica_desync", "2.weight", 1.0)]
+    assert "rank 1" in lines[0]["findings"][0]["message"]
+    found = [f for f in lines[1]["findings"] if f["rule"] == "nonfinite_rank"]
+    assert len(found) == 1 and found[0]["value"] == 1 and found[0]["layer"] == "0"
+    assert "rank 1" in found[0]["message"]
+    assert lines[1]["layers"][0]["stats"]["nan_count"] == 5  # one NaN input value x 5 outputs
+    assert ranks[0]["records"] == ranks[1]["records"] == lines and len(lines) == 2
+    assert ranks[0]["findings"] == ranks[1]["findings"]
+    [(error0, code0, message0)], [(error1, code1, message1)] = ranks[0]["errors"], ranks[1]["errors"]
+    assert (error0, code0) == ("RanksFailed", 2) and "1 of 2 ranks" in message0
+    assert (error1, code1) == ("InternalError", 3) and "cannot be detached" in message1
+    # what this step does not reduce is refused when the watch is made, with exit code 2
+    refused = [json.loads((tmp_path / f"refused{r}.json").read_text()) for r in range(WORLD)]
+    assert refused[0] == refused[1]
+    [(error, code, message)] = refused[0]
+    assert (error, code) == ("UnsupportedError", 2)
+    assert "parameter weight" in message and "2-D mesh" in message
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.integers(0, 50), min_size=2, max_size=4), offset=st.sampled_from([0.0, 1e3, 1e6, -1e8]),
+       seed=st.integers(0, 2**16))
+def test_the_two_sums_give_the_moments_of_all_ranks_values(parts: list[int], offset: float, seed: int) -> None:
+    """What the first two SUMs compute, without processes: each part's ``Moments`` (as a rank reduces
+    its values), the global mean from the summed ``count`` and ``count * mean``, then the summed
+    ``centred_about`` it; against torch in float64 over the concatenation, offsets included (data
+    far from 0 loses no digits: no power sums about 0), and empty parts (a rank that ran nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    values = [offset + torch.randn(n, generator=g, dtype=torch.float64) for n in parts]
+    assume(sum(parts) > 1)
+    moments = [distributed.as_moments(stats.reduce_tensor(v)) if v.numel() else stats.EMPTY for v in values]
+    count = sum(m.count for m in moments)
+    mean = sum(m.count * m.mean for m in moments if m.count) / count
+    m2, m3, m4 = (sum(column) for column in zip(*(distributed.centred_about(m, mean) for m in moments)))
+    everything = torch.cat(values)
+    centred = everything - everything.mean()
+    assert count == everything.numel()
+    assert mean == pytest.approx(everything.mean().item(), rel=1e-12, abs=1e-12)
+    # float64 data at 1e8 resolves its spread to ~2e-8 (eps * offset / std); power sums about 0 would
+    # keep no digit of m2 there (x^2 ~ 1e16 against a spread of ~1)
+    assert m2 == pytest.approx((centred ** 2).sum().item(), rel=1e-6)
+    assert m4 == pytest.approx((centred ** 4).sum().item(), rel=1e-6)
+    assert m3 == pytest.approx((centred ** 3).sum().item(), rel=1e-6, abs=1e-6 * m2 ** 1.5)
+
+
+def test_replicas_are_compared_by_value() -> None:
+    """``_same`` compares copies by value, NaN equal to NaN, at ``DESYNC_RTOL``."""
+    assert distributed._same([1.0, math.nan], [1.0, math.nan])
+    assert not distributed._same([1.0], [1.0 + 1e-6])
