@@ -7,7 +7,10 @@ import io
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.errors import UnsupportedError
+from hookcli.records import (
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport,
+)
 from hookcli.render import checks, diff, exports, summary
 from hookcli.render.columns import (
     Column,
@@ -47,6 +50,13 @@ def _rows(columns: Sequence[Column[R]], records: Sequence[R]) -> list[dict[str, 
     return [{c.key: csv_value(c.raw(r)) for c in shown} for r in records]
 
 
+def _not_a_watch_report(report: Renderable, fmt: str) -> None:
+    """A WatchReport (``hookcli report``) is a table, JSON or HTML: UnsupportedError for ``fmt``."""
+    if isinstance(report, WatchReport):
+        raise UnsupportedError(f"a watch report is rendered as table or json, not {fmt}",
+                               hint="render(report, 'json') has every value; hookcli report --html FILE draws them")
+
+
 class CsvRenderer:
     """``--format csv``: a header row and one row per record (layers, then parameters).
 
@@ -62,6 +72,7 @@ class CsvRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as CSV text."""
+        _not_a_watch_report(report, "csv")
         if isinstance(report, CheckResult):
             return check_csv(report)
         if isinstance(report, DiffReport):
@@ -138,6 +149,7 @@ class MarkdownRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as GitHub-flavoured Markdown."""
+        _not_a_watch_report(report, "markdown")
         if isinstance(report, CheckResult):
             return check_markdown(report)
         if isinstance(report, DiffReport):

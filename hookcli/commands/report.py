@@ -1,0 +1,184 @@
+"""``hookcli report``: read a watch log (JSON Lines, schema 1: docs/watch.md) into a ``WatchReport``.
+
+Torch-free (a report reads a file: importing torch would cost seconds for nothing). One statistic is
+picked (``STATS``: how they are named), the rows are filtered by ``--layers`` globs, and
+every finding of the log is kept (the gate counts them all, whatever ``--layers`` shows).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
+from hookcli.options import split_patterns
+from hookcli.records import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, ReportSeries, WatchReport
+
+#: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
+PARAM_KEYS = ("norm", "update_norm", "update_ratio")
+
+#: Every name ``--stat`` takes: a layer output's statistic (``rms``), its gradient's (``grad.rms``),
+#: a parameter's own (``update_ratio``) or its gradient's (``param.grad.rms``).
+STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KEYS), *PARAM_KEYS,
+                          *(f"param.grad.{k}" for k in WATCH_STAT_KEYS))
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _number(value: Any) -> float | None:
+    """A number of the log: JSON numbers, and the strings hookcli writes for NaN and Inf; else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return _NON_FINITE.get(value)
+    return None
+
+
+def check_stat(stat: str) -> str:
+    """``stat`` when it is one ``--stat`` takes, else a UsageError naming close ones."""
+    if stat in STATS:
+        return stat
+    near = close_matches(stat, STATS)
+    raise UsageError(f"--stat: unknown statistic {stat!r}",
+                     hint=(f"did you mean: {', '.join(near)}? " if near else "")
+                     + "e.g. rms, grad.rms, zero_fraction, update_ratio (hookcli report --help lists them)")
+
+
+def _bad_line(path: str, number: int, why: str) -> InputError:
+    return InputError(f"{path}: line {number} {why}",
+                      hint="a watch log has one JSON object per line, as hookcli.watch(out=...) writes it "
+                           "(docs/watch.md#the-log-schema-1)")
+
+
+def _parse_line(path: str, number: int, raw: bytes) -> dict[str, Any]:
+    """One line of the log as a dict of schema 1, or an InputError naming the line."""
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _bad_line(path, number, "is not UTF-8 text") from None
+    except ValueError:
+        raise _bad_line(path, number, "is not JSON") from None
+    if not isinstance(line, dict):
+        raise _bad_line(path, number, "is not a JSON object")
+    if line.get("schema") != WATCH_SCHEMA:
+        raise InputError(f"{path}: line {number} has schema {line.get('schema')!r}, not {WATCH_SCHEMA}",
+                         hint="hookcli report reads the logs of hookcli.watch, schema 1 (docs/watch.md)")
+    step = line.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise _bad_line(path, number, "has no whole-number 'step'")
+    for key in ("layers", "params", "findings"):
+        if not isinstance(line.get(key, []), list) or not all(isinstance(x, dict) for x in line.get(key, [])):
+            raise _bad_line(path, number, f"has a {key!r} that is not a list of objects")
+    return line
+
+
+def read_log(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The lines of a watch log, and notes on what was left out. A last line without its newline that
+    is not JSON is a line torn by a crash mid-write (hookcli.watch writes each line whole, newline
+    included): it is left out with a note. Any other bad line is an InputError naming it."""
+    shown = os.fspath(path)
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        raise InputError(f"no such log file: {shown}",
+                         hint="give the file hookcli.watch(out=...) wrote, e.g. hookcli report runs/exp.jsonl") from None
+    except IsADirectoryError:
+        raise InputError(f"{shown} is a directory, not a log file",
+                         hint="give the .jsonl file hookcli.watch(out=...) wrote") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {shown}: {exc.strerror or exc}",
+                         hint="check the file's permissions") from None
+    raws = data.split(b"\n")
+    torn = raws.pop()  # after the last newline: b"" when the file ends with one
+    lines, notes = [], []
+    for number, raw in enumerate(raws, start=1):
+        if raw.strip():
+            lines.append(_parse_line(shown, number, raw))
+    if torn.strip():
+        try:
+            lines.append(_parse_line(shown, len(raws) + 1, torn))
+        except InputError:
+            notes.append(f"line {len(raws) + 1} left out: it ends without a newline and is not a whole line "
+                         "(a run that stopped mid-write)")
+    if not lines:
+        raise InputError(f"{shown} has no logged steps (empty log)",
+                         hint="a watch writes its first line at the first logged step (step 0)")
+    return lines, notes
+
+
+def _label(entry: dict[str, Any]) -> str:
+    """A layer's row name, as the findings name it (``attn[0]``); ``(model)`` for the root module."""
+    name = str(entry.get("name", "")) + str(entry.get("output", "") or "")
+    return name or "(model)"
+
+
+def _value(entry: dict[str, Any], stat: str) -> float | None:
+    """The ``stat`` of one layer or parameter entry (``stat`` without its ``param.`` prefix)."""
+    if stat in PARAM_KEYS:
+        return _number(entry.get(stat))
+    where, _, key = stat.rpartition(".")
+    stats = entry.get(where or "stats")
+    return _number(stats.get(key)) if isinstance(stats, dict) else None
+
+
+def _finding(raw: dict[str, Any]) -> Finding:
+    layer = raw.get("layer")
+    return Finding(rule=str(raw.get("rule", "?")), severity=str(raw.get("severity", "warning")),
+                   step=int(raw["step"]) if isinstance(raw.get("step"), int) else -1,
+                   layer=str(layer) if layer is not None else None, direction=str(raw.get("direction", "")),
+                   value=_number(raw.get("value")), limit=_number(raw.get("limit")),
+                   message=str(raw.get("message", "")))
+
+
+def _matches(patterns: list[str], name: str, is_param: bool) -> bool:
+    """Whether a row's name (or, for a parameter, its module's) matches a ``--layers`` name or glob."""
+    names = [name, name.rsplit(".", 1)[0]] if is_param and "." in name else [name]
+    return any(p == n or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def watch_report(path: str | os.PathLike[str], stat: str = "rms",
+                 layers: Sequence[str] | str | None = None) -> WatchReport:
+    """The ``WatchReport`` of the log at ``path``: ``stat`` per layer (or parameter) per logged step,
+    the rows whose names match ``layers`` (names or globs, comma-separated), the loss and every finding.
+
+    UsageError for an unknown ``stat`` or a pattern matching no row; InputError (exit 2) for a
+    missing, empty or malformed log."""
+    stat = check_stat(stat)
+    lines, notes = read_log(path)
+    is_param = stat in PARAM_KEYS or stat.startswith("param.")
+    key = stat.removeprefix("param.")
+    rows: dict[str, ReportSeries] = {}
+    for column, line in enumerate(lines):
+        for entry in line.get("params" if is_param else "layers", []):
+            name = str(entry.get("name", "")) if is_param else _label(entry)
+            row = rows.get(name)
+            if row is None:
+                row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")),
+                                                [None] * len(lines))
+            row.values[column] = _value(entry, key)
+    patterns = split_patterns(layers)
+    series = list(rows.values())
+    if patterns:
+        for pattern in patterns:
+            if not any(_matches([pattern], s.name, is_param) for s in series):
+                near = close_matches(pattern, [s.name for s in series])
+                raise LayerNotFoundError(f"--layers: {pattern!r} matches no {'parameter' if is_param else 'layer'} "
+                                         f"in {os.fspath(path)}",
+                                         hint=(f"did you mean: {', '.join(near)}? " if near else "")
+                                         + "names as in the log; globs like 'blocks.*' work")
+        series = [s for s in series if _matches(patterns, s.name, is_param)]
+    steps = [line["step"] for line in lines]
+    back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+    if back is not None:
+        notes.append(f"the steps go back at logged step {back + 1} (step {steps[back]} after {steps[back - 1]}): "
+                     "more than one run appended to this log; shown in the log's order")
+    return WatchReport(path=os.fspath(path), stat=stat, steps=steps,
+                       losses=[_number(line.get("loss")) for line in lines], series=series,
+                       findings=[_finding(f) for line in lines for f in line.get("findings", [])], notes=notes)
