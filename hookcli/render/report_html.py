@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import re
 from typing import Any
 
 from hookcli.errors import UnsupportedError
@@ -39,7 +40,7 @@ def _label(text: str) -> str:
 
 
 def _svg(figure: Any) -> str:
-    """``figure`` as an inline ``<svg>`` element (no XML prolog, no DOCTYPE, no metadata)."""
+    """``figure`` as an inline ``<svg>`` element (no XML prolog, no DOCTYPE, no metadata, no comments)."""
     import matplotlib
 
     buffer = io.StringIO()
@@ -47,7 +48,7 @@ def _svg(figure: Any) -> str:
         figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None,
                                                                             "Format": None, "Type": None})
     text = buffer.getvalue()
-    return text[text.index("<svg"):]
+    return re.sub(r"<!--.*?-->", "", text[text.index("<svg"):], flags=re.DOTALL)  # its comments repeat the labels
 
 
 def _values(values: list[float | None]) -> list[float]:
