@@ -161,7 +161,7 @@ def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[
                          _strip(series.values, sparks, Scale(series.values, heat.kind), False), _last(series.values)))
     first, last = str(report.steps[0]), str(report.steps[-1])
     width_ = len(groups)
-    axis = first + last.rjust(width_ - len(first)) if width_ > len(first) + len(last) else first
+    axis = first + last.rjust(width_ - len(first)) if width_ > len(first) + len(last) else f"{first}…{last}"
     axis = axis.ljust(heat_w)
     lines.append(Text(" " * (name_w + len(gap) + (type_w + len(gap) if type_w else 0)) + axis
                       + gap + "(step)", style=DIM if color else ""))
