@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.cells import cell_len
 from torch import nn
 
 import hookcli
-from hookcli.errors import InputError, LayerNotFoundError, UnsupportedError, UsageError
+from hookcli.errors import InputError, LayerNotFoundError, UsageError
 from hookcli.render import render
 from hookcli.render.report import LEVELS, Scale, bucket_value, buckets, scale
 
@@ -194,6 +195,21 @@ def test_json_has_every_value_and_the_findings(cli, broken: Path) -> None:
         [("nonfinite", "error", 5, "stem")]
 
 
+def test_csv_is_one_row_per_row_and_step_and_markdown_has_the_findings(cli, broken: Path, tmp_path: Path) -> None:
+    import csv
+
+    report = hookcli.report(broken, stat="zero_fraction", layers="blocks.1")
+    out = tmp_path / "r.csv"
+    assert cli("report", broken, "--stat", "zero_fraction", "--layers", "blocks.1", "-o", out).exit_code == 1
+    rows = list(csv.DictReader(out.open()))
+    assert [(int(r["step"]), r["name"]) for r in rows] == \
+        [(step, "(loss)") for step in range(8)] + [(step, "blocks.1") for step in range(8)]
+    assert [float(r["value"]) for r in rows[8:]] == pytest.approx(report.series[0].values, nan_ok=True)
+    md = cli("report", broken, "--layers", "blocks.1", "-f", "markdown")
+    assert md.exit_code == 1 and "| blocks.1 | ReLU |" in md.stdout
+    assert "- step 5 · error · nonfinite · first NaN/Inf" in md.stdout and "**FAILED: 1 finding" in md.stdout
+
+
 def _log_text(path: Path) -> list[str]:
     return path.read_text().splitlines(keepends=True)
 
@@ -246,8 +262,7 @@ def test_a_torn_last_line_is_left_out_with_a_note(cli, healthy, tmp_path: Path) 
     (["--stat", "rsm"], "unknown statistic 'rsm'", "did you mean: rms"),
     (["--stat", "grad.norm"], "unknown statistic 'grad.norm'", "grad.rms"),
     (["--layers", "block.*"], "'block.*' matches no layer", "globs"),
-    (["--format", "csv"], "'csv' is not one of", "--help"),
-    (["-o", "out.md"], "writes table or json, not markdown", "--format json"),
+    (["--format", "html"], "'html' is not one of", "--help"),
 ])
 def test_bad_options_are_exit_2_with_a_hint(cli, healthy, tmp_path: Path, monkeypatch, args: list[str],
                                             needle: str, hint: str) -> None:
@@ -266,8 +281,6 @@ def test_the_api_raises_the_librarys_errors(healthy, tmp_path: Path) -> None:
         hookcli.report(healthy[0], layers="nothing")
     with pytest.raises(InputError, match="no such log file"):
         hookcli.report(tmp_path / "missing.jsonl")
-    with pytest.raises(UnsupportedError):
-        render(hookcli.report(healthy[0]), "csv")
 
 
 def test_steps_that_go_back_are_noted(healthy, tmp_path: Path) -> None:
@@ -478,3 +491,15 @@ def test_help_names_every_statistic_family(cli) -> None:
     for word in ("rms", "abs_max", "zero_fraction", "kurtosis", "grad.rms", "update_ratio", "norm",
                  "param.grad.rms", "--html", "hookcli[report]"):
         assert word in text, word
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(40, 200))
+def test_every_row_fits_the_width_on_one_line(width: int) -> None:
+    """Narrow terminals drop the Type column, then shorten names, then the Trend, never wrap a row."""
+    report = hookcli.report(WATCH_LOGS / "healthy.jsonl", stat="update_ratio")
+    lines = render(report, "table", width=width).splitlines()
+    for series in [*report.series]:
+        (row,) = [line for line in lines if line.split() and series.name.startswith(line.split()[0].split("…")[0])
+                  and line.rstrip().endswith(f"{series.values[-1]:.4g}")]
+        assert cell_len(row) <= width

@@ -529,14 +529,14 @@ def fmaps(**values: Any) -> None:
 @click.option("--stat", default="rms", show_default=True, metavar="NAME", help="The statistic shown: of each layer's output (" + ", ".join(WATCH_STAT_KEYS) + "), of its gradient "
               "(grad.rms, grad.abs_max, ...), or of each parameter (norm, update_norm, update_ratio, "
               "param.grad.rms, ...).")
-@click.option("--layers", "-l", multiple=True, metavar="NAMES",
+@click.option("--layers", "-l", "row_patterns", multiple=True, metavar="NAMES",
               help="Only these rows: names or globs, comma-separated ('blocks.*'); a parameter also matches by "
                    "its module's name.")
 @click.option("--html", metavar="FILE", type=click.Path(dir_okay=False),
               help="Also write one self-contained HTML file (heatmap, curves, findings; no network) to FILE; "
                    "needs pip install 'hookcli[report]'.")
 @output_options
-def report(log: str, stat: str, layers: tuple[str, ...], html: str | None, **values: Any) -> None:
+def report(log: str, stat: str, row_patterns: tuple[str, ...], html: str | None, **values: Any) -> None:
     """Read a hookcli.watch log (JSON Lines): a layer x step heatmap of one statistic, a sparkline per
     layer, the loss and the findings.
 
@@ -545,16 +545,13 @@ def report(log: str, stat: str, layers: tuple[str, ...], html: str | None, **val
     """
     ctx = click.get_current_context()
     prepare_output(ctx, values)
-    if values["format"] not in ("table", "json"):
-        raise UsageError(f"hookcli report writes table or json, not {values['format']}",
-                         hint="--format json has every value; --html FILE draws them")
     if html is not None:
         from hookcli.output import ensure_writable
         from hookcli.render.report_html import check_matplotlib
 
         check_matplotlib()
         ensure_writable(html)
-    result = api.report(log, stat=stat, layers=layers or None)
+    result = api.report(log, stat=stat, layers=row_patterns or None)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     _emit(result, fmt=values["format"], output=values["output"])
@@ -567,12 +564,6 @@ def report(log: str, stat: str, layers: tuple[str, ...], html: str | None, **val
         first = result.errors[0]
         raise CheckFailedError(f"report: {len(result.errors)} error finding(s) in {log}: step {first.step}: "
                                f"{first.message}", hint="the findings above say where; docs/watch.md#rules")
-
-
-for _param in report.params:  # a report is a table or JSON (--html draws the figures)
-    if _param.name == "format":
-        _param.type = click.Choice(["table", "json"])
-        _param.help = "table: the terminal view; json: every value of the statistic and the findings."
 
 
 if __name__ == "__main__":  # pragma: no cover

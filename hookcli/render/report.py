@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from hookcli.records import Finding, WatchReport
+from hookcli.records import Finding, ReportSeries, WatchReport
 from hookcli.render import summary
-from hookcli.render.columns import BOLD_RED, DIM
+from hookcli.render.columns import BOLD_RED, DIM, Cell, Column
 from hookcli.render.formats import format_number, plain
 
 #: Eight levels, low to high: the heatmap's cells and the sparklines (readable without colour).
@@ -125,16 +125,24 @@ def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[
     params = bool(report.series) and report.series[0].type == "parameter"
     name_w = min(max([cell_len(n) for n in names] + [9 if params else 5]), 32)
     type_w = 0 if params else min(max([cell_len(t) for t in types] + [4]), 14)
-    heat_w = width - name_w - type_w - SPARK_WIDTH - LAST_WIDTH - 8
-    if heat_w < 8 and type_w:  # narrow: drop the type column, then shorten the names
+    spark_w = SPARK_WIDTH
+
+    def room() -> int:
+        return width - name_w - (type_w + 2 if type_w else 0) - (spark_w + 2 if spark_w else 0) - LAST_WIDTH - 4
+
+    heat_w = room()
+    if heat_w < 8 and type_w:  # narrow: drop the type column, then shorten the names, then the Trend
         type_w = 0
-        heat_w = width - name_w - SPARK_WIDTH - LAST_WIDTH - 6
-        if heat_w < 8:
-            name_w = max(8, name_w - (8 - heat_w))
-            heat_w = max(4, width - name_w - SPARK_WIDTH - LAST_WIDTH - 6)
+        heat_w = room()
+    if heat_w < 8:
+        name_w = max(8, name_w - (8 - heat_w))
+        heat_w = room()
+    if heat_w < 8:
+        spark_w = 0
+        heat_w = max(5, room())
     count = len(report.steps)
     groups = buckets(count, heat_w)
-    sparks = buckets(count, SPARK_WIDTH)
+    sparks = buckets(count, max(spark_w, 1))
     heat_w = max(len(groups), len("Steps"))
     every = [v for s in report.series for v in s.values]
     heat = Scale(every)
@@ -146,8 +154,10 @@ def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[
             line.append(_fit(kind, type_w) + gap, style=DIM if color else "")
         line.append_text(strip)
         line.append(" " * (heat_w - len(strip)) + gap)
-        line.append_text(spark)
-        line.append(" " * (SPARK_WIDTH - len(spark)) + gap + last.rjust(LAST_WIDTH))
+        if spark_w:
+            line.append_text(spark)
+            line.append(" " * (spark_w - len(spark)) + gap)
+        line.append(last.rjust(LAST_WIDTH))
         return line
 
     head = row("Parameter" if params else "Layer", "Type" if type_w else "", Text("Steps"), Text("Trend"), "Last",
@@ -161,14 +171,17 @@ def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[
                          _strip(series.values, sparks, Scale(series.values, heat.kind), False), _last(series.values)))
     first, last = str(report.steps[0]), str(report.steps[-1])
     width_ = len(groups)
-    axis = first + last.rjust(width_ - len(first)) if width_ > len(first) + len(last) else f"{first}…{last}"
+    axis = first + last.rjust(width_ - len(first)) if width_ > len(first) + len(last) else \
+        first if count == 1 else f"{first}…{last}"
     axis = axis.ljust(heat_w)
     lines.append(Text(" " * (name_w + len(gap) + (type_w + len(gap) if type_w else 0)) + axis
                       + gap + "(step)", style=DIM if color else ""))
     per = math.ceil(count / len(groups))
     lines.append(Text(""))
-    legend = [f"{report.stat}: {LEVELS[0]} {format_number(heat.low)} to {LEVELS[-1]} {format_number(heat.high)}, "
-              f"{heat.kind} scale (log when every value is above 0 and they span {LOG_SPAN:g}x or more)",
+    range_ = (f"{LEVELS[0]} {format_number(heat.low)} to {LEVELS[-1]} {format_number(heat.high)}, {heat.kind} scale "
+              f"(log when every value is above 0 and they span {LOG_SPAN:g}x or more)"
+              if any(v is not None and math.isfinite(v) for v in every) else "no finite value logged")
+    legend = [f"{report.stat}: {range_}",
               f"a column: {'one logged step' if per == 1 else f'the largest value of up to {per} logged steps'}",
               f"'{NON_FINITE}': NaN/Inf", "blank: not logged", "loss and Trend: each row on its own scale"]
     for part in summary.pack(legend, width):
@@ -185,7 +198,8 @@ def header(report: WatchReport) -> list[str]:
     """The header line's parts."""
     steps = report.steps
     count = f"{len(steps)} logged step{'s' if len(steps) != 1 else ''}"
-    return [f"report {report.path}", f"{count} ({steps[0]} to {steps[-1]})", what(report),
+    span = f"step {steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
+    return [f"report {report.path}", f"{count} ({span})", what(report),
             f"{len(report.series)} row{'s' if len(report.series) != 1 else ''}"]
 
 
@@ -195,3 +209,35 @@ def verdict(report: WatchReport) -> str:
     counts = f"{len(report.findings)} finding{'s' if len(report.findings) != 1 else ''} " \
              f"({errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''})"
     return f"FAILED: {counts}" if errors else f"ok: {counts}"
+
+
+def summary_columns() -> list[Column[ReportSeries]]:
+    """Name, Type, First, Last, Min, Max of each row (Markdown and HTML; Min and Max of the finite values)."""
+    def known(s: ReportSeries) -> list[float]:
+        return [v for v in s.values if v is not None]
+
+    def finite(s: ReportSeries) -> list[float]:
+        return [v for v in known(s) if math.isfinite(v)]
+
+    def number(get):  # noqa: ANN001, ANN202 - a small getter pair
+        return (lambda s: Cell(format_number(get(s))), get)
+
+    return [
+        Column("name", "Name", lambda s: Cell(s.name), lambda s: s.name),
+        Column("type", "Type", lambda s: Cell(s.type), lambda s: s.type),
+        Column("first", "First", *number(lambda s: known(s)[0] if known(s) else None), justify="right"),
+        Column("last", "Last", *number(lambda s: known(s)[-1] if known(s) else None), justify="right"),
+        Column("min", "Min", *number(lambda s: min(finite(s)) if finite(s) else None), justify="right"),
+        Column("max", "Max", *number(lambda s: max(finite(s)) if finite(s) else None), justify="right"),
+    ]
+
+
+def csv_records(report: WatchReport) -> list[dict[str, object]]:
+    """``--format csv``: one row per row and logged step (long format, as pandas likes it), the loss as
+    the row ``(loss)``; a value not logged is empty."""
+    rows: list[dict[str, object]] = [{"step": step, "name": "(loss)", "type": "loss", "stat": "loss", "value": loss}
+                                     for step, loss in zip(report.steps, report.losses)]
+    for series in report.series:
+        rows += [{"step": step, "name": series.name, "type": series.type, "stat": report.stat, "value": value}
+                 for step, value in zip(report.steps, series.values)]
+    return rows

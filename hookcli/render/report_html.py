@@ -18,8 +18,7 @@ from typing import Any
 from hookcli.errors import UnsupportedError
 from hookcli.escape import escape_control
 from hookcli.records import WatchReport
-from hookcli.render.formats import format_number
-from hookcli.render.report import LOG_SPAN, finding_parts, header, scale, verdict, what
+from hookcli.render.report import LOG_SPAN, finding_parts, header, scale, summary_columns, verdict, what
 
 INSTALL_HINT = "pip install 'hookcli[report]' (matplotlib draws the HTML report)"
 #: Small multiples of the per-row curves: this many per line.
@@ -103,14 +102,9 @@ def render_html(report: WatchReport) -> str:
     def esc(text: str) -> str:
         return html.escape(escape_control(text))
 
-    rows = []
-    for s in report.series:
-        known = [v for v in s.values if v is not None]
-        finite = [v for v in known if math.isfinite(v)]
-        cells = [known[0] if known else None, known[-1] if known else None, min(finite) if finite else None,
-                 max(finite) if finite else None]
-        rows.append(f"<tr><td>{esc(s.name)}</td><td>{esc(s.type)}</td>"
-                    + "".join(f"<td class=n>{format_number(v)}</td>" for v in cells) + "</tr>")
+    columns = summary_columns()
+    rows = ["<tr>" + "".join(f"<td{' class=n' if c.justify == 'right' else ''}>{esc(c.display(s).text)}</td>"
+                             for c in columns) + "</tr>" for s in report.series]
     findings = "".join(f"<li class={esc(f.severity)}>{esc(' · '.join(finding_parts(f)))}</li>" for f in report.findings)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -133,8 +127,7 @@ td.n {{ text-align: right; font-family: monospace; }} svg {{ max-width: 100%; he
 <h2>Curves</h2>
 <figure id="curves">{curves_svg(report)}</figure>
 <h2>Values</h2>
-<table><tr><th>{'Parameter' if report.series and report.series[0].type == 'parameter' else 'Layer'}</th>
-<th>Type</th><th>First</th><th>Last</th><th>Min</th><th>Max</th></tr>
+<table><tr>{"".join(f"<th>{c.header}</th>" for c in columns)}</tr>
 {"".join(rows)}
 </table>
 </body></html>
