@@ -11,7 +11,7 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
@@ -62,7 +62,7 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict[str, Any]:
         line = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise _bad_line(path, number, "is not UTF-8 text") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
         raise _bad_line(path, number, "is not JSON") from None
     if not isinstance(line, dict):
         raise _bad_line(path, number, "is not a JSON object")
@@ -78,14 +78,15 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict[str, Any]:
     return line
 
 
-def read_log(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The lines of a watch log, and notes on what was left out. A last line without its newline that
-    is not JSON is a line torn by a crash mid-write (hookcli.watch writes each line whole, newline
-    included): it is left out with a note. Any other bad line is an InputError naming it."""
+def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[str, Any]]:
+    """The lines of a watch log, one at a time (a long run's log need not fit in memory twice).
+
+    A last line without its newline that is not JSON is a line torn by a crash mid-write
+    (hookcli.watch writes each line whole, newline included): it is left out, with a note added to
+    ``notes``. Any other bad line is an InputError naming it; so is a log with no line."""
     shown = os.fspath(path)
     try:
-        with open(path, "rb") as file:
-            data = file.read()
+        file = open(path, "rb")  # noqa: SIM115 - closed below, also when a bad line stops the reading
     except FileNotFoundError:
         raise InputError(f"no such log file: {shown}",
                          hint="give the file hookcli.watch(out=...) wrote, e.g. hookcli report runs/exp.jsonl") from None
@@ -93,24 +94,25 @@ def read_log(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[s
         raise InputError(f"{shown} is a directory, not a log file",
                          hint="give the .jsonl file hookcli.watch(out=...) wrote") from None
     except OSError as exc:
-        raise InputError(f"cannot read {shown}: {exc.strerror or exc}",
-                         hint="check the file's permissions") from None
-    raws = data.split(b"\n")
-    torn = raws.pop()  # after the last newline: b"" when the file ends with one
-    lines, notes = [], []
-    for number, raw in enumerate(raws, start=1):
-        if raw.strip():
-            lines.append(_parse_line(shown, number, raw))
-    if torn.strip():
-        try:
-            lines.append(_parse_line(shown, len(raws) + 1, torn))
-        except InputError:
-            notes.append(f"line {len(raws) + 1} left out: it ends without a newline and is not a whole line "
-                         "(a run that stopped mid-write)")
-    if not lines:
+        raise InputError(f"cannot read {shown}: {exc.strerror or exc}", hint="check the file's permissions") from None
+    found = False
+    with file:
+        for number, raw in enumerate(file, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = _parse_line(shown, number, raw)
+            except InputError:
+                if raw.endswith(b"\n"):
+                    raise
+                notes.append(f"line {number} left out: it ends without a newline and is not a whole line "
+                             "(a run that stopped mid-write)")
+                break
+            found = True
+            yield line
+    if not found:
         raise InputError(f"{shown} has no logged steps (empty log)",
                          hint="a watch writes its first line at the first logged step (step 0)")
-    return lines, notes
 
 
 def _label(entry: dict[str, Any]) -> str:
@@ -128,10 +130,12 @@ def _value(entry: dict[str, Any], stat: str) -> float | None:
     return _number(stats.get(key)) if isinstance(stats, dict) else None
 
 
-def _finding(raw: dict[str, Any]) -> Finding:
+def _finding(raw: dict[str, Any], step: int) -> Finding:
+    """A finding of the log (``step``: its line's, when the finding has none)."""
     layer = raw.get("layer")
+    own = raw.get("step")
     return Finding(rule=str(raw.get("rule", "?")), severity=str(raw.get("severity", "warning")),
-                   step=int(raw["step"]) if isinstance(raw.get("step"), int) else -1,
+                   step=own if isinstance(own, int) and not isinstance(own, bool) else step,
                    layer=str(layer) if layer is not None else None, direction=str(raw.get("direction", "")),
                    value=_number(raw.get("value")), limit=_number(raw.get("limit")),
                    message=str(raw.get("message", "")))
@@ -151,18 +155,25 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     UsageError for an unknown ``stat`` or a pattern matching no row; InputError (exit 2) for a
     missing, empty or malformed log."""
     stat = check_stat(stat)
-    lines, notes = read_log(path)
     is_param = stat in PARAM_KEYS or stat.startswith("param.")
     key = stat.removeprefix("param.")
+    notes: list[str] = []
+    steps: list[int] = []
+    losses: list[float | None] = []
+    findings: list[Finding] = []
     rows: dict[str, ReportSeries] = {}
-    for column, line in enumerate(lines):
+    for column, line in enumerate(read_log(path, notes)):
+        steps.append(line["step"])
+        losses.append(_number(line.get("loss")))
+        findings += [_finding(f, line["step"]) for f in line.get("findings", [])]
         for entry in line.get("params" if is_param else "layers", []):
             name = str(entry.get("name", "")) if is_param else _label(entry)
             row = rows.get(name)
             if row is None:
-                row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")),
-                                                [None] * len(lines))
-            row.values[column] = _value(entry, key)
+                row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")), [])
+            row.values += [None] * (column - len(row.values)) + [_value(entry, key)]
+    for row in rows.values():
+        row.values += [None] * (len(steps) - len(row.values))
     patterns = split_patterns(layers)
     series = list(rows.values())
     if patterns:
@@ -174,11 +185,9 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
                                          hint=(f"did you mean: {', '.join(near)}? " if near else "")
                                          + "names as in the log; globs like 'blocks.*' work")
         series = [s for s in series if _matches(patterns, s.name, is_param)]
-    steps = [line["step"] for line in lines]
     back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
     if back is not None:
         notes.append(f"the steps go back at logged step {back + 1} (step {steps[back]} after {steps[back - 1]}): "
                      "more than one run appended to this log; shown in the log's order")
-    return WatchReport(path=os.fspath(path), stat=stat, steps=steps,
-                       losses=[_number(line.get("loss")) for line in lines], series=series,
-                       findings=[_finding(f) for line in lines for f in line.get("findings", [])], notes=notes)
+    return WatchReport(path=os.fspath(path), stat=stat, steps=steps, losses=losses, series=series,
+                       findings=findings, notes=notes)
