@@ -57,7 +57,7 @@ def _values(values: list[float | None]) -> list[float]:
 
 def heatmap_svg(report: WatchReport) -> str:
     """The layers x logged steps heatmap (log colour scale when ``scale`` says so)."""
-    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.colors import ListedColormap, LogNorm, Normalize
     from matplotlib.figure import Figure
 
     grid = [[v if math.isfinite(v) else math.nan for v in _values(s.values)] for s in report.series]
@@ -68,6 +68,9 @@ def heatmap_svg(report: WatchReport) -> str:
     figure = Figure(figsize=(10, 1.2 + 0.25 * max(1, len(grid))))
     axes = figure.add_subplot()
     image = axes.imshow(grid or [[math.nan]], aspect="auto", interpolation="nearest", norm=norm, cmap="viridis")
+    bad = [[1.0 if v is not None and not math.isfinite(v) else math.nan for v in s.values] for s in report.series]
+    if any(v == 1.0 for row in bad for v in row):  # NaN/Inf in red over the blank of "not logged"
+        axes.imshow(bad, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#d62728"]))
     axes.set_yticks(range(len(report.series)), [_label(s.name) for s in report.series])
     ticks = sorted({round(i * (len(report.steps) - 1) / 5) for i in range(6)}) if len(report.steps) > 1 else [0]
     axes.set_xticks(ticks, [str(report.steps[i]) for i in ticks])
@@ -122,7 +125,7 @@ td.n {{ text-align: right; font-family: monospace; }} svg {{ max-width: 100%; he
 <h2>Findings</h2>
 {f"<ul>{findings}</ul>" if findings else "<p>none</p>"}
 <h2>Heatmap: {esc(report.stat)}</h2>
-<p>Log colour scale when every value is above 0 and they span {LOG_SPAN:g}x or more; blank: not logged or NaN/Inf.</p>
+<p>Log colour scale when every value is above 0 and they span {LOG_SPAN:g}x or more; red: NaN/Inf; blank: not logged.</p>
 <figure id="heatmap">{heatmap_svg(report)}</figure>
 <h2>Curves</h2>
 <figure id="curves">{curves_svg(report)}</figure>
