@@ -456,12 +456,21 @@ def test_html_is_one_offline_page_with_every_layer_heatmap_and_curves(cli, broke
     assert "data:image/png;base64," in page  # the heatmap's cells, inline
     heatmap, curves = page.split('<figure id="curves">')
     heatmap = heatmap.split('<figure id="heatmap">')[1]
+    assert heatmap.count("data:image/png;base64,") == 2  # the values, and the NaN/Inf cells in red over them
     for name in LAYERS:  # searchable text: a heatmap row's label, a curve's title, a row of the values table
         assert f">{name}</text>" in heatmap and f">{name}</text>" in curves and f"<td>{name}</td>" in page
     assert "first NaN/Inf of the run at step 5" in page
     assert network_references(page) == []
     assert re.findall(r"https?://", re.sub(r'xmlns(?::\w+)?="[^"]*"', "", page)) == []  # no URL text at all
     assert dict(matplotlib.rcParams) == rc_before and matplotlib.get_backend() == backend
+
+
+def test_html_of_a_healthy_log_has_no_nan_layer(healthy) -> None:
+    pytest.importorskip("matplotlib")
+    from hookcli.render.report_html import render_html
+
+    heatmap = render_html(hookcli.report(healthy[0])).split('<figure id="heatmap">')[1].split("</figure>")[0]
+    assert heatmap.count("data:image/png;base64,") == 1
 
 
 def test_html_escapes_names_from_the_log(healthy, tmp_path: Path) -> None:
