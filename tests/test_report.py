@@ -284,6 +284,15 @@ def test_the_api_raises_the_librarys_errors(healthy, tmp_path: Path) -> None:
         hookcli.report(tmp_path / "missing.jsonl")
 
 
+def test_values_beyond_float_are_infinite_not_an_internal_error(healthy, tmp_path: Path) -> None:
+    line = json.loads(healthy[0].read_text().splitlines()[0])
+    (tmp_path / "big.jsonl").write_text(json.dumps(line).replace(f'"rms": {line["layers"][0]["stats"]["rms"]!r}',
+                                                                 '"rms": 1' + "0" * 400, 1) + "\n")
+    assert hookcli.report(tmp_path / "big.jsonl").series[0].values == [math.inf]
+    with pytest.raises(UsageError, match="stat must be a name"):
+        hookcli.report(healthy[0], stat=["rms"])
+
+
 def test_steps_that_go_back_are_noted(healthy, tmp_path: Path) -> None:
     """A second run appended to the same log: shown in the log's order, with a note."""
     text = healthy[0].read_text()

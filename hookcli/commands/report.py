@@ -34,7 +34,10 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a whole number beyond float's range (JSON has no limit)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         return _NON_FINITE.get(value)
     return None
@@ -42,8 +45,11 @@ def _number(value: Any) -> float | None:
 
 def check_stat(stat: str) -> str:
     """``stat`` when it is one ``--stat`` takes, else a UsageError naming close ones."""
-    if stat in STATS:
+    if isinstance(stat, str) and stat in STATS:
         return stat
+    if not isinstance(stat, str):
+        raise UsageError(f"stat must be a name such as 'rms', got {type(stat).__name__}",
+                         hint="e.g. hookcli.report(path, stat='grad.rms')")
     near = close_matches(stat, STATS)
     raise UsageError(f"--stat: unknown statistic {stat!r}",
                      hint=(f"did you mean: {', '.join(near)}? " if near else "")
