@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
     from hookcli.commands.watch import Watch
     from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+    from hookcli.records import WatchReport
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
-           "check_rules", "run_check", "diff", "watch", "kernel_status"]
+           "check_rules", "run_check", "diff", "watch", "report", "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -239,6 +240,22 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
 
     return Watch(model, optimizer, every=every, out=out, layers=layers, types=types, rules=rules,
                  on_finding=on_finding, flight=flight, tensorboard_dir=tensorboard_dir)
+
+
+def report(path: str | os.PathLike[str], *, stat: str = "rms", layers: Sequence[str] | str | None = None) -> WatchReport:
+    """Read a ``hookcli.watch`` log: one statistic per layer (or parameter) per logged step, the loss,
+    and every finding in the log (``report.ok`` is False when one is an error). Does not import torch.
+
+    ``stat``: a layer output's statistic (``rms``, ``abs_max``, ``zero_fraction``, ``kurtosis``, ...),
+    its gradient's (``grad.rms``), a parameter's (``norm``, ``update_norm``, ``update_ratio``) or its
+    gradient's (``param.grad.rms``); ``layers``: names or globs (``"blocks.*"``) of the rows to keep.
+
+    >>> report = hookcli.report("runs/exp.jsonl", stat="grad.rms", layers="blocks.*")
+    >>> assert report.ok, report.errors
+    """
+    from hookcli.commands.report import watch_report
+
+    return watch_report(path, stat=stat, layers=layers)
 
 
 def kernel_status() -> str:

@@ -137,6 +137,15 @@ _FORMAT_ALIASES = {"md": "markdown", "txt": "table", "text": "table"}
 E = TypeVar("E", bound=Enum)
 
 
+def split_patterns(values: Sequence[str] | str | None) -> list[str]:
+    """Flatten repeated and comma-separated option values: ``["a,b", "c"]`` -> ``["a", "b", "c"]``."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
 def values_of(vocabulary: type[Enum]) -> tuple[str, ...]:
     """The string values of a closed vocabulary, in declaration order (CLI choices, config schema)."""
     return tuple(str(member.value) for member in vocabulary)

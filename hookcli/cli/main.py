@@ -26,6 +26,7 @@ from hookcli.errors import (
     OutputError, Terminated, UsageError, exit_status, one_line, safe_str,
 )
 
+from hookcli.records import WATCH_STAT_KEYS
 from hookcli.options import DEFAULT_MODEL, LISTED_SOURCES, GradSort, model_sources_text, values_of
 from hookcli.cli.options import (
     META_CONFIG,
@@ -521,6 +522,49 @@ def fmaps(**values: Any) -> None:
                        call=values["call"], scale=values["scale"], channel_dim=channel_dim,
                        output=values["save_to"], **run_fields(ctx, values))
     _emit(result, fmt=values["format"], output=None)
+
+
+@main.command()
+@click.argument("log", type=click.Path(dir_okay=True))
+@click.option("--stat", default="rms", show_default=True, metavar="NAME",
+              help="The statistic shown: of each layer's output (" + ", ".join(WATCH_STAT_KEYS) + "), of its "
+                   "gradient (grad.rms, grad.abs_max, ...), or of each parameter (norm, update_norm, "
+                   "update_ratio, param.grad.rms, ...).")
+@click.option("--layers", "-l", "row_patterns", multiple=True, metavar="NAMES",
+              help="Only these rows: names or globs, comma-separated ('blocks.*'); a parameter also matches by "
+                   "its module's name.")
+@click.option("--html", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Also write one self-contained HTML file (heatmap, curves, findings; no network) to FILE; "
+                   "needs pip install 'hookcli[report]'.")
+@output_options
+def report(log: str, stat: str, row_patterns: tuple[str, ...], html: str | None, **values: Any) -> None:
+    """Read a hookcli.watch log (JSON Lines): a layer x step heatmap of one statistic, a sparkline per
+    layer, the loss and the findings.
+
+    \b
+    Exit 1 when the log holds an error finding (NaN/Inf: a CI gate), 0 otherwise, 2 for a bad log.
+    """
+    ctx = click.get_current_context()
+    prepare_output(ctx, values)
+    if html is not None:
+        from hookcli.output import ensure_writable
+        from hookcli.render.report_html import check_matplotlib
+
+        check_matplotlib()
+        ensure_writable(html)
+    result = api.report(log, stat=stat, layers=row_patterns or None)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    _emit(result, fmt=values["format"], output=values["output"])
+    if html is not None:
+        from hookcli.output import write_atomic
+        from hookcli.render.report_html import render_html
+
+        click.echo(f"wrote {write_atomic(html, render_html(result))}", err=True)
+    if not result.ok:
+        first = result.errors[0]
+        raise CheckFailedError(f"report: {len(result.errors)} error finding(s) in {log}: step {first.step}: "
+                               f"{first.message}", hint="the findings above say where; docs/watch.md#rules")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from hookcli.errors import LayerNotFoundError, UsageError, close_matches
+from hookcli.options import split_patterns  # torch-free, for hookcli report too
 
 ROOT_LABELS = ("", "(model)")
 
@@ -16,15 +17,6 @@ ROOT_LABELS = ("", "(model)")
 def module_depth(name: str) -> int:
     """Depth of a dotted module name: the root is 0, its children 1, and so on."""
     return 0 if not name else name.count(".") + 1
-
-
-def split_patterns(values: Sequence[str] | str | None) -> list[str]:
-    """Flatten repeated and comma-separated option values: ``["a,b", "c"]`` -> ``["a", "b", "c"]``."""
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def _is_glob(pattern: str) -> bool:

@@ -1,7 +1,7 @@
 """Plain data that hookcli computes and renderers read (never tensors; renderers never import torch).
 
 ``core``: the inspection report (shapes, stats, grads) — ``Report.to_dict()`` *is* the JSON format;
-``exports``: features / fmaps results; ``checks``: the check gate's results; ``diff``: two runs compared; ``watch``: a training loop's logged steps. Everything is re-exported
+``exports``: features / fmaps results; ``checks``: the check gate's results; ``diff``: two runs compared; ``watch``: a training loop's logged steps; ``watch_report``: one statistic of a watch log (``hookcli report``). Everything is re-exported
 here, so ``from hookcli.records import Report`` works for all of them.
 """
 
@@ -27,10 +27,12 @@ from hookcli.records.core import (
 from hookcli.records.diff import DiffReport, DiffRow, Errors, Tolerance
 from hookcli.records.exports import ChannelRecord, FeatureExport, FeatureMaps, SavedTensor
 from hookcli.records.watch import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, WatchLayer, WatchParam, WatchStep
+from hookcli.records.watch_report import ReportSeries, WatchReport
 
 __all__ = [
     "GRAD_KEYS", "SCHEMA", "STAT_EXTRA_KEYS", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",
     "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "WatchLayer", "WatchParam", "WatchStep",
+    "ReportSeries", "WatchReport",
 ]

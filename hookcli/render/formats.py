@@ -21,10 +21,11 @@ from hookcli.records import (
     ModelList,
     ModuleTree,
     Report,
+    WatchReport,
 )
 
 #: Anything a renderer accepts.
-Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult, DiffReport]  # noqa: UP007
+Renderable: TypeAlias = Union[Report, ModuleTree, ModelList, FeatureExport, FeatureMaps, CheckResult, DiffReport, WatchReport]  # noqa: UP007
 
 
 _SUFFIX_FORMATS = {

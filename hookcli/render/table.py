@@ -13,8 +13,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.records import (
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport,
+)
 from hookcli.render import checks, diff, exports, summary
+from hookcli.render import report as watch_report
 from hookcli.render.columns import (
     Cell,
     Column,
@@ -34,15 +37,16 @@ R = TypeVar("R")
 DEFAULT_WIDTH = 120
 
 
-def make_console(width: int | None = None, color: bool = False) -> Console:
-    """A Console writing to a string buffer; with ``color=False`` it emits no escape codes."""
+def make_console(width: int | None = None, color: bool = False, colors: str = "standard") -> Console:
+    """A Console writing to a string buffer; with ``color=False`` it emits no escape codes; ``colors``:
+    Rich's colour system with colour on (``"256"`` for the report's heatmap palette)."""
     return Console(
         file=io.StringIO(),
         width=width or DEFAULT_WIDTH,
         force_terminal=color,
         force_jupyter=False,
         force_interactive=False,
-        color_system="standard" if color else None,
+        color_system=colors if color else None,  # type: ignore[arg-type]
         no_color=not color,
         highlight=False,
         markup=False,
@@ -313,6 +317,8 @@ class TableRenderer:
             return check_table(report, width=width, color=color)
         if isinstance(report, DiffReport):
             return diff_table(report, width=width, color=color)
+        if isinstance(report, WatchReport):
+            return report_table(report, width=width, color=color)
         console = make_console(width, color)
         print_lines(console, summary.header_lines(report))
         for note in summary.notes(report):
@@ -383,4 +389,22 @@ def diff_table(report: DiffReport, *, width: int | None = None, color: bool = Fa
     console.print()
     print_lines(console, diff.footer_lines(report))
     console.print(line_text(diff.verdict(report), "bold green" if report.ok else "bold red"))
+    return console_text(console)
+
+
+def report_table(report: WatchReport, *, width: int | None = None, color: bool = False) -> str:
+    """``hookcli report``'s terminal view: header, heatmap with sparklines, legend, findings, verdict."""
+    console = make_console(width, color, colors="256")
+    print_lines(console, [watch_report.header(report)])  # report.notes go to stderr (hookcli.cli)
+    console.print()
+    for line in watch_report.heatmap_lines(report, console.width, color, crop_middle):
+        console.print(line)
+    console.print()
+    if report.findings:
+        console.print(line_text("Findings", "bold"))
+        for finding in report.findings:
+            print_lines(console, [watch_report.finding_parts(finding)],
+                        "red" if finding.severity == "error" else "yellow")
+        console.print()
+    console.print(line_text(watch_report.verdict(report), "bold green" if report.ok else "bold red"))
     return console_text(console)

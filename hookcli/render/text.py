@@ -7,8 +7,11 @@ import io
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
+from hookcli.records import (
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport,
+)
 from hookcli.render import checks, diff, exports, summary
+from hookcli.render import report as watch_report
 from hookcli.render.columns import (
     Column,
     csv_columns,
@@ -62,6 +65,10 @@ class CsvRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as CSV text."""
+        if isinstance(report, WatchReport):
+            records = watch_report.csv_records(report)
+            return self._write(["step", "name", "type", "stat", "value"],
+                               [{k: csv_value(v) for k, v in row.items()} for row in records])
         if isinstance(report, CheckResult):
             return check_csv(report)
         if isinstance(report, DiffReport):
@@ -138,6 +145,8 @@ class MarkdownRenderer:
         self, report: Renderable, *, width: int | None = None, color: bool = False
     ) -> str:
         """The report as GitHub-flavoured Markdown."""
+        if isinstance(report, WatchReport):
+            return report_markdown(report)
         if isinstance(report, CheckResult):
             return check_markdown(report)
         if isinstance(report, DiffReport):
@@ -186,6 +195,18 @@ def check_markdown(result: CheckResult) -> str:
     if result.report.failure is not None:  # the rows gathered before the model raised
         text += "\n#### Partial report\n\n" + MarkdownRenderer().render(result.report).split("\n", 2)[2]
     return text
+
+
+def report_markdown(report: WatchReport) -> str:
+    """``hookcli report`` as Markdown: heading with the verdict, header, findings, each row's first,
+    last, smallest and largest value (the heatmap is the terminal's and the HTML's)."""
+    blocks: list[list[str]] = [[f"### hookcli report: {md_inline(report.path)}"]]
+    blocks.append([md_inline(summary.SEP.join(watch_report.header(report)))])
+    if report.findings:
+        blocks.append([f"- {md_inline(summary.SEP.join(watch_report.finding_parts(f)))}" for f in report.findings])
+    blocks.append(md_table(watch_report.summary_columns(), report.series))
+    blocks.append([f"**{md_inline(watch_report.verdict(report))}**"])
+    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
 
 
 def check_csv(result: CheckResult) -> str:

@@ -1,0 +1,199 @@
+"""``hookcli report``: read a watch log (JSON Lines, schema 1: docs/watch.md) into a ``WatchReport``.
+
+Torch-free (a report reads a file: importing torch would cost seconds for nothing). One statistic is
+picked (``STATS``: how they are named), the rows are filtered by ``--layers`` globs, and
+every finding of the log is kept (the gate counts them all, whatever ``--layers`` shows).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
+from hookcli.options import split_patterns
+from hookcli.records import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, ReportSeries, WatchReport
+
+#: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
+PARAM_KEYS = ("norm", "update_norm", "update_ratio")
+
+#: Every name ``--stat`` takes: a layer output's statistic (``rms``), its gradient's (``grad.rms``),
+#: a parameter's own (``update_ratio``) or its gradient's (``param.grad.rms``).
+STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KEYS), *PARAM_KEYS,
+                          *(f"param.grad.{k}" for k in WATCH_STAT_KEYS))
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _number(value: Any) -> float | None:
+    """A number of the log: JSON numbers, and the strings hookcli writes for NaN and Inf; else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # a whole number beyond float's range (JSON has no limit)
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, str):
+        return _NON_FINITE.get(value)
+    return None
+
+
+def check_stat(stat: str) -> str:
+    """``stat`` when it is one ``--stat`` takes, else a UsageError naming close ones."""
+    if isinstance(stat, str) and stat in STATS:
+        return stat
+    if not isinstance(stat, str):
+        raise UsageError(f"stat must be a name such as 'rms', got {type(stat).__name__}",
+                         hint="e.g. hookcli.report(path, stat='grad.rms')")
+    near = close_matches(stat, STATS)
+    raise UsageError(f"--stat: unknown statistic {stat!r}",
+                     hint=(f"did you mean: {', '.join(near)}? " if near else "")
+                     + "e.g. rms, grad.rms, zero_fraction, update_ratio (hookcli report --help lists them)")
+
+
+def _bad_line(path: str, number: int, why: str) -> InputError:
+    return InputError(f"{path}: line {number} {why}",
+                      hint="a watch log has one JSON object per line, as hookcli.watch(out=...) writes it "
+                           "(docs/watch.md#the-log-schema-1)")
+
+
+def _parse_line(path: str, number: int, raw: bytes) -> dict[str, Any]:
+    """One line of the log as a dict of schema 1, or an InputError naming the line."""
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _bad_line(path, number, "is not UTF-8 text") from None
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
+        raise _bad_line(path, number, "is not JSON") from None
+    if not isinstance(line, dict):
+        raise _bad_line(path, number, "is not a JSON object")
+    if line.get("schema") != WATCH_SCHEMA:
+        raise InputError(f"{path}: line {number} has schema {line.get('schema')!r}, not {WATCH_SCHEMA}",
+                         hint="hookcli report reads the logs of hookcli.watch, schema 1 (docs/watch.md)")
+    step = line.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise _bad_line(path, number, "has no whole-number 'step'")
+    for key in ("layers", "params", "findings"):
+        if not isinstance(line.get(key, []), list) or not all(isinstance(x, dict) for x in line.get(key, [])):
+            raise _bad_line(path, number, f"has a {key!r} that is not a list of objects")
+    return line
+
+
+def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[str, Any]]:
+    """The lines of a watch log, one at a time (a long run's log need not fit in memory twice).
+
+    A last line without its newline that is not JSON is a line torn by a crash mid-write
+    (hookcli.watch writes each line whole, newline included): it is left out, with a note added to
+    ``notes``. Any other bad line is an InputError naming it; so is a log with no line."""
+    shown = os.fspath(path)
+    try:
+        file = open(path, "rb")  # noqa: SIM115 - closed below, also when a bad line stops the reading
+    except FileNotFoundError:
+        raise InputError(f"no such log file: {shown}",
+                         hint="give the file hookcli.watch(out=...) wrote, e.g. hookcli report runs/exp.jsonl") from None
+    except IsADirectoryError:
+        raise InputError(f"{shown} is a directory, not a log file",
+                         hint="give the .jsonl file hookcli.watch(out=...) wrote") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {shown}: {exc.strerror or exc}", hint="check the file's permissions") from None
+    found = False
+    with file:
+        for number, raw in enumerate(file, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = _parse_line(shown, number, raw)
+            except InputError:
+                if raw.endswith(b"\n"):
+                    raise
+                notes.append(f"line {number} left out: it ends without a newline and is not a whole line "
+                             "(a run that stopped mid-write)")
+                break
+            found = True
+            yield line
+    if not found:
+        raise InputError(f"{shown} has no logged steps (empty log)",
+                         hint="a watch writes its first line at the first logged step (step 0)")
+
+
+def _label(entry: dict[str, Any]) -> str:
+    """A layer's row name, as the findings name it (``attn[0]``); ``(model)`` for the root module."""
+    name = str(entry.get("name", "")) + str(entry.get("output", "") or "")
+    return name or "(model)"
+
+
+def _value(entry: dict[str, Any], stat: str) -> float | None:
+    """The ``stat`` of one layer or parameter entry (``stat`` without its ``param.`` prefix)."""
+    if stat in PARAM_KEYS:
+        return _number(entry.get(stat))
+    where, _, key = stat.rpartition(".")
+    stats = entry.get(where or "stats")
+    return _number(stats.get(key)) if isinstance(stats, dict) else None
+
+
+def _finding(raw: dict[str, Any], step: int) -> Finding:
+    """A finding of the log (``step``: its line's, when the finding has none)."""
+    layer = raw.get("layer")
+    own = raw.get("step")
+    return Finding(rule=str(raw.get("rule", "?")), severity=str(raw.get("severity", "warning")),
+                   step=own if isinstance(own, int) and not isinstance(own, bool) else step,
+                   layer=str(layer) if layer is not None else None, direction=str(raw.get("direction", "")),
+                   value=_number(raw.get("value")), limit=_number(raw.get("limit")),
+                   message=str(raw.get("message", "")))
+
+
+def _matches(patterns: list[str], name: str, is_param: bool) -> bool:
+    """Whether a row's name (or, for a parameter, its module's) matches a ``--layers`` name or glob."""
+    names = [name, name.rsplit(".", 1)[0]] if is_param and "." in name else [name]
+    return any(p == n or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def watch_report(path: str | os.PathLike[str], stat: str = "rms",
+                 layers: Sequence[str] | str | None = None) -> WatchReport:
+    """The ``WatchReport`` of the log at ``path``: ``stat`` per layer (or parameter) per logged step,
+    the rows whose names match ``layers`` (names or globs, comma-separated), the loss and every finding.
+
+    UsageError for an unknown ``stat`` or a pattern matching no row; InputError (exit 2) for a
+    missing, empty or malformed log."""
+    stat = check_stat(stat)
+    is_param = stat in PARAM_KEYS or stat.startswith("param.")
+    key = stat.removeprefix("param.")
+    notes: list[str] = []
+    steps: list[int] = []
+    losses: list[float | None] = []
+    findings: list[Finding] = []
+    rows: dict[str, ReportSeries] = {}
+    for column, line in enumerate(read_log(path, notes)):
+        steps.append(line["step"])
+        losses.append(_number(line.get("loss")))
+        findings += [_finding(f, line["step"]) for f in line.get("findings", [])]
+        for entry in line.get("params" if is_param else "layers", []):
+            name = str(entry.get("name", "")) if is_param else _label(entry)
+            row = rows.get(name)
+            if row is None:
+                row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")), [])
+            row.values += [None] * (column - len(row.values)) + [_value(entry, key)]
+    for row in rows.values():
+        row.values += [None] * (len(steps) - len(row.values))
+    patterns = split_patterns(layers)
+    series = list(rows.values())
+    if patterns:
+        for pattern in patterns:
+            if not any(_matches([pattern], s.name, is_param) for s in series):
+                near = close_matches(pattern, [s.name for s in series])
+                raise LayerNotFoundError(f"--layers: {pattern!r} matches no {'parameter' if is_param else 'layer'} "
+                                         f"in {os.fspath(path)}",
+                                         hint=(f"did you mean: {', '.join(near)}? " if near else "")
+                                         + "names as in the log; globs like 'blocks.*' work")
+        series = [s for s in series if _matches(patterns, s.name, is_param)]
+    back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+    if back is not None:
+        notes.append(f"the steps go back at logged step {back + 1} (step {steps[back]} after {steps[back - 1]}): "
+                     "more than one run appended to this log; shown in the log's order")
+    return WatchReport(path=os.fspath(path), stat=stat, steps=steps, losses=losses, series=series,
+                       findings=findings, notes=notes)
