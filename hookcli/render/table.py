@@ -13,8 +13,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
-from hookcli.render import checks, diff, exports, summary
+from hookcli.records import (
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchRun,
+)
+from hookcli.render import checks, diff, exports, summary, watch
 from hookcli.render.columns import (
     Cell,
     Column,
@@ -313,6 +315,8 @@ class TableRenderer:
             return check_table(report, width=width, color=color)
         if isinstance(report, DiffReport):
             return diff_table(report, width=width, color=color)
+        if isinstance(report, WatchRun):
+            return watch_table(report, width=width, color=color)
         console = make_console(width, color)
         print_lines(console, summary.header_lines(report))
         for note in summary.notes(report):
@@ -383,4 +387,18 @@ def diff_table(report: DiffReport, *, width: int | None = None, color: bool = Fa
     console.print()
     print_lines(console, diff.footer_lines(report))
     console.print(line_text(diff.verdict(report), "bold green" if report.ok else "bold red"))
+    return console_text(console)
+
+
+def watch_table(run: WatchRun, *, width: int | None = None, color: bool = False) -> str:
+    """``watch MODEL``: what was watched and where the log went, the findings, the verdict."""
+    console = make_console(width, color)
+    print_lines(console, [[f"watch: {watch.summary_line(run)}"]])
+    for note in run.notes:
+        console.print(line_text(note, "dim"))
+    console.print()
+    if run.findings:
+        console.print(build_table("findings", watch.finding_columns(), run.findings, width=console.width))
+        console.print()
+    console.print(line_text(watch.verdict(run), "bold red" if run.errors else "bold green"))
     return console_text(console)
