@@ -485,6 +485,7 @@ _SCRIPT_OPTIONS = {"every", "out", "layers", "types", "config_path"}
 @data_options
 @loss_options
 @watch_options
+@output_options
 def watch(**values: Any) -> None:
     """Watch a training run: per-layer activation and gradient statistics, parameter norms and
     updates, one JSON line every --every steps to --out, and the rules' findings (docs/watch.md).
@@ -516,7 +517,7 @@ def watch(**values: Any) -> None:
                              hint=f"e.g. hookcli watch {values['model'] or 'MODEL'} --steps 20")
         run = api.watch_model(steps=values["steps"], lr=values["lr"], optimizer=values["optimizer"],
                               every=values["every"], out=values["out"], rules=rules, **run_fields(ctx, values))
-        _emit(run, fmt=values["format"], output=None)
+        _emit(run, fmt=values["format"], output=values["output"])
         if run.errors:
             raise CheckFailedError(f"watch: {finding_line(run.errors[0])}",
                                    hint="the log's lines say more; [watch.rules.<rule>] in the config sets the "

@@ -251,7 +251,7 @@ grad_options = _compose(
 
 watch_options = _compose(
     click.option("--layers", "-l", multiple=True, metavar="NAMES",
-                 help=option_help("layers") + " Default: the modules owning parameters and the activations."),
+                 help=option_help("layers")),
     click.option("--types", "-t", multiple=True, metavar="TYPES", help=option_help("types")),
     click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
                  help="Log steps 0, N, 2N, ... (steps count from 0)."),
@@ -262,15 +262,9 @@ watch_options = _compose(
                  help="watch MODEL: the learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)."),
     click.option("--optimizer", type=click.Choice(["sgd", "adam", "adamw"]), default="sgd", show_default=True,
                  help="watch MODEL: the optimizer."),
-    click.option("--format", "-f", "format", type=click.Choice(["table", "json"]), default="table",
-                 show_default=True, help="watch MODEL: the findings as a table or JSON, on stdout."),
-    click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True,
-                 help="Show tracebacks of errors."),
-    click.option("--width", type=click.IntRange(min=40), metavar="N", expose_value=False, callback=_set_width,
-                 help="Table width in columns (default: the terminal's, or $COLUMNS)."),
 )
 """``hookcli watch``'s own options: the watch (``--layers``, ``--types``, ``--every``, ``--out``) and hookcli's
-training loop (``--steps``, ``--lr``, ``--optimizer``, ``--format``)."""
+training loop (``--steps``, ``--lr``, ``--optimizer``)."""
 
 check_options = _compose(
     click.option("--junit", metavar="FILE", type=click.Path(dir_okay=False),
