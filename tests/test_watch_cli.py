@@ -49,7 +49,7 @@ optimizer = torch.optim.SGD(model[0].parameters() if args.freeze else model.para
 probe.model, probe.optimizer = model, optimizer
 x = torch.linspace(-1, 1, 32 * 4).reshape(32, 4)
 y = x.sum(1, keepdim=True)
-for step in range(args.steps):
+for _step in range(args.steps):
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
     optimizer.step()

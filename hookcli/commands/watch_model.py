@@ -86,6 +86,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
             raise no_gradients(prep)
         if not notes:
             notes.append(f"loss: {choice.kind}" + (f" of output {choice.output}" if choice.output else "")
+                         + (f" against class {choice.target}" if choice.target is not None else "")
                          + (f" ({choice.targets})" if choice.targets else ""))
         return choice.value, None
 

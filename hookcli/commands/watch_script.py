@@ -265,4 +265,15 @@ def _run(script: Script) -> tuple[int, str | None]:
         raise
     except BaseException as exc:  # the script's own failure: its traceback, exit status 1
         return 1, _script_traceback(exc)
+    finally:
+        _flush()  # what the script printed comes before hookcli's summary, as at the end of a process
     return 0, None
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the CLI's own writes say so
+            pass

@@ -398,7 +398,12 @@ def watch_table(run: WatchRun, *, width: int | None = None, color: bool = False)
         console.print(line_text(note, "dim"))
     console.print()
     if run.findings:
-        console.print(build_table("findings", watch.finding_columns(), run.findings, width=console.width))
+        cropped: set[str] = set()
+        console.print(build_table("findings", watch.finding_columns(), run.findings, width=console.width,
+                                  cropped=cropped))
         console.print()
+        note = cropped_note(cropped, console.width)
+        if note:
+            print_lines(console, [[note]], "dim")
     console.print(line_text(watch.verdict(run), "bold red" if run.errors else "bold green"))
     return console_text(console)
