@@ -107,6 +107,8 @@ class ScriptWatch:
         self.notes: list[str] = []
         self._others: set[int] = set()
         self._shown = 0
+        #: what reporting a finding raised inside the step hook; raised when the script has ended
+        self.error: Exception | None = None
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -152,7 +154,11 @@ class ScriptWatch:
         if self.watch is None or optimizer is not self.optimizer:
             return
         self.steps += 1
-        self._report()
+        if self.error is None:
+            try:
+                self._report()
+            except Exception as exc:  # writing a finding failed (stderr gone): never raised into optimizer.step()
+                self.error = exc
 
     def _report(self) -> None:
         if self.watch is not None:
@@ -165,6 +171,8 @@ class ScriptWatch:
         """End the watch (its last line is written) and report what it found since."""
         if self.watch is not None:
             self.watch.__exit__(None, None, None)
+            if self.error is not None:
+                raise self.error
             self._report()
 
 
