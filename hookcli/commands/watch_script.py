@@ -141,8 +141,8 @@ class ScriptWatch:
             return
         owners.sort(key=lambda entry: entry[:2], reverse=True)
         model = owners[0][2]
-        self.watch = Watch(model, optimizer, **self.watch_args, on_finding="warn")
-        self.watch.__enter__()
+        watch = Watch(model, optimizer, **self.watch_args, on_finding="warn")
+        self.watch = watch.__enter__()  # (kept only once its hooks are installed)
         self.model, self.optimizer = model, optimizer
         self.note(f"watching {type(model).__name__} ({_params(model):,} parameters) stepped by "
                   f"{type(optimizer).__name__}, from step 0's optimizer.step()")
