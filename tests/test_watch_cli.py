@@ -308,3 +308,53 @@ def test_a_bad_watch_table_is_exit_2_naming_the_file(cli, tmp_path: Path, toml: 
     result = cli("watch", "--config", config, "--", "python", "x.py")
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: {config}") and message in result.stderr.splitlines()[0]
+
+
+GAN = '''\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+generator = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4))
+discriminator = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+criterion = nn.BCEWithLogitsLoss()  # a module the script calls, with no parameters
+g_opt = torch.optim.Adam(generator.parameters(), lr=1e-3)
+d_opt = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+for _step in range(3):
+    fake = generator(torch.randn(16, 2))
+    d_loss = criterion(discriminator(fake.detach()), torch.zeros(16, 1))
+    d_loss.backward()
+    d_opt.step()
+    d_opt.zero_grad()
+    g_loss = criterion(discriminator(fake), torch.ones(16, 1))
+    g_loss.backward()
+    g_opt.step()
+    g_opt.zero_grad()
+'''
+
+
+def test_two_models_and_two_optimizers_the_first_stepped_is_watched_and_the_other_named(cli, tmp_path: Path) -> None:
+    (tmp_path / "gan.py").write_text(GAN)
+    log = tmp_path / "gan.jsonl"
+    result = cli("watch", "--out", log, "--", "python", tmp_path / "gan.py")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines()[:2] == [
+        "hookcli watch: watching Sequential (49 parameters) stepped by SGD, from step 0's optimizer.step()",
+        "hookcli watch: another optimizer (Adam) steps too; only the first (SGD) is watched"]
+    lines = read_log(log)
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [p["shape"] for p in lines[1]["params"]] == [[8, 4], [8], [1, 8], [1]]  # the discriminator's
+    # the discriminator is called twice a step (on fake.detach() and on fake): its calls merged
+    assert [layer["calls"] for layer in lines[1]["layers"]] == [2, 2, 2]
+
+
+def test_watch_model_takes_one_batch_of_data_per_step(cli, tmp_path: Path) -> None:
+    data = torch.arange(40, dtype=torch.float32).reshape(10, 4) / 40
+    torch.save(data, tmp_path / "data.pt")
+    log = tmp_path / "data.jsonl"
+    result = cli("watch", "tiny_models:Scaled", "--steps", "5", "--data", tmp_path / "data.pt", "--batch-size", "4",
+                 "--out", log, "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["steps"] == 3 and "the data set ended after 3 batches: 3 steps, not 5" in report["notes"]
+    assert [line["layers"][0]["shape"][0] for line in read_log(log)] == [4, 4, 2]
