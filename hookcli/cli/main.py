@@ -508,7 +508,7 @@ def watch(**values: Any) -> None:
     command = ctx.meta.get(META_COMMAND)
     layers, types = list(values["layers"]) or None, list(values["types"]) or None
     if command is None:
-        if values["model"] is None and ctx.get_parameter_source("model") != click.core.ParameterSource.DEFAULT_MAP:
+        if values["model"] is None:
             raise UsageError("watch needs -- CMD (your training script) or MODEL --steps N",
                              hint="hookcli watch --every 50 --out runs/exp.jsonl -- python train.py, or "
                                   "hookcli watch resnet18 --steps 20")

@@ -131,6 +131,9 @@ class WatchCommand(HookcliCommand):
         ctx.meta[META_COMMAND] = args[end + 1:] if end < len(args) else None
         return super().parse_args(ctx, args[:end])
 
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- CMD...]"]
+
 
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
     ctx.meta[META_DEBUG] = bool(value) or os.environ.get("HOOKCLI_DEBUG", "") not in ("", "0")
