@@ -54,6 +54,7 @@ for _step in range(args.steps):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+probe.loss = loss.item()
 print(f"trained {args.steps} steps")
 if args.boom:
     raise ValueError("boom at the end")
@@ -142,6 +143,19 @@ def test_argv_path_and_main_are_set_as_python_sets_them_and_put_back(cli, script
     assert probe().path0 == str(tmp_path)
     assert probe().name == "__main__"
     assert sys.argv is argv and sys.path == path and sys.modules["__main__"] is main
+
+
+def test_the_scripts_numbers_are_the_same_with_and_without_the_watch(cli, script: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(script), "--steps", "4"])
+    monkeypatch.syspath_prepend(str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")  # the script alone, as python runs it
+    alone, probe().loss = probe().loss, None
+    result = cli("watch", "--every", "1", "--", "python", script, "--steps", "4")
+    assert result.exit_code == 0, result.stderr
+    assert probe().loss == alone  # bit for bit
 
 
 def test_no_hook_is_left_on_the_model_the_optimizer_or_the_process(cli, script: Path) -> None:
