@@ -191,7 +191,18 @@ def test_the_scripts_exit_status_is_passed_through(cli, tmp_path: Path, code: in
     result = cli("watch", "--", "python", exits)
     assert result.exit_code == code
     assert result.stdout == "bye\n"
-    assert result.stderr == "hookcli watch: the script never called optimizer.step(): nothing was watched\n"
+    assert result.stderr == "hookcli watch: nothing was watched: the script never called optimizer.step()\n"
+
+
+def test_an_optimizer_over_no_module_the_script_called_is_said_at_the_end(cli, tmp_path: Path) -> None:
+    (tmp_path / "raw.py").write_text("import torch\nw = torch.zeros(3, requires_grad=True)\n"
+                                     "opt = torch.optim.SGD([w], lr=0.1)\n(w - 1).pow(2).sum().backward()\nopt.step()\n"
+                                     "raise SystemExit('done')\n")
+    result = cli("watch", "--", "python", tmp_path / "raw.py")
+    assert result.exit_code == 1  # sys.exit with a message: printed, status 1, as python does
+    assert result.stdout == ""
+    assert result.stderr == ("done\nhookcli watch: nothing was watched: no module the script called holds the "
+                             "parameters of its SGD\n")
 
 
 def test_an_uncaught_exception_in_the_script_is_its_traceback_and_exit_1(cli, script: Path) -> None:

@@ -538,8 +538,7 @@ def watch(**values: Any) -> None:
                            rules=rules, on_found=lambda finding: say(finding_line(finding)), on_note=say)
     if run.traceback:
         click.echo(run.traceback, err=True, nl=False)
-    if run.model is not None:
-        say(summary_line(run))
+    say(summary_line(run))
     ctx.exit(run.exit_code or 0)
 
 

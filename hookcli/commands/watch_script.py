@@ -136,8 +136,7 @@ class ScriptWatch:
         owners = [(sum(p.numel() for p in m.parameters() if id(p) in held), -i, m) for i, m in enumerate(roots)]
         owners = [entry for entry in owners if entry[0] > 0]
         if not owners:
-            self.note(f"no module called by the script holds the parameters of its {type(optimizer).__name__}: "
-                      "nothing is watched")
+            self.notes.append(f"no module the script called holds the parameters of its {type(optimizer).__name__}")
             return
         owners.sort(key=lambda entry: entry[:2], reverse=True)
         model = owners[0][2]
@@ -236,7 +235,7 @@ def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike
     finally:
         spy.hooks.remove()
     if not spy.started:
-        spy.note("the script never called optimizer.step(): nothing was watched")
+        spy.notes.append("the script never called optimizer.step()")
     run.model = type(spy.model).__name__ if spy.model is not None else None
     run.optimizer = type(spy.optimizer).__name__ if spy.optimizer is not None else None
     run.steps, run.notes = spy.steps, spy.notes

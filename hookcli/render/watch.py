@@ -19,8 +19,8 @@ def finding_line(finding: Finding) -> str:
 
 def summary_line(run: WatchRun) -> str:
     """What was watched, how many steps and where the log went, and how many findings."""
-    if run.model is None:
-        return "nothing watched"
+    if run.model is None:  # the last note says why
+        return "nothing was watched" + (f": {plain(run.notes[-1])}" if run.notes else "")
     log = f"{run.logged} logged to {run.out}" if run.out else f"{run.logged} logged (no --out: no log written)"
     errors = len(run.errors)
     found = f"{len(run.findings)} finding{'s' * (len(run.findings) != 1)}" + (f" ({errors} error{'s' * (errors != 1)})"
