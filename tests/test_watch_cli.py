@@ -383,3 +383,11 @@ def test_watch_model_takes_one_batch_of_data_per_step(cli, tmp_path: Path) -> No
     report = json.loads(result.stdout)
     assert report["steps"] == 3 and "the data set ended after 3 batches: 3 steps, not 5" in report["notes"]
     assert [line["layers"][0]["shape"][0] for line in read_log(log)] == [4, 4, 2]
+
+
+def test_watch_model_whose_forward_raises_exits_1_naming_the_step_and_module(cli) -> None:
+    result = cli("watch", "tiny_models:Raises", "--steps", "2")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Error: step 0: the model raised in forward at bad (CheckedLinear)")
