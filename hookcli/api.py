@@ -13,7 +13,7 @@ this module does not import torch (``hookcli --help`` stays fast): each function
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookcli.options import RunOptions, check_option_names, model_is_instance
@@ -24,11 +24,13 @@ if TYPE_CHECKING:
     import torch
 
     from hookcli.commands.watch import Watch
+    from hookcli.records import Finding, WatchRun
     from hookcli.records import CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report
     from hookcli.records import WatchReport
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
-           "check_rules", "run_check", "diff", "watch", "report", "kernel_status"]
+           "check_rules", "run_check", "diff", "watch", "watch_model", "watch_script", "watch_rules", "report",
+           "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -256,6 +258,47 @@ def report(path: str | os.PathLike[str], *, stat: str = "rms", layers: Sequence[
     from hookcli.commands.report import watch_report
 
     return watch_report(path, stat=stat, layers=layers)
+
+
+def watch_model(model: Any = None, *, steps: int, lr: float | None = None, optimizer: str = "sgd", every: int = 1,
+                out: str | os.PathLike[str] | None = None, rules: Mapping[str, Any] | None = None,
+                on_found: Callable[[Finding], None] | None = None, **options: Any) -> WatchRun:
+    """``hookcli watch MODEL --steps N``: train the model ``steps`` optimizer steps (``optimizer``: sgd,
+    adam or adamw; ``lr``: default 0.01 for sgd, 0.001 otherwise) on the input and loss ``grads``
+    uses, under ``hookcli.watch(every=, out=, rules=)``; the WatchRun lists what the rules found
+    (``run.errors``: the error findings). ``options``: ``RunOptions`` fields (``input_shapes``,
+    ``data``, ``loss``, ``layers``, ...); train mode unless ``train=False``. A model you pass is
+    copied and the copy trained: yours is never changed. ``on_found`` gets each finding as it occurs.
+
+    >>> run = hookcli.watch_model("resnet18", steps=20, lr=0.1, out="runs/r18.jsonl", input_shapes=["4x3x64x64"])
+    """
+    from hookcli.commands.watch_model import watch_model as run
+
+    options.setdefault("train", True)
+    return run(_options(model, options), steps=steps, lr=lr, optimizer=optimizer, every=every, out=out,
+               rules=rules, on_found=on_found)
+
+
+def watch_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike[str] | None = None,
+                 layers: Sequence[str] | str | None = None, types: Sequence[str] | str | None = None,
+                 rules: Mapping[str, Any] | None = None, on_found: Callable[[Finding], None] | None = None,
+                 on_note: Callable[[str], None] | None = None) -> WatchRun:
+    """``hookcli watch -- CMD``: run ``command`` (``["python", "train.py", "--lr", "3e-4"]``, ``["python",
+    "-m", "pkg.train"]``, ``["train.py"]``) in this process, unchanged, under a watch of the model its
+    first ``optimizer.step()`` trains (docs/watch.md#from-the-command-line). ``run.exit_code`` is the
+    script's exit status (an uncaught exception: 1, its traceback in ``run.traceback``); ``on_found``
+    gets each finding as its step is logged, ``on_note`` what the watch tells (which model it watches)."""
+    from hookcli.commands.watch_script import run_script
+
+    return run_script(command, every=every, out=out, layers=layers, types=types, rules=rules, on_found=on_found,
+                      on_note=on_note)
+
+
+def watch_rules(config: Config | None) -> dict[str, Any] | None:
+    """The ``[watch.rules]`` of a loaded Config, checked (ConfigError naming the file), as ``rules=`` takes them."""
+    from hookcli.commands.watch_rules import config_rules
+
+    return config_rules(config)
 
 
 def kernel_status() -> str:

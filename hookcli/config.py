@@ -156,6 +156,13 @@ def _model_args(value: Any) -> dict[str, Any] | list[str]:
     raise Invalid
 
 
+def _table(value: Any) -> dict[str, Any]:
+    """A TOML table, kept as a dict."""
+    if not isinstance(value, dict):
+        raise Invalid
+    return dict(value)
+
+
 def _spec(expected: str, description: str, validate: Callable[[Any], Any]) -> KeySpec:
     return KeySpec(expected, description, validate)
 
@@ -197,6 +204,16 @@ OPTION_KEYS: dict[str, KeySpec] = {
 }
 #: Tables kept raw for later validation (by the ``check`` command).
 RAW_TABLES = ("checks",)
+#: The ``[watch]`` table (``hookcli watch``): its option keys, and ``[watch.rules.<rule>]`` tables kept
+#: raw for the watch's rules to validate (``rules={...}`` of ``hookcli.watch``).
+WATCH_KEYS: dict[str, KeySpec] = {
+    "every": _spec("integer > 0", "log steps 0, every, 2 * every, ...", integer(1)),
+    "out": _spec(STR, "the watch's log file (JSON Lines), appended to", _str),
+    "layers": _spec(STRS, option_help("layers"), _str_list),
+    "types": _spec(STRS, option_help("types"), _str_list),
+    "rules": _spec("table of [watch.rules.<rule>] tables", "the rules' thresholds (docs/watch.md#rules)",
+                   lambda value: _table(value)),
+}
 #: Options a config may never set (key -> the command-line flag): configs often come from someone
 #: else's repository, so opting in to running code from a file must be the user's own.
 CLI_ONLY_KEYS: dict[str, str] = {"trust_pickle": "--trust-pickle", "trust_remote_code": "--trust-remote-code"}
@@ -210,6 +227,8 @@ class Config:
     path: Path | None
     origin: str  # "config" (--config FILE) | "pyproject" (./pyproject.toml) | "none"
     checks: dict[str, Any] = field(default_factory=dict)
+    #: the ``[watch]`` table, validated (``out`` resolved and confined); ``rules`` raw
+    watch: dict[str, Any] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``key`` (``-`` or ``_`` spelling), or ``default``."""
@@ -290,7 +309,7 @@ def _resolve_weights(value: str, base: Path) -> str:
 
 
 #: The flag that names each path key on the command line, where the user's own choice may go anywhere.
-PATH_FLAGS = {"output": "-o FILE", "input": "--input FILE", "weights": "--weights FILE", "model": "MODEL",
+PATH_FLAGS = {"output": "-o FILE", "watch.out": "--out FILE", "input": "--input FILE", "weights": "--weights FILE", "model": "MODEL",
               "baseline": "--baseline FILE", "data": "--data"}
 
 
@@ -394,12 +413,39 @@ def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list
     return [text.partition("=")[0].strip() for text in model_args]
 
 
-def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The config's option values (checked against ``OPTION_KEYS``, paths resolved and confined) and its
-    raw ``[checks]`` table; ConfigError naming ``path`` and the key for anything wrong."""
+def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The config's option values (checked against ``OPTION_KEYS``, paths resolved and confined), its
+    raw ``[checks]`` table and its ``[watch]`` table; ConfigError naming ``path`` and the key for anything wrong."""
+    table = dict(table)
+    watch = _watch_table(table.pop("watch", {}), path)
     values, checks = _check_keys(table, path)
     _resolve_and_confine(values, path)
-    return values, checks
+    return values, checks, watch
+
+
+def _watch_table(table: Any, path: Path) -> dict[str, Any]:
+    """``[watch]``: each key of ``WATCH_KEYS`` of its type; ``out`` resolved against the config's folder and
+    confined to its tree (``confine_write``)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [watch] must be a table, got {_type_name(table)}",
+                          hint="write it as a [watch] section (every, out, layers, types, [watch.rules.<rule>])")
+    watch: dict[str, Any] = {}
+    for raw_key, value in table.items():
+        key = normalize_key(raw_key)
+        spec = WATCH_KEYS.get(key)
+        if spec is None:
+            near = did_you_mean(key, list(WATCH_KEYS))
+            raise ConfigError(f"{path}: unknown key {raw_key!r} in [watch]" + (f" ({near})" if near else ""),
+                              hint="valid keys: " + ", ".join(WATCH_KEYS))
+        try:
+            watch[key] = spec.validate(value)
+        except Invalid:
+            raise ConfigError(f"{path}: key 'watch.{raw_key}' expects {spec.expected}, got {describe_value(value)}",
+                              hint=f"{raw_key}: {spec.description}") from None
+    if "out" in watch:
+        watch["out"] = _resolve(watch["out"], path.parent)
+        confine_write(path, "watch.out", watch["out"])
+    return watch
 
 
 def _check_keys(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -407,7 +453,7 @@ def _check_keys(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict
     values: dict[str, Any] = {}
     checks: dict[str, Any] = {}
     seen: dict[str, str] = {}
-    known = list(OPTION_KEYS) + list(RAW_TABLES)
+    known = list(OPTION_KEYS) + list(RAW_TABLES) + ["watch"]
     for raw_key, value in table.items():
         key = normalize_key(raw_key)
         if key in seen:
@@ -497,8 +543,8 @@ def load_config(
                 raise ConfigError(f"{file} has no [tool.hookcli] table",
                                   hint="add a [tool.hookcli] table, or give a hookcli TOML file")
             data = table
-        values, checks = _validate(data, file)
-        return Config(values, file, "config", checks)
+        values, checks, watch = _validate(data, file)
+        return Config(values, file, "config", checks, watch)
     file = (base / "pyproject.toml").resolve()
     if not file.is_file():
         return Config({}, None, "none", {})
@@ -510,8 +556,8 @@ def load_config(
     if not isinstance(table, dict):
         raise ConfigError(f"{file}: [tool.hookcli] must be a table",
                           hint="write it as a [tool.hookcli] section")
-    values, checks = _validate(table, file)
-    return Config(values, file, "pyproject", checks)
+    values, checks, watch = _validate(table, file)
+    return Config(values, file, "pyproject", checks, watch)
 
 
 #: The config keys that are no flag's name: ``mode = "train" | "eval"`` sets ``--train/--eval``. Every

@@ -170,7 +170,8 @@ def test_render_and_records_never_import_torch() -> None:
 HOOK_CALLS = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
               "register_backward_hook", "register_full_backward_pre_hook", "register_hook",
               "register_module_forward_hook", "register_module_forward_pre_hook",
-              "register_post_accumulate_grad_hook", "register_step_pre_hook", "register_step_post_hook")
+              "register_post_accumulate_grad_hook", "register_step_pre_hook", "register_step_post_hook",
+              "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook")
 
 
 @pytest.mark.parametrize("name", HOOK_CALLS)

@@ -218,7 +218,7 @@ def test_a_config_key_and_its_cli_option_show_the_run_options_fields_one_help() 
         assert OPTION_KEYS[key].description.startswith(field_help[name]), key
     for command in commands():
         for param in command.params:
-            own = (command.name, param.name) in {("check", "train"), ("fmaps", "output_key")}  # their own default
+            own = (command.name, param.name) in {("check", "train"), ("watch", "train"), ("fmaps", "output_key")}  # their own default
             if param.name in field_help and isinstance(param, click.Option) and not own:
                 assert param.help == field_help[param.name], (command.name, param.name)
     # every field a config sets has its help; the help names every dtype --dtype takes

@@ -29,10 +29,12 @@ from hookcli.errors import (
 from hookcli.records import WATCH_STAT_KEYS
 from hookcli.options import DEFAULT_MODEL, LISTED_SOURCES, GradSort, model_sources_text, values_of
 from hookcli.cli.options import (
+    META_COMMAND,
     META_CONFIG,
     META_DEBUG,
     META_OUTPUT,
     HookcliCommand,
+    WatchCommand,
     check_options,
     data_options,
     diff_options,
@@ -47,6 +49,7 @@ from hookcli.cli.options import (
     prepare_output,
     run_options,
     run_fields,
+    watch_options,
 )
 
 #: The exit code of a run stopped by SIGTERM: 128 + the signal number, as shells report it
@@ -470,6 +473,77 @@ _command_defaults(check, {
     "params": ("all", "Parameters the rules check: all, of the selected modules, or none."),
     "train": (True, "Run in training (default for check) or eval mode."),
 })
+
+
+#: The options ``watch -- CMD`` takes; the others are for ``watch MODEL --steps N`` (the script builds its own).
+_SCRIPT_OPTIONS = {"every", "out", "layers", "types", "config_path"}
+
+
+@main.command(cls=WatchCommand)
+@model_options
+@input_options
+@run_options
+@data_options
+@loss_options
+@watch_options
+@output_options
+def watch(**values: Any) -> None:
+    """Watch a training run: per-layer activation and gradient statistics, parameter norms and
+    updates, one JSON line every --every steps to --out, and the rules' findings (docs/watch.md).
+
+    \b
+    hookcli watch [OPTIONS] -- python train.py ARGS  your script, unchanged, run in this process;
+                                                     its exit code is passed through
+    hookcli watch MODEL --steps N [--lr X]           hookcli's own short loop on MODEL's input;
+                                                     exit 1 when an error finding (NaN/Inf) occurred
+
+    \b
+    Findings go to stderr as they occur (-- CMD) or to a table (MODEL). [watch] in the config sets
+    every, out, layers, types and [watch.rules.<rule>] thresholds.
+    """
+    ctx, values = _start(values)
+    from hookcli.escape import escape_control
+    from hookcli.render.watch import finding_line, summary_line
+
+    rules = api.watch_rules(ctx.meta.get(META_CONFIG))
+    command = ctx.meta.get(META_COMMAND)
+    layers, types = list(values["layers"]) or None, list(values["types"]) or None
+    if command is None:
+        if values["model"] is None:
+            raise UsageError("watch needs -- CMD (your training script) or MODEL --steps N",
+                             hint="hookcli watch --every 50 --out runs/exp.jsonl -- python train.py, or "
+                                  "hookcli watch resnet18 --steps 20")
+        if values["steps"] is None:
+            raise UsageError("watch MODEL needs --steps N: how many training steps hookcli runs",
+                             hint=f"e.g. hookcli watch {values['model'] or 'MODEL'} --steps 20")
+        run = api.watch_model(steps=values["steps"], lr=values["lr"], optimizer=values["optimizer"],
+                              every=values["every"], out=values["out"], rules=rules, **run_fields(ctx, values))
+        _emit(run, fmt=values["format"], output=values["output"])
+        if run.errors:
+            raise CheckFailedError(f"watch: {finding_line(run.errors[0])}",
+                                   hint="the log's lines say more; [watch.rules.<rule>] in the config sets the "
+                                        "thresholds")
+        return
+    for param in ctx.command.params:
+        if param.name not in _SCRIPT_OPTIONS and ctx.get_parameter_source(param.name) == \
+                click.core.ParameterSource.COMMANDLINE and param.expose_value:
+            flag = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+            raise UsageError(f"watch -- CMD does not take {flag}: it is for watch MODEL --steps N (the script "
+                             "builds its own model, data and optimizer)",
+                             hint="with -- CMD: --every, --out, --layers, --types and --config")
+
+    def say(text: str) -> None:
+        click.echo(f"hookcli watch: {escape_control(text)}", err=True)
+
+    run = api.watch_script(command, every=values["every"], out=values["out"], layers=layers, types=types,
+                           rules=rules, on_found=lambda finding: say(finding_line(finding)), on_note=say)
+    if run.traceback:
+        click.echo(run.traceback, err=True, nl=False)
+    say(summary_line(run))
+    ctx.exit(run.exit_code or 0)
+
+
+_command_defaults(watch, {"train": (True, "watch MODEL: run in training (default) or eval mode.")})
 
 
 @main.command()

@@ -85,6 +85,10 @@ def _read_config(ctx: click.Context, _param: click.Parameter, value: str | None)
              for p in ctx.command.params if p.name and p.name not in NEVER_FROM_CONFIG}
     defaults = config_options(config, flags)
     ctx.meta[META_CONFIG_KEYS] = option_keys(config, flags)
+    if ctx.command.name == "watch":  # its own [watch] table, over the top-level keys
+        watch = {key: value for key, value in config.watch.items() if key != "rules"}
+        defaults.update(watch)
+        ctx.meta[META_CONFIG_KEYS].update({key: f"watch.{key}" for key in watch})
     if isinstance(defaults.get("model_args"), dict):  # a table: its items, for the repeatable --model-arg
         defaults["model_args"] = tuple(defaults["model_args"].items())
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
@@ -112,6 +116,23 @@ class HookcliCommand(click.Command):
             key = ctx.meta.get(META_CONFIG_KEYS, {}).get(param.name, param.name)
             raise ConfigError(f"{config.path}: bad value for {key!r}: {exc.message}",
                               hint=f"fix {key} in the config, or override it on the command line") from None
+
+
+#: ``ctx.meta`` key: the command after ``--`` of ``hookcli watch -- CMD`` (None: no ``--``).
+META_COMMAND = "hookcli.command"
+
+
+class WatchCommand(HookcliCommand):
+    """``hookcli watch``: what follows the first ``--`` is the user's command (``META_COMMAND``), never
+    hookcli's options or MODEL."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        end = _end_of_options(args)
+        ctx.meta[META_COMMAND] = args[end + 1:] if end < len(args) else None
+        return super().parse_args(ctx, args[:end])
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- CMD...]"]
 
 
 def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
@@ -230,6 +251,23 @@ grad_options = _compose(
     click.option("--input-grads", is_flag=True, help="Also report gradients w.r.t. each module's inputs."),
 )
 """How the loss and the backward pass are made."""
+
+watch_options = _compose(
+    click.option("--layers", "-l", multiple=True, metavar="NAMES",
+                 help=option_help("layers")),
+    click.option("--types", "-t", multiple=True, metavar="TYPES", help=option_help("types")),
+    click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+                 help="Log steps 0, N, 2N, ... (steps count from 0)."),
+    click.option("--out", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="The log, one JSON line per logged step (docs/watch.md); appended to, created with its folders."),
+    click.option("--steps", type=click.IntRange(min=1), metavar="N", help="watch MODEL: train N steps."),
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), metavar="X",
+                 help="watch MODEL: the learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)."),
+    click.option("--optimizer", type=click.Choice(["sgd", "adam", "adamw"]), default="sgd", show_default=True,
+                 help="watch MODEL: the optimizer."),
+)
+"""``hookcli watch``'s own options: the watch (``--layers``, ``--types``, ``--every``, ``--out``) and hookcli's
+training loop (``--steps``, ``--lr``, ``--optimizer``)."""
 
 check_options = _compose(
     click.option("--junit", metavar="FILE", type=click.Path(dir_okay=False),

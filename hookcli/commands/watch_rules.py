@@ -78,6 +78,18 @@ def rule_settings(rules: Mapping[str, Any] | None) -> dict[str, Settings]:
     return out
 
 
+def config_rules(config: Any) -> dict[str, Any] | None:
+    """A loaded Config's ``[watch.rules]`` (None without), checked now: a ConfigError names the file."""
+    rules = config.watch.get("rules") if config is not None else None
+    if rules is None:
+        return None
+    try:
+        rule_settings(rules)
+    except ConfigError as exc:
+        raise ConfigError(f"{config.path}: [watch] {exc.message}", hint=exc.hint) from None
+    return rules
+
+
 def _valid(rule: str, key: str, value: Any, validate: Callable[[Any], Any]) -> Any:
     try:
         return validate(value)

@@ -850,3 +850,62 @@ class ParamReads:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+
+class ProcessHooks:
+    """Process-wide hooks for a script hookcli runs as it is (``hookcli watch -- CMD``), which hands
+    hookcli neither its model nor its optimizer.
+
+    ``install`` registers torch's global optimizer step hooks (``pre(optimizer)`` before every
+    optimizer's ``step()``, ``post(optimizer)`` after it, after the optimizer's own post hooks) and a
+    process-wide forward pre-hook and forward hook that note the *roots*: the modules called from
+    outside any module's forward (the script's ``model(x)``, its loss module), in order of first call.
+    ``stop_roots`` takes the module hooks away (a watch hooks the model itself from then on; they cost
+    every module call of the process the hooked call path); ``remove`` takes everything away. What
+    ``pre`` and ``post`` raise reaches ``optimizer.step()``: they catch their own errors.
+    """
+
+    def __init__(self, pre: Callable[[torch.optim.Optimizer], None],
+                 post: Callable[[torch.optim.Optimizer], None]) -> None:
+        self._pre, self._post = pre, post
+        #: the roots, by id, in the order of their first call (held until ``stop_roots``)
+        self.roots: dict[int, nn.Module] = {}
+        self._depth = 0
+        self._module_handles: list[RemovableHandle | _ForgetKwargsMark] = []
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> Self:
+        """Register the hooks; what registration raises leaves nothing registered."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        try:
+            self._handles.append(register_optimizer_step_pre_hook(lambda opt, _a, _k: self._pre(opt)))
+            self._handles.append(register_optimizer_step_post_hook(lambda opt, _a, _k: self._post(opt)))
+            self._module_handles.append(register_module_forward_pre_hook(self._enter))
+            self._module_handles.append(register_module_forward_hook(self._leave, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _enter(self, module: nn.Module, _args: Any) -> None:
+        if self._depth == 0 and id(module) not in self.roots:
+            self.roots[id(module)] = module
+        self._depth += 1
+
+    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def stop_roots(self) -> None:
+        """Take the process-wide module hooks away and forget the roots (safe inside a step hook)."""
+        handles, self._module_handles = self._module_handles, []
+        for handle in handles:
+            handle.remove()
+        self.roots = {}
+
+    def remove(self) -> None:
+        """Take every hook away (never from inside an optimizer step hook: torch is iterating them)."""
+        self.stop_roots()
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()

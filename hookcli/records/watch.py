@@ -101,3 +101,37 @@ class WatchStep:
         """``to_dict()`` as one line of JSON Lines (compact; non-finite numbers as ``sanitize`` writes
         them), ending with a newline."""
         return json.dumps(sanitize(self.to_dict()), allow_nan=False, separators=(",", ":")) + "\n"
+
+
+@dataclass
+class WatchRun:
+    """What ``hookcli watch`` did: the model and optimizer watched, how many steps ran, where the log
+    went and what the rules found. ``exit_code``: the script's (``watch -- CMD``), else None."""
+
+    command: str  # "script" (watch -- CMD) | "model" (watch MODEL --steps N)
+    model: str | None  # the watched model's class (or spec); None: nothing was watched
+    optimizer: str | None
+    steps: int  # optimizer steps the watch saw
+    every: int
+    out: str | None
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    #: what the script's end printed to stderr: its uncaught exception's traceback, or sys.exit's message
+    traceback: str | None = None
+
+    @property
+    def logged(self) -> int:
+        """How many steps were logged: 0, every, 2 * every, ... below ``steps``."""
+        return -(-self.steps // self.every)
+
+    @property
+    def errors(self) -> list[Finding]:
+        """The findings of severity ``error`` (a broken run: NaN/Inf)."""
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": WATCH_SCHEMA, "command": self.command, "model": self.model, "optimizer": self.optimizer,
+                "steps": self.steps, "every": self.every, "logged": self.logged, "out": self.out,
+                "exit_code": self.exit_code, "notes": list(self.notes),
+                "findings": [f.to_dict() for f in self.findings]}

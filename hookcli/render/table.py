@@ -14,9 +14,9 @@ from rich.table import Table
 from rich.text import Text
 
 from hookcli.records import (
-    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport,
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport, WatchRun,
 )
-from hookcli.render import checks, diff, exports, summary
+from hookcli.render import checks, diff, exports, summary, watch
 from hookcli.render import report as watch_report
 from hookcli.render.columns import (
     Cell,
@@ -319,6 +319,8 @@ class TableRenderer:
             return diff_table(report, width=width, color=color)
         if isinstance(report, WatchReport):
             return report_table(report, width=width, color=color)
+        if isinstance(report, WatchRun):
+            return watch_table(report, width=width, color=color)
         console = make_console(width, color)
         print_lines(console, summary.header_lines(report))
         for note in summary.notes(report):
@@ -407,4 +409,22 @@ def report_table(report: WatchReport, *, width: int | None = None, color: bool =
                         "red" if finding.severity == "error" else "yellow")
         console.print()
     console.print(line_text(watch_report.verdict(report), "bold green" if report.ok else "bold red"))
+
+
+def watch_table(run: WatchRun, *, width: int | None = None, color: bool = False) -> str:
+    """``watch MODEL``: what was watched and where the log went, the findings, the verdict."""
+    console = make_console(width, color)
+    print_lines(console, [[f"watch: {watch.summary_line(run)}"]])
+    for note in run.notes:
+        console.print(line_text(note, "dim"))
+    console.print()
+    if run.findings:
+        cropped: set[str] = set()
+        console.print(build_table("findings", watch.finding_columns(), run.findings, width=console.width,
+                                  cropped=cropped))
+        console.print()
+        note = cropped_note(cropped, console.width)
+        if note:
+            print_lines(console, [[note]], "dim")
+    console.print(line_text(watch.verdict(run), "bold red" if run.errors else "bold green"))
     return console_text(console)

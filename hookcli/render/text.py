@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from hookcli.records import (
-    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport,
+    CheckResult, DiffReport, FeatureExport, FeatureMaps, ModelList, ModuleTree, Report, WatchReport, WatchRun,
 )
-from hookcli.render import checks, diff, exports, summary
+from hookcli.render import checks, diff, exports, summary, watch
 from hookcli.render import report as watch_report
 from hookcli.render.columns import (
     Column,
@@ -74,6 +74,9 @@ class CsvRenderer:
         if isinstance(report, DiffReport):
             cols = diff.diff_columns(report)
             return self._write(_union(cols), _rows(cols, report.rows))
+        if isinstance(report, WatchRun):  # the findings, one row each
+            cols = watch.finding_columns()
+            return self._write(_union(cols), _rows(cols, report.findings))
         if isinstance(report, ModelList):
             cols: Sequence[Column[Any]] = model_list_columns()
             return self._write(_union(cols), _rows(cols, report.models))
@@ -151,6 +154,8 @@ class MarkdownRenderer:
             return check_markdown(report)
         if isinstance(report, DiffReport):
             return diff_markdown(report)
+        if isinstance(report, WatchRun):
+            return watch_markdown(report)
         blocks: list[list[str]] = [[f"### {md_inline(summary.heading(report))}"]]
         blocks += [[md_inline(summary.SEP.join(line))] for line in summary.header_lines(report)]
         note_lines = summary.notes(report)
@@ -235,4 +240,15 @@ def diff_markdown(report: DiffReport) -> str:
     blocks.append(md_table(diff.diff_columns(report), report.rows))
     blocks += [[md_inline(summary.SEP.join(line))] for line in diff.footer_lines(report)]
     blocks.append([f"**{md_inline(diff.verdict(report))}**"])
+    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
+
+
+def watch_markdown(run: WatchRun) -> str:
+    """``watch MODEL``: a heading, what was watched and where the log went, the findings, the verdict."""
+    blocks = [["### watch"], [md_inline(watch.summary_line(run))]]
+    if run.notes:
+        blocks.append([f"- {md_inline(n)}" for n in run.notes])
+    if run.findings:
+        blocks.append(md_table(watch.finding_columns(), run.findings))
+    blocks.append([f"**{md_inline(watch.verdict(run))}**"])
     return "\n\n".join("\n".join(b) for b in blocks) + "\n"
