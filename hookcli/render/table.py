@@ -409,6 +409,7 @@ def report_table(report: WatchReport, *, width: int | None = None, color: bool =
                         "red" if finding.severity == "error" else "yellow")
         console.print()
     console.print(line_text(watch_report.verdict(report), "bold green" if report.ok else "bold red"))
+    return console_text(console)
 
 
 def watch_table(run: WatchRun, *, width: int | None = None, color: bool = False) -> str:
