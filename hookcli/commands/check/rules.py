@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
+from hookcli.commands.check.schema import RUNS, SPECS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
 from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import output_key_path
@@ -518,16 +518,9 @@ def _show(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
+#: Each rule's evaluator, as its spec names it (``schema.SPECS`` is the only list of rules).
 EVALUATORS: dict[str, Callable[[RuleConfig, Report, Observations], RuleResult]] = {
-    "finite": finite,
-    "output_shape": output_shape,
-    "max_abs_activation": max_abs_activation,
-    "max_zero_fraction": max_zero_fraction,
-    "dead_channels": dead_channels,
-    "grad_norm": grad_norm,
-    "params_change": params_change,
-    "baseline": baseline,
-}
+    spec.name: globals()[spec.evaluator] for spec in SPECS}
 
 
 def evaluate(rules: CheckRules, report: Report, obs: Observations) -> tuple[list[RuleResult], list[str]]:
