@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -234,6 +234,61 @@ SPECS: tuple[RuleSpec, ...] = (
         doc="layers, output shapes, dtypes, parameter counts, model size or inputs differ from a saved JSON report",
         offender="the first difference; all are listed"),
 )
+
+
+
+def _lrs(value: Any) -> list[float]:
+    if isinstance(value, list) and value and len(value) <= 8:
+        try:
+            return [_positive(v) for v in value]
+        except Invalid:
+            pass
+    raise Invalid("an array of 1 to 8 finite learning rates > 0")
+
+
+def _init_loss_finish(settings: dict[str, Any], overrides: dict[str, dict[str, Any]], enabled: bool, where: str,
+                      sub: str, base: Path | None) -> None:
+    if settings["min"] >= settings["max"]:
+        raise _fail(where, f"[{sub}] min ({settings['min']:g}) must be below max ({settings['max']:g})")
+
+
+#: The rules of ``check --steps N`` (N > 0): a training run of N optimiser steps on a copy of the model.
+TRAINING_SPECS: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        "init_loss", {"enabled": False, "severity": "error", "min": 0.5, "max": 1.5},
+        {"min": _positive, "max": _positive}, evaluator="init_loss", finish=_init_loss_finish, needs_steps=True,
+        shorthand_doc="a table {min = ..., max = ...} or a boolean", default_doc="with `--steps`, error, "
+        "`min = 0.5`, `max = 1.5`",
+        doc="the first step's loss is outside [`min`, `max`] × chance (ln C for a C-class cross-entropy, ln V per "
+            "token for language-model logits), or the logits the cross-entropy gets are probabilities (a softmax "
+            "before the loss); SKIP when hookcli does not know the task",
+        offender="the module that makes the model output"),
+    RuleSpec(
+        "overfit_batch", {"enabled": False, "severity": "error", "fraction": 0.5, "lrs": [1e-4, 1e-3, 1e-2]},
+        {"fraction": number(0, 1, low_open=True), "lrs": _lrs}, evaluator="overfit_batch", needs_steps=True,
+        shorthand_doc="a table {fraction = ..., lrs = [...]} or a boolean",
+        default_doc="with `--steps`, error, `fraction = 0.5`, `lrs = [1e-4, 1e-3, 1e-2]`",
+        doc="the loss on the fixed batch does not fall by `fraction` of its first value within the N steps (Adam at "
+            "the best of `lrs` by a 5-step sweep, or your optimiser)",
+        offender="the module that makes the model output"),
+    RuleSpec(
+        "params_update", {"enabled": False, "severity": "error"}, {**_IGNORE}, kind="param",
+        evaluator="params_update", needs_steps=True, default_doc="with `--steps`, error",
+        doc="a trainable parameter gets no gradient, a NaN/Inf or an all-zero one, or does not change in the N "
+            "steps; requires grad but is not in your optimiser, or is in it but does not require grad; does "
+            "not require grad but changed",
+        offender="the parameter"),
+    RuleSpec(
+        "determinism", {"enabled": False, "severity": "error"}, {}, evaluator="determinism", needs_steps=True,
+        default_doc="with `--steps`, error",
+        doc="two runs seeded alike give different losses in their first (up to 5) steps",
+        offender="the first module whose output differs between two seeded forward passes"),
+)
+#: The rules ``check --steps N`` (N > 0) turns on unless the config sets their ``enabled``: these four,
+#: and part B's opt-in rules (a name without a spec yet is skipped: ``CheckRules.for_steps``).
+STEP_RULES: tuple[str, ...] = ("init_loss", "overfit_batch", "params_update", "determinism",
+                               "batch_independence", "input_dependence", "grad_accumulation")
+SPECS = SPECS + TRAINING_SPECS
 SPEC: dict[str, RuleSpec] = {spec.name: spec for spec in SPECS}
 
 #: The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has).
@@ -309,9 +364,25 @@ class CheckRules:
 
     rules: dict[str, RuleConfig]
     source: str  # the config file, or "checks" for a Python dict
+    #: Rules whose ``enabled`` the table set (explicitly or by a shorthand): ``for_steps`` leaves them be.
+    chosen: frozenset[str] = frozenset()
 
     def enabled(self) -> list[RuleConfig]:
         return [r for r in self.rules.values() if r.enabled]
+
+    def for_steps(self, steps: int) -> CheckRules:
+        """The rules of ``check --steps N``: with N > 0 every rule of ``STEP_RULES`` that has a spec is
+        on unless the table set its ``enabled``, and ``params_change`` (one SGD step) is off unless
+        the table set it, as ``params_update`` over the N steps supersedes it."""
+        if steps <= 0:
+            return self
+        rules = dict(self.rules)
+        for name in STEP_RULES:
+            if name in rules and name not in self.chosen:
+                rules[name] = replace(rules[name], enabled=True)
+        if "params_change" not in self.chosen and rules["params_update"].enabled:
+            rules["params_change"] = replace(rules["params_change"], enabled=False)
+        return replace(self, rules=rules)
 
     def get(self, name: str) -> RuleConfig | None:
         """The rule's config when it is enabled, else None."""
@@ -396,6 +467,7 @@ def parse_checks(
     if table is not None and not isinstance(table, Mapping):
         raise _fail(where, f"[{section}] must be a table, got {describe_value(table)}")
     rules: dict[str, RuleConfig] = {}
+    chosen: set[str] = set()
     given = dict(table or {})
     for name in given:
         if name not in DEFAULTS:
@@ -423,6 +495,7 @@ def parse_checks(
                 checked = _check_value(where, sub, key, value, _validator(name, key))
                 if key == "enabled":
                     enabled = checked
+                    chosen.add(name)
                 elif key == "severity":
                     severity = checked
                 elif key == "ignore":
@@ -433,7 +506,7 @@ def parse_checks(
         if finish is not None:
             finish(settings, overrides, enabled, where, sub, base)
         rules[name] = RuleConfig(name, enabled, severity, settings, ignore, overrides)
-    return CheckRules(rules, where)
+    return CheckRules(rules, where, frozenset(chosen))
 
 
 __all__ = ["DEFAULTS", "RULES", "RUNS", "SEVERITIES", "SPECS", "CheckRules", "RuleConfig", "RuleSpec", "parse_checks"]
