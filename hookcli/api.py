@@ -131,7 +131,8 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     >>> result = hookcli.check(model, input_shapes=["2x3x32x32"], checks={"output_shape": [2, 10]})
     >>> assert result.ok, result
     """
-    from hookcli.commands.check.run import api_check, step_options
+    from hookcli.commands.check.run import api_check
+    from hookcli.commands.check.steps import step_options
     from hookcli.config import load_config
 
     training = step_options(steps, optimizer, loss_fn)
@@ -149,7 +150,8 @@ def check_rules(config: Config | None, *, baseline: str | os.PathLike[str] | Non
 def run_check(rules: CheckRules, model: Any = None, *, steps: int = 0, **options: Any) -> CheckResult:
     """``check`` with rules already validated (``check_rules``) and options as ``RunOptions`` fields;
     ``steps``: the training run of ``check --steps N``."""
-    from hookcli.commands.check.run import run_check as run, step_options
+    from hookcli.commands.check.run import run_check as run
+    from hookcli.commands.check.steps import step_options
 
     training = step_options(steps)  # checked before anything is built
     return run(_options(model, options), rules, training)

@@ -24,7 +24,7 @@ from torch import nn
 from hookcli.engine import run as engine
 from hookcli._version import __version__
 from hookcli.commands.check.schema import RUNS, SPEC, CheckRules, parse_checks
-from hookcli.commands.check.steps import StepOptions, step_options, train
+from hookcli.commands.check.steps import StepOptions, train
 from hookcli.config import Config, config_options, confine_read
 from hookcli.errors import (
     ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
