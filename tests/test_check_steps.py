@@ -93,7 +93,8 @@ def test_healthy_cnn_passes_check_steps_30_on_the_cli(cli) -> None:
 
 def test_tiny_gpt2_passes_check_steps_30() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     result = hookcli.check(model, steps=30)
