@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,17 @@ def test_training_rules_skip_without_steps_and_can_be_turned_off(tmp_path: Path)
     assert got["determinism"].status == "SKIP" and "--steps" in got["determinism"].message
     got = rows(check(tb.UnseededDropout(), tmp_path, steps=3, checks={"determinism": False, "params_change": True}))
     assert "determinism" not in got and got["params_change"].status == "PASS"
+
+
+def test_junit_and_github_outputs_carry_the_training_rules(cli, tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    out = cli("check", "training_bugs:HotLogits", "--input-shape", "8x8", "--steps", "3", "-f", "json",
+              "--junit", junit, "--github")
+    assert out.exit_code == 1
+    assert json.loads(out.stdout)["ok"] is False  # stdout stays pure JSON
+    cases = ET.parse(junit).getroot().findall("./testsuite/testcase")
+    names = [c.get("name") for c in cases]
+    assert names[-4:] == TRAINING_RULES and "params_change" not in names
+    assert [c.get("name") for c in cases if c.find("failure") is not None] == ["init_loss"]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("::error")]
+    assert len(errors) == 1 and "hookcli check init_loss at scale" in errors[0]
