@@ -270,3 +270,9 @@ def test_junit_and_github_outputs_carry_the_training_rules(cli, tmp_path: Path) 
     assert [c.get("name") for c in cases if c.find("failure") is not None] == ["init_loss"]
     errors = [line for line in out.stderr.splitlines() if line.startswith("::error")]
     assert len(errors) == 1 and "hookcli check init_loss at scale" in errors[0]
+
+
+def test_overfit_batch_skips_below_10_steps_and_training_runs_with_params_none(tmp_path: Path) -> None:
+    got = rows(check(tb.Classifier(), tmp_path, steps=9, params="none"))
+    assert got["overfit_batch"].status == "SKIP" and "--steps 10" in got["overfit_batch"].message
+    assert got["params_update"].status == "PASS" and got["init_loss"].status == "PASS"

@@ -362,7 +362,7 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float, training:
         _second_look(prep, rules, report, obs)
         step_seconds = time.perf_counter() - step_started
     train_seconds: float | None = None
-    if (training.steps and report.failure is None and report.params is not None
+    if (training.steps and report.failure is None
             and any(r.enabled and SPEC[r.name].needs_steps for r in rules.rules.values())):
         train_started = time.perf_counter()
         obs.training = train(prep, rules, training, report, obs.order)

@@ -269,7 +269,7 @@ TRAINING_SPECS: tuple[RuleSpec, ...] = (
         shorthand_doc="a table {fraction = ..., lrs = [...]} or a boolean",
         default_doc="with `--steps`, error, `fraction = 0.5`, `lrs = [1e-4, 1e-3, 1e-2]`",
         doc="the loss on the fixed batch does not fall by `fraction` of its first value within the N steps (Adam at "
-            "the best of `lrs` by a 5-step sweep, or your optimiser)",
+            "the best of `lrs` by a 5-step sweep, or your optimiser); SKIP below 10 steps",
         offender="the module that makes the model output"),
     RuleSpec(
         "params_update", {"enabled": False, "severity": "error"}, {**_IGNORE}, kind="param",
