@@ -215,7 +215,7 @@ def test_a_factory_optimiser_is_used(tmp_path: Path) -> None:
         return made[-1]
 
     got = rows(check(tb.Classifier(), tmp_path, steps=4, optimizer=factory))
-    assert made and got["params_update"].status == "PASS" and "your optimiser (factory)" in got["overfit_batch"].message
+    assert made and got["params_update"].status == "PASS" and "your optimiser (factory)" in got["params_update"].message
 
 
 # --------------------------------------------------------------------------- usage
@@ -276,3 +276,20 @@ def test_overfit_batch_skips_below_10_steps_and_training_runs_with_params_none(t
     got = rows(check(tb.Classifier(), tmp_path, steps=9, params="none"))
     assert got["overfit_batch"].status == "SKIP" and "--steps 10" in got["overfit_batch"].message
     assert got["params_update"].status == "PASS" and got["init_loss"].status == "PASS"
+
+
+def test_a_model_raising_in_the_training_run_fails_one_rule_exit_1(cli) -> None:
+    out = cli("check", "training_bugs:RaisesInTraining", "--input-shape", "8x8", "--steps", "10", "-f", "json")
+    assert out.exit_code == 1, out.output
+    statuses = {r["rule"]: (r["status"], r["message"]) for r in json.loads(out.stdout)["rules"]}
+    assert statuses["runs"][0] == "PASS" and statuses["init_loss"][0] == "FAIL"
+    assert "boom in training" in statuses["init_loss"][1]
+    assert [statuses[r][0] for r in TRAINING_RULES[1:]] == ["SKIP"] * 3
+    assert "Traceback" not in out.stderr
+
+
+def test_nothing_to_train_skips_the_training_rules(tmp_path: Path) -> None:
+    model = tb.Classifier().requires_grad_(False)
+    result = check(model, tmp_path, steps=10)
+    got = rows(result)
+    assert all(got[r].status == "SKIP" and "no trainable parameter" in got[r].message for r in TRAINING_RULES)

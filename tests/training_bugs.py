@@ -97,3 +97,20 @@ class WritesFrozen(Classifier):
         with torch.no_grad():
             self.offset.mul_(0.9).add_(0.1 * h.mean(0))
         return self.head(h - self.offset)
+
+
+class RaisesInTraining(Classifier):
+    """Runs the one-step check, then raises from its 7th forward on (in the training run): a failure
+    of the model (exit 1), not of hookcli. The count is kept on the class, shared by every copy."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        if type(self).calls > 6:
+            raise RuntimeError("boom in training")
+        return super().forward(x)

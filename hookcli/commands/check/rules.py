@@ -93,8 +93,13 @@ class Training:
     #: The module whose output is the model output the loss reads (the last to finish with that shape).
     producer: str | None = None
     params: dict[str, ParamTrace] = field(default_factory=dict)
-    #: Why the training run failed (the model raised on the copy), or None.
+    #: Why the training run failed (the model raised on the copy), the module blamed, and the rule
+    #: that reports it (the first training rule enabled; the others SKIP), or None.
     error: str | None = None
+    error_where: str | None = None
+    error_rule: str | None = None
+    #: Why there was nothing to train (no trainable parameter), or None: the training rules SKIP.
+    skip: str | None = None
 
 
 def _fmt(x: float | None) -> str:
@@ -474,8 +479,13 @@ def _training(rule: RuleConfig, obs: Observations) -> Training | RuleResult:
     t = obs.training
     if t is None:
         return RuleResult(rule.name, "SKIP", rule.severity, "runs with check --steps N (N > 0): a training run")
+    if t.skip is not None:
+        return RuleResult(rule.name, "SKIP", rule.severity, t.skip)
     if t.error is not None:
-        return _result(rule, [_violation("(model)", None, None, t.error)], ok_message="")
+        if t.error_rule not in (None, rule.name):
+            return RuleResult(rule.name, "SKIP", rule.severity, f"not evaluated: the training run failed "
+                              f"(see {t.error_rule})")
+        return _result(rule, [_violation(t.error_where or "(model)", None, None, t.error)], ok_message="")
     return t
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hookcli.commands.check.rules import ParamTrace, Training
-from hookcli.commands.check.schema import MAX_STEPS, CheckRules
+from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
@@ -147,6 +147,7 @@ class _Run:
     losses: list[float]
     params: dict[str, ParamTrace]
     error: str | None = None
+    where: str | None = None
 
 
 class _Trainer:
@@ -241,7 +242,9 @@ class _Trainer:
         if isinstance(result.cause, SystemExit):
             return _Run([], {}, f"the model exited with {exit_status(result.cause.code)} in the training run")
         if result.cause is not None:
-            return _Run([], {}, f"the training run on a copy raised {describe_exception(result.cause)}")
+            where = result.failure.module if result.failure is not None else None
+            return _Run([], {}, f"the training run on a copy raised {describe_exception(result.cause)}"
+                        + (f" in {where}" if where else ""), where)
         in_opt = {id(p) for group in made[0].param_groups for p in group["params"]} if made else set()
         changes = host[:len(named)]
         maxima = dict(zip(gmax, (v[0] for v in host[len(named):])))
@@ -300,10 +303,18 @@ def _producer(report: Any, order: dict[tuple[str, int], int], shape: list[int] |
     return last.label
 
 
+def _failed(n: int, described: str, run: _Run, rules: CheckRules) -> Training:
+    """The training run failed: the first enabled training rule reports it, the others SKIP."""
+    first = next((r.name for r in rules.enabled() if SPEC[r.name].needs_steps), None)
+    return Training(n, described, error=run.error, error_where=run.where, error_rule=first)
+
+
 def train(prep: engine.Prepared, rules: CheckRules, given: StepOptions, report: Any,
           order: dict[tuple[str, int], int]) -> Training:
     """The training run of ``check --steps N`` and what the training rules read."""
     n = given.steps
+    if given.optimizer is None and not any(p.requires_grad for p in prep.loaded.model.parameters()):
+        return Training(n, "Adam", skip="no trainable parameter: nothing to train")
     trainer = _Trainer(prep, given)
     k = min(n, SWEEP_STEPS)
     sweep: list[tuple[float, float]] = []
@@ -314,7 +325,7 @@ def train(prep: engine.Prepared, rules: CheckRules, given: StepOptions, report: 
         for candidate in rules.rules["overfit_batch"]["lrs"]:
             run = trainer.run(k, candidate)
             if run.error is not None:
-                return Training(n, trainer.optimiser.describe(candidate), error=run.error)
+                return _failed(n, trainer.optimiser.describe(candidate), run, rules)
             finite = [x for x in run.losses if math.isfinite(x)]
             best = min(finite) if finite else math.inf
             sweep.append((candidate, best))
@@ -326,11 +337,11 @@ def train(prep: engine.Prepared, rules: CheckRules, given: StepOptions, report: 
         described = trainer.optimiser.describe(None)
     main = trainer.run(n, lr)
     if main.error is not None:
-        return Training(n, described, error=main.error)
+        return _failed(n, described, main, rules)
     if repeat is None:
         repeat = trainer.run(k, lr)
         if repeat.error is not None:
-            return Training(n, described, error=repeat.error)
+            return _failed(n, described, repeat, rules)
     task, chance, no_task, probabilities, shape = trainer.task or (None, None, "the loss never ran", False, None)
     training = Training(n, described, losses=main.losses, sweep=sweep, repeat=repeat.losses[:k], task=task,
                         chance=chance, no_task=no_task, probabilities=probabilities,
