@@ -293,3 +293,14 @@ def test_nothing_to_train_skips_the_training_rules(tmp_path: Path) -> None:
     result = check(model, tmp_path, steps=10)
     got = rows(result)
     assert all(got[r].status == "SKIP" and "no trainable parameter" in got[r].message for r in TRAINING_RULES)
+
+
+def test_with_data_the_steps_train_on_the_first_batch() -> None:
+    torch.manual_seed(0)
+    model = tb.Classifier()
+    data = torch.randn(16, 8)
+    got = rows(hookcli.check(model, data=data, batch_size=4, steps=10))
+    first = F.cross_entropy(model(data[:4]), torch.zeros(4, dtype=torch.long)).item()
+    assert got["init_loss"].value == pytest.approx(first, rel=1e-5)
+    assert got["init_loss"].value != pytest.approx(F.cross_entropy(model(data), torch.zeros(16, dtype=torch.long)).item(),
+                                                   rel=1e-5)
