@@ -97,7 +97,7 @@ def test_tiny_gpt2_passes_check_steps_30() -> None:
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                                      eos_token_id=0)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     result = hookcli.check(model, steps=30)
     got = rows(result)
     assert all(got[r].status == "PASS" for r in TRAINING_RULES), [(r, got[r].message) for r in TRAINING_RULES]
