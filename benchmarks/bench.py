@@ -628,6 +628,37 @@ def bench_diff(repeats: int) -> list[dict[str, Any]]:
 
 
 
+def bench_check_steps(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Issue 23: ``hookcli.check(model, steps=30)`` (the one-step check, a 3 x 5-step lr sweep, 30 steps)
+    on resnet18 at 2x3x64x64 and on a tiny GPT-2; goal <= 60 s each on the 2-core machine."""
+    import hookcli
+
+    def resnet() -> Any:
+        from torchvision.models import resnet18
+
+        return resnet18(weights=None), {"input_shapes": ["2x3x64x64"]}
+
+    def gpt2() -> Any:
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                         eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config), {"seq_len": 64}
+
+    rows = []
+    for name, case in (("resnet18 2x3x64x64", resnet), ("tiny GPT-2 (2 layers, 64 wide, 64 tokens)", gpt2)):
+        model, options = case()
+        times = []
+        for _ in range(1 if quick else max(1, min(repeats, 3))):
+            start = time.perf_counter()
+            result = hookcli.check(model, steps=30, **options)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        rows.append(_row("check_steps", f"check --steps 30, {name}, CPU", "hookcli.check(steps=30)", seconds,
+                         seconds, goal="<= 60", detail="passed" if result.ok else f"FAILED: {result.headline()}"))
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 
 def machine_line() -> str:
@@ -679,6 +710,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
     "meta": ("7. shapes of big models on the meta device", bench_meta),
     "kernel": ("8. the optional C kernel, through the API and per reduction", bench_kernel),
     "diff": ("9. hookcli diff (issue 15)", lambda repeats, quick=False: bench_diff(repeats)),
+    "check_steps": ("10. hookcli check --steps 30 (issue 23), seconds", bench_check_steps),
 }
 
 

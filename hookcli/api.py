@@ -113,7 +113,8 @@ def models(pattern: str | None = None, source: str = "torchvision") -> ModelList
 
 
 def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: str | os.PathLike[str] | None = None,
-          baseline: str | os.PathLike[str] | None = None, **options: Any) -> CheckResult:
+          baseline: str | os.PathLike[str] | None = None, steps: int = 0, optimizer: Any = None,
+          loss_fn: Callable[..., Any] | None = None, **options: Any) -> CheckResult:
     """The CI sanity gate: forward and backward once, then the rules of ``[checks]``; a CheckResult.
 
     ``config``: a hookcli TOML file (or a pyproject.toml with ``[tool.hookcli]``) giving option
@@ -126,15 +127,20 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     train mode (``train=False`` for eval), seeded with ``seed``. The model raising
     is a failed ``runs`` rule (``result.ok`` is False), never an exception; bad rules or options raise
     ConfigError/UsageError. The model you pass is handed back unchanged (params_change steps a copy).
+    ``steps=N`` (N > 0) also trains a copy for N steps and turns on the training rules (init_loss,
+    overfit_batch, params_update, determinism: docs/check.md), with your ``optimizer`` (an optimiser
+    of ``model``, or a factory ``params -> Optimizer``) and ``loss_fn(output, *inputs)`` where given.
 
     >>> result = hookcli.check(model, input_shapes=["2x3x32x32"], checks={"output_shape": [2, 10]})
     >>> assert result.ok, result
     """
     from hookcli.commands.check.run import api_check
+    from hookcli.commands.check.steps import step_options
     from hookcli.config import load_config
 
+    training = step_options(steps, optimizer, loss_fn)
     cfg = load_config(config) if config is not None else None  # config files are read at the edges only
-    return api_check(model, checks=checks, config=cfg, baseline=baseline, options=options)
+    return api_check(model, checks=checks, config=cfg, baseline=baseline, options=options, training=training)
 
 
 def check_rules(config: Config | None, *, baseline: str | os.PathLike[str] | None = None) -> CheckRules:
@@ -144,11 +150,14 @@ def check_rules(config: Config | None, *, baseline: str | os.PathLike[str] | Non
     return rules(config, baseline=baseline)
 
 
-def run_check(rules: CheckRules, model: Any = None, **options: Any) -> CheckResult:
-    """``check`` with rules already validated (``check_rules``) and options as ``RunOptions`` fields."""
+def run_check(rules: CheckRules, model: Any = None, *, steps: int = 0, **options: Any) -> CheckResult:
+    """``check`` with rules already validated (``check_rules``) and options as ``RunOptions`` fields;
+    ``steps``: the training run of ``check --steps N``."""
     from hookcli.commands.check.run import run_check as run
+    from hookcli.commands.check.steps import step_options
 
-    return run(_options(model, options), rules)
+    training = step_options(steps)  # checked before anything is built
+    return run(_options(model, options), rules, training)
 
 
 def features(model: Any = None, *, output: str | os.PathLike[str] | None = None, progress: bool | None = None,

@@ -306,6 +306,20 @@ def documented_defaults() -> dict[str, dict[str, object]]:
     return out
 
 
+def test_each_rule_is_one_spec_and_its_docs_row_is_the_specs() -> None:
+    """Issue #21 part 5: ``schema.SPECS`` is the only list of rules; every other view (the enum, the
+    defaults, the keys, the evaluators) is derived from it, and docs/check.md's rule table is its rows."""
+    from hookcli.commands.check import rules, schema
+
+    names = [spec.name for spec in schema.SPECS]
+    assert len(set(names)) == len(names)
+    assert list(schema.RULES) == list(schema.DEFAULTS) == list(schema.RULE_KEYS) == list(rules.EVALUATORS) == names
+    assert all(rules.EVALUATORS[spec.name].__name__ == spec.evaluator for spec in schema.SPECS)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "check.md").read_text()
+    table = text.split("## Rules and defaults", 1)[1].split("\n\n", 2)[1].splitlines()[2:]
+    assert [row for row in table if not row.startswith("| `runs`")] == [spec.doc_row() for spec in schema.SPECS]
+
+
 def test_documented_defaults_are_the_schemas() -> None:
     from hookcli.commands.check.schema import DEFAULTS
 

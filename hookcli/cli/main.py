@@ -418,9 +418,8 @@ def check(**values: Any) -> None:
     """The CI gate: forward and backward once, then the [checks] rules; exit 1 when an error rule fails.
 
     \b
-    Rules (finite, output_shape, max_abs_activation, max_zero_fraction, dead_channels, grad_norm,
-    params_change, baseline) and thresholds come from [checks] in --config FILE or [tool.hookcli.checks]
-    in ./pyproject.toml. Every module is hooked and every parameter checked unless --layers, --types,
+    Rules (docs/check.md) and thresholds come from [checks] in --config FILE or [tool.hookcli.checks]
+    in ./pyproject.toml; --steps N adds the training rules. Every module is hooked and every parameter checked unless --layers, --types,
     --depth or --params narrow it; the model runs in train mode (as in training) unless --eval.
     """
     ctx, values = _start(values)
@@ -430,7 +429,7 @@ def check(**values: Any) -> None:
     rules = api.check_rules(ctx.meta[META_CONFIG], baseline=values["baseline"])
     if values["junit"]:
         ensure_writable(values["junit"])
-    result = api.run_check(rules, **run_fields(ctx, values))
+    result = api.run_check(rules, steps=values["steps"], **run_fields(ctx, values))
     _emit(result, fmt=values["format"], output=values["output"])
     publish(result, junit=values["junit"], github=values["github"])
     if not result.ok:

@@ -277,6 +277,9 @@ check_options = _compose(
                  help="GitHub Actions annotations on stderr (default: on when GITHUB_ACTIONS=true)."),
     click.option("--baseline", metavar="FILE", type=click.Path(dir_okay=False),
                  help="Compare with a saved JSON report (hookcli shapes MODEL -f json -o FILE)."),
+    click.option("--steps", type=int, default=0, metavar="N",
+                 help="Also train a copy of the model for N steps on the same batch and check it learns: init_loss, "
+                      "overfit_batch, params_update, determinism (default 0: the one-step check)."),
 )
 """CI outputs of ``check`` (rules and thresholds come from the config's [checks] table)."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hookcli.commands.check.schema import RUNS, CheckRules, RuleConfig
+from hookcli.commands.check.schema import RUNS, SPECS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
 from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import output_key_path
@@ -51,6 +51,55 @@ class Observations:
     grace: dict[str, float | None] = field(default_factory=dict)
     #: parameter -> the largest |gradient| the params_change steps gave it.
     grad_max: dict[str, float] = field(default_factory=dict)
+    #: What the training run of ``check --steps N`` measured (None: no --steps).
+    training: Training | None = None
+
+
+@dataclass
+class ParamTrace:
+    """One parameter over the N steps of ``check --steps N`` (on a copy of the model)."""
+
+    requires_grad: bool
+    #: In the optimiser's parameter groups (hookcli's optimiser holds every trainable parameter).
+    in_optimiser: bool
+    #: Steps that gave it a ``.grad``; the largest |gradient| over them (NaN/Inf: a non-finite one).
+    grad_steps: int = 0
+    grad_max: float = 0.0
+    #: Largest absolute change of its values from before the first step to after the last.
+    change: float = 0.0
+
+
+@dataclass
+class Training:
+    """What the training run of ``check --steps N`` measured, as plain values (``check/steps.py``)."""
+
+    steps: int
+    #: The optimiser in words ("Adam, lr 0.001 (best of a 5-step sweep over ...)" or "yours: SGD").
+    optimiser: str
+    #: The loss before each of the N steps, on the same fixed batch.
+    losses: list[float] = field(default_factory=list)
+    #: (lr, lowest loss in its sweep steps) for hookcli's learning-rate sweep; empty with your optimiser.
+    sweep: list[tuple[float, float]] = field(default_factory=list)
+    #: The losses of a second run seeded alike (the first ``len(repeat)`` steps).
+    repeat: list[float] = field(default_factory=list)
+    #: The first module (completion order) whose output differs between two seeded forward passes.
+    differs: str | None = None
+    #: The task hookcli knows (e.g. "10-class cross-entropy") and its chance loss, or why it does not.
+    task: str | None = None
+    chance: float | None = None
+    no_task: str | None = None
+    #: The cross-entropy's logits are probabilities (non-negative, summing to 1): a softmax before the loss.
+    probabilities: bool = False
+    #: The module whose output is the model output the loss reads (the last to finish with that shape).
+    producer: str | None = None
+    params: dict[str, ParamTrace] = field(default_factory=dict)
+    #: Why the training run failed (the model raised on the copy), the module blamed, and the rule
+    #: that reports it (the first training rule enabled; the others SKIP), or None.
+    error: str | None = None
+    error_where: str | None = None
+    error_rule: str | None = None
+    #: Why there was nothing to train (no trainable parameter), or None: the training rules SKIP.
+    skip: str | None = None
 
 
 def _fmt(x: float | None) -> str:
@@ -422,6 +471,148 @@ def output_shape(rule: RuleConfig, report: Report, obs: Observations) -> RuleRes
                    ok_message=f"output shape {', '.join(map(_shape, shown))} as expected")
 
 
+# --------------------------------------------------------------------------- training (check --steps N)
+
+
+def _training(rule: RuleConfig, obs: Observations) -> Training | RuleResult:
+    """The training run's data, or the rule's SKIP/FAIL when there is none to judge."""
+    t = obs.training
+    if t is None:
+        return RuleResult(rule.name, "SKIP", rule.severity, "runs with check --steps N (N > 0): a training run")
+    if t.skip is not None:
+        return RuleResult(rule.name, "SKIP", rule.severity, t.skip)
+    if t.error is not None:
+        if t.error_rule not in (None, rule.name):
+            return RuleResult(rule.name, "SKIP", rule.severity, f"not evaluated: the training run failed "
+                              f"(see {t.error_rule})")
+        return _result(rule, [_violation(t.error_where or "(model)", None, None, t.error)], ok_message="")
+    return t
+
+
+def init_loss(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """The loss at initialisation against chance: ln C for a C-class cross-entropy, per token for
+    language-model logits; logits that are probabilities (a softmax before the loss) fail."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    if t.chance is None or not t.losses:
+        return RuleResult(rule.name, "SKIP", rule.severity, f"hookcli does not know the task: {t.no_task}")
+    where = t.producer or "(model)"
+    loss, lo, hi = t.losses[0], rule["min"] * t.chance, rule["max"] * t.chance
+    bad = []
+    if t.probabilities:
+        bad.append(_violation(where, loss, [lo, hi], f"the logits of the {t.task} are probabilities (non-negative, "
+                              f"each row sums to 1; made by {where}): a softmax before the loss? cross-entropy "
+                              "applies log-softmax itself"))
+    if not lo <= loss <= hi:
+        bad.append(_violation(where, loss, [lo, hi], f"the loss at initialisation {_fmt(loss)} is "
+                              f"{loss / t.chance:.2f} x chance (ln {round(math.exp(t.chance))} = {_fmt(t.chance)} "
+                              f"for the {t.task}), outside [{rule['min']:g}, {rule['max']:g}] x chance: check the "
+                              f"scale of the logits {where} makes"))
+    return _result(rule, bad, ok_where=where, ok_value=loss, limit=[lo, hi],
+                   ok_message=f"loss at initialisation {_fmt(loss)} = {loss / t.chance:.2f} x chance "
+                              f"({_fmt(t.chance)}, {t.task})")
+
+
+#: The fewest steps ``overfit_batch`` judges: a healthy MLP falls by 13% in 3 Adam steps, by 50% in 10 or so.
+OVERFIT_MIN_STEPS = 10
+
+
+def overfit_batch(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """The loss on one fixed batch falls by at least ``fraction`` of its first value within N steps."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    if t.steps < OVERFIT_MIN_STEPS:
+        return RuleResult(rule.name, "SKIP", rule.severity, f"needs --steps {OVERFIT_MIN_STEPS} or more (a healthy "
+                          f"model need not halve its loss in {t.steps})")
+    first = t.losses[0]
+    finite = [x for x in t.losses if math.isfinite(x)]
+    best = min(finite) if finite else math.nan
+    fell = (first - best) / abs(first) if math.isfinite(first) and first != 0 and finite else math.nan
+    where = t.producer or "(model)"
+    how = f"{t.steps} steps of {t.optimiser}"
+    if not math.isfinite(first):
+        bad = [_violation(where, first, rule["fraction"], f"the loss at the first step is {first}")]
+    elif not fell >= rule["fraction"]:
+        why = (" (logits of the cross-entropy are probabilities: a softmax before the loss caps how far it "
+               "can fall)" if t.probabilities else "")
+        bad = [_violation(where, fell, rule["fraction"], f"the loss on one fixed batch fell by {fell:.1%} "
+                          f"({_fmt(first)} -> {_fmt(best)}) in {how}; a model that can learn falls by "
+                          f"{rule['fraction']:.0%} or more{why}")]
+    else:
+        bad = []
+    return _result(rule, bad, ok_where=where, ok_value=fell, limit=rule["fraction"],
+                   ok_message=f"the loss on one fixed batch fell by {fell:.1%} ({_fmt(first)} -> {_fmt(best)}) in "
+                              f"{how}")
+
+
+def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Over the N steps every trainable parameter gets a finite, non-zero gradient and changes; none
+    requires grad outside your optimiser, none in it is frozen, no frozen one changes."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    records = {p.name: p for p in report.params or []}
+    steps = f"{t.steps} step{'s' if t.steps > 1 else ''}"
+    bad: list[dict[str, Any]] = []
+    excused = 0
+    trained = 0
+    for name, p in t.params.items():
+        if rule.ignored(name, "param"):
+            continue
+        if not p.requires_grad:
+            if p.in_optimiser:
+                bad.append(_violation(name, False, True, f"{name} is in your optimiser but does not require grad "
+                                      "(frozen by accident?): it never trains"))
+            elif p.change != 0:
+                bad.append(_violation(name, p.change, 0.0, f"{name} does not require grad but changed by "
+                                      f"{_fmt(p.change)} in {steps} (written in forward, or stepped by an optimiser)"))
+            continue
+        trained += 1
+        if not p.in_optimiser:
+            bad.append(_violation(name, None, None, f"{name} requires grad but is not in your optimiser: "
+                                  "it never changes"))
+        elif p.grad_steps == 0:
+            record = records.get(name)
+            severity, why = no_gradient(record, report) if record is not None else ("error", "")
+            if severity == "warn":
+                excused += 1
+                continue
+            bad.append(_violation(name, 0.0, None, f"{name} gets no gradient in {steps}"
+                                  + (": " + why.split(": ", 1)[1] if ": " in why else "")))
+        elif not math.isfinite(p.grad_max):
+            bad.append(_violation(name, p.grad_max, None, f"{name} gets a NaN/Inf gradient in {steps}"))
+        elif p.grad_max == 0:
+            bad.append(_violation(name, 0.0, None, f"the gradient of {name} is exactly zero in each of {steps}"))
+        elif not p.change:
+            bad.append(_violation(name, 0.0, None, f"{name} did not change in {steps} of {t.optimiser} although "
+                                  f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"))
+        elif not math.isfinite(p.change):
+            bad.append(_violation(name, p.change, None, f"{name} holds NaN/Inf after {steps}"))
+    tail = f"; {excused} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
+    return _result(rule, bad, ok_message=f"all {trained} trainable parameters got a finite gradient and changed "
+                   f"in {steps} of {t.optimiser}" + tail)
+
+
+def determinism(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Two runs seeded alike give identical losses (bit for bit) in their first steps."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    pairs = list(zip(t.losses, t.repeat))
+    for step, (a, b) in enumerate(pairs):
+        if a != b and not (math.isnan(a) and math.isnan(b)):
+            where = t.differs or "(model)"
+            inside = (f"; the first module whose output differs between two seeded forward passes: {where}"
+                      if t.differs else "; two seeded forward passes agree, so backward or the step differs")
+            return _result(rule, [_violation(where, b, a, f"two runs seeded alike give different losses at step "
+                                             f"{step}: {a!r} vs {b!r}{inside} (an unseeded random source, or a "
+                                             "non-deterministic op)")], ok_message="")
+    return _result(rule, [], ok_where="(model)", ok_value=len(pairs), limit=0,
+                   ok_message=f"two runs seeded alike give identical losses in {len(pairs)} steps")
+
+
 # --------------------------------------------------------------------------- baseline
 
 
@@ -518,16 +709,9 @@ def _show(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
+#: Each rule's evaluator, as its spec names it (``schema.SPECS`` is the only list of rules).
 EVALUATORS: dict[str, Callable[[RuleConfig, Report, Observations], RuleResult]] = {
-    "finite": finite,
-    "output_shape": output_shape,
-    "max_abs_activation": max_abs_activation,
-    "max_zero_fraction": max_zero_fraction,
-    "dead_channels": dead_channels,
-    "grad_norm": grad_norm,
-    "params_change": params_change,
-    "baseline": baseline,
-}
+    spec.name: globals()[spec.evaluator] for spec in SPECS}
 
 
 def evaluate(rules: CheckRules, report: Report, obs: Observations) -> tuple[list[RuleResult], list[str]]:

@@ -23,7 +23,8 @@ from torch import nn
 
 from hookcli.engine import run as engine
 from hookcli._version import __version__
-from hookcli.commands.check.schema import RUNS, CheckRules, parse_checks
+from hookcli.commands.check.schema import RUNS, SPEC, CheckRules, parse_checks
+from hookcli.commands.check.steps import StepOptions, train
 from hookcli.config import Config, config_options, confine_read
 from hookcli.errors import (
     ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
@@ -323,22 +324,26 @@ def over_data(prep: engine.Prepared, first: Report) -> tuple[Report, BaseExcepti
     return report, cause
 
 
-def run_check(options: RunOptions, rules: CheckRules) -> CheckResult:
+def run_check(options: RunOptions, rules: CheckRules, training: StepOptions | None = None) -> CheckResult:
     """Forward and backward once, the extra measurements, the SGD step on a copy, then the rules.
 
     Every module is hooked unless ``layers``/``types``/``depth`` choose some; each run (the checked
     one and the SGD step on the copy) starts its RNGs from ``options.seed`` (``engine.running``), so both
     see the same dropout masks and the verdict is reproducible. A model that raises
     gives a FAIL for the ``runs`` pseudo-rule (other rules SKIP) and the partial report; bad options
-    or rules raise UsageError/ConfigError before anything runs.
+    or rules raise UsageError/ConfigError before anything runs. ``training`` (``steps`` > 0): the
+    training rules on N optimiser steps of a copy (``check/steps.py``; ``params_update`` supersedes
+    ``params_change`` unless the config sets it).
     """
     started = time.perf_counter()
+    training = training or StepOptions()
+    rules = rules.for_steps(training.steps)
     # inference_mode(False): gradients, also when called under torch.inference_mode
     with exclusive(options.model), torch.inference_mode(False):
-        return _run_check(options, rules, started)
+        return _run_check(options, rules, started, training)
 
 
-def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckResult:
+def _run_check(options: RunOptions, rules: CheckRules, started: float, training: StepOptions) -> CheckResult:
     opts = options
     if opts.layers is None and opts.types is None and opts.depth is None and not opts.all_modules:
         opts = replace(opts, all_modules=True)
@@ -356,7 +361,17 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         step_started = time.perf_counter()
         _second_look(prep, rules, report, obs)
         step_seconds = time.perf_counter() - step_started
+    train_seconds: float | None = None
+    if (training.steps and report.failure is None
+            and any(r.enabled and SPEC[r.name].needs_steps for r in rules.rules.values())):
+        train_started = time.perf_counter()
+        obs.training = train(prep, rules, training, report, obs.order)
+        train_seconds = time.perf_counter() - train_started
     results, notes = evaluate(rules, report, obs)
+    if obs.training is not None and obs.training.error is None and obs.training.losses:
+        t = obs.training
+        notes.insert(0, f"training: {t.steps} steps of {t.optimiser} on a copy; loss {t.losses[0]:.4g} -> "
+                        f"{t.losses[-1]:.4g}")
     if report.failure is None and not any(r.called for r in report.layers):
         results = nothing_observed(report, results)
     for result in results:  # the rule's share of the time: its evaluation plus what it alone ran
@@ -364,6 +379,8 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
             result.seconds = run_seconds
         elif result.rule == "params_change" and step_seconds is not None:
             result.seconds = (result.seconds or 0.0) + step_seconds
+        elif result.rule == "overfit_batch" and train_seconds is not None:  # the training run's time
+            result.seconds = (result.seconds or 0.0) + train_seconds
     source = rules.source if rules.source != "checks" else None
     return CheckResult(report, results, config=source, notes=notes, version=__version__, cause=cause,
                        seconds=time.perf_counter() - started)
@@ -416,9 +433,10 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
 
 
 def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: Config | None,
-              baseline: str | os.PathLike[str] | None, options: dict[str, Any]) -> CheckResult:
+              baseline: str | os.PathLike[str] | None, options: dict[str, Any],
+              training: StepOptions | None = None) -> CheckResult:
     """``hookcli.check``: options from ``config`` (a Config the API loaded, if any), keyword options
-    over them."""
+    over them; ``training``: the run of ``steps=N``."""
     cfg = config
     fields = config_options(cfg) if cfg is not None else {}
     if "model" in fields and cfg is not None:
@@ -436,4 +454,4 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: Config | 
                                                   else "argument")
     rules = check_rules(cfg, checks=checks, baseline=baseline)
     check_option_names(fields)
-    return run_check(RunOptions(model_source=source, **fields), rules)
+    return run_check(RunOptions(model_source=source, **fields), rules, training)

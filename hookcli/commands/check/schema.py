@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -41,65 +41,19 @@ from hookcli.options import values_of
 
 SEVERITIES = ("error", "warn")
 
-class Rule(StrEnum):
-    """The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has)."""
-
-    finite = "finite"
-    output_shape = "output_shape"
-    max_abs_activation = "max_abs_activation"
-    max_zero_fraction = "max_zero_fraction"
-    dead_channels = "dead_channels"
-    grad_norm = "grad_norm"
-    params_change = "params_change"
-    baseline = "baseline"
-
-
-#: Every rule with its default settings. ``enabled`` False: off unless the config mentions it.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    Rule.finite: {"enabled": True, "severity": "error"},
-    Rule.output_shape: {"enabled": False, "severity": "error", "value": None},
-    Rule.max_abs_activation: {"enabled": True, "severity": "warn", "value": 1e4},
-    Rule.max_zero_fraction: {"enabled": True, "severity": "error", "value": 0.99},
-    Rule.dead_channels: {"enabled": True, "severity": "warn", "value": 0.5, "dim": "auto", "min_values": 16},
-    Rule.grad_norm: {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
-    Rule.params_change: {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
-    Rule.baseline: {"enabled": False, "severity": "error", "file": None},
-}
-RULES: tuple[str, ...] = values_of(Rule)
 #: The pseudo-rule every check reports first: forward and backward ran without raising.
 RUNS = "runs"
 
-#: Rules that read layers (ignore/overrides match layer names) or parameters (parameter names).
-LAYER_RULES = (Rule.finite, Rule.max_abs_activation, Rule.max_zero_fraction, Rule.dead_channels, Rule.baseline)
-PARAM_RULES = (Rule.grad_norm, Rule.params_change)
-
 _COMMON = ("enabled", "severity")
-#: Keys each rule's table accepts (besides ``enabled`` and ``severity``).
-RULE_KEYS: dict[str, tuple[str, ...]] = {
-    "finite": ("ignore",),
-    "output_shape": ("value",),
-    "max_abs_activation": ("value", "ignore", "overrides"),
-    "max_zero_fraction": ("value", "ignore", "overrides"),
-    "dead_channels": ("value", "dim", "min_values", "ignore", "overrides"),
-    "grad_norm": ("min", "max", "ignore", "overrides"),
-    "params_change": ("lr", "steps", "ignore"),
-    "baseline": ("file", "ignore"),
-}
-#: Keys an override may set (a bare number sets the first one; grad_norm needs a table).
-OVERRIDE_KEYS: dict[str, tuple[str, ...]] = {
-    "max_abs_activation": ("value",),
-    "max_zero_fraction": ("value",),
-    "dead_channels": ("value", "dim", "min_values"),
-    "grad_norm": ("min", "max"),
-}
+
+#: The most SGD steps ``params_change`` takes (each is a forward and a backward of the model).
+MAX_STEPS = 1000
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-#: The most SGD steps ``params_change`` takes (each is a forward and a backward of the model).
-MAX_STEPS = 1000
 #: The numeric thresholds, each through ``number``: finite (``inf`` would make a failing gate pass)
 #: and in range.
 _positive = number(0, low_open=True)
@@ -156,28 +110,204 @@ def _file(value: Any) -> str:
     return value
 
 
-VALIDATORS: dict[str, Callable[[Any], Any]] = {
-    "enabled": boolean,
-    "severity": _severity,
-    "ignore": _patterns,
-    "min": _non_negative,
-    "max": _positive,
-    "lr": _positive,
-    "steps": integer(1, MAX_STEPS),
-    "dim": _dim,
-    "min_values": integer(1),
-    "file": _file,
-}
-VALUE_VALIDATORS: dict[str, Callable[[Any], Any]] = {
-    "output_shape": _output_shape,
-    "max_abs_activation": _positive,
-    "max_zero_fraction": _fraction,
-    "dead_channels": _fraction,
-}
+#: A rule's extra check of its merged settings: (settings, overrides, enabled, where, section) -> None,
+#: raising ConfigError; it may normalise ``settings`` in place (a path resolved against the config).
+Finish = Callable[[dict[str, Any], dict[str, dict[str, Any]], bool, str, str, "Path | None"], None]
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """Everything about one rule of ``[checks]``, in one place (issue #21 part 5).
+
+    ``keys``: the keys its table accepts besides ``enabled``/``severity``, each with its validator
+    (``ignore`` and ``overrides`` included); ``defaults``: ``enabled``, ``severity`` and every threshold;
+    ``override_keys``: what an override may set (a bare number sets the first, unless
+    ``table_overrides``); ``shorthands``: the key a non-table, non-bool entry of that type sets
+    (``number`` for ``value`` when the rule has one); ``table_enables``: a table entry turns the rule on
+    (a rule that is off until given); ``kind``: what ``ignore``/``overrides`` match, layer or parameter
+    names; ``evaluator``: the function of ``hookcli.commands.check.rules`` that evaluates it on plain
+    data (named, so this module never imports the rules or torch); ``finish``: a check of the merged
+    settings; ``default_doc``/``doc``/``offender``: its row of the table in docs/check.md (tested)."""
+
+    name: str
+    defaults: Mapping[str, Any]
+    keys: Mapping[str, Callable[[Any], Any]]
+    doc: str
+    offender: str
+    default_doc: str
+    kind: str | None = None
+    override_keys: tuple[str, ...] = ()
+    table_overrides: bool = False
+    shorthands: Mapping[type, str] = field(default_factory=dict)
+    shorthand_doc: str = "a table, a boolean or a number"
+    table_enables: bool = False
+    evaluator: str = ""
+    finish: Finish | None = None
+    #: Evaluated on the training run of ``check --steps N`` (N > 0); SKIP without one.
+    needs_steps: bool = False
+
+    def doc_row(self) -> str:
+        """Its row of the "Rules and defaults" table of docs/check.md."""
+        return f"| `{self.name}` | {self.default_doc} | {self.doc} | {self.offender} |"
+
+
+def _grad_norm_finish(settings: dict[str, Any], overrides: dict[str, dict[str, Any]], enabled: bool, where: str,
+                      sub: str, base: Path | None) -> None:
+    for pattern, limits in [("", settings), *overrides.items()]:
+        lo, hi = {**settings, **limits}["min"], {**settings, **limits}["max"]
+        if lo >= hi:
+            label = f"override {pattern!r}" if pattern else "min/max"
+            raise _fail(where, f"[{sub}] {label}: min ({lo:g}) must be below max ({hi:g})")
+
+
+def _output_shape_finish(settings: dict[str, Any], overrides: dict[str, dict[str, Any]], enabled: bool, where: str,
+                         sub: str, base: Path | None) -> None:
+    if enabled and settings["value"] is None:
+        raise _fail(where, f"[{sub}] needs 'value' (the expected output shape)")
+
+
+def _baseline_finish(settings: dict[str, Any], overrides: dict[str, dict[str, Any]], enabled: bool, where: str,
+                     sub: str, base: Path | None) -> None:
+    if enabled and settings["file"] is None:
+        raise _fail(where, f"[{sub}] needs 'file' (a JSON report: hookcli shapes MODEL -f json -o FILE)")
+    if settings["file"] is not None:
+        settings["file"] = _resolve(settings["file"], base)
+
+
+_IGNORE = {"ignore": _patterns}
+_OVERRIDES = {"overrides": dict}  # validated entry by entry (``_override``)
+
+#: THE registry: every rule of ``[checks]``, in the order rows are shown. Each other list of rules
+#: (``Rule``, ``DEFAULTS``, ``RULE_KEYS``, ``OVERRIDE_KEYS``, ``LAYER_RULES``, ``PARAM_RULES``, the
+#: evaluators, the docs table) is derived from it or tested against it.
+SPECS: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        "finite", {"enabled": True, "severity": "error"}, {**_IGNORE}, kind="layer", evaluator="finite",
+        default_doc="on, error",
+        doc="a NaN/Inf in any activation, the model output, the loss, an output gradient, a parameter gradient or "
+            "a parameter",
+        offender="the **first layer in execution order** that output a non-finite value (by the order calls "
+                 "*finish*, so a NaN made inside a `Sequential` names the inner layer, not the container); for "
+                 "gradients only, the one backward reaches first"),
+    RuleSpec(
+        "output_shape", {"enabled": False, "severity": "error", "value": None}, {"value": _output_shape},
+        shorthands={list: "value"}, shorthand_doc="a table, a boolean or a shape array", table_enables=True,
+        evaluator="output_shape", finish=_output_shape_finish, default_doc="only when given, error",
+        doc="the model's output shape(s) differ from `value`", offender="`(model)` + output path"),
+    RuleSpec(
+        "max_abs_activation", {"enabled": True, "severity": "warn", "value": 1e4},
+        {"value": _positive, **_IGNORE, **_OVERRIDES}, kind="layer", override_keys=("value",),
+        evaluator="max_abs_activation", default_doc="on, **warn**, `value = 1e4`",
+        doc="an activation's `max(|min|, |max|)` exceeds `value`", offender="the layer with the largest ratio to its limit"),
+    RuleSpec(
+        "max_zero_fraction", {"enabled": True, "severity": "error", "value": 0.99},
+        {"value": _fraction, **_IGNORE, **_OVERRIDES}, kind="layer", override_keys=("value",),
+        evaluator="max_zero_fraction", default_doc="on, error, `value = 0.99`",
+        doc="more than 99% of a layer's output is exactly zero (a dead layer)",
+        offender="the most-zero layer (first in execution order on ties)"),
+    RuleSpec(
+        "dead_channels", {"enabled": True, "severity": "warn", "value": 0.5, "dim": "auto", "min_values": 16},
+        {"value": _fraction, "dim": _dim, "min_values": integer(1), **_IGNORE, **_OVERRIDES}, kind="layer",
+        override_keys=("value", "dim", "min_values"), evaluator="dead_channels",
+        default_doc='on, **warn**, `value = 0.5`, `dim = "auto"`, `min_values = 16`',
+        doc="more than half of a layer's channels are zero over the whole batch and every position",
+        offender="the layer with the most dead channels"),
+    RuleSpec(
+        "grad_norm", {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
+        {"min": _non_negative, "max": _positive, **_IGNORE, **_OVERRIDES}, kind="param",
+        override_keys=("min", "max"), table_overrides=True, shorthand_doc="a table {min = ..., max = ...} or a boolean",
+        evaluator="grad_norm", finish=_grad_norm_finish, default_doc="on, error, `min = 1e-12`, `max = 1e4`",
+        doc="a trainable parameter's gradient norm is below `min` (vanishing; no gradient at all counts as 0) or "
+            "above `max` (exploding)",
+        offender="the parameter furthest outside (or, passing, closest to) its range"),
+    RuleSpec(
+        "params_change", {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
+        {"lr": _positive, "steps": integer(1, MAX_STEPS), **_IGNORE}, kind="param", evaluator="params_change",
+        default_doc="on, error, `lr = 0.1`, `steps = 1`",
+        doc="a trainable parameter is bit-identical after `steps` SGD steps on a `copy.deepcopy` of the model (the "
+            "torchtest check)",
+        offender="the first unchanged parameter"),
+    RuleSpec(
+        "baseline", {"enabled": False, "severity": "error", "file": None}, {"file": _file, **_IGNORE}, kind="layer",
+        shorthands={str: "file"}, shorthand_doc="a table, a boolean or a file name", table_enables=True,
+        evaluator="baseline", finish=_baseline_finish, default_doc="only when given, error",
+        doc="layers, output shapes, dtypes, parameter counts, model size or inputs differ from a saved JSON report",
+        offender="the first difference; all are listed"),
+)
+
+
+
+def _lrs(value: Any) -> list[float]:
+    if isinstance(value, list) and value and len(value) <= 8:
+        try:
+            return [_positive(v) for v in value]
+        except Invalid:
+            pass
+    raise Invalid("an array of 1 to 8 finite learning rates > 0")
+
+
+def _init_loss_finish(settings: dict[str, Any], overrides: dict[str, dict[str, Any]], enabled: bool, where: str,
+                      sub: str, base: Path | None) -> None:
+    if settings["min"] >= settings["max"]:
+        raise _fail(where, f"[{sub}] min ({settings['min']:g}) must be below max ({settings['max']:g})")
+
+
+#: The rules of ``check --steps N`` (N > 0): a training run of N optimiser steps on a copy of the model.
+TRAINING_SPECS: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        "init_loss", {"enabled": False, "severity": "error", "min": 0.5, "max": 1.5},
+        {"min": _positive, "max": _positive}, evaluator="init_loss", finish=_init_loss_finish, needs_steps=True,
+        shorthand_doc="a table {min = ..., max = ...} or a boolean", default_doc="with `--steps`, error, "
+        "`min = 0.5`, `max = 1.5`",
+        doc="the first step's loss is outside [`min`, `max`] × chance (ln C for a C-class cross-entropy, ln V per "
+            "token for language-model logits), or the logits the cross-entropy gets are probabilities (a softmax "
+            "before the loss); SKIP when hookcli does not know the task",
+        offender="the module that makes the model output"),
+    RuleSpec(
+        "overfit_batch", {"enabled": False, "severity": "error", "fraction": 0.5, "lrs": [1e-4, 1e-3, 1e-2]},
+        {"fraction": number(0, 1, low_open=True), "lrs": _lrs}, evaluator="overfit_batch", needs_steps=True,
+        shorthand_doc="a table {fraction = ..., lrs = [...]} or a boolean",
+        default_doc="with `--steps`, error, `fraction = 0.5`, `lrs = [1e-4, 1e-3, 1e-2]`",
+        doc="the loss on the fixed batch does not fall by `fraction` of its first value within the N steps (Adam at "
+            "the best of `lrs` by a 5-step sweep, or your optimiser); SKIP below 10 steps",
+        offender="the module that makes the model output"),
+    RuleSpec(
+        "params_update", {"enabled": False, "severity": "error"}, {**_IGNORE}, kind="param",
+        evaluator="params_update", needs_steps=True, default_doc="with `--steps`, error",
+        doc="a trainable parameter gets no gradient, a NaN/Inf or an all-zero one, or does not change in the N "
+            "steps; requires grad but is not in your optimiser, or is in it but does not require grad; does "
+            "not require grad but changed",
+        offender="the parameter"),
+    RuleSpec(
+        "determinism", {"enabled": False, "severity": "error"}, {}, evaluator="determinism", needs_steps=True,
+        default_doc="with `--steps`, error",
+        doc="two runs seeded alike give different losses in their first (up to 5) steps",
+        offender="the first module whose output differs between two seeded forward passes"),
+)
+#: The rules ``check --steps N`` (N > 0) turns on unless the config sets their ``enabled``: these four,
+#: and part B's opt-in rules (a name without a spec yet is skipped: ``CheckRules.for_steps``).
+STEP_RULES: tuple[str, ...] = ("init_loss", "overfit_batch", "params_update", "determinism",
+                               "batch_independence", "input_dependence", "grad_accumulation")
+SPECS = SPECS + TRAINING_SPECS
+SPEC: dict[str, RuleSpec] = {spec.name: spec for spec in SPECS}
+
+#: The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has).
+Rule = StrEnum("Rule", [(spec.name, spec.name) for spec in SPECS])  # type: ignore[misc]
+RULES: tuple[str, ...] = values_of(Rule)
+#: Every rule with its default settings. ``enabled`` False: off unless the config mentions it.
+DEFAULTS: dict[str, dict[str, Any]] = {spec.name: dict(spec.defaults) for spec in SPECS}
+#: Rules that read layers (ignore/overrides match layer names) or parameters (parameter names).
+LAYER_RULES = tuple(spec.name for spec in SPECS if spec.kind == "layer")
+PARAM_RULES = tuple(spec.name for spec in SPECS if spec.kind == "param")
+#: Keys each rule's table accepts (besides ``enabled`` and ``severity``).
+RULE_KEYS: dict[str, tuple[str, ...]] = {spec.name: tuple(spec.keys) for spec in SPECS}
+#: Keys an override may set (a bare number sets the first one; grad_norm needs a table).
+OVERRIDE_KEYS: dict[str, tuple[str, ...]] = {spec.name: spec.override_keys for spec in SPECS if spec.override_keys}
+_KEY_VALIDATORS: dict[str, Callable[[Any], Any]] = {"enabled": boolean, "severity": _severity}
 
 
 def _validator(rule: str, key: str) -> Callable[[Any], Any]:
-    return VALUE_VALIDATORS[rule] if key == "value" else VALIDATORS[key]
+    return _KEY_VALIDATORS.get(key) or SPEC[rule].keys[key]
 
 
 @dataclass
@@ -234,9 +364,25 @@ class CheckRules:
 
     rules: dict[str, RuleConfig]
     source: str  # the config file, or "checks" for a Python dict
+    #: Rules whose ``enabled`` the table set (explicitly or by a shorthand): ``for_steps`` leaves them be.
+    chosen: frozenset[str] = frozenset()
 
     def enabled(self) -> list[RuleConfig]:
         return [r for r in self.rules.values() if r.enabled]
+
+    def for_steps(self, steps: int) -> CheckRules:
+        """The rules of ``check --steps N``: with N > 0 every rule of ``STEP_RULES`` that has a spec is
+        on unless the table set its ``enabled``, and ``params_change`` (one SGD step) is off unless
+        the table set it, as ``params_update`` over the N steps supersedes it."""
+        if steps <= 0:
+            return self
+        rules = dict(self.rules)
+        for name in STEP_RULES:
+            if name in rules and name not in self.chosen:
+                rules[name] = replace(rules[name], enabled=True)
+        if "params_change" not in self.chosen and rules["params_update"].enabled:
+            rules["params_change"] = replace(rules["params_change"], enabled=False)
+        return replace(self, rules=rules)
 
     def get(self, name: str) -> RuleConfig | None:
         """The rule's config when it is enabled, else None."""
@@ -265,30 +411,28 @@ def _unknown(where: str, section: str, key: str, known: list[str]) -> ConfigErro
 
 def _expand(rule: str, raw: Any, where: str, section: str) -> dict[str, Any]:
     """A rule's entry as a table: shorthands (bool, number, array, string) become their key."""
+    spec = SPEC[rule]
     if isinstance(raw, dict):
         table = dict(raw)
-        if rule in ("output_shape", "baseline") and "enabled" not in table:
+        if spec.table_enables and "enabled" not in table:
             table["enabled"] = True
         return table
     if isinstance(raw, bool):
         return {"enabled": raw}
-    if rule == "output_shape" and isinstance(raw, list):
+    for kind, key in spec.shorthands.items():
+        if isinstance(raw, kind):
+            return {"enabled": True, key: raw}
+    if _number(raw) and "value" in spec.keys:
         return {"enabled": True, "value": raw}
-    if rule == "baseline" and isinstance(raw, str):
-        return {"enabled": True, "file": raw}
-    if _number(raw) and "value" in RULE_KEYS[rule]:
-        return {"enabled": True, "value": raw}
-    shorthand = {"output_shape": "a table, a boolean or a shape array", "baseline": "a table, a boolean or a file name",
-                 "grad_norm": "a table {min = ..., max = ...} or a boolean"}.get(rule, "a table, a boolean or a number")
-    raise _fail(where, f"[{section}] {rule!r} expects {shorthand}, got {describe_value(raw)}")
+    raise _fail(where, f"[{section}] {rule!r} expects {spec.shorthand_doc}, got {describe_value(raw)}")
 
 
 def _override(rule: str, pattern: str, raw: Any, where: str, section: str) -> dict[str, Any]:
-    keys = OVERRIDE_KEYS[rule]
-    if _number(raw) and rule != "grad_norm":
+    keys, needs_table = SPEC[rule].override_keys, SPEC[rule].table_overrides
+    if _number(raw) and not needs_table:
         return {keys[0]: _check_value(where, section, f"overrides.{pattern}", raw, _validator(rule, keys[0]))}
     if not isinstance(raw, dict):
-        expected = "a table of " + ", ".join(keys) if rule == "grad_norm" else f"a number or a table of {', '.join(keys)}"
+        expected = "a table of " + ", ".join(keys) if needs_table else f"a number or a table of {', '.join(keys)}"
         raise _fail(where, f"[{section}] override {pattern!r} expects {expected}, got {describe_value(raw)}")
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -323,6 +467,7 @@ def parse_checks(
     if table is not None and not isinstance(table, Mapping):
         raise _fail(where, f"[{section}] must be a table, got {describe_value(table)}")
     rules: dict[str, RuleConfig] = {}
+    chosen: set[str] = set()
     given = dict(table or {})
     for name in given:
         if name not in DEFAULTS:
@@ -350,26 +495,18 @@ def parse_checks(
                 checked = _check_value(where, sub, key, value, _validator(name, key))
                 if key == "enabled":
                     enabled = checked
+                    chosen.add(name)
                 elif key == "severity":
                     severity = checked
                 elif key == "ignore":
                     ignore = checked
                 else:
                     settings[key] = checked
-        if name == "grad_norm":
-            for pattern, limits in [("", settings), *overrides.items()]:
-                lo, hi = {**settings, **limits}["min"], {**settings, **limits}["max"]
-                if lo >= hi:
-                    label = f"override {pattern!r}" if pattern else "min/max"
-                    raise _fail(where, f"[{sub}] {label}: min ({lo:g}) must be below max ({hi:g})")
-        if enabled and name == "output_shape" and settings["value"] is None:
-            raise _fail(where, f"[{sub}] needs 'value' (the expected output shape)")
-        if enabled and name == "baseline" and settings["file"] is None:
-            raise _fail(where, f"[{sub}] needs 'file' (a JSON report: hookcli shapes MODEL -f json -o FILE)")
-        if name == "baseline" and settings["file"] is not None:
-            settings["file"] = _resolve(settings["file"], base)
+        finish = SPEC[name].finish
+        if finish is not None:
+            finish(settings, overrides, enabled, where, sub, base)
         rules[name] = RuleConfig(name, enabled, severity, settings, ignore, overrides)
-    return CheckRules(rules, where)
+    return CheckRules(rules, where, frozenset(chosen))
 
 
-__all__ = ["DEFAULTS", "RULES", "RUNS", "SEVERITIES", "CheckRules", "RuleConfig", "parse_checks"]
+__all__ = ["DEFAULTS", "RULES", "RUNS", "SEVERITIES", "SPECS", "CheckRules", "RuleConfig", "RuleSpec", "parse_checks"]
