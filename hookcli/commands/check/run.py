@@ -35,6 +35,7 @@ from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
+from hookcli.commands.check.probes import measure_probes
 
 
 #: Modules whose output keeps its channels in dim 1 ([B, C, ...]: convolutions and the norms over them)
@@ -296,6 +297,50 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         obs.stepped = (later, later_obs)
         norms = {p.name: float((p.grad or {}).get("norm") or 0.0) for p in later.params or [] if p.grad is not None}
         obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
+    del nudged
+    if suspects(rules, report, obs, grads_only=True):
+        _lifted_look(prep, rules, trainable, obs)
+
+
+#: A layer scale: a trainable per-channel parameter (at most one dimension above 1) initialised tiny but
+#: not zero (CaiT's and ConvNeXt's γ = 1e-5 / 1e-6); the gradients behind it are scaled down as much.
+LAYER_SCALE_MAX = 1e-3
+#: The value the lifted look gives layer scales: what training makes of them (order 0.1 to 1).
+LAYER_SCALE_LIFT = 1.0
+
+
+def layer_scales(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layer-scale parameters (``LAYER_SCALE_MAX``)."""
+    found = []
+    for name, p in model.named_parameters():
+        if (p.requires_grad and p.is_floating_point() and p.numel() > 0 and p.device.type != "meta"
+                and sum(d > 1 for d in p.shape) <= 1):
+            top = float(p.detach().abs().max())
+            if 0 < top <= LAYER_SCALE_MAX:
+                found.append(name)
+    return found
+
+
+def _lifted_look(prep: engine.Prepared, rules: CheckRules, trainable: list[str], obs: Observations) -> None:
+    """``grad_norm``'s look at a copy whose layer scales are set to ``LAYER_SCALE_LIFT``: a gradient
+    below ``min`` only because a layer scale of 1e-6 multiplies everything behind it (edgenext's
+    attention temperatures, CaiT's talking-heads projections) reaches ``min`` there; one of a detached
+    or saturated block does not. Fills ``obs.lifted`` (the copy's report) and ``obs.layer_scales``."""
+    scales = layer_scales(prep.loaded.model)
+    if not scales:
+        return
+    try:
+        lifted = SteppedCopy(prep, trainable, NUDGE_LR)
+    except UnsupportedError:
+        return
+    assert lifted.clone is not None
+    params = dict(lifted.clone.named_parameters())
+    with torch.no_grad():
+        for name in scales:
+            params[name].fill_(LAYER_SCALE_LIFT)
+    report, _, cause = measure(lifted.prepared(), rules)
+    if cause is None:
+        obs.lifted, obs.layer_scales = report, scales
 
 
 #: What ``check --data`` says about the rules that see the first batch alone.
@@ -356,6 +401,8 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float) -> CheckR
         step_started = time.perf_counter()
         _second_look(prep, rules, report, obs)
         step_seconds = time.perf_counter() - step_started
+    if report.failure is None:
+        measure_probes(prep, rules, obs)
     results, notes = evaluate(rules, report, obs)
     if report.failure is None and not any(r.called for r in report.layers):
         results = nothing_observed(report, results)

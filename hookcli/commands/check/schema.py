@@ -52,6 +52,10 @@ class Rule(StrEnum):
     grad_norm = "grad_norm"
     params_change = "params_change"
     baseline = "baseline"
+    # probe rules (off by default; hookcli.commands.check.probes measures, probe_rules judges)
+    batch_independence = "batch_independence"
+    input_dependence = "input_dependence"
+    grad_accumulation = "grad_accumulation"
 
 
 #: Every rule with its default settings. ``enabled`` False: off unless the config mentions it.
@@ -64,6 +68,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     Rule.grad_norm: {"enabled": True, "severity": "error", "min": 1e-12, "max": 1e4},
     Rule.params_change: {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
     Rule.baseline: {"enabled": False, "severity": "error", "file": None},
+    # value: the largest cross-sample gradient, relative to the sample's own
+    Rule.batch_independence: {"enabled": False, "severity": "error", "value": 1e-4},
+    # value: the smallest relative change of the loss when the input is zeroed
+    Rule.input_dependence: {"enabled": False, "severity": "error", "value": 1e-4},
+    # value: the largest relative difference of accumulated half-batch gradients from the full batch's
+    Rule.grad_accumulation: {"enabled": False, "severity": "error", "value": 1e-3},
 }
 RULES: tuple[str, ...] = values_of(Rule)
 #: The pseudo-rule every check reports first: forward and backward ran without raising.
@@ -84,6 +94,9 @@ RULE_KEYS: dict[str, tuple[str, ...]] = {
     "grad_norm": ("min", "max", "ignore", "overrides"),
     "params_change": ("lr", "steps", "ignore"),
     "baseline": ("file", "ignore"),
+    "batch_independence": ("value",),
+    "input_dependence": ("value",),
+    "grad_accumulation": ("value",),
 }
 #: Keys an override may set (a bare number sets the first one; grad_norm needs a table).
 OVERRIDE_KEYS: dict[str, tuple[str, ...]] = {
@@ -173,6 +186,9 @@ VALUE_VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "max_abs_activation": _positive,
     "max_zero_fraction": _fraction,
     "dead_channels": _fraction,
+    "batch_independence": _positive,
+    "input_dependence": _positive,
+    "grad_accumulation": _positive,
 }
 
 
