@@ -13,8 +13,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-#: The batch of every example: even, so that grad_accumulation splits it into two halves.
-BATCH = 4
+#: The batch of every example: 2 (train-mode BatchNorm needs two values per channel; grad_accumulation
+#: splits it into two halves of 1).
+BATCH = 2
 
 
 def _images(model: nn.Module, size: int) -> nn.Module:

@@ -9,6 +9,7 @@ model is only run, never stepped; its mode is set and restored by the engine.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -56,16 +57,44 @@ def _failed(run: engine.RunResult, what: str) -> str | None:
     return f"the model raised on {what}: {describe_exception(run.cause)}"
 
 
+#: A layer scale: a trainable per-channel parameter (at most one dimension above 1) initialised tiny but
+#: not zero (CaiT's and ConvNeXt's γ = 1e-5 / 1e-6); what passes through it is scaled down as much.
+LAYER_SCALE_MAX = 1e-3
+#: The value a lifted copy gives layer scales: what training makes of them (order 0.1 to 1).
+LAYER_SCALE_LIFT = 1.0
+
+
+def layer_scales(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layer-scale parameters (``LAYER_SCALE_MAX``)."""
+    found = []
+    for name, p in model.named_parameters():
+        if (p.requires_grad and p.is_floating_point() and p.numel() > 0 and p.device.type != "meta"
+                and sum(d > 1 for d in p.shape) <= 1):
+            top = float(p.detach().abs().max())
+            if 0 < top <= LAYER_SCALE_MAX:
+                found.append(name)
+    return found
+
+
+def _lifted(prep: engine.Prepared, scales: list[str]) -> engine.Prepared | None:
+    """``prep`` with a copy of the model whose ``scales`` are ``LAYER_SCALE_LIFT`` (None: not copyable)."""
+    try:
+        clone = copy.deepcopy(prep.loaded.model)
+    except Exception:  # noqa: BLE001 - any failure to copy: no lifted look
+        return None
+    params = dict(clone.named_parameters())
+    with torch.no_grad():
+        for name in scales:
+            if name in params:
+                params[name].fill_(LAYER_SCALE_LIFT)
+    return replace(prep, loaded=replace(prep.loaded, model=clone), selection=[], model_index=None)
+
+
 # --------------------------------------------------------------------------- input_dependence
 
 
-def input_dependence(prep: engine.Prepared) -> dict[str, Any]:
-    """The loss on the real input and with the first input tensor zeroed (token id 0 for integer inputs),
-    in the check's mode and seed (same dropout masks)."""
+def _losses(prep: engine.Prepared, first: torch.Tensor) -> dict[str, Any]:
     args, kwargs = prep.inputs.args, prep.inputs.kwargs
-    first = _first_input((args, kwargs))
-    if first is None:
-        return {"skip": "the model takes no tensor input"}
     zeroed = map_tensors(lambda t: torch.zeros_like(t) if t is first else t, (args, kwargs))
     losses = []
     for what, (a, k) in (("its input", (args, kwargs)), ("the zeroed input", zeroed)):
@@ -75,6 +104,29 @@ def input_dependence(prep: engine.Prepared) -> dict[str, Any]:
             return {"skip": problem}
         losses.append(run.loss_value)
     return {"loss": losses[0], "zeroed": losses[1]}
+
+
+#: Below this relative change of the loss, input_dependence looks again with the layer scales lifted.
+SMALL_CHANGE = 1e-3
+
+
+def input_dependence(prep: engine.Prepared) -> dict[str, Any]:
+    """The loss on the real input and with the first input tensor zeroed (token id 0 for integer inputs),
+    in the check's mode and seed (same dropout masks)."""
+    first = _first_input((prep.inputs.args, prep.inputs.kwargs))
+    if first is None:
+        return {"skip": "the model takes no tensor input"}
+    found = _losses(prep, first)
+    if "skip" in found or abs(found["loss"] - found["zeroed"]) > SMALL_CHANGE * abs(found["loss"]):
+        return found
+    # a model behind layer scales of 1e-5 (CaiT) barely sees its input at init: judge it with them lifted
+    scales = layer_scales(prep.loaded.model)
+    lifted = _lifted(prep, scales) if scales else None
+    if lifted is not None:
+        again = _losses(lifted, first)
+        if "skip" not in again:
+            found["lifted"] = {**again, "scales": len(scales)}
+    return found
 
 
 # --------------------------------------------------------------------------- grad_accumulation

@@ -35,7 +35,7 @@ from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
-from hookcli.commands.check.probes import measure_probes
+from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
 
 
 #: Modules whose output keeps its channels in dim 1 ([B, C, ...]: convolutions and the norms over them)
@@ -300,25 +300,6 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
     del nudged
     if suspects(rules, report, obs, grads_only=True):
         _lifted_look(prep, rules, trainable, obs)
-
-
-#: A layer scale: a trainable per-channel parameter (at most one dimension above 1) initialised tiny but
-#: not zero (CaiT's and ConvNeXt's γ = 1e-5 / 1e-6); the gradients behind it are scaled down as much.
-LAYER_SCALE_MAX = 1e-3
-#: The value the lifted look gives layer scales: what training makes of them (order 0.1 to 1).
-LAYER_SCALE_LIFT = 1.0
-
-
-def layer_scales(model: nn.Module) -> list[str]:
-    """The names of ``model``'s layer-scale parameters (``LAYER_SCALE_MAX``)."""
-    found = []
-    for name, p in model.named_parameters():
-        if (p.requires_grad and p.is_floating_point() and p.numel() > 0 and p.device.type != "meta"
-                and sum(d > 1 for d in p.shape) <= 1):
-            top = float(p.detach().abs().max())
-            if 0 < top <= LAYER_SCALE_MAX:
-                found.append(name)
-    return found
 
 
 def _lifted_look(prep: engine.Prepared, rules: CheckRules, trainable: list[str], obs: Observations) -> None:
