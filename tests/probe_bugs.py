@@ -154,3 +154,11 @@ class LayerScaleNet(nn.Module):
         h = self.stem(x)
         z = torch.relu(self.fc1(h)) * self.temperature * 1e-6
         return self.head(h + self.gamma * self.fc2(z))
+
+
+class FunctionalDropout(MeanLoss):
+    """A mean loss (accumulates) with ``F.dropout`` in forward: no dropout module to see."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.tanh(self.fc1(x)), p=0.5, training=self.training)
+        return self.fc2(h).pow(2).sum(1).mean()

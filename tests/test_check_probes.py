@@ -273,3 +273,17 @@ def test_probe_rules_are_off_by_default_and_bad_values_exit_2(cli, tmp_path) -> 
     bad = cli("check", "probe_bugs:MeanLoss", "--input-shape", "4x6", "--config", config)
     assert bad.exit_code == 2 and bad.stdout == ""
     assert bad.stderr.startswith("Error: ") and "grad_accumulation" in bad.stderr and "hint:" not in bad.stdout
+
+
+def test_functional_dropout_in_train_mode_skips_grad_accumulation_and_eval_checks_it(tmp_path) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = probe_bugs.FunctionalDropout()
+    result = hookcli.check(model, inputs=[_save(tmp_path, x)], checks={"grad_accumulation": True})
+    found = rule(result, "grad_accumulation")
+    assert found.status == "SKIP" and "seed" in found.message and "--eval" in found.message
+    result = hookcli.check(model, inputs=[_save(tmp_path, x)], checks={"grad_accumulation": True}, train=False)
+    model.eval()
+    expected = _accumulation_error(model, x)
+    assert rule(result, "grad_accumulation").status == "PASS"
+    assert rule(result, "grad_accumulation").value == pytest.approx(expected, rel=1e-3, abs=1e-7)

@@ -144,6 +144,21 @@ def _random_layers(model: nn.Module) -> list[str]:
     return found
 
 
+#: Full-batch gradients under two seeds differing by more than this (relative): the model is random.
+RANDOM_TOLERANCE = 1e-6
+
+
+def _relative_difference(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
+    diff = norm = 0.0
+    for name, g in a.items():
+        h = b.get(name)
+        if g is None or h is None:
+            continue
+        diff += float((g.detach().double() - h.detach().double()).pow(2).sum())
+        norm += float(g.detach().double().pow(2).sum())
+    return (diff / norm) ** 0.5 if norm > 0 else 0.0
+
+
 def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
     """Parameter gradients of the full batch's loss and of each half batch's (every input tensor whose
     dim 0 is the batch is split), in the check's mode. What the rule compares: full vs the mean of halves."""
@@ -164,16 +179,23 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
     if not params:
         return {"skip": "no trainable parameters"}
     grads: list[dict[str, torch.Tensor | None]] = []
-    for what, part in (("the full batch", slice(None)), ("the first half batch", slice(0, half)),
-                       ("the second half batch", slice(half, batch))):
+    runs = [("the full batch", slice(None), prep), ("the first half batch", slice(0, half), prep),
+            ("the second half batch", slice(half, batch), prep)]
+    if prep.options.train:  # functional dropout (F.dropout in forward) has no module: another seed tells
+        runs.append(("the full batch with another seed", slice(None),
+                     replace(prep, options=replace(prep.options, seed=prep.options.seed + 1))))
+    for what, part, where in runs:
         a, k = map_tensors(lambda t: t[part] if t.dim() and t.shape[0] == batch else t, (args, kwargs))
-        run = engine.run_model(_with_inputs(prep, a, k), HookOptions(), loss=_loss_fn(prep), params=params,
+        run = engine.run_model(_with_inputs(where, a, k), HookOptions(), loss=_loss_fn(where), params=params,
                                merge=True, show_phase=False)
         problem = _failed(run, what)
         if problem is not None:
             return {"skip": problem}
         grads.append(run.gradients or {})
-    full, one, two = grads
+    full, one, two = grads[:3]
+    if len(grads) > 3 and _relative_difference(full, grads[3]) > RANDOM_TOLERANCE:
+        return {"skip": "the model's gradients change with the seed in train mode (dropout in forward?); "
+                        "--eval checks it"}
     total = diff_total = 0.0
     rows = []
     for name, _ in params:
