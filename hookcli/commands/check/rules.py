@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hookcli.commands.check.probe_rules import batch_independence, grad_accumulation, input_dependence
 from hookcli.commands.check.schema import RUNS, SPECS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
 from hookcli.limits import TEXT_BYTES, read_capped
@@ -100,6 +101,12 @@ class Training:
     error_rule: str | None = None
     #: Why there was nothing to train (no trainable parameter), or None: the training rules SKIP.
     skip: str | None = None
+    #: grad_norm's lifted look: the report of a copy whose ``layer_scales`` (tiny-initialised
+    #: per-channel parameters) are set to 1, or None when no gradient was below ``min``.
+    lifted: Report | None = None
+    layer_scales: list[str] = field(default_factory=list)
+    #: The probe rules' measurements (``hookcli.commands.check.probes``): rule name -> plain values.
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _fmt(x: float | None) -> str:
@@ -189,10 +196,22 @@ def _too_small(rule: RuleConfig, p: Any) -> bool:
     return p.grad is not None and _grad_value(p) < rule.limits(p.name, "param")["min"]
 
 
-def suspects(rules: CheckRules, report: Report, obs: Observations) -> bool:
+def _grown(rule: RuleConfig, p: Any) -> bool:
+    """``p`` (a parameter record of another look, or None) has a gradient of at least ``min``."""
+    return p is not None and p.grad is not None and not _too_small(rule, p)
+
+
+def suspects(rules: CheckRules, report: Report, obs: Observations, grads_only: bool = False) -> bool:
     """True when a rule sees zeros that a zero or tiny initialisation could explain (a second look
-    at a stepped copy tells them apart): all-zero outputs, zero channels, gradients below ``min``."""
+    at a stepped copy tells them apart): all-zero outputs, zero channels, gradients below ``min``.
+    ``grads_only``: gradients below ``min`` that the second look (``obs.stepped``) did not explain."""
     zero, chans, norm = rules.get("max_zero_fraction"), rules.get("dead_channels"), rules.get("grad_norm")
+    if grads_only:
+        if norm is None:
+            return False
+        later = {p.name: p for p in (obs.stepped[0].params or [])} if obs.stepped is not None else {}
+        return any(p.requires_grad and not norm.ignored(p.name, "param") and _too_small(norm, p)
+                   and not _grown(norm, later.get(p.name)) for p in report.params or [])
     return bool((zero is not None and any(row[3] > row[4] for row in _zero_rows(zero, report, obs)))
                 or (chans is not None and any(row[3] > row[4] for row in _channel_rows(chans, report, obs)))
                 or (norm is not None and any(p.requires_grad and not norm.ignored(p.name, "param")
@@ -343,11 +362,12 @@ def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult
     if report.params is None:
         return RuleResult(rule.name, "SKIP", rule.severity, "no parameters reported (--params none)")
     later = {p.name: p for p in (obs.stepped[0].params or [])} if obs.stepped is not None else {}
-    # modules with a parameter whose gradient is within limits: a sibling far below them (a bias before
-    # a softmax or a normalisation) is cancelled downstream, not vanishing
-    healthy = {_owner(p.name) for p in report.params if p.requires_grad and p.grad is not None
+    lifted = {p.name: p for p in (obs.lifted.params or [])} if obs.lifted is not None else {}
+    # modules with a parameter whose gradient is within limits (here or with the layer scales lifted): a
+    # sibling far below them (a bias before a softmax or a normalisation) is cancelled downstream
+    healthy = {_owner(p.name) for p in [*report.params, *lifted.values()] if p.requires_grad and p.grad is not None
                and len(p.shape) >= 2 and not _too_small(rule, p)}
-    rows, recovered, cancelled = [], [], []
+    rows, recovered, cancelled, scaled = [], [], [], []
     for p in report.params:
         if not p.requires_grad or rule.ignored(p.name, "param"):
             continue
@@ -365,16 +385,18 @@ def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult
             severity, msg = no_gradient(p, report)
         elif value < lo:
             msg = f"gradient norm {_fmt(value)} of {p.name} is below {_fmt(lo)} (vanishing)"
-            after = later.get(p.name)
-            if after is not None and after.grad is not None and not _too_small(rule, after):
+            if _grown(rule, later.get(p.name)):
                 recovered.append(p.name)
+                out = False
+            elif _grown(rule, lifted.get(p.name)):  # behind a layer scale of 1e-6: scaled, not vanishing
+                scaled.append(p.name)
                 out = False
             elif len(p.shape) <= 1 and _owner(p.name) in healthy:  # a bias-like shift, its weight learns
                 cancelled.append(p.name)
                 out = False
         else:
             msg = f"gradient norm {_fmt(value)} of {p.name} is above {_fmt(hi)} (exploding)"
-        explained = bool(recovered and recovered[-1] == p.name or cancelled and cancelled[-1] == p.name)
+        explained = p.name in (recovered[-1:] + scaled[-1:] + cancelled[-1:])
         rows.append((-math.inf if explained else max(below, above), p.name, value, [lo, hi], out, msg, severity))
     rows.sort(key=lambda row: -row[0])
     bad = [dict(_violation(name, v, lim, msg), **({"severity": sev} if sev != "error" else {}))
@@ -385,6 +407,10 @@ def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult
     return _result(rule, bad, ok_where=name, ok_value=value, limit=limit,
                    ok_message=f"{len(rows)} gradient norms within limits (closest: {name})"
                    + _explained("gradients below min", recovered)
+                   + (f"; {len(scaled)} gradients below min only behind a layer scale (reach min with the "
+                      f"{len(obs.layer_scales)} parameters initialised below 1e-3 set to 1, e.g. "
+                      f"{obs.layer_scales[0]}): " + ", ".join(scaled[:3]) + (", ..." if len(scaled) > 3 else "")
+                      if scaled else "")
                    + (f"; {len(cancelled)} near-zero gradients of parameters whose module's other parameters "
                       "learn (a shift cancelled downstream by a softmax or normalisation): "
                       + ", ".join(cancelled[:3]) + (", ..." if len(cancelled) > 3 else "") if cancelled else ""))

@@ -36,6 +36,7 @@ from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
+from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
 
 
 #: Modules whose output keeps its channels in dim 1 ([B, C, ...]: convolutions and the norms over them)
@@ -297,6 +298,31 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         obs.stepped = (later, later_obs)
         norms = {p.name: float((p.grad or {}).get("norm") or 0.0) for p in later.params or [] if p.grad is not None}
         obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
+    del nudged
+    if suspects(rules, report, obs, grads_only=True):
+        _lifted_look(prep, rules, trainable, obs)
+
+
+def _lifted_look(prep: engine.Prepared, rules: CheckRules, trainable: list[str], obs: Observations) -> None:
+    """``grad_norm``'s look at a copy whose layer scales are set to ``LAYER_SCALE_LIFT``: a gradient
+    below ``min`` only because a layer scale of 1e-6 multiplies everything behind it (edgenext's
+    attention temperatures, CaiT's talking-heads projections) reaches ``min`` there; one of a detached
+    or saturated block does not. Fills ``obs.lifted`` (the copy's report) and ``obs.layer_scales``."""
+    scales = layer_scales(prep.loaded.model)
+    if not scales:
+        return
+    try:
+        lifted = SteppedCopy(prep, trainable, NUDGE_LR)
+    except UnsupportedError:
+        return
+    assert lifted.clone is not None
+    params = dict(lifted.clone.named_parameters())
+    with torch.no_grad():
+        for name in scales:
+            params[name].fill_(LAYER_SCALE_LIFT)
+    report, _, cause = measure(lifted.prepared(), rules)
+    if cause is None:
+        obs.lifted, obs.layer_scales = report, scales
 
 
 #: What ``check --data`` says about the rules that see the first batch alone.
@@ -361,6 +387,8 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float, training:
         step_started = time.perf_counter()
         _second_look(prep, rules, report, obs)
         step_seconds = time.perf_counter() - step_started
+    if report.failure is None:
+        measure_probes(prep, rules, obs)
     train_seconds: float | None = None
     if (training.steps and report.failure is None
             and any(r.enabled and SPEC[r.name].needs_steps for r in rules.rules.values())):

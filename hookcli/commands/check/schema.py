@@ -236,6 +236,28 @@ SPECS: tuple[RuleSpec, ...] = (
 )
 
 
+#: The opt-in probe rules (``check/probes.py`` measures them with extra runs, ``check/probe_rules.py``
+#: judges): off by default, turned on by ``check --steps N`` (``STEP_RULES``) or a config.
+PROBE_SPECS: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        "batch_independence", {"enabled": False, "severity": "error", "value": 1e-4}, {"value": _positive},
+        evaluator="batch_independence", default_doc="off (on with `--steps`), error, `value = 1e-4`",
+        doc="in eval mode, the gradient of sample i's output w.r.t. the other samples' input exceeds `value` times "
+            "that w.r.t. its own ([probe rules](#probe-rules))",
+        offender="the first module (in the order calls finish) whose output mixes the samples"),
+    RuleSpec(
+        "input_dependence", {"enabled": False, "severity": "error", "value": 1e-4}, {"value": _positive},
+        evaluator="input_dependence", default_doc="off (on with `--steps`), error, `value = 1e-4`",
+        doc="the loss with the first input zeroed differs from the real one by at most `value` (relative)",
+        offender="`(model)`"),
+    RuleSpec(
+        "grad_accumulation", {"enabled": False, "severity": "error", "value": 1e-3}, {"value": _positive},
+        evaluator="grad_accumulation", default_doc="off (on with `--steps`), error, `value = 1e-3`",
+        doc="the mean of two half batches' parameter gradients differs from the full batch's by more than `value` "
+            "of its norm",
+        offender="the parameter that differs most"),
+)
+
 
 def _lrs(value: Any) -> list[float]:
     if isinstance(value, list) and value and len(value) <= 8:
@@ -288,7 +310,7 @@ TRAINING_SPECS: tuple[RuleSpec, ...] = (
 #: and part B's opt-in rules (a name without a spec yet is skipped: ``CheckRules.for_steps``).
 STEP_RULES: tuple[str, ...] = ("init_loss", "overfit_batch", "params_update", "determinism",
                                "batch_independence", "input_dependence", "grad_accumulation")
-SPECS = SPECS + TRAINING_SPECS
+SPECS = SPECS + TRAINING_SPECS + PROBE_SPECS
 SPEC: dict[str, RuleSpec] = {spec.name: spec for spec in SPECS}
 
 #: The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has).
