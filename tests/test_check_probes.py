@@ -41,7 +41,7 @@ transformers = pytest.importorskip("transformers")
 import healthy_zoo  # noqa: E402 - after the importorskips
 
 #: ``check`` runs: the plain gate, and (issue #23 part A) ``--steps 30`` once it exists: add ["--steps", "30"].
-RUNS = [[]]
+RUNS = [[], ["--steps", "30"]]
 
 
 def test_the_healthy_list_has_16_models_from_three_libraries() -> None:

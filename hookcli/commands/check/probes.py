@@ -185,7 +185,7 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
         runs.append(("the full batch with another seed", slice(None),
                      replace(prep, options=replace(prep.options, seed=prep.options.seed + 1))))
     for what, part, where in runs:
-        a, k = map_tensors(lambda t: t[part] if t.dim() and t.shape[0] == batch else t, (args, kwargs))
+        a, k = map_tensors(lambda t, part=part: t[part] if t.dim() and t.shape[0] == batch else t, (args, kwargs))
         run = engine.run_model(_with_inputs(where, a, k), HookOptions(), loss=_loss_fn(where), params=params,
                                merge=True, show_phase=False)
         problem = _failed(run, what)

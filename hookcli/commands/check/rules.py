@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hookcli.commands.check.probe_rules import batch_independence, grad_accumulation, input_dependence
+from hookcli.commands.check import probe_rules
 from hookcli.commands.check.schema import RUNS, SPECS, CheckRules, RuleConfig
 from hookcli.errors import ConfigError, one_line
 from hookcli.limits import TEXT_BYTES, read_capped
@@ -52,6 +52,12 @@ class Observations:
     grace: dict[str, float | None] = field(default_factory=dict)
     #: parameter -> the largest |gradient| the params_change steps gave it.
     grad_max: dict[str, float] = field(default_factory=dict)
+    #: grad_norm's lifted look: the report of a copy whose ``layer_scales`` (tiny-initialised
+    #: per-channel parameters) are set to 1, or None when no gradient was below ``min``.
+    lifted: Report | None = None
+    layer_scales: list[str] = field(default_factory=list)
+    #: The probe rules' measurements (``hookcli.commands.check.probes``): rule name -> plain values.
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What the training run of ``check --steps N`` measured (None: no --steps).
     training: Training | None = None
 
@@ -101,12 +107,6 @@ class Training:
     error_rule: str | None = None
     #: Why there was nothing to train (no trainable parameter), or None: the training rules SKIP.
     skip: str | None = None
-    #: grad_norm's lifted look: the report of a copy whose ``layer_scales`` (tiny-initialised
-    #: per-channel parameters) are set to 1, or None when no gradient was below ``min``.
-    lifted: Report | None = None
-    layer_scales: list[str] = field(default_factory=list)
-    #: The probe rules' measurements (``hookcli.commands.check.probes``): rule name -> plain values.
-    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _fmt(x: float | None) -> str:
@@ -735,9 +735,10 @@ def _show(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
-#: Each rule's evaluator, as its spec names it (``schema.SPECS`` is the only list of rules).
+#: Each rule's evaluator, as its spec names it (``schema.SPECS`` is the only list of rules): a function
+#: of this module, or of ``probe_rules`` for the probe rules.
 EVALUATORS: dict[str, Callable[[RuleConfig, Report, Observations], RuleResult]] = {
-    spec.name: globals()[spec.evaluator] for spec in SPECS}
+    spec.name: globals().get(spec.evaluator) or getattr(probe_rules, spec.evaluator) for spec in SPECS}
 
 
 def evaluate(rules: CheckRules, report: Report, obs: Observations) -> tuple[list[RuleResult], list[str]]:

@@ -125,7 +125,7 @@ class RuleSpec:
     ``table_overrides``); ``shorthands``: the key a non-table, non-bool entry of that type sets
     (``number`` for ``value`` when the rule has one); ``table_enables``: a table entry turns the rule on
     (a rule that is off until given); ``kind``: what ``ignore``/``overrides`` match, layer or parameter
-    names; ``evaluator``: the function of ``hookcli.commands.check.rules`` that evaluates it on plain
+    names; ``evaluator``: the function of ``check.rules`` (or ``check.probe_rules``) that evaluates it on plain
     data (named, so this module never imports the rules or torch); ``finish``: a check of the merged
     settings; ``default_doc``/``doc``/``offender``: its row of the table in docs/check.md (tested)."""
 
@@ -218,7 +218,7 @@ SPECS: tuple[RuleSpec, ...] = (
         override_keys=("min", "max"), table_overrides=True, shorthand_doc="a table {min = ..., max = ...} or a boolean",
         evaluator="grad_norm", finish=_grad_norm_finish, default_doc="on, error, `min = 1e-12`, `max = 1e4`",
         doc="a trainable parameter's gradient norm is below `min` (vanishing; no gradient at all counts as 0) or "
-            "above `max` (exploding)",
+            "above `max` (exploding); below `min` only behind a layer scale is no failure ([below](#layer-scale))",
         offender="the parameter furthest outside (or, passing, closest to) its range"),
     RuleSpec(
         "params_change", {"enabled": True, "severity": "error", "lr": 0.1, "steps": 1},
