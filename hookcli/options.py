@@ -25,26 +25,65 @@ if TYPE_CHECKING:
 
 
 DEFAULT_MODEL = "resnet50"
-#: Prefixes of the model sources that optional extras provide (``hookcli.engine.sources``).
-TIMM_PREFIX = "timm:"
-HF_PREFIX = "hf:"
-#: Every form of a MODEL spec, with an example: the one list that help texts are written from.
-MODEL_SOURCES: tuple[tuple[str, str], ...] = (
-    ("a torchvision name", DEFAULT_MODEL),
-    (f"{TIMM_PREFIX}NAME (timm, random init)", f"{TIMM_PREFIX}resnet18"),
-    (f"{HF_PREFIX}TYPE, {HF_PREFIX}DIR or {HF_PREFIX}ORG/NAME (transformers: a config type, a save_pretrained "
-     "directory or the local cache)", f"{HF_PREFIX}gpt2"),
-    ("an import path", "pkg.mod:Net"),
-    ("a file", "path/net.py:build"),
-)
 
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One form of a MODEL spec. ``MODEL_SOURCES`` is the one table of them: ``source_of`` tells a spec's
+    source from it, the loader (``hookcli.engine.loading.LOADERS``) builds by its ``kind``, a config's
+    model is confined by its ``config`` rule (``hookcli.config``), ``hookcli models --source`` lists the
+    ``listed`` ones, and help texts are written from ``help`` and ``example``."""
+
+    kind: str  #: the source's name: ``LoadedModel.kind`` and the ``models --source`` value
+    help: str  #: what help texts call it
+    example: str
+    prefix: str = ""  #: a spec starting with it (any case) is of this source; "" for none
+    listed: bool = False  #: ``hookcli models --source KIND`` lists its model names (``PREFIX + name``)
+    #: what a config may name: "any" (a library's model, by name), "own folder" (a directory only when
+    #: it is inside the config's repository), "own module" (an import path of the repository's own
+    #: package), "own file" (a .py file inside the repository)
+    config: str = "any"
+
+
+TORCHVISION = ModelSource("torchvision", "a torchvision name", DEFAULT_MODEL, "torchvision:", listed=True)
+TIMM = ModelSource("timm", "timm:NAME (timm, random init)", "timm:resnet18", "timm:", listed=True)
+HF = ModelSource("hf", "hf:TYPE, hf:DIR or hf:ORG/NAME (transformers: a config type, a save_pretrained "
+                 "directory or the local cache)", "hf:gpt2", "hf:", listed=True, config="own folder")
+IMPORT = ModelSource("import", "an import path", "pkg.mod:Net", config="own module")
+FILE = ModelSource("file", "a file", "path/net.py:build", config="own file")
+#: Every model source, in the order help texts list them (docs/development.md: how to add one).
+MODEL_SOURCES: tuple[ModelSource, ...] = (TORCHVISION, TIMM, HF, IMPORT, FILE)
+#: Prefixes of the model sources that optional extras provide (``hookcli.engine.sources``).
+TIMM_PREFIX = TIMM.prefix
+HF_PREFIX = HF.prefix
 #: Whose model names ``hookcli models --source`` lists (the CLI's choices and ``hookcli.models``' check).
-LISTED_SOURCES: tuple[str, ...] = ("torchvision", "timm", "hf")
+LISTED_SOURCES: tuple[str, ...] = tuple(source.kind for source in MODEL_SOURCES if source.listed)
+
+
+def source_of(spec: str) -> ModelSource:
+    """The source a MODEL spec string names: its prefix (any case) if it has one; else a file for
+    ``file.py`` or ``file.py:attr``, an import path for ``pkg.mod:attr``, and a torchvision name for a
+    plain name (the last ``:`` splits off the attribute, so ``C:\\net.py:Net`` is a file)."""
+    text = spec.strip()
+    lowered = text.lower()
+    for source in MODEL_SOURCES:
+        if source.prefix and lowered.startswith(source.prefix):
+            return source
+    target = text.rpartition(":")[0].strip() if ":" in text else text
+    if target.endswith(".py"):
+        return FILE
+    return IMPORT if ":" in text else TORCHVISION
+
+
+def strip_prefix(spec: str, source: ModelSource) -> str:
+    """``spec`` without ``source``'s prefix (``timm:resnet18`` -> ``resnet18``), stripped; as is without one."""
+    text = spec.strip()
+    return text[len(source.prefix):].strip() if source.prefix and text.lower().startswith(source.prefix) else text
 
 
 def model_sources_text() -> str:
     """``a torchvision name (resnet50), timm:NAME (...) (timm:resnet18), ...``: every MODEL form."""
-    parts = [f"{what} ({example})" for what, example in MODEL_SOURCES]
+    parts = [f"{source.help} ({source.example})" for source in MODEL_SOURCES]
     return ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
@@ -577,7 +616,8 @@ def model_is_instance(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "TIMM_PREFIX", "model_sources_text", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
+__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "ModelSource", "source_of",
+           "strip_prefix", "TIMM_PREFIX", "model_sources_text", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
 
 if TYPE_CHECKING:  # keep type checkers aware of the nn import used in annotations
     _ = nn
