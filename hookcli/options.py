@@ -417,90 +417,11 @@ class RunOptions:
     specs: list[InputSpec] = field(default_factory=list, init=False)
 
     def validate(self) -> RunOptions:
-        """Check and normalise every option; return a new, validated copy."""
-
+        """Check and normalise every option; return a new, validated copy (the steps of ``_VALIDATION``,
+        in order: the first problem found is the one reported)."""
         opts = replace(self)
-        if opts.model is None:
-            opts.model, opts.model_source = DEFAULT_MODEL, "default"
-        if isinstance(opts.model, str) and not opts.model.strip():
-            raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
-        if isinstance(opts.input_shapes, (str, InputSpec)):
-            opts.input_shapes = [opts.input_shapes]
-        if isinstance(opts.inputs, (str, os.PathLike)):
-            opts.inputs = [opts.inputs]
-        elif _in_memory(opts.inputs):
-            opts.inputs = [MemoryInputs(opts.inputs)]
-        opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
-        opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
-        for name in ("layers", "types"):
-            value = getattr(opts, name)
-            if value is not None and not isinstance(value, str) and not (
-                    isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
-                raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
-                                 hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
-        if opts.weights is not None:
-            if not isinstance(opts.weights, (str, os.PathLike)):
-                raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
-                                 hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
-            opts.weights = os.fspath(opts.weights)
-        opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
-        opts.inputs = [p if isinstance(p, MemoryInputs) else os.fspath(p) for p in opts.inputs]
-        opts.model_args = _check_model_args(opts.model_args)
-        if opts.model_args and model_is_instance(opts.model):
-            raise UsageError("model_args apply when hookcli builds the model; this model is already built",
-                             hint="pass the arguments to your model's constructor, or give a spec string")
-        if not isinstance(opts.trust_pickle, bool):
-            raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
-                             hint="pass trust_pickle=True only for files you trust")
-        if not isinstance(opts.trust_remote_code, bool):
-            raise UsageError(f"trust_remote_code must be True or False, got {opts.trust_remote_code!r}",
-                             hint="pass trust_remote_code=True only for model code you trust")
-        if opts.specs and opts.inputs:
-            raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
-        for path in opts.inputs:
-            if not isinstance(path, MemoryInputs) and not os.path.exists(path):
-                raise InputError(f"input file not found: {path}",
-                                 hint="check the path (relative paths start at the current directory)")
-        opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
-        opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
-                                  hint="--batches N runs at most N batches of --data")
-        if isinstance(opts.data, os.PathLike):
-            opts.data = os.fspath(opts.data)
-        if opts.batches is not None and opts.data is None:
-            raise UsageError("--batches needs --data (the data set to take the batches from)",
-                             hint="e.g. --data images/ --batches 10")
-        if opts.data is not None and (opts.specs or opts.inputs):
-            raise UsageError("--data and --input / --input-shape are mutually exclusive",
-                             hint="--data runs a data set in batches; --input / --input-shape give one batch")
-        if isinstance(opts.data, str) and not opts.data.strip():
-            raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
-        opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
-        opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
-                                  hint="the sequence length of generated token inputs, e.g. --seq-len 128")
-        opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
-        opts.fill = member(Fill, opts.fill, "--fill")
-        opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
-                                hint="--depth N hooks every module down to depth N (0: the model itself)")
-        if opts.dtype is not None:
-            dtype = parse_dtype(opts.dtype)
-            if dtype is None:
-                key = str(opts.dtype).removeprefix("torch.").lower()
-                raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
-                                 f"choose one of: {', '.join(values_of(DType))}")
-            opts.dtype = dtype
-        if opts.device is not None:
-            opts.device = _check_device(str(opts.device))
-        opts.loss = member(Loss, opts.loss, "--loss")
-        opts.params = member(ParamScope, opts.params, "--params")
-        if opts.clip is not None:
-            if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
-                raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
-                                 hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
-        if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
-            from hookcli.errors import WeightsError
-
-            raise WeightsError(f"weights file not found: {opts.weights}",
-                               hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+        for step in _VALIDATION:
+            step(opts)
         return opts
 
     def torch_dtype(self) -> torch.dtype | None:
@@ -614,6 +535,135 @@ def model_is_instance(model: Any) -> bool:
     from torch import nn
 
     return isinstance(model, nn.Module)
+
+
+# --------------------------------------------------------------------------- RunOptions.validate's steps
+
+
+def _default_model(opts: RunOptions) -> None:
+    """The default model when none is given; an empty spec string is refused."""
+    if opts.model is None:
+        opts.model, opts.model_source = DEFAULT_MODEL, "default"
+    if isinstance(opts.model, str) and not opts.model.strip():
+        raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
+
+
+def _input_forms(opts: RunOptions) -> None:
+    """One input shape, file or in-memory input becomes a list of one."""
+    if isinstance(opts.input_shapes, (str, InputSpec)):
+        opts.input_shapes = [opts.input_shapes]
+    if isinstance(opts.inputs, (str, os.PathLike)):
+        opts.inputs = [opts.inputs]
+    elif _in_memory(opts.inputs):
+        opts.inputs = [MemoryInputs(opts.inputs)]
+    opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
+    opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
+
+
+def _selection(opts: RunOptions) -> None:
+    """``layers`` and ``types``: a string or a list of strings."""
+    for name in ("layers", "types"):
+        value = getattr(opts, name)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
+            raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                             hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
+
+
+def _weights_value(opts: RunOptions) -> None:
+    """``weights``: a path or a weights name, as a string."""
+    if opts.weights is not None:
+        if not isinstance(opts.weights, (str, os.PathLike)):
+            raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
+                             hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
+        opts.weights = os.fspath(opts.weights)
+
+
+def _parsed_inputs(opts: RunOptions) -> None:
+    """Input shapes parsed into ``specs``; input paths as strings."""
+    opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
+    opts.inputs = [p if isinstance(p, MemoryInputs) else os.fspath(p) for p in opts.inputs]
+
+
+def _build_options(opts: RunOptions) -> None:
+    """What building the model takes: ``model_args`` (only for a spec), the trust flags."""
+    opts.model_args = _check_model_args(opts.model_args)
+    if opts.model_args and model_is_instance(opts.model):
+        raise UsageError("model_args apply when hookcli builds the model; this model is already built",
+                         hint="pass the arguments to your model's constructor, or give a spec string")
+    if not isinstance(opts.trust_pickle, bool):
+        raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
+                         hint="pass trust_pickle=True only for files you trust")
+    if not isinstance(opts.trust_remote_code, bool):
+        raise UsageError(f"trust_remote_code must be True or False, got {opts.trust_remote_code!r}",
+                         hint="pass trust_remote_code=True only for model code you trust")
+
+
+def _input_sources(opts: RunOptions) -> None:
+    """One source of input: shapes, files or ``--data`` (with its batch options), files that exist."""
+    if opts.specs and opts.inputs:
+        raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
+    for path in opts.inputs:
+        if not isinstance(path, MemoryInputs) and not os.path.exists(path):
+            raise InputError(f"input file not found: {path}",
+                             hint="check the path (relative paths start at the current directory)")
+    opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
+    opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
+                              hint="--batches N runs at most N batches of --data")
+    if isinstance(opts.data, os.PathLike):
+        opts.data = os.fspath(opts.data)
+    if opts.batches is not None and opts.data is None:
+        raise UsageError("--batches needs --data (the data set to take the batches from)",
+                         hint="e.g. --data images/ --batches 10")
+    if opts.data is not None and (opts.specs or opts.inputs):
+        raise UsageError("--data and --input / --input-shape are mutually exclusive",
+                         hint="--data runs a data set in batches; --input / --input-shape give one batch")
+    if isinstance(opts.data, str) and not opts.data.strip():
+        raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
+
+
+def _numbers(opts: RunOptions) -> None:
+    """Seed, sequence length, target class, fill and depth."""
+    opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
+    opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
+                              hint="the sequence length of generated token inputs, e.g. --seq-len 128")
+    opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
+    opts.fill = member(Fill, opts.fill, "--fill")
+    opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
+                            hint="--depth N hooks every module down to depth N (0: the model itself)")
+
+
+def _run_settings(opts: RunOptions) -> None:
+    """dtype, device, loss, parameter scope and gradient clipping."""
+    if opts.dtype is not None:
+        dtype = parse_dtype(opts.dtype)
+        if dtype is None:
+            key = str(opts.dtype).removeprefix("torch.").lower()
+            raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
+                             f"choose one of: {', '.join(values_of(DType))}")
+        opts.dtype = dtype
+    if opts.device is not None:
+        opts.device = _check_device(str(opts.device))
+    opts.loss = member(Loss, opts.loss, "--loss")
+    opts.params = member(ParamScope, opts.params, "--params")
+    if opts.clip is not None:
+        if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
+            raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
+                             hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
+
+
+def _weights_file(opts: RunOptions) -> None:
+    """A weights file that does not exist, before anything is built."""
+    if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
+        from hookcli.errors import WeightsError
+
+        raise WeightsError(f"weights file not found: {opts.weights}",
+                           hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+
+
+#: ``RunOptions.validate``'s steps, in the order their errors take precedence.
+_VALIDATION = (_default_model, _input_forms, _selection, _weights_value, _parsed_inputs, _build_options, _input_sources,
+               _numbers, _run_settings, _weights_file)
 
 
 __all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "ModelSource", "source_of",
