@@ -30,7 +30,8 @@ from hookcli.errors import ConfigError, did_you_mean
 from hookcli.targets import is_inside
 from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import (
-    DType, Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, option_help, parse_dtype, values_of,
+    DType, Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, option_help, parse_dtype, source_of,
+    strip_prefix, values_of,
 )
 
 FILLS = values_of(Fill)
@@ -351,14 +352,15 @@ def _confine_model(spec: str, path: Path, key: str = "model") -> None:
     from hookcli.targets import import_target_module, module_locations
 
     text = spec.strip()
-    if text.lower().startswith(("timm:", "torchvision:")):
+    source = source_of(text)
+    if source.config == "any":
         return
-    if text.lower().startswith("hf:"):
-        folder = text[3:].strip()
+    if source.config == "own folder":
+        folder = strip_prefix(text, source)
         if folder and os.path.isdir(os.path.expanduser(folder)):
             confine_read(path, key, folder)
         return
-    module = import_target_module(text)
+    module = import_target_module(text) if source.config == "own module" else None
     if module is not None:
         roots = read_roots(path)
         outside = [w for w in module_locations(module) if w == "built-in" or not is_inside(w, roots)]
@@ -369,9 +371,8 @@ def _confine_model(spec: str, path: Path, key: str = "model") -> None:
                 f"repository's own code ({where}); refusing to import or call it from a config",
                 hint=f"a config may name {_OWN[key]}; name any other code on the command line")
         return
-    target = text.rpartition(":")[0].strip() if ":" in text else text
-    if target.endswith(".py"):
-        confine_read(path, key, target)
+    if source.config == "own file":
+        confine_read(path, key, text.rpartition(":")[0].strip() if ":" in text else text)
 
 
 #: What a config's code-naming key may name (``_confine_model``'s hint).

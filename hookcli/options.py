@@ -25,26 +25,65 @@ if TYPE_CHECKING:
 
 
 DEFAULT_MODEL = "resnet50"
-#: Prefixes of the model sources that optional extras provide (``hookcli.engine.sources``).
-TIMM_PREFIX = "timm:"
-HF_PREFIX = "hf:"
-#: Every form of a MODEL spec, with an example: the one list that help texts are written from.
-MODEL_SOURCES: tuple[tuple[str, str], ...] = (
-    ("a torchvision name", DEFAULT_MODEL),
-    (f"{TIMM_PREFIX}NAME (timm, random init)", f"{TIMM_PREFIX}resnet18"),
-    (f"{HF_PREFIX}TYPE, {HF_PREFIX}DIR or {HF_PREFIX}ORG/NAME (transformers: a config type, a save_pretrained "
-     "directory or the local cache)", f"{HF_PREFIX}gpt2"),
-    ("an import path", "pkg.mod:Net"),
-    ("a file", "path/net.py:build"),
-)
 
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One form of a MODEL spec. ``MODEL_SOURCES`` is the one table of them: ``source_of`` tells a spec's
+    source from it, the loader (``hookcli.engine.loading.LOADERS``) builds by its ``kind``, a config's
+    model is confined by its ``config`` rule (``hookcli.config``), ``hookcli models --source`` lists the
+    ``listed`` ones, and help texts are written from ``help`` and ``example``."""
+
+    kind: str  #: the source's name: ``LoadedModel.kind`` and the ``models --source`` value
+    help: str  #: what help texts call it
+    example: str
+    prefix: str = ""  #: a spec starting with it (any case) is of this source; "" for none
+    listed: bool = False  #: ``hookcli models --source KIND`` lists its model names (``PREFIX + name``)
+    #: what a config may name: "any" (a library's model, by name), "own folder" (a directory only when
+    #: it is inside the config's repository), "own module" (an import path of the repository's own
+    #: package), "own file" (a .py file inside the repository)
+    config: str = "any"
+
+
+TORCHVISION = ModelSource("torchvision", "a torchvision name", DEFAULT_MODEL, "torchvision:", listed=True)
+TIMM = ModelSource("timm", "timm:NAME (timm, random init)", "timm:resnet18", "timm:", listed=True)
+HF = ModelSource("hf", "hf:TYPE, hf:DIR or hf:ORG/NAME (transformers: a config type, a save_pretrained "
+                 "directory or the local cache)", "hf:gpt2", "hf:", listed=True, config="own folder")
+IMPORT = ModelSource("import", "an import path", "pkg.mod:Net", config="own module")
+FILE = ModelSource("file", "a file", "path/net.py:build", config="own file")
+#: Every model source, in the order help texts list them (docs/development.md: how to add one).
+MODEL_SOURCES: tuple[ModelSource, ...] = (TORCHVISION, TIMM, HF, IMPORT, FILE)
+#: Prefixes of the model sources that optional extras provide (``hookcli.engine.sources``).
+TIMM_PREFIX = TIMM.prefix
+HF_PREFIX = HF.prefix
 #: Whose model names ``hookcli models --source`` lists (the CLI's choices and ``hookcli.models``' check).
-LISTED_SOURCES: tuple[str, ...] = ("torchvision", "timm", "hf")
+LISTED_SOURCES: tuple[str, ...] = tuple(source.kind for source in MODEL_SOURCES if source.listed)
+
+
+def source_of(spec: str) -> ModelSource:
+    """The source a MODEL spec string names: its prefix (any case) if it has one; else a file for
+    ``file.py`` or ``file.py:attr``, an import path for ``pkg.mod:attr``, and a torchvision name for a
+    plain name (the last ``:`` splits off the attribute, so ``C:\\net.py:Net`` is a file)."""
+    text = spec.strip()
+    lowered = text.lower()
+    for source in MODEL_SOURCES:
+        if source.prefix and lowered.startswith(source.prefix):
+            return source
+    target = text.rpartition(":")[0].strip() if ":" in text else text
+    if target.endswith(".py"):
+        return FILE
+    return IMPORT if ":" in text else TORCHVISION
+
+
+def strip_prefix(spec: str, source: ModelSource) -> str:
+    """``spec`` without ``source``'s prefix (``timm:resnet18`` -> ``resnet18``), stripped; as is without one."""
+    text = spec.strip()
+    return text[len(source.prefix):].strip() if source.prefix and text.lower().startswith(source.prefix) else text
 
 
 def model_sources_text() -> str:
     """``a torchvision name (resnet50), timm:NAME (...) (timm:resnet18), ...``: every MODEL form."""
-    parts = [f"{what} ({example})" for what, example in MODEL_SOURCES]
+    parts = [f"{source.help} ({source.example})" for source in MODEL_SOURCES]
     return ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
@@ -387,90 +426,11 @@ class RunOptions:
     specs: list[InputSpec] = field(default_factory=list, init=False)
 
     def validate(self) -> RunOptions:
-        """Check and normalise every option; return a new, validated copy."""
-
+        """Check and normalise every option; return a new, validated copy (the steps of ``_VALIDATION``,
+        in order: the first problem found is the one reported)."""
         opts = replace(self)
-        if opts.model is None:
-            opts.model, opts.model_source = DEFAULT_MODEL, "default"
-        if isinstance(opts.model, str) and not opts.model.strip():
-            raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
-        if isinstance(opts.input_shapes, (str, InputSpec)):
-            opts.input_shapes = [opts.input_shapes]
-        if isinstance(opts.inputs, (str, os.PathLike)):
-            opts.inputs = [opts.inputs]
-        elif _in_memory(opts.inputs):
-            opts.inputs = [MemoryInputs(opts.inputs)]
-        opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
-        opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
-        for name in ("layers", "types"):
-            value = getattr(opts, name)
-            if value is not None and not isinstance(value, str) and not (
-                    isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
-                raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
-                                 hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
-        if opts.weights is not None:
-            if not isinstance(opts.weights, (str, os.PathLike)):
-                raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
-                                 hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
-            opts.weights = os.fspath(opts.weights)
-        opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
-        opts.inputs = [p if isinstance(p, MemoryInputs) else os.fspath(p) for p in opts.inputs]
-        opts.model_args = _check_model_args(opts.model_args)
-        if opts.model_args and model_is_instance(opts.model):
-            raise UsageError("model_args apply when hookcli builds the model; this model is already built",
-                             hint="pass the arguments to your model's constructor, or give a spec string")
-        if not isinstance(opts.trust_pickle, bool):
-            raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
-                             hint="pass trust_pickle=True only for files you trust")
-        if not isinstance(opts.trust_remote_code, bool):
-            raise UsageError(f"trust_remote_code must be True or False, got {opts.trust_remote_code!r}",
-                             hint="pass trust_remote_code=True only for model code you trust")
-        if opts.specs and opts.inputs:
-            raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
-        for path in opts.inputs:
-            if not isinstance(path, MemoryInputs) and not os.path.exists(path):
-                raise InputError(f"input file not found: {path}",
-                                 hint="check the path (relative paths start at the current directory)")
-        opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
-        opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
-                                  hint="--batches N runs at most N batches of --data")
-        if isinstance(opts.data, os.PathLike):
-            opts.data = os.fspath(opts.data)
-        if opts.batches is not None and opts.data is None:
-            raise UsageError("--batches needs --data (the data set to take the batches from)",
-                             hint="e.g. --data images/ --batches 10")
-        if opts.data is not None and (opts.specs or opts.inputs):
-            raise UsageError("--data and --input / --input-shape are mutually exclusive",
-                             hint="--data runs a data set in batches; --input / --input-shape give one batch")
-        if isinstance(opts.data, str) and not opts.data.strip():
-            raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
-        opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
-        opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
-                                  hint="the sequence length of generated token inputs, e.g. --seq-len 128")
-        opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
-        opts.fill = member(Fill, opts.fill, "--fill")
-        opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
-                                hint="--depth N hooks every module down to depth N (0: the model itself)")
-        if opts.dtype is not None:
-            dtype = parse_dtype(opts.dtype)
-            if dtype is None:
-                key = str(opts.dtype).removeprefix("torch.").lower()
-                raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
-                                 f"choose one of: {', '.join(values_of(DType))}")
-            opts.dtype = dtype
-        if opts.device is not None:
-            opts.device = _check_device(str(opts.device))
-        opts.loss = member(Loss, opts.loss, "--loss")
-        opts.params = member(ParamScope, opts.params, "--params")
-        if opts.clip is not None:
-            if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
-                raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
-                                 hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
-        if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
-            from hookcli.errors import WeightsError
-
-            raise WeightsError(f"weights file not found: {opts.weights}",
-                               hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+        for step in _VALIDATION:
+            step(opts)
         return opts
 
     def torch_dtype(self) -> torch.dtype | None:
@@ -586,7 +546,137 @@ def model_is_instance(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "TIMM_PREFIX", "model_sources_text", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
+# --------------------------------------------------------------------------- RunOptions.validate's steps
+
+
+def _default_model(opts: RunOptions) -> None:
+    """The default model when none is given; an empty spec string is refused."""
+    if opts.model is None:
+        opts.model, opts.model_source = DEFAULT_MODEL, "default"
+    if isinstance(opts.model, str) and not opts.model.strip():
+        raise UsageError("the model spec is empty", hint="e.g. resnet50, pkg.mod:Net or path/to/file.py:build")
+
+
+def _input_forms(opts: RunOptions) -> None:
+    """One input shape, file or in-memory input becomes a list of one."""
+    if isinstance(opts.input_shapes, (str, InputSpec)):
+        opts.input_shapes = [opts.input_shapes]
+    if isinstance(opts.inputs, (str, os.PathLike)):
+        opts.inputs = [opts.inputs]
+    elif _in_memory(opts.inputs):
+        opts.inputs = [MemoryInputs(opts.inputs)]
+    opts.input_shapes = _sequence("input_shapes", opts.input_shapes, "['2x3x224x224']")
+    opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
+
+
+def _selection(opts: RunOptions) -> None:
+    """``layers`` and ``types``: a string or a list of strings."""
+    for name in ("layers", "types"):
+        value = getattr(opts, name)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, Sequence) and all(isinstance(v, str) for v in value)):
+            raise UsageError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                             hint=f"e.g. {name}='layer1,layer4'" if name == "layers" else "e.g. types='Conv2d,ReLU'")
+
+
+def _weights_value(opts: RunOptions) -> None:
+    """``weights``: a path or a weights name, as a string."""
+    if opts.weights is not None:
+        if not isinstance(opts.weights, (str, os.PathLike)):
+            raise UsageError(f"weights must be a file path or a weights name, got {type(opts.weights).__name__}",
+                             hint="e.g. weights='model.pt' or weights='DEFAULT' (torchvision)")
+        opts.weights = os.fspath(opts.weights)
+
+
+def _parsed_inputs(opts: RunOptions) -> None:
+    """Input shapes parsed into ``specs``; input paths as strings."""
+    opts.specs = [s if isinstance(s, InputSpec) else parse_input_shape(str(s)) for s in opts.input_shapes]
+    opts.inputs = [p if isinstance(p, MemoryInputs) else os.fspath(p) for p in opts.inputs]
+
+
+def _build_options(opts: RunOptions) -> None:
+    """What building the model takes: ``model_args`` (only for a spec), the trust flags."""
+    opts.model_args = _check_model_args(opts.model_args)
+    if opts.model_args and model_is_instance(opts.model):
+        raise UsageError("model_args apply when hookcli builds the model; this model is already built",
+                         hint="pass the arguments to your model's constructor, or give a spec string")
+    if not isinstance(opts.trust_pickle, bool):
+        raise UsageError(f"trust_pickle must be True or False, got {opts.trust_pickle!r}",
+                         hint="pass trust_pickle=True only for files you trust")
+    if not isinstance(opts.trust_remote_code, bool):
+        raise UsageError(f"trust_remote_code must be True or False, got {opts.trust_remote_code!r}",
+                         hint="pass trust_remote_code=True only for model code you trust")
+
+
+def _input_sources(opts: RunOptions) -> None:
+    """One source of input: shapes, files or ``--data`` (with its batch options), files that exist."""
+    if opts.specs and opts.inputs:
+        raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
+    for path in opts.inputs:
+        if not isinstance(path, MemoryInputs) and not os.path.exists(path):
+            raise InputError(f"input file not found: {path}",
+                             hint="check the path (relative paths start at the current directory)")
+    opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
+    opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
+                              hint="--batches N runs at most N batches of --data")
+    if isinstance(opts.data, os.PathLike):
+        opts.data = os.fspath(opts.data)
+    if opts.batches is not None and opts.data is None:
+        raise UsageError("--batches needs --data (the data set to take the batches from)",
+                         hint="e.g. --data images/ --batches 10")
+    if opts.data is not None and (opts.specs or opts.inputs):
+        raise UsageError("--data and --input / --input-shape are mutually exclusive",
+                         hint="--data runs a data set in batches; --input / --input-shape give one batch")
+    if isinstance(opts.data, str) and not opts.data.strip():
+        raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
+
+
+def _numbers(opts: RunOptions) -> None:
+    """Seed, sequence length, target class, fill and depth."""
+    opts.seed = _check_int("--seed", opts.seed, 0, MAX_SEED, hint=SEED_HINT)
+    opts.seq_len = _check_int("--seq-len", opts.seq_len, 1, optional=True,
+                              hint="the sequence length of generated token inputs, e.g. --seq-len 128")
+    opts.target = _check_int("--target", opts.target, 0, hint="the class index the ce/nll loss uses, 0 or more")
+    opts.fill = member(Fill, opts.fill, "--fill")
+    opts.depth = _check_int("--depth", opts.depth, 0, optional=True,
+                            hint="--depth N hooks every module down to depth N (0: the model itself)")
+
+
+def _run_settings(opts: RunOptions) -> None:
+    """dtype, device, loss, parameter scope and gradient clipping."""
+    if opts.dtype is not None:
+        dtype = parse_dtype(opts.dtype)
+        if dtype is None:
+            key = str(opts.dtype).removeprefix("torch.").lower()
+            raise UsageError(f"unsupported --dtype {opts.dtype!r}", hint=did_you_mean(key, DTYPES) or
+                             f"choose one of: {', '.join(values_of(DType))}")
+        opts.dtype = dtype
+    if opts.device is not None:
+        opts.device = _check_device(str(opts.device))
+    opts.loss = member(Loss, opts.loss, "--loss")
+    opts.params = member(ParamScope, opts.params, "--params")
+    if opts.clip is not None:
+        if isinstance(opts.clip, bool) or not isinstance(opts.clip, (int, float)) or not 0 < opts.clip < math.inf:
+            raise UsageError(f"--clip must be a positive finite number, got {opts.clip!r}",
+                             hint="gradients are clamped to [-VALUE, VALUE], e.g. --clip 1.0")
+
+
+def _weights_file(opts: RunOptions) -> None:
+    """A weights file that does not exist, before anything is built."""
+    if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
+        from hookcli.errors import WeightsError
+
+        raise WeightsError(f"weights file not found: {opts.weights}",
+                           hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+
+
+#: ``RunOptions.validate``'s steps, in the order their errors take precedence.
+_VALIDATION = (_default_model, _input_forms, _selection, _weights_value, _parsed_inputs, _build_options, _input_sources,
+               _numbers, _run_settings, _weights_file)
+
+
+__all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "ModelSource", "source_of",
+           "strip_prefix", "TIMM_PREFIX", "model_sources_text", "MAX_SEED", "MAX_FMAP_SCALE", "FILLS", "LOSSES", "PARAM_SCOPES", "model_is_instance"]
 
 if TYPE_CHECKING:  # keep type checkers aware of the nn import used in annotations
     _ = nn

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 
+from hookcli.options import TORCHVISION
+
 #: The hint of every refused MODEL target.
 OWN_CODE_HINT = ("the MODEL import path must name an nn.Module class or a factory function from your own code "
                  "(package.module:Net or path/to/net.py:build)")
@@ -123,7 +125,7 @@ def stdlib_target(spec: str) -> str | None:
     if module is not None:
         return module if is_stdlib_module(module) else None
     text = spec.strip()
-    if ":" in text and not text.lower().startswith("torchvision:"):
+    if ":" in text and not text.lower().startswith(TORCHVISION.prefix):
         target = text.rpartition(":")[0].strip()
         if target.endswith(".py") and is_stdlib_path(os.path.expanduser(target)):
             return target
@@ -134,7 +136,7 @@ def import_target_module(spec: str) -> str | None:
     """The module part of an import-path spec (``pkg.mod`` of ``pkg.mod:Net``); None for a
     torchvision name or a ``file.py:attr`` spec."""
     text = spec.strip()
-    if ":" not in text or text.lower().startswith("torchvision:"):
+    if ":" not in text or text.lower().startswith(TORCHVISION.prefix):
         return None
     target = text.rpartition(":")[0].strip()
     return None if not target or target.endswith(".py") else target

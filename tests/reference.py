@@ -5,6 +5,7 @@ nothing was copied)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +40,11 @@ class _OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: set[str] = set()
+        self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.ops.add(str(func.overloadpacket))
+        self.counts[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -50,6 +53,13 @@ def aten_ops(fn: Callable[[], object]) -> set[str]:
     with _OpLog() as log:
         fn()
     return log.ops
+
+
+def aten_op_counts(fn: Callable[[], object]) -> Counter[str]:
+    """How many times ``fn()`` runs each aten op (load-independent: what a timing cannot show)."""
+    with _OpLog() as log:
+        fn()
+    return log.counts
 
 
 def finished_outputs(model: nn.Module, x: torch.Tensor, *, root: bool = False) -> list[tuple[str, torch.Tensor]]:

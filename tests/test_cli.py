@@ -31,7 +31,7 @@ def test_help_names_every_model_source(cli) -> None:
     for form in ("a torchvision name (resnet50)", "timm:NAME", "hf:TYPE", "hf:DIR", "hf:ORG/NAME",
                  "an import path (pkg.mod:Net)", "a file (path/net.py:build)"):
         assert form in text, form
-    assert [example for _, example in MODEL_SOURCES][:3] == ["resnet50", "timm:resnet18", "hf:gpt2"]
+    assert [source.example for source in MODEL_SOURCES][:3] == ["resnet50", "timm:resnet18", "hf:gpt2"]
     for spec in ("timm:resnet18", "hf:gpt2"):  # each builds offline (listed by `hookcli modules`)
         pytest.importorskip(spec.split(":")[0].replace("hf", "transformers"))
         out = cli("modules", spec, "--depth", "1", "-f", "json")

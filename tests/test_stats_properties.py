@@ -25,7 +25,7 @@ import hookcli
 from hookcli.engine.kernel import NO_KERNEL_ENV
 from hookcli.engine.stats import (EMPTY, Moments, Reducer, _fastreduce, activation_stats, empty_vector, merge,
                                   to_host)
-from reference import aten_ops, float64_stats
+from reference import aten_op_counts, aten_ops, float64_stats
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0)
@@ -427,3 +427,55 @@ def test_an_expanded_tensor_is_never_materialised(path: str, monkeypatch: pytest
     rows = torch.tensor([0.0, math.nan, 2.0]).unsqueeze(1).expand(3, 1 << 30)  # a broadcast column
     got = activation_stats(to_host([reducer.reduce(rows)])[0])
     assert (got["nan_count"], got["inf_count"], got["zero_fraction"]) == (1 << 30, 0, pytest.approx(1 / 3))
+
+
+# -- the torch path without the kernel: what each chunk costs ---------------------------------------
+
+#: The ops that read a whole chunk (or the scratch buffer of its squares) in the torch path.
+CHUNK_PASSES = ("aten.sum", "aten.aminmax", "aten.amin", "aten.amax", "aten.mul", "aten.dot", "aten.eq")
+
+
+@pytest.mark.parametrize("data", ["straddling", "relu", "tiny", "tiny with a zero"])
+def test_without_the_kernel_a_chunk_is_zero_counted_only_where_zeros_can_be(data: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #21: the zero count (``eq`` and a ``sum``) was the torch path's dearest statistic, run on every
+    chunk straddling 0. Data on both sides of 0 with no zero (conv and norm outputs) now skips it after
+    one cheap ``amin`` of the squares: 7 passes per chunk instead of 8. A ReLU's output (min 0) and
+    data whose squares underflow to 0 are still counted, exactly."""
+    reducer = reducer_for("torch", monkeypatch)
+    chunks = 3
+    t = torch.randn(chunks * reducer.CHUNK - 1000, generator=torch.Generator().manual_seed(5))
+    if data == "relu":
+        t = t.relu()
+    elif data.startswith("tiny"):
+        t = t * 1e-30 + torch.sign(t) * 1e-30  # |x| >= 1e-30: every square underflows to 0 in float32
+        if data == "tiny with a zero":
+            t[reducer.CHUNK + 7] = -0.0
+    got: list[Moments] = []
+    counts = aten_op_counts(lambda: got.append(reducer.reduce(t)))
+    passes = {op: counts[op] for op in CHUNK_PASSES if counts[op]}
+    assert activation_stats(got[0])["zero_fraction"] == float64_stats(t)["zero_fraction"]
+    if data == "straddling":  # sum x, aminmax, x*x, sum x^2, x^3, x^4 (dots), amin of the squares
+        assert passes == {"aten.sum": 2 * chunks, "aten.aminmax": chunks, "aten.mul": chunks,
+                          "aten.dot": 2 * chunks, "aten.amin": chunks}
+    elif data == "relu":  # zeros are there (min 0): eq and its sum instead of the amin
+        assert passes == {"aten.sum": 3 * chunks, "aten.aminmax": chunks, "aten.mul": chunks,
+                          "aten.dot": 2 * chunks, "aten.eq": chunks}
+    else:  # the squares are 0 (so is the variance from them: a centred float64 pass follows, its own ops)
+        assert (passes["aten.amin"], passes["aten.eq"]) == (chunks, chunks)
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 4096])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_chunked_torch_path_matches_float64_torch_with_chunks_of_any_size(
+        chunk: int, data: st.DataObject, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk-wise path (``Reducer._chunked``, which real activations take without the kernel) on the
+    small tensors hypothesis draws: every statistic, the exact zero count among them, over many merged
+    chunks, with zeros, underflowing squares (scale 1e-30), offsets and NaN/Inf planted."""
+    reducer = reducer_for("torch", monkeypatch)
+    reducer.CHUNK, reducer.SMALL = chunk, 0  # (instance attributes: every tensor goes through the chunks)
+    t = data.draw(tensors())
+    got = activation_stats(to_host([reducer.reduce(t)])[0])
+    assert_matches(got, float64_stats(t), t)

@@ -10,7 +10,7 @@ from hookcli.engine.loading import list_torchvision_models
 from hookcli.engine.run import load, model_info
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import exclusive
-from hookcli.options import HF_PREFIX, LISTED_SOURCES, TIMM_PREFIX, RunOptions
+from hookcli.options import HF, LISTED_SOURCES, TIMM, RunOptions
 from hookcli.records import ModelList, ModuleRow, ModuleTree
 
 
@@ -45,15 +45,15 @@ def model_list(pattern: str | None = None, source: str = "torchvision") -> Model
     if source not in LISTED_SOURCES:
         raise UsageError(f"unknown model source {source!r}", hint=did_you_mean(str(source), LISTED_SOURCES)
                          or f"choose one of: {', '.join(LISTED_SOURCES)}")
-    if source == "timm":
+    if source == TIMM.kind:
         from hookcli.engine.sources import list_timm_models
 
-        rows = [{"name": f"{TIMM_PREFIX}{n}", "family": "timm"} for n in list_timm_models(pattern)]
-    elif source == "hf":
+        rows = [{"name": f"{TIMM.prefix}{n}", "family": "timm"} for n in list_timm_models(pattern)]
+    elif source == HF.kind:
         from hookcli.engine.sources import model_types
 
-        rows = [{"name": f"{HF_PREFIX}{n}", "family": "transformers"} for n in model_types()
+        rows = [{"name": f"{HF.prefix}{n}", "family": "transformers"} for n in model_types()
                 if not pattern or fnmatch.fnmatchcase(n.lower(), pattern.lower())]
-    else:
+    else:  # torchvision's plain names (``torchvision:`` is optional; listed without it)
         rows = [{"name": n, "family": f} for n, f in list_torchvision_models(pattern)]
     return ModelList(pattern=pattern, models=rows, version=__version__, source=source)

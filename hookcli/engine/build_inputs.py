@@ -363,37 +363,44 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         raise UsageError("give input shapes or input files, not both",
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
-    if files and isinstance(files[0], MemoryInputs):
+    if files:
+        return _file_inputs(loaded, files, trust_pickle)
+    if not shapes:
+        return _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta)
+    return _shape_inputs(loaded, shapes, batch_size, fill, gen, seed)
+
+
+def _file_inputs(loaded: LoadedModel, files: Sequence[Any], trust_pickle: bool) -> ModelInputs:
+    """``make_inputs`` from in-memory inputs, image files or folders, or tensor files (they decide the batch)."""
+    if isinstance(files[0], MemoryInputs):
         from hookcli.engine.read_inputs import memory_inputs
 
-        made = memory_inputs(loaded, files[0].value)
-    elif files:
-        from hookcli.engine.read_inputs import expand_files, image_inputs, tensor_inputs  # decoders only when needed
+        return memory_inputs(loaded, files[0].value)
+    from hookcli.engine.read_inputs import expand_files, image_inputs, tensor_inputs  # decoders only when needed
 
-        kind, paths, label = expand_files(files)
-        if kind == "images":
-            made = image_inputs(loaded, paths, label)
-            made = _cast_floats(made, model_float_dtype(loaded.model))
-        else:
-            made = tensor_inputs(loaded, files, trust_pickle=trust_pickle)
-    elif not shapes:
-        made = _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta)
-    else:
-        fdt = model_float_dtype(loaded.model)
-        guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else fdt
-        guessed = fdt if guessed.is_floating_point else guessed
-        names = [getattr(spec, "name", None) for spec in shapes]
-        if twice := sorted({n for n in names if n is not None and names.count(n) > 1}):
-            raise UsageError(f"keyword input {twice[0]!r} given twice", hint="give each --input-shape NAME=... once")
-        dtypes = _spec_dtypes(loaded.model, shapes, guessed)
-        made_specs = [
-            (getattr(spec, "name", None), *_fill(
-                (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
-                dtype, fill, gen, seed, loaded.model, getattr(spec, "name", None)))
-            for spec, dtype in zip(shapes, dtypes)]
-        made = pack_inputs([(t, src) for n, t, src in made_specs if n is None],
-                           [(n, t, src) for n, t, src in made_specs if n is not None])
-    return made
+    kind, paths, label = expand_files(files)
+    if kind == "images":
+        return _cast_floats(image_inputs(loaded, paths, label), model_float_dtype(loaded.model))
+    return tensor_inputs(loaded, files, trust_pickle=trust_pickle)
+
+
+def _shape_inputs(loaded: LoadedModel, shapes: Sequence[InputSpec], batch_size: int | None, fill: Fill,
+                  gen: torch.Generator, seed: int) -> ModelInputs:
+    """``make_inputs`` from ``--input-shape`` specs: one generated tensor each, positional or by name."""
+    fdt = model_float_dtype(loaded.model)
+    guessed = _guess_user_shape(loaded.model, 1)[1] if loaded.family is None else fdt
+    guessed = fdt if guessed.is_floating_point else guessed
+    names = [getattr(spec, "name", None) for spec in shapes]
+    if twice := sorted({n for n in names if n is not None and names.count(n) > 1}):
+        raise UsageError(f"keyword input {twice[0]!r} given twice", hint="give each --input-shape NAME=... once")
+    dtypes = _spec_dtypes(loaded.model, shapes, guessed)
+    made_specs = [
+        (getattr(spec, "name", None), *_fill(
+            (batch_size, *spec.shape[1:]) if batch_size is not None else spec.shape,
+            dtype, fill, gen, seed, loaded.model, getattr(spec, "name", None)))
+        for spec, dtype in zip(shapes, dtypes)]
+    return pack_inputs([(t, src) for n, t, src in made_specs if n is None],
+                       [(n, t, src) for n, t, src in made_specs if n is not None])
 
 
 def _spec_dtypes(model: nn.Module, shapes: Sequence[InputSpec], guessed: torch.dtype) -> list[torch.dtype]:

@@ -19,7 +19,7 @@ import pickle
 import re
 import sys
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from hookcli.options import (
-    HF_PREFIX, TIMM_PREFIX, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short,
+    HF, MODEL_SOURCES, TIMM, TORCHVISION, WEIGHT_FILE_SUFFIXES, looks_like_weights_file, short as _short, source_of,
+    strip_prefix,
 )
 from hookcli.errors import (
     HookcliError, ModelImportError, ModelNotFoundError, ModelRaisedError, UnsupportedError, UsageError, WeightsError,
@@ -38,7 +39,6 @@ from hookcli.errors import (
 )
 from hookcli.targets import OWN_CODE_HINT, is_inside, is_stdlib_module, is_stdlib_path
 
-TORCHVISION_PREFIX = "torchvision:"
 FAMILIES = ("classification", "detection", "segmentation", "video", "optical_flow", "quantization")
 TRUST_PICKLE_HINT = "pass --trust-pickle if you trust the file (unpickling runs code from it)"
 UNPICKLE_IMPORT_HINT = "unpickling imports the classes the file names: run where their modules are importable"
@@ -527,24 +527,43 @@ def load_model(spec: str, *, model_args: Mapping[str, Any] | None = None,
     ``trust_pickle`` lets torch.load unpickle arbitrary objects from a weights file (it runs code
     from the file); a whole pickled ``nn.Module`` then gives its ``state_dict()``.
     """
-    args = dict(model_args or {})
     text = spec.strip()
     if not text:
         raise UsageError("empty model spec", hint="e.g. resnet18, package.module:Net or net.py:Net")
-    lowered = text.lower()
-    if lowered.startswith((TIMM_PREFIX, HF_PREFIX)):
-        return _load_extra_source(spec, text, args, weights, trust_pickle, trust_remote_code)
-    if lowered.startswith(TORCHVISION_PREFIX):
-        return _load_torchvision(spec, text[len(TORCHVISION_PREFIX):], args, weights, trust_pickle)
-    if ":" not in text and not text.endswith(".py"):
-        if os.path.isfile(text):
-            _refuse_model_file(Path(text))
-        return _load_torchvision(spec, text, args, weights, trust_pickle)
+    source = source_of(text)
+    return LOADERS[source.kind](spec, text, dict(model_args or {}), weights, trust_pickle, tuple(own_code),
+                                trust_remote_code)
+
+
+def _load_torchvision_spec(spec: str, text: str, args: dict[str, Any], weights: str | None, trust_pickle: bool,
+                           own_code: tuple[str, ...], trust_remote_code: bool) -> LoadedModel:
+    """``torchvision:NAME`` or a plain ``NAME`` (a file of that name is refused, not guessed at)."""
+    if text == strip_prefix(text, TORCHVISION) and os.path.isfile(text):
+        _refuse_model_file(Path(text))
+    return _load_torchvision(spec, strip_prefix(text, TORCHVISION), args, weights, trust_pickle)
+
+
+def _load_user_spec(spec: str, text: str, args: dict[str, Any], weights: str | None, trust_pickle: bool,
+                    own_code: tuple[str, ...], trust_remote_code: bool) -> LoadedModel:
+    """``pkg.mod:attr`` or ``file.py:attr``: the user's own code."""
     if ":" not in text:
         raise UsageError(f"model spec {spec!r} names a file but no attribute",
                          hint=f"e.g. {text}:Net (the nn.Module class or factory in that file)")
     target, _, attr = text.rpartition(":")  # the last ':' keeps C:\\ drive letters in the path
-    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle, tuple(own_code))
+    return _load_user(spec, target.strip(), attr.strip(), args, weights, trust_pickle, own_code)
+
+
+def _load_extra_source_spec(spec: str, text: str, args: dict[str, Any], weights: str | None, trust_pickle: bool,
+                            own_code: tuple[str, ...], trust_remote_code: bool) -> LoadedModel:
+    return _load_extra_source(spec, text, args, weights, trust_pickle, trust_remote_code)
+
+
+#: How each model source (``hookcli.options.MODEL_SOURCES``, by kind) is built from its spec.
+LOADERS: dict[str, Callable[[str, str, dict[str, Any], str | None, bool, tuple[str, ...], bool], LoadedModel]] = {
+    "torchvision": _load_torchvision_spec, "timm": _load_extra_source_spec, "hf": _load_extra_source_spec,
+    "import": _load_user_spec, "file": _load_user_spec,
+}
+assert set(LOADERS) == {source.kind for source in MODEL_SOURCES}, "a model source without a loader"
 
 
 def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights: str | None,
@@ -558,11 +577,11 @@ def _load_extra_source(spec: str, text: str, model_args: dict[str, Any], weights
                            hint="pass a local state-dict file (.safetensors, .pt, .bin), or hf:DIR for a "
                            "save_pretrained directory")
     try:
-        if prefix.lower() == "timm":
+        if source_of(text) is TIMM:
             model = sources.build_timm(name, model_args)
-            kind, config = "timm", sources.timm_input_config(model, model_args)
+            kind, config = TIMM.kind, sources.timm_input_config(model, model_args)
         else:
-            model, kind, config = sources.build_hf(name, model_args, trust_remote_code=trust_remote_code), "hf", None
+            model, kind, config = sources.build_hf(name, model_args, trust_remote_code=trust_remote_code), HF.kind, None
     except SystemExit as exc:
         raise model_exited(exc, f"building {spec!r}") from exc
     loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle) if weights is not None else None

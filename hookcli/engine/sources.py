@@ -22,6 +22,7 @@ from hookcli.errors import (
     ModelNotFoundError, UnsupportedError, UsageError, WeightsError, describe_exception, did_you_mean,
 )
 from hookcli import limits
+from hookcli.options import HF, TIMM
 from hookcli.engine.quiet import quiet_imported
 
 EXTRAS = {"timm": ("timm", "timm"), "transformers": ("hf", "transformers")}
@@ -96,7 +97,7 @@ def build_timm(name: str, model_args: Mapping[str, Any]) -> nn.Module:
                          f"--model-arg {loader[0]} is not a model argument",
                          hint=f"drop --model-arg {loader[0]}; give a weights file with --weights FILE")
     try:
-        _refuse_too_large(lambda: timm.create_model(name, pretrained=False, **model_args), f"timm:{name}")
+        _refuse_too_large(lambda: timm.create_model(name, pretrained=False, **model_args), f"{TIMM.prefix}{name}")
         return timm.create_model(name, pretrained=False, **model_args)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
         with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -174,7 +175,7 @@ def build_hf(name: str, model_args: Mapping[str, Any], *, trust_remote_code: boo
         _check_config_args(config, model_args, text)
         cls = _auto_class(transformers, config)
         try:
-            _refuse_too_large(lambda: cls.from_config(config), f"hf:{text}")
+            _refuse_too_large(lambda: cls.from_config(config), f"{HF.prefix}{text}")
             return cls.from_config(config)
         except (TypeError, ValueError, AttributeError, AssertionError, RuntimeError) as exc:
             with_args = f" with {_args_text(model_args)}" if model_args else ""
@@ -239,15 +240,16 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         if local:
             raise ModelNotFoundError(f"{where} is not a transformers model directory: {describe_exception(exc, 120)}",
                                      hint="give a directory written by save_pretrained (config.json and weights)") from exc
-        raise ModelNotFoundError(f"hf:{name} is not in the local Hugging Face cache; network access is not attempted",
+        raise ModelNotFoundError(f"{HF.prefix}{name} is not in the local Hugging Face cache; network access is "
+                                 "not attempted",
                                  hint=NOT_CACHED_HINT) from exc
     except (ValueError, KeyError) as exc:
         if "trust_remote_code" in str(exc):
-            raise UsageError(f"hf:{name} comes with its own Python code (auto_map in its config.json), which "
+            raise UsageError(f"{HF.prefix}{name} comes with its own Python code (auto_map in its config.json), which "
                              "hookcli runs only when told to", hint=TRUST_REMOTE_CODE_HINT) from exc
         raise UsageError(f"could not read the config of {where}: {describe_exception(exc, 160)}",
                          hint="is config.json from a transformers model (with a model_type)?") from exc
-    _check_config_args(config, model_args, f"hf:{name}")
+    _check_config_args(config, model_args, f"{HF.prefix}{name}")
     for key, value in model_args.items():
         setattr(config, key, value)
     cls = _class_from_config(transformers, config)
@@ -258,7 +260,7 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
         build = getattr(cls, "from_config", None) or cls._from_config  # (Auto classes | model classes)
         return build(config, **auto)
     build = getattr(cls, "from_config", None) or cls._from_config
-    _refuse_too_large(lambda: build(config, **auto), f"hf:{name}")
+    _refuse_too_large(lambda: build(config, **auto), f"{HF.prefix}{name}")
     try:
         return cls.from_pretrained(name, config=config, local_files_only=True, **auto)
     except OSError as exc:
@@ -267,6 +269,6 @@ def _from_pretrained(transformers: Any, name: str, model_args: Mapping[str, Any]
                            if local else NOT_CACHED_HINT) from exc
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise UsageError(f"hf:{name} comes with its own Python code (auto_map in its config.json), which "
+            raise UsageError(f"{HF.prefix}{name} comes with its own Python code (auto_map in its config.json), which "
                              "hookcli runs only when told to", hint=TRUST_REMOTE_CODE_HINT) from exc
         raise

@@ -104,8 +104,8 @@ class Reducer:
       views) are copied by ``reshape`` or read by the torch reductions, which follow strides.
       Without the kernel (and for float64), the tensor is read in cache-sized chunks (``CHUNK``): each
       chunk is summed, min/maxed, squared into a scratch buffer whose sum and dot products give the
-      other power sums, and zero-counted only when ``min <= 0 <= max``, all while it is in cache; the
-      chunks' ``Moments`` are merged. A tensor of at most ``SMALL`` values goes to numpy instead
+      other power sums, and zero-counted only where zeros can be (``_zero_count``), all while it is in
+      cache; the chunks' ``Moments`` are merged. A tensor of at most ``SMALL`` values goes to numpy instead
       (centred float64 sums, exact zero count), where torch's per-op dispatch would cost more than
       the reading. Either way NaN/Inf are handled only when a sum or an extreme is not finite (both
       propagate), on a rare path that counts them and reduces the finite values, and the centred
@@ -324,7 +324,8 @@ class Reducer:
     def _chunked(self, flat: torch.Tensor, zeros: bool) -> Moments:
         """``Moments`` of a 1-D float32/float64 tensor with torch, one cache-sized chunk at a time: the
         chunk is read from memory once (by ``sum``); ``aminmax``, the square into a scratch buffer and
-        the products giving x^2..x^4 and the zero count read it again from cache."""
+        the products giving x^2..x^4 read it again from cache, and the zero count only where zeros can
+        be (``_zero_count``)."""
         total = EMPTY
         ratio = self.OFFSET_RATIO_FLOAT32 if flat.dtype == torch.float32 else self.OFFSET_RATIO_FLOAT64
         for chunk in flat.split(self.CHUNK):
@@ -334,15 +335,28 @@ class Reducer:
             buf = self.scratch(chunk, self.CHUNK)[: chunk.numel()]
             torch.mul(chunk, chunk, out=buf)
             sums = (s1, float(buf.sum()), float(torch.dot(buf, chunk)), float(torch.dot(buf, buf)))
-            zero_count = 0
-            if zeros and lo <= 0.0 <= hi:  # no zero lies outside [min, max]
-                torch.eq(chunk, 0, out=buf)
-                zero_count = int(buf.sum())
+            zero_count = self._zero_count(chunk, buf, lo, hi) if zeros else 0
             moments = self._from_power_sums(chunk, sums, lo, hi, zero_count, ratio)
             if moments is None:
                 return self._nonfinite(flat, zeros)
             total = merge(total, moments)
         return total
+
+    @staticmethod
+    def _zero_count(chunk: torch.Tensor, squares: torch.Tensor, lo: float, hi: float) -> int:
+        """How many values of ``chunk`` are 0 (or -0), given its extremes and ``squares`` (a scratch
+        buffer holding ``chunk * chunk``, overwritten here when the values are counted).
+
+        Counting costs two passes (``eq`` into the buffer, its ``sum``), the most expensive statistic of
+        the torch path, so it runs only where its answer is not known: no zero lies outside
+        ``[min, max]``; a zero extreme (a ReLU's output) means zeros to count; and data on both sides of
+        0 (most conv and norm outputs) holds none when its smallest square is positive (one cheap
+        ``amin`` from cache). A square that underflowed to 0 (|x| below about 1e-23 in float32) or a NaN (handled
+        by the caller) only sends the chunk to the exact count."""
+        if not lo <= 0.0 <= hi or (lo != 0.0 and hi != 0.0 and float(squares.amin()) > 0.0):
+            return 0
+        torch.eq(chunk, 0, out=squares)
+        return int(squares.sum())
 
     def _nonfinite(self, flat: torch.Tensor, zeros: bool) -> Moments:
         """The rare path for a tensor holding NaN or Inf: they are counted, the finite values reduced
