@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
-from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
+from hookcli.engine.stats import Vector, l2_norm, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
 
@@ -115,8 +115,7 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [torch.linalg.vector_norm(before.sub_(p.detach()), dtype=device_float(p.device))
-                             .reshape(1) for before, (_, p) in zip(self._before, self.params)]
+            self._updates = [l2_norm(before.sub_(p.detach())) for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
             return
