@@ -1,7 +1,7 @@
 """hookcli benchmarks: every performance goal (issues 6, 14, 15, 22) with its measured ratio, through the public API.
 
-    python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores)
-    python benchmarks/bench.py --quick         # fewer repeats (a few minutes)
+    python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores, + ~20 for watch)
+    python benchmarks/bench.py --quick         # fewer repeats (a few minutes; watch: every=50 over 50 steps)
     python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch
     python benchmarks/bench.py --json rows.json
 
@@ -33,7 +33,7 @@ import textwrap
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -663,19 +663,34 @@ class Trainee:
         return loss.detach()
 
 
-def alternate_steps(bare: Callable[[], Any], variant: Callable[[int], Any],
-                    rounds: int) -> tuple[list[float], list[float]]:
-    """``rounds`` rounds of (a bare step, a variant step), each timed; ``variant`` gets the round's index."""
-    bares: list[float] = []
-    variants: list[float] = []
+class Steps(NamedTuple):
+    """Seconds of each round's bare step and variant step: wall clock, and this process's CPU time."""
+
+    bare: list[float]
+    variant: list[float]
+    bare_cpu: list[float]
+    variant_cpu: list[float]
+
+    def tail(self, start: int) -> Steps:
+        return Steps(*(times[start:] for times in self))
+
+
+def alternate_steps(bare: Callable[[], Any], variant: Callable[[int], Any], rounds: int) -> Steps:
+    """``rounds`` rounds of (a bare step, a variant step), each timed; ``variant`` gets the round's index.
+
+    CPU time (``time.process_time``) is kept too: with ``--threads 1`` on a loaded machine it leaves
+    out the time spent waiting for a core, which wall-clock ratios of a few percent drown in."""
+    steps = Steps([], [], [], [])
     for i in range(rounds):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         bare()
-        middle = time.perf_counter()
+        middle, middle_cpu = time.perf_counter(), time.process_time()
         variant(i)
-        bares.append(middle - start)
-        variants.append(time.perf_counter() - middle)
-    return bares, variants
+        steps.bare.append(middle - start)
+        steps.variant.append(time.perf_counter() - middle)
+        steps.bare_cpu.append(middle_cpu - start_cpu)
+        steps.variant_cpu.append(time.process_time() - middle_cpu)
+    return steps
 
 
 def watch_peak_run(watch: bool, config: Any, batch: int, seq: int, steps: int) -> None:
@@ -724,18 +739,18 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
     rows: list[dict[str, Any]] = []
     bare_times: list[float] = []
 
-    def per_step(variant: str, bares: list[float], variants: list[float], goal: str = "", note: str = "") -> None:
-        bare_times.extend(bares)
-        rows.append(_row("watch", label, variant, statistics.median(variants),
-                         statistics.median(v / b for v, b in zip(variants, bares)), goal,
-                         f"{note}bare {statistics.median(bares):.3f} s, {len(bares)} rounds"))
+    def per_step(variant: str, steps: Steps, goal: str = "", note: str = "") -> None:
+        bare_times.extend(steps.bare)
+        rows.append(_row("watch", label, variant, statistics.median(steps.variant),
+                         _median_ratio(steps.variant, steps.bare), goal,
+                         f"{note}bare {statistics.median(steps.bare):.3f} s, {len(steps.bare)} rounds; "
+                         f"CPU time {_median_ratio(steps.variant_cpu, steps.bare_cpu):.3f}x"))
         print_rows(rows[-1:])
 
-    def total(variant: str, bares: list[float], variants: list[float], goal: str = "", note: str = "") -> None:
-        bare_times.extend(bares)
-        rows.append(_row("watch", label, variant, sum(variants), sum(variants) / sum(bares), goal,
-                         f"{note}total time / total bare {sum(bares):.2f} s; median step ratio "
-                         f"{statistics.median(v / b for v, b in zip(variants, bares)):.3f}"))
+    def total(variant: str, steps: Steps, goal: str = "", note: str = "") -> None:
+        bare_times.extend(steps.bare)
+        rows.append(_row("watch", label, variant, sum(steps.variant), sum(steps.variant) / sum(steps.bare), goal,
+                         f"{note}{_totals(steps)}"))
         print_rows(rows[-1:])
 
     with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-") as tmp:
@@ -744,23 +759,22 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
                                        (10**9, "unlogged step", "<= 1.02")):
             log = os.path.join(tmp, f"every{every_n}.jsonl")
             with hookcli.watch(twin.model, twin.optimizer, every=every_n, out=log) as w:
-                bares, variants = alternate_steps(bare.step, lambda i, w=w: w.step(loss=twin.step()), 1 + repeats)
-            per_step(variant, bares[1:], variants[1:], goal, "first round left out (step 0); ")
+                timed = alternate_steps(bare.step, lambda i, w=w: w.step(loss=twin.step()), 1 + repeats)
+            per_step(variant, timed.tail(1), goal, "first round left out (step 0); ")
         with hookcli.watch(twin.model, twin.optimizer, every=every, out=os.path.join(tmp, "every.jsonl")) as w:
-            bares, variants = alternate_steps(bare.step, lambda i: w.step(loss=twin.step()), steps)
-        total(f"every={every} over {steps} steps", bares, variants, "<= 1.02",
-              f"{len(range(0, steps, every))} logged; ")
+            timed = alternate_steps(bare.step, lambda i: w.step(loss=twin.step()), steps)
+        total(f"every={every} over {steps} steps", timed, "<= 1.02", f"{len(range(0, steps, every))} logged; ")
 
         item_rows: list[tuple[float, ...]] = []
         leaves = [m for m in twin.model.modules() if next(m.children(), None) is None]
         handles = [m.register_forward_hook(item_hook(item_rows)) for m in leaves]
         try:
-            bares, variants = alternate_steps(bare.step, lambda i: (item_rows.clear(), twin.step()), 1 + repeats)
+            timed = alternate_steps(bare.step, lambda i: (item_rows.clear(), twin.step()), 1 + repeats)
         finally:
             for h in handles:
                 h.remove()
-        per_step("peer: .item() hooks", bares[1:], variants[1:],
-                 note=f"every step, {len(leaves)} leaf modules, 8 .item() per output; ")
+        per_step("peer: .item() hooks", timed.tail(1), note=f"every step, {len(leaves)} leaf modules, 8 .item() "
+                                                            "per output; ")
         rows.extend(_wandb_rows(label, bare, twin, every, steps, tmp, bare_times))
 
     rows.insert(0, _row("watch", label, "bare step", statistics.median(bare_times), 1.0,
@@ -777,6 +791,16 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
                      f"{memory_runs} processes each)"))
     print_rows(rows[-1:])
     return rows
+
+
+def _median_ratio(variants: list[float], bares: list[float]) -> float:
+    return statistics.median(v / b for v, b in zip(variants, bares))
+
+
+def _totals(steps: Steps) -> str:
+    """The detail of a total-time row: the bare total, the median step ratio, the CPU-time ratio."""
+    return (f"total / total bare {sum(steps.bare):.2f} s over {len(steps.bare)} steps; median step ratio "
+            f"{_median_ratio(steps.variant, steps.bare):.3f}; CPU time {sum(steps.variant_cpu) / sum(steps.bare_cpu):.3f}x")
 
 
 def _threads() -> int:
@@ -808,7 +832,7 @@ def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int
                 if i % every == 0:
                     run.log({"loss": loss.item()})
 
-            bares, variants = alternate_steps(bare.step, step, steps)
+            timed = alternate_steps(bare.step, step, steps)
             wandb.unwatch(twin.model)
         finally:
             run.finish()
@@ -818,10 +842,9 @@ def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    bare_times.extend(bares)
-    row = _row("watch", label, variant, sum(variants), sum(variants) / sum(bares),
-               detail=f"offline, wandb {wandb.__version__}; total time / total bare {sum(bares):.2f} s over "
-                      f"{steps} steps; median step ratio {statistics.median(v / b for v, b in zip(variants, bares)):.3f}")
+    bare_times.extend(timed.bare)
+    row = _row("watch", label, variant, sum(timed.variant), sum(timed.variant) / sum(timed.bare),
+               detail=f"offline, wandb {wandb.__version__}, the loss logged every {every}; {_totals(timed)}")
     print_rows([row])
     return [row]
 
