@@ -1,8 +1,8 @@
-"""hookcli benchmarks: every performance goal (issues 6, 14, 15) with its measured ratio, through the public API.
+"""hookcli benchmarks: every performance goal (issues 6, 14, 15, 22) with its measured ratio, through the public API.
 
-    python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores)
-    python benchmarks/bench.py --quick         # fewer repeats (a few minutes)
-    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff (repeatable)
+    python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores, + ~20 for watch)
+    python benchmarks/bench.py --quick         # fewer repeats (a few minutes; watch: every=50 over 50 steps)
+    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch
     python benchmarks/bench.py --json rows.json
 
 What is measured is what users call: ``hookcli.stats``/``hookcli.shapes`` on a model instance and the
@@ -33,7 +33,7 @@ import textwrap
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -112,6 +112,20 @@ def run_item_hooks(model: Any, x: Any) -> None:
     import torch
 
     rows: list[tuple[float, ...]] = []
+    handles = [m.register_forward_hook(item_hook(rows)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # std of one element
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def item_hook(rows: list[tuple[float, ...]]) -> Callable[[Any, Any, Any], None]:
+    """The articles' forward hook: mean, std, min, max, norm, zero fraction, NaN and Inf count of each
+    floating-point output tensor, one ``.item()`` (one host synchronisation) each, appended to ``rows``."""
+    import torch
 
     def hook(_m: Any, _i: Any, out: Any) -> None:
         for o in _tensors(out):
@@ -121,14 +135,7 @@ def run_item_hooks(model: Any, x: Any) -> None:
                              (o == 0).float().mean().item(), torch.isnan(o).sum().item(),
                              torch.isinf(o).sum().item()))
 
-    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # std of one element
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    return hook
 
 
 def run_torchinfo(model: Any, x: Any) -> None:
@@ -659,6 +666,220 @@ def bench_check_steps(repeats: int, quick: bool = False) -> list[dict[str, Any]]
     return rows
 
 
+# --------------------------------------------------------------------------- 11. watch (issue 22)
+
+class Trainee:
+    """A GPT-style model with its own AdamW and one fixed batch of token ids; ``step()`` is one plain
+    training step: forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``."""
+
+    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0) -> None:
+        import torch
+
+        import models
+
+        torch.manual_seed(seed)
+        self.model = models.GPT(config).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.tokens = torch.randint(0, config.vocab, (batch, seq + 1))
+
+    def step(self) -> Any:
+        """One training step; the loss (detached)."""
+        import torch.nn.functional as F
+
+        logits = self.model(self.tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), self.tokens[:, 1:].flatten())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class Steps(NamedTuple):
+    """Seconds of each round's bare step and variant step: wall clock, and this process's CPU time."""
+
+    bare: list[float]
+    variant: list[float]
+    bare_cpu: list[float]
+    variant_cpu: list[float]
+
+    def tail(self, start: int) -> Steps:
+        return Steps(*(times[start:] for times in self))
+
+
+def alternate_steps(bare: Callable[[], Any], variant: Callable[[int], Any], rounds: int) -> Steps:
+    """``rounds`` rounds of (a bare step, a variant step), each timed; ``variant`` gets the round's index.
+
+    CPU time (``time.process_time``) is kept too: with ``--threads 1`` on a loaded machine it leaves
+    out the time spent waiting for a core, which wall-clock ratios of a few percent drown in."""
+    steps = Steps([], [], [], [])
+    for i in range(rounds):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        bare()
+        middle, middle_cpu = time.perf_counter(), time.process_time()
+        variant(i)
+        steps.bare.append(middle - start)
+        steps.variant.append(time.perf_counter() - middle)
+        steps.bare_cpu.append(middle_cpu - start_cpu)
+        steps.variant_cpu.append(time.process_time() - middle_cpu)
+    return steps
+
+
+def watch_peak_run(watch: bool, config: Any, batch: int, seq: int, steps: int) -> None:
+    """What a peak-memory process of the watch rows runs: ``steps`` training steps, bare or under
+    ``hookcli.watch(every=1)``. Both import hookcli, so the two peaks differ by what the steps hold."""
+    import tempfile
+
+    import hookcli
+
+    trainee = Trainee(config, batch, seq)
+    if not watch:
+        for _ in range(steps):
+            trainee.step()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        with hookcli.watch(trainee.model, trainee.optimizer, every=1, out=os.path.join(tmp, "log.jsonl")) as w:
+            for _ in range(steps):
+                w.step(loss=trainee.step())
+
+
+def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch: int = 8, seq: int = 128,
+                every: int = 50, steps: int | None = None, memory_runs: int | None = None,
+                memory_steps: int = 3) -> list[dict[str, Any]]:
+    """Issue 22: ``hookcli.watch`` over a GPT-style training step with AdamW, against the same bare step.
+
+    Two twin models (same seed, same batch, each with its own AdamW) train side by side: every round is
+    a bare step of one, then a step of the other under the variant, so both see the same machine and
+    stay identical (the watch changes no number). Rows: a logged step (``every=1``) and an unlogged one
+    (``every`` huge, its logged step 0 left out), medians over rounds of variant / bare; ``every`` over
+    ``steps`` (default 4 x every, ``--quick``: 1 x every, the same share of logged steps), total time
+    over total bare time; peers: the articles' ``.item()`` forward hooks on every leaf module at every
+    step, and ``wandb.watch(model, log="all", log_freq=every)`` offline over ``steps``; peak memory:
+    ``VmHWM`` of fresh processes running ``memory_steps`` steps bare or under ``every=1``.
+    """
+    import tempfile
+
+    import hookcli
+    import models
+
+    config = config or models.WATCH_GPT
+    steps = steps or (every if quick else 4 * every)
+    memory_runs = memory_runs or (1 if quick else 3)
+    twin, bare = Trainee(config, batch, seq), Trainee(config, batch, seq)
+    params = sum(p.numel() for p in bare.model.parameters())
+    label = f"gpt-style {config.layers}L w{config.width} b{batch} s{seq}"
+    rows: list[dict[str, Any]] = []
+    bare_times: list[float] = []
+
+    def per_step(variant: str, steps: Steps, goal: str = "", note: str = "") -> None:
+        bare_times.extend(steps.bare)
+        rows.append(_row("watch", label, variant, statistics.median(steps.variant),
+                         _median_ratio(steps.variant, steps.bare), goal,
+                         f"{note}bare {statistics.median(steps.bare):.3f} s, {len(steps.bare)} rounds; "
+                         f"CPU time {_median_ratio(steps.variant_cpu, steps.bare_cpu):.3f}x"))
+        print_rows(rows[-1:])
+
+    def total(variant: str, steps: Steps, goal: str = "", note: str = "") -> None:
+        bare_times.extend(steps.bare)
+        rows.append(_row("watch", label, variant, sum(steps.variant), sum(steps.variant) / sum(steps.bare), goal,
+                         f"{note}{_totals(steps)}"))
+        print_rows(rows[-1:])
+
+    with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-") as tmp:
+        alternate_steps(bare.step, lambda i: twin.step(), 1)  # warm-up
+        for every_n, variant, goal in ((1, "logged step (every=1)", "<= 1.25"),
+                                       (10**9, "unlogged step", "<= 1.02")):
+            log = os.path.join(tmp, f"every{every_n}.jsonl")
+            with hookcli.watch(twin.model, twin.optimizer, every=every_n, out=log) as w:
+                timed = alternate_steps(bare.step, lambda i, w=w: w.step(loss=twin.step()), 1 + repeats)
+            per_step(variant, timed.tail(1), goal, "first round left out (step 0); ")
+        with hookcli.watch(twin.model, twin.optimizer, every=every, out=os.path.join(tmp, "every.jsonl")) as w:
+            timed = alternate_steps(bare.step, lambda i: w.step(loss=twin.step()), steps)
+        total(f"every={every} over {steps} steps", timed, "<= 1.02", f"{len(range(0, steps, every))} logged; ")
+
+        item_rows: list[tuple[float, ...]] = []
+        leaves = [m for m in twin.model.modules() if next(m.children(), None) is None]
+        handles = [m.register_forward_hook(item_hook(item_rows)) for m in leaves]
+        try:
+            timed = alternate_steps(bare.step, lambda i: (item_rows.clear(), twin.step()), 1 + repeats)
+        finally:
+            for h in handles:
+                h.remove()
+        per_step("peer: .item() hooks", timed.tail(1), note=f"every step, {len(leaves)} leaf modules, 8 .item() "
+                                                            "per output; ")
+        rows.extend(_wandb_rows(label, bare, twin, every, steps, tmp, bare_times))
+
+    rows.insert(0, _row("watch", label, "bare step", statistics.median(bare_times), 1.0,
+                        detail=f"{params / 1e6:.1f}M params, vocab {config.vocab}, AdamW; "
+                               f"torch threads {_threads()}"))
+    print_rows(rows[:1])
+
+    code = (f"from models import GPTConfig; import bench; bench.watch_peak_run({{watch}}, {config!r}, {batch}, {seq}, "
+            f"{memory_steps})")
+    bare_mb = peak_rss_mb(code.format(watch=False), memory_runs)
+    watch_mb = peak_rss_mb(code.format(watch=True), memory_runs)
+    rows.append(_row("watch", f"peak memory, {label}", "every=1 / bare", None, watch_mb / bare_mb, "<= 1.05",
+                     f"{watch_mb:.0f} MB vs {bare_mb:.0f} MB (VmHWM, {memory_steps} steps, median of "
+                     f"{memory_runs} processes each)"))
+    print_rows(rows[-1:])
+    return rows
+
+
+def _median_ratio(variants: list[float], bares: list[float]) -> float:
+    return statistics.median(v / b for v, b in zip(variants, bares))
+
+
+def _totals(steps: Steps) -> str:
+    """The detail of a total-time row: the bare total, the median step ratio, the CPU-time ratio."""
+    return (f"total / total bare {sum(steps.bare):.2f} s over {len(steps.bare)} steps; median step ratio "
+            f"{_median_ratio(steps.variant, steps.bare):.3f}; CPU time {sum(steps.variant_cpu) / sum(steps.bare_cpu):.3f}x")
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int, tmp: str,
+                bare_times: list[float]) -> list[dict[str, Any]]:
+    """The peer: ``wandb.watch(model, log="all", log_freq=every)`` in offline mode over ``steps`` steps,
+    the loss logged at the steps hookcli logs (optional: pip install wandb, the ``bench`` extra)."""
+    variant = f"peer: wandb.watch all, log_freq={every}"
+    if importlib.util.find_spec("wandb") is None:
+        row = _row("watch", label, variant, None, None, detail="skipped: wandb not installed (pip install .[bench])")
+        print_rows([row])
+        return [row]
+    import wandb
+
+    saved = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_SILENT")}
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    try:
+        run = wandb.init(mode="offline", dir=tmp, project="hookcli-bench", settings=wandb.Settings(console="off"))
+        try:
+            wandb.watch(twin.model, log="all", log_freq=every)
+
+            def step(i: int) -> None:
+                loss = twin.step()
+                if i % every == 0:
+                    run.log({"loss": loss.item()})
+
+            timed = alternate_steps(bare.step, step, steps)
+            wandb.unwatch(twin.model)
+        finally:
+            run.finish()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    bare_times.extend(timed.bare)
+    row = _row("watch", label, variant, sum(timed.variant), sum(timed.variant) / sum(timed.bare),
+               detail=f"offline, wandb {wandb.__version__}, the loss logged every {every}; {_totals(timed)}")
+    print_rows([row])
+    return [row]
+
+
 # --------------------------------------------------------------------------- main
 
 def machine_line() -> str:
@@ -711,6 +932,8 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
     "kernel": ("8. the optional C kernel, through the API and per reduction", bench_kernel),
     "diff": ("9. hookcli diff (issue 15)", lambda repeats, quick=False: bench_diff(repeats)),
     "check_steps": ("10. hookcli check --steps 30 (issue 23), seconds", bench_check_steps),
+    "watch": ("11. hookcli.watch over a GPT-style training step with AdamW (issue 22), vs the same bare step",
+              bench_watch),
 }
 
 

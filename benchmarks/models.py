@@ -102,6 +102,12 @@ class GPT(nn.Module):
 GPT_1B = GPTConfig(width=2048, heads=16, layers=20)
 
 
+#: The training model of the watch rows (issue 22): width 512, 4 layers, 8 heads, positions up to 128. The
+#: vocabulary is 8192, not GPT-2's 50257: at 50257 the output head and its cross-entropy, which the watch
+#: does not touch, would be most of the step and flatter the ratios.
+WATCH_GPT = GPTConfig(vocab=8192, width=512, heads=8, layers=4, max_len=128)
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmark case: a model, its input, and the ``input_shapes`` spec the API is given for it."""

@@ -25,11 +25,11 @@ from hookcli.errors import HookcliError, UnsupportedError, UsageError, internal_
 from hookcli.records import LayerRecord, ParamRecord
 from hookcli.engine.stats import (
     activation_stats,
-    device_float,
     dtype_name,
     gradient_stats,
     is_float,
     iter_tensors,
+    l2_norm,
     Reducer,
     Vector,
     shape_of,
@@ -702,7 +702,7 @@ class HookSet:
             grad = None
             if self._accumulated.get(name) and p.grad is not None:  # a DTensor's: its local shard's
                 grad = session.reducer.reduce(distributed.local(p.grad), zeros=session.options.grad_zeros)
-            norm = torch.linalg.vector_norm(distributed.local(p.detach()), dtype=device_float(p.device)).reshape(1)
+            norm = l2_norm(distributed.local(p.detach()))
             plan.append(ParamVectors(name, p, grad, norm))
         return plan
 

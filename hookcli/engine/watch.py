@@ -19,7 +19,7 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors
-from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
+from hookcli.engine.stats import Vector, l2_norm, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
 
@@ -139,9 +139,8 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [torch.linalg.vector_norm(before.sub_(distributed.local(p.detach())),
-                                                     dtype=device_float(p.device))
-                             .reshape(1) for before, (_, p) in zip(self._before, self.params)]
+            self._updates = [l2_norm(before.sub_(distributed.local(p.detach())))
+                             for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
             return
