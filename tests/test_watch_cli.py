@@ -177,9 +177,9 @@ def test_a_frozen_layer_shows_its_finding_on_stderr_and_the_exit_code_stays_the_
     assert result.stdout == "trained 5 steps\n"
     lines = [line for line in result.stderr.splitlines() if "frozen" in line]
     assert lines == ["hookcli watch: step 2: warning frozen (2.weight): 2.weight requires grad but did not change in "
-                     "3 logged steps (not in the optimizer? a learning rate of 0?)",
+                     "3 logged steps (it has a gradient: not in the optimizer? a learning rate of 0?)",
                      "hookcli watch: step 2: warning frozen (2.bias): 2.bias requires grad but did not change in "
-                     "3 logged steps (not in the optimizer? a learning rate of 0?)"]
+                     "3 logged steps (it has a gradient: not in the optimizer? a learning rate of 0?)"]
     assert result.stderr.splitlines()[-1].endswith("5 steps, 5 logged (no --out: no log written); 2 findings")
 
 

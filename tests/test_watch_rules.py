@@ -506,3 +506,42 @@ def test_grad_explode_reads_the_parameters_that_have_a_gradient() -> None:
                                                        WatchParam("b", [2], 1.0, grad(scale / 2, 2))]))
     assert [(f.rule, f.step, f.layer) for f in found] == [("grad_explode", 2, "w")]
     assert found[0].value == pytest.approx(100.0)
+
+
+def test_a_model_that_stops_changing_is_one_finding_that_says_why() -> None:
+    """A loss with zero gradient everywhere (here: at its minimum) leaves every parameter unchanged: one
+    finding for the whole model, saying the gradients are 0, not one per parameter blaming the optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookcli.watch(model, optimizer) as w:
+        for _ in range(4):
+            loss = (model(torch.randn(8, 4)) * 0).sum()  # flat: every gradient is exactly 0
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+    assert [(f.rule, f.layer, f.step) for f in w.findings] == [("frozen", "0.weight", 2)]
+    assert w.findings[0].message.startswith("no parameter changed in 3 logged steps (4 parameters, 0.weight first;")
+    assert "gradient is exactly 0" in w.findings[0].message
+
+
+def test_a_frozen_parameter_is_told_by_what_its_gradient_was() -> None:
+    """One layer left out of the optimizer (it has a gradient) and one cut off by a detach (no gradient)."""
+    torch.manual_seed(0)
+    first, head = nn.Linear(4, 8), nn.Linear(8, 1)
+    unused = nn.Linear(8, 1)  # watched, never called: no gradient reaches it
+    model = nn.ModuleDict({"first": first, "head": head, "unused": unused})
+    optimizer = torch.optim.SGD([*first.parameters(), *unused.parameters()], lr=0.1)
+    with hookcli.watch(model, optimizer) as w:
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            loss = head(first(x).relu()).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+    messages = {f.layer: f.message for f in w.findings if f.rule == "frozen"}
+    assert set(messages) == {"head.weight", "head.bias", "unused.weight", "unused.bias"}
+    assert "it has a gradient: not in the optimizer?" in messages["head.weight"]
+    assert "no gradient reached it" in messages["unused.weight"]

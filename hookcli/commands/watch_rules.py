@@ -16,7 +16,7 @@ from typing import Any
 
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
-from hookcli.records import Finding, WatchStep
+from hookcli.records import Finding, WatchParam, WatchStep
 
 Settings = dict[str, Any]
 
@@ -122,6 +122,15 @@ def _ema(values: list[float], window: int) -> float:
     return avg
 
 
+def _frozen_cause(p: WatchParam) -> str:
+    """Why a parameter did not change, as its gradient tells."""
+    if p.grad is None:
+        return "no gradient reached it: detached, unused, or zero_grad() before the step?"
+    if p.grad["abs_max"] == 0:
+        return "its gradient is exactly 0: a loss at its minimum, or a dead path?"
+    return "it has a gradient: not in the optimizer? a learning rate of 0?"
+
+
 @dataclass
 class _State:
     """What the rules keep of earlier logged steps."""
@@ -195,18 +204,29 @@ class Rules:
                         + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}"))]
 
     def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
-        """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row."""
+        """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row; the message
+        says what its gradient was (none, exactly 0, or one the optimizer did not apply). When no watched
+        parameter changed at the step, one finding tells it for the whole model (a loss at its minimum, a
+        learning rate of 0) instead of one per parameter."""
         runs = self.state.frozen_runs
-        found = []
+        stuck: list[WatchParam] = []
+        moved = False
         for p in rec.params:
             if p.update_norm is None:
                 continue
             runs[p.name] = runs.get(p.name, 0) + 1 if p.update_norm == 0 else 0
+            moved = moved or p.update_norm != 0
             if runs[p.name] >= cfg["steps"] and self._new("frozen", p.name):
-                found.append(Finding("frozen", "warning", rec.step, p.name, "update", 0.0, 0.0,
-                                     f"{p.name} requires grad but did not change in {runs[p.name]} logged steps "
-                                     "(not in the optimizer? a learning rate of 0?)"))
-        return found
+                stuck.append(p)
+        if not moved and len(stuck) > 1:
+            causes = {_frozen_cause(p) for p in stuck}
+            cause = causes.pop() if len(causes) == 1 else "not in the optimizer? a learning rate of 0? no gradient?"
+            return [Finding("frozen", "warning", rec.step, stuck[0].name, "update", 0.0, 0.0,
+                            f"no parameter changed in {runs[stuck[0].name]} logged steps ({len(stuck)} parameters, "
+                            f"{stuck[0].name} first; {cause})")]
+        return [Finding("frozen", "warning", rec.step, p.name, "update", 0.0, 0.0,
+                        f"{p.name} requires grad but did not change in {runs[p.name]} logged steps ({_frozen_cause(p)})")
+                for p in stuck]
 
     def _update_ratio(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The median update / norm ratio over the weights (parameters of 2 dimensions or more) out of
