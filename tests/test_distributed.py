@@ -34,22 +34,22 @@ WORLD = 2
 REL = 1e-5
 
 
-def torchrun(mode: str, out: Path) -> list[dict[str, Any]] | None:
-    """Run the worker on 2 ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None for
-    ``count`` (its files are in ``out/4`` and ``out/40``)."""
+def torchrun(mode: str, out: Path, world: int = WORLD) -> list[dict[str, Any]] | None:
+    """Run the worker on ``world`` ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None
+    for ``count`` (its files are in ``out/4`` and ``out/40``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--master-addr", "127.0.0.1", "--master-port", str(port),
                            str(Path(worker.__file__)), mode, str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     if mode == "count":
         return None
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def torch_stats(t: torch.Tensor) -> dict[str, float]:
@@ -59,12 +59,12 @@ def torch_stats(t: torch.Tensor) -> dict[str, float]:
             "max": t.max().item(), "count": t.numel(), "zero_fraction": (t == 0).double().mean().item()}
 
 
-def reference() -> list[dict[str, Any]]:
+def reference(hidden: int = 5) -> list[dict[str, Any]]:
     """The worker's training in one process over the global batch, in plain torch: per step, each
     module's output and its gradient w.r.t. the sum of the ranks' losses (each rank's backward
     starts from its own mean loss), each parameter's norm before the step, its gradient (the ranks'
     mean: what DDP and FSDP2 leave in .grad), its update, and the ranks' mean loss."""
-    net = worker.model()
+    net = worker.model(hidden=hidden)
     params = dict(net.named_parameters())
     per_rank = worker.GLOBAL_BATCH // WORLD
     steps = []
@@ -132,6 +132,25 @@ def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, tmp_path: 
     # every rank got the same records; only rank 0 wrote (one log, one line per step)
     assert ranks[0]["records"] == ranks[1]["records"] == lines
     assert ranks[0]["findings"] == [] and ranks[1]["findings"] == []
+
+
+@pytest.mark.parametrize(("mode", "world", "out_grad_scale"), [("tp", 2, 1 / WORLD), ("fsdp_tp", 4, 1.0)])
+def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, world: int, out_grad_scale: float,
+                                                                  tmp_path: Path) -> None:
+    """Tensor parallel on 2 ranks (``0`` colwise, ``2`` rowwise; every rank the whole batch) and FSDP2 x
+    TP on 2 x 2 (each TP group half the batch, FSDP2 shards uneven and empty): the numbers of one
+    process over the global batch. The colwise layer's output and the ReLU after it are parts of the
+    features on each TP rank (summed), the rowwise output and what follows are copies (counted once).
+    Output gradients are of the loss each rank's backward starts from: under TP alone the global mean
+    loss (1/2 of the reference's sum of two half-batch losses), under FSDP2 x TP its TP group's half."""
+    ranks = torchrun(mode, tmp_path, world)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert_matches(lines, reference(worker.TP_HIDDEN), out_grad_scale=out_grad_scale)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "replicated", "3": "replicated", "4": "replicated"}
+    assert all(rank["records"] == lines for rank in ranks)
+    assert all(rank["findings"] == [] for rank in ranks)
 
 
 def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dict[str, Any]]) -> None:
