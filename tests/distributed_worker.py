@@ -10,7 +10,8 @@ MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``tp`` (tensor paral
 dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch) | ``faults`` (DDP; rank 1's copy of
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
-per logged step; ``OUT/4/`` and ``OUT/40/``).
+per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
+0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def refusals() -> list[tuple[str, int, str]]:
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if mode == "count":  # one process group, two watches: 4 and 40 layers
+    if mode == "stats":
+        stats(out)
+    elif mode == "count":  # one process group, two watches: 4 and 40 layers
         for layers in (4, 40):
             (out / str(layers)).mkdir(exist_ok=True)
             train(mode, out / str(layers), layers)
@@ -93,6 +96,17 @@ def main(mode: str, out: Path) -> None:
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+
+
+def stats(out: Path) -> None:
+    """``hookcli.stats`` of ``model()`` on this rank's slice of ``batch(0)``: as one input tensor and as
+    ``data`` in batches of 2 (the reports' dicts in ``out/rank<r>.json``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    x = batch(0)[0][rank * per_rank:(rank + 1) * per_rank]
+    net = model()
+    reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2)]
+    (out / f"rank{rank}.json").write_text(json.dumps([report.to_dict() for report in reports]))
 
 
 def train(mode: str, out: Path, layers: int) -> None:

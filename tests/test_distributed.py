@@ -153,6 +153,31 @@ def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, wor
     assert all(rank["findings"] == [] for rank in ranks)
 
 
+def test_stats_api_under_torchrun_is_over_every_ranks_batch(tmp_path: Path) -> None:
+    """``hookcli.stats`` on each rank's half of a batch, as one input and as ``data`` in batches of 2:
+    every rank's report holds the statistics of plain torch over the whole batch (the norm checks
+    the count), and says so in a note."""
+    ranks = torchrun("stats", tmp_path)
+    net = worker.model()
+    x, _ = worker.batch(0)
+    outputs, h = {}, x
+    with torch.no_grad():
+        for name, module in net.named_children():
+            h = module(h)
+            outputs[name] = h.double()
+    assert ranks[0] == ranks[1]
+    for report in ranks[0]:
+        assert [layer["name"] for layer in report["layers"]] == list(outputs)
+        assert any("2 ranks" in note for note in report["notes"])
+        for layer in report["layers"]:
+            out = outputs[layer["name"]]
+            want = {"mean": out.mean().item(), "std": out.std(correction=0).item(), "min": out.min().item(),
+                    "max": out.max().item(), "norm": torch.linalg.vector_norm(out).item(),
+                    "zero_fraction": (out == 0).double().mean().item()}
+            for key, value in want.items():
+                assert close(layer["stats"][key], value), (layer["name"], key)
+
+
 def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dict[str, Any]]) -> None:
     """The same model, weights and global batch in one process without a process group: the same
     numbers, but for output gradients, which are of the global mean loss (1/world of the ranks' sum)."""

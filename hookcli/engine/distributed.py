@@ -528,3 +528,39 @@ def _rank_findings(reduction: StepReduction, step: int, layers: Sequence[tuple[t
         found.append(Finding("nonfinite_rank", "error", step, name, direction, float(bad_rank), None,
                              f"NaN/Inf first seen on rank {bad_rank}, in {where}"))
     return found
+
+
+Rows = dict[Any, list[float]]
+
+
+def global_rows(stats: Rows, grads: Rows, *, failed: bool = False) -> tuple[Rows, Rows]:
+    """The ranks' host statistics rows merged into global ones (``stats`` / ``grads`` of the Python API
+    under ``torchrun``: each rank ran its own part of the batch; ``MergedRows.records``): the rows of
+    each key (any picklable key, the same model on every rank) over every rank that had it, with
+    ``StepReduction``'s collectives. Without a process group, the rows as they are. ``failed``: this
+    rank's run failed: every rank raises ``RanksFailed`` (none is left waiting in a collective)."""
+    group = process_group()
+    if group is None:
+        return stats, grads
+    reduction = StepReduction(group)
+    keys = list(dict.fromkeys([*stats, *grads]))
+    layer_rows = {key: (("", None, "", 1), stats.get(key), grads.get(key)) for key in keys}
+    layers, result = reduction.reduce(layer_rows, Plan(), None, failed=failed)
+    out_stats: Rows = {}
+    out_grads: Rows = {}
+    for index, (key, _) in enumerate(layers):
+        for out, row in ((out_stats, result.rows[2 * index]), (out_grads, result.rows[2 * index + 1])):
+            if row is not None:
+                out[key] = row
+    return out_stats, out_grads
+
+
+def world_size() -> int:
+    """The number of ranks of the default process group (1 without one)."""
+    return torch.distributed.get_world_size() if process_group() is not None else 1
+
+
+def ranks_note() -> str:
+    """What a report merged over the ranks says of it."""
+    return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own batch, "
+            "merged (docs/distributed.md)")
