@@ -1,8 +1,9 @@
-"""hookcli.watch under torchrun (docs/distributed.md): 2 ranks on CPU with gloo, DDP and FSDP2, against
-plain torch over the global batch, and against a one-process watch of the same model and batches.
+"""hookcli.watch under torchrun (docs/distributed.md): 2 ranks on CPU with gloo, DDP, FSDP2 and tensor
+parallel, and FSDP2 x TP on 4, against plain torch over the global batch, and against a one-process
+watch of the same model and batches; hookcli.stats under torchrun.
 
-Four torchrun runs (tests/distributed_worker.py), each paying two interpreter and torch start-ups:
-about 2 minutes wall (40 s CPU) on the shared 2-core development machine.
+Seven torchrun runs (tests/distributed_worker.py), each paying two (or four) interpreter and torch
+start-ups: 90 s wall (77 s CPU) on the shared 2-core development machine (docs/distributed.md).
 """
 
 from __future__ import annotations
