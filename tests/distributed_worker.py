@@ -99,13 +99,15 @@ def main(mode: str, out: Path) -> None:
 
 
 def stats(out: Path) -> None:
-    """``hookcli.stats`` of ``model()`` on this rank's slice of ``batch(0)``: as one input tensor and as
-    ``data`` in batches of 2 (the reports' dicts in ``out/rank<r>.json``)."""
+    """``hookcli.stats``, then ``hookcli.grads`` (loss: the output's mean) of ``model()`` on this rank's
+    slice of ``batch(0)``: as one input tensor and as ``data`` in batches of 2 (the reports' dicts in
+    ``out/rank<r>.json``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
     x = batch(0)[0][rank * per_rank:(rank + 1) * per_rank]
     net = model()
-    reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2)]
+    reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2),
+               hookcli.grads(net, inputs=x, loss="mean"), hookcli.grads(net, data=x, batch_size=2, loss="mean")]
     (out / f"rank{rank}.json").write_text(json.dumps([report.to_dict() for report in reports]))
 
 

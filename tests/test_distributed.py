@@ -154,11 +154,19 @@ def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, wor
     assert all(rank["findings"] == [] for rank in ranks)
 
 
-def test_stats_api_under_torchrun_is_over_every_ranks_batch(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def api_reports(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Each rank's ``stats`` and ``grads`` reports (the worker's ``stats`` mode: one torchrun)."""
+    ranks = torchrun("stats", tmp_path_factory.mktemp("api"))
+    assert ranks is not None
+    return ranks
+
+
+def test_stats_api_under_torchrun_is_over_every_ranks_batch(api_reports: list[list[dict[str, Any]]]) -> None:
     """``hookcli.stats`` on each rank's half of a batch, as one input and as ``data`` in batches of 2:
     every rank's report holds the statistics of plain torch over the whole batch (the norm checks
     the count), and says so in a note."""
-    ranks = torchrun("stats", tmp_path)
+    ranks = api_reports
     net = worker.model()
     x, _ = worker.batch(0)
     outputs, h = {}, x
@@ -167,7 +175,7 @@ def test_stats_api_under_torchrun_is_over_every_ranks_batch(tmp_path: Path) -> N
             h = module(h)
             outputs[name] = h.double()
     assert ranks[0] == ranks[1]
-    for report in ranks[0]:
+    for report in ranks[0][:2]:
         assert [layer["name"] for layer in report["layers"]] == list(outputs)
         assert any("2 ranks" in note for note in report["notes"])
         for layer in report["layers"]:
@@ -177,6 +185,42 @@ def test_stats_api_under_torchrun_is_over_every_ranks_batch(tmp_path: Path) -> N
                     "zero_fraction": (out == 0).double().mean().item()}
             for key, value in want.items():
                 assert close(layer["stats"][key], value), (layer["name"], key)
+
+
+def test_grads_api_under_torchrun_is_over_every_ranks_batch(api_reports: list[list[dict[str, Any]]]) -> None:
+    """``hookcli.grads`` (loss: the output's mean) on each rank's half of a batch, as one input and as
+    ``data`` in batches of 2: every rank's report holds plain torch's gradients over the whole batch:
+    each layer's output gradient that of the sum of the batch losses (each batch's backward starts
+    from its own loss), each parameter's that of their mean (DDP's), the loss their mean."""
+    ranks = api_reports
+    assert ranks[0] == ranks[1]
+    net = worker.model()
+    x, _ = worker.batch(0)
+    outputs, h = [], x
+    for module in net:
+        h = module(h)
+        outputs.append(h)
+    for report, rows in zip(ranks[0][2:], (4, 2)):  # rows per batch: one input per rank, then batches of 2
+        losses = [h[start:start + rows].mean() for start in range(0, worker.GLOBAL_BATCH, rows)]
+        out_grads = torch.autograd.grad(sum(losses), outputs, retain_graph=True)
+        param_grads = torch.autograd.grad(sum(losses) / len(losses), list(net.parameters()), retain_graph=True)
+        assert close(report["loss"]["value"], (sum(losses) / len(losses)).item())
+        assert any("2 ranks" in note for note in report["notes"])
+        assert [layer["name"] for layer in report["layers"]] == [str(i) for i in range(len(net))]
+        for layer, g in zip(report["layers"], out_grads):
+            for key, value in grad_stats(g).items():
+                assert close(layer["grad"][key], value), (rows, layer["name"], key)
+        assert [p["name"] for p in report["params"]] == [name for name, _ in net.named_parameters()]
+        for p, g in zip(report["params"], param_grads):
+            for key, value in grad_stats(g).items():
+                assert close(p["grad"][key], value), (rows, p["name"], key)
+
+
+def grad_stats(g: torch.Tensor) -> dict[str, float]:
+    """What a grads report says of a gradient, computed by torch (float64)."""
+    g = g.detach().double()
+    return {"mean": g.mean().item(), "std": g.std(correction=0).item(), "min": g.min().item(),
+            "max": g.max().item(), "norm": torch.linalg.vector_norm(g).item()}
 
 
 def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dict[str, Any]]) -> None:

@@ -564,3 +564,37 @@ def ranks_note() -> str:
     """What a report merged over the ranks says of it."""
     return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own batch, "
             "merged (docs/distributed.md)")
+
+
+def mean_over_ranks(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str, torch.Tensor | None]
+                    ) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient averaged over the ranks (what DDP applies: a rank without one adds
+    zeros), in one ``all_reduce`` of a packed float64 buffer; None where no rank has one. ``params``:
+    the same names in the same order on every rank (a replicated model). Without a process group,
+    ``grads`` as they are."""
+    group = process_group()
+    if group is None:
+        return grads
+    device = StepReduction(group).device
+    parts = []
+    for name, p in params:
+        g = grads.get(name)
+        parts.append(torch.tensor([0.0 if g is None else 1.0], dtype=torch.float64, device=device))
+        parts.append(torch.zeros(p.numel(), dtype=torch.float64, device=device) if g is None
+                     else g.detach().reshape(-1).to(device=device, dtype=torch.float64))
+    buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(buffer, group=group)
+    out: dict[str, torch.Tensor | None] = {}
+    at = 0
+    world = torch.distributed.get_world_size(group)
+    for name, p in params:
+        present, values = buffer[at].item(), buffer[at + 1:at + 1 + p.numel()]
+        at += 1 + p.numel()
+        out[name] = (values / world).reshape(p.shape) if present else None
+    return out
+
+
+def rank_mean(value: float) -> float:
+    """The mean of the ranks' ``value`` (one collective); ``value`` without a process group."""
+    group = process_group()
+    return StepReduction(group).rank_mean(value) if group is not None else value
