@@ -6,7 +6,7 @@
 record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
 
 MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``tp`` (tensor parallel: ``0`` colwise,
-``2`` rowwise, uneven shards; every rank the whole batch) | ``fsdp_tp`` (4 ranks: FSDP2 over mesh
+``2`` rowwise; every rank the whole batch) | ``tp_dtensor`` (as ``tp``, ``0`` and ``1`` output DTensors) | ``fsdp_tp`` (4 ranks: FSDP2 over mesh
 dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch) | ``faults`` (DDP; rank 1's copy of
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
@@ -16,6 +16,7 @@ per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on e
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -94,6 +95,7 @@ def main(mode: str, out: Path) -> None:
         train(mode, out, 0)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
+    gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
@@ -114,15 +116,16 @@ def stats(out: Path) -> None:
 def train(mode: str, out: Path, layers: int) -> None:
     """``STEPS`` steps of ``model(layers)`` under a watch; ``out/rank<r>.json`` says what it saw."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = model(layers, TP_HIDDEN if mode in ("tp", "fsdp_tp") else 5)
+    net = model(layers, TP_HIDDEN if mode in ("tp", "tp_dtensor", "fsdp_tp") else 5)
     data_rank, data_world = rank, world  # which slice of the global batch this rank trains on, of how many
-    if mode in ("tp", "fsdp_tp"):
+    if mode in ("tp", "tp_dtensor", "fsdp_tp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         shape = (world // 2, 2) if mode == "fsdp_tp" else (world,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp") if mode == "fsdp_tp" else ("tp",))
-        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        colwise = ColwiseParallel(use_local_output=mode != "tp_dtensor")  # tp_dtensor: 0 and 1 output DTensors
+        parallelize_module(net, mesh["tp"], {"0": colwise, "2": RowwiseParallel()})
         data_rank, data_world = (mesh["dp"].get_local_rank(), world // 2) if mode == "fsdp_tp" else (0, 1)
     if mode in ("fsdp", "fsdp_tp"):
         from torch.distributed.fsdp import fully_shard
@@ -131,7 +134,7 @@ def train(mode: str, out: Path, layers: int) -> None:
         for index in (0, 2, 4):
             fully_shard(net[index], **dp)
         wrapped: nn.Module = fully_shard(net, **dp)
-    elif mode == "tp":
+    elif mode in ("tp", "tp_dtensor"):
         wrapped = net
     else:
         wrapped = nn.parallel.DistributedDataParallel(net)

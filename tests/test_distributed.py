@@ -135,11 +135,13 @@ def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, tmp_path: 
     assert ranks[0]["findings"] == [] and ranks[1]["findings"] == []
 
 
-@pytest.mark.parametrize(("mode", "world", "out_grad_scale"), [("tp", 2, 1 / WORLD), ("fsdp_tp", 4, 1.0)])
+@pytest.mark.parametrize(("mode", "world", "out_grad_scale"), [("tp", 2, 1 / WORLD), ("tp_dtensor", 2, 1 / WORLD),
+                                                                 ("fsdp_tp", 4, 1.0)])
 def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, world: int, out_grad_scale: float,
                                                                   tmp_path: Path) -> None:
     """Tensor parallel on 2 ranks (``0`` colwise, ``2`` rowwise; every rank the whole batch) and FSDP2 x
-    TP on 2 x 2 (each TP group half the batch, FSDP2 shards uneven and empty): the numbers of one
+    TP on 2 x 2 (each TP group half the batch, FSDP2 shards uneven and empty), and TP whose colwise
+    layer outputs a DTensor (``use_local_output=False``; its local part is reduced): the numbers of one
     process over the global batch. The colwise layer's output and the ReLU after it are parts of the
     features on each TP rank (summed), the rowwise output and what follows are copies (counted once).
     Output gradients are of the loss each rank's backward starts from: under TP alone the global mean
