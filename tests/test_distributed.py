@@ -2,8 +2,8 @@
 parallel, and FSDP2 x TP on 4, against plain torch over the global batch, and against a one-process
 watch of the same model and batches; hookcli.stats under torchrun.
 
-Seven torchrun runs (tests/distributed_worker.py), each paying two (or four) interpreter and torch
-start-ups: 90 s wall (77 s CPU) on the shared 2-core development machine (docs/distributed.md).
+Eight torchrun runs (tests/distributed_worker.py), each paying two (or four) interpreter and torch
+start-ups: 108 s wall (97 s CPU) on the shared 2-core development machine (docs/distributed.md).
 """
 
 from __future__ import annotations
