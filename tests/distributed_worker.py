@@ -5,14 +5,18 @@
 (every step logged, the log at ``OUT/log.jsonl``), and writes ``OUT/rank<r>.json``: each logged
 record as ``w.last.to_dict()`` and the process group's collective counts around ``w.step()``.
 
-MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``faults`` (DDP; rank 1's copy of
+MODE: ``ddp`` | ``fsdp`` (FSDP2, uneven and empty shards) | ``tp`` (tensor parallel: ``0`` colwise,
+``2`` rowwise; every rank the whole batch) | ``tp_dtensor`` (as ``tp``, ``0`` and ``1`` output DTensors) | ``fsdp_tp`` (4 ranks: FSDP2 over mesh
+dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch) | ``faults`` (DDP; rank 1's copy of
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
-per logged step; ``OUT/4/`` and ``OUT/40/``).
+per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
+0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -26,15 +30,17 @@ import hookcli
 STEPS = 3
 GLOBAL_BATCH = 8
 LR = 0.1
+TP_HIDDEN = 6
 
 
-def model(layers: int = 0) -> nn.Sequential:
-    """The matrix's tiny model (seed 0): 5 rows in the first weight (FSDP2 on 2 ranks: 3 + 2) and one
-    in the last (1 + 0: an empty shard). ``layers``: a stack of that many Linear(4, 4) + ReLU instead."""
+def model(layers: int = 0, hidden: int = 5) -> nn.Sequential:
+    """The matrix's tiny model (seed 0): ``hidden`` rows in the first weight (5: FSDP2 on 2 ranks 3 + 2;
+    6 for tensor parallelism, whose activations shard evenly only) and one in the last (1 + 0: an
+    empty shard). ``layers``: a stack of that many Linear(4, 4) + ReLU instead."""
     torch.manual_seed(0)
     if layers:
         return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(4, 4), nn.ReLU())), nn.Linear(4, 1))
-    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, 4), nn.Tanh(), nn.Linear(4, 1))
 
 
 def batch(step: int, features: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +65,8 @@ class Unreadable(torch.Tensor):
 
 def refusals() -> list[tuple[str, int, str]]:
     """What hookcli.watch says of what it does not reduce yet: (error class, exit code, message) for a
-    DTensor parameter on a 2-D mesh (tensor parallelism's layout). (FSDP1, also refused, cannot be
-    built on CPU: "FSDP needs a non-CPU accelerator device".)"""
+    DTensor parameter on a 2-D mesh without FSDP2 (two tensor-parallel dimensions). (FSDP1, also
+    refused, cannot be built on CPU: "FSDP needs a non-CPU accelerator device".)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -79,7 +85,9 @@ def refusals() -> list[tuple[str, int, str]]:
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if mode == "count":  # one process group, two watches: 4 and 40 layers
+    if mode == "stats":
+        stats(out)
+    elif mode == "count":  # one process group, two watches: 4 and 40 layers
         for layers in (4, 40):
             (out / str(layers)).mkdir(exist_ok=True)
             train(mode, out / str(layers), layers)
@@ -87,20 +95,47 @@ def main(mode: str, out: Path) -> None:
         train(mode, out, 0)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
+    gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+
+
+def stats(out: Path) -> None:
+    """``hookcli.stats``, then ``hookcli.grads`` (loss: the output's mean) of ``model()`` on this rank's
+    slice of ``batch(0)``: as one input tensor and as ``data`` in batches of 2 (the reports' dicts in
+    ``out/rank<r>.json``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    x = batch(0)[0][rank * per_rank:(rank + 1) * per_rank]
+    net = model()
+    reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2),
+               hookcli.grads(net, inputs=x, loss="mean"), hookcli.grads(net, data=x, batch_size=2, loss="mean")]
+    (out / f"rank{rank}.json").write_text(json.dumps([report.to_dict() for report in reports]))
 
 
 def train(mode: str, out: Path, layers: int) -> None:
     """``STEPS`` steps of ``model(layers)`` under a watch; ``out/rank<r>.json`` says what it saw."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = model(layers)
-    if mode == "fsdp":
+    net = model(layers, TP_HIDDEN if mode in ("tp", "tp_dtensor", "fsdp_tp") else 5)
+    data_rank, data_world = rank, world  # which slice of the global batch this rank trains on, of how many
+    if mode in ("tp", "tp_dtensor", "fsdp_tp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        shape = (world // 2, 2) if mode == "fsdp_tp" else (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp") if mode == "fsdp_tp" else ("tp",))
+        colwise = ColwiseParallel(use_local_output=mode != "tp_dtensor")  # tp_dtensor: 0 and 1 output DTensors
+        parallelize_module(net, mesh["tp"], {"0": colwise, "2": RowwiseParallel()})
+        data_rank, data_world = (mesh["dp"].get_local_rank(), world // 2) if mode == "fsdp_tp" else (0, 1)
+    if mode in ("fsdp", "fsdp_tp"):
         from torch.distributed.fsdp import fully_shard
 
+        dp = {"mesh": mesh["dp"]} if mode == "fsdp_tp" else {}
         for index in (0, 2, 4):
-            fully_shard(net[index])
-        wrapped: nn.Module = fully_shard(net)
+            fully_shard(net[index], **dp)
+        wrapped: nn.Module = fully_shard(net, **dp)
+    elif mode in ("tp", "tp_dtensor"):
+        wrapped = net
     else:
         wrapped = nn.parallel.DistributedDataParallel(net)
         if mode == "faults" and rank == 1:
@@ -109,11 +144,11 @@ def train(mode: str, out: Path, layers: int) -> None:
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     group = dist.group.WORLD
     records, collectives, errors = [], [], []
-    per_rank = GLOBAL_BATCH // world
+    per_rank = GLOBAL_BATCH // data_world
     with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
         for step in range(STEPS):
             x, y = batch(step, 4 if layers else 3)
-            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            x, y = x[data_rank * per_rank:(data_rank + 1) * per_rank], y[data_rank * per_rank:(data_rank + 1) * per_rank]
             if mode == "faults" and rank == 1 and step == 1:
                 x = x.clone()
                 x[0, 0] = float("nan")

@@ -1,8 +1,9 @@
-"""hookcli.watch under torchrun (docs/distributed.md): 2 ranks on CPU with gloo, DDP and FSDP2, against
-plain torch over the global batch, and against a one-process watch of the same model and batches.
+"""hookcli.watch under torchrun (docs/distributed.md): 2 ranks on CPU with gloo, DDP, FSDP2 and tensor
+parallel, and FSDP2 x TP on 4, against plain torch over the global batch, and against a one-process
+watch of the same model and batches; hookcli.stats under torchrun.
 
-Four torchrun runs (tests/distributed_worker.py), each paying two interpreter and torch start-ups:
-about 2 minutes wall (40 s CPU) on the shared 2-core development machine.
+Eight torchrun runs (tests/distributed_worker.py), each paying two (or four) interpreter and torch
+start-ups: 108 s wall (97 s CPU) on the shared 2-core development machine (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -34,22 +35,22 @@ WORLD = 2
 REL = 1e-5
 
 
-def torchrun(mode: str, out: Path) -> list[dict[str, Any]] | None:
-    """Run the worker on 2 ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None for
-    ``count`` (its files are in ``out/4`` and ``out/40``)."""
+def torchrun(mode: str, out: Path, world: int = WORLD) -> list[dict[str, Any]] | None:
+    """Run the worker on ``world`` ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None
+    for ``count`` (its files are in ``out/4`` and ``out/40``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--master-addr", "127.0.0.1", "--master-port", str(port),
                            str(Path(worker.__file__)), mode, str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     if mode == "count":
         return None
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def torch_stats(t: torch.Tensor) -> dict[str, float]:
@@ -59,12 +60,12 @@ def torch_stats(t: torch.Tensor) -> dict[str, float]:
             "max": t.max().item(), "count": t.numel(), "zero_fraction": (t == 0).double().mean().item()}
 
 
-def reference() -> list[dict[str, Any]]:
+def reference(hidden: int = 5) -> list[dict[str, Any]]:
     """The worker's training in one process over the global batch, in plain torch: per step, each
     module's output and its gradient w.r.t. the sum of the ranks' losses (each rank's backward
     starts from its own mean loss), each parameter's norm before the step, its gradient (the ranks'
     mean: what DDP and FSDP2 leave in .grad), its update, and the ranks' mean loss."""
-    net = worker.model()
+    net = worker.model(hidden=hidden)
     params = dict(net.named_parameters())
     per_rank = worker.GLOBAL_BATCH // WORLD
     steps = []
@@ -132,6 +133,96 @@ def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, tmp_path: 
     # every rank got the same records; only rank 0 wrote (one log, one line per step)
     assert ranks[0]["records"] == ranks[1]["records"] == lines
     assert ranks[0]["findings"] == [] and ranks[1]["findings"] == []
+
+
+@pytest.mark.parametrize(("mode", "world", "out_grad_scale"), [("tp", 2, 1 / WORLD), ("tp_dtensor", 2, 1 / WORLD),
+                                                                 ("fsdp_tp", 4, 1.0)])
+def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, world: int, out_grad_scale: float,
+                                                                  tmp_path: Path) -> None:
+    """Tensor parallel on 2 ranks (``0`` colwise, ``2`` rowwise; every rank the whole batch) and FSDP2 x
+    TP on 2 x 2 (each TP group half the batch, FSDP2 shards uneven and empty), and TP whose colwise
+    layer outputs a DTensor (``use_local_output=False``; its local part is reduced): the numbers of one
+    process over the global batch. The colwise layer's output and the ReLU after it are parts of the
+    features on each TP rank (summed), the rowwise output and what follows are copies (counted once).
+    Output gradients are of the loss each rank's backward starts from: under TP alone the global mean
+    loss (1/2 of the reference's sum of two half-batch losses), under FSDP2 x TP its TP group's half."""
+    ranks = torchrun(mode, tmp_path, world)
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert_matches(lines, reference(worker.TP_HIDDEN), out_grad_scale=out_grad_scale)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "replicated", "3": "replicated", "4": "replicated"}
+    assert all(rank["records"] == lines for rank in ranks)
+    assert all(rank["findings"] == [] for rank in ranks)
+
+
+@pytest.fixture(scope="module")
+def api_reports(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Each rank's ``stats`` and ``grads`` reports (the worker's ``stats`` mode: one torchrun)."""
+    ranks = torchrun("stats", tmp_path_factory.mktemp("api"))
+    assert ranks is not None
+    return ranks
+
+
+def test_stats_api_under_torchrun_is_over_every_ranks_batch(api_reports: list[list[dict[str, Any]]]) -> None:
+    """``hookcli.stats`` on each rank's half of a batch, as one input and as ``data`` in batches of 2:
+    every rank's report holds the statistics of plain torch over the whole batch (the norm checks
+    the count), and says so in a note."""
+    ranks = api_reports
+    net = worker.model()
+    x, _ = worker.batch(0)
+    outputs, h = {}, x
+    with torch.no_grad():
+        for name, module in net.named_children():
+            h = module(h)
+            outputs[name] = h.double()
+    assert ranks[0] == ranks[1]
+    for report in ranks[0][:2]:
+        assert [layer["name"] for layer in report["layers"]] == list(outputs)
+        assert any("2 ranks" in note for note in report["notes"])
+        for layer in report["layers"]:
+            out = outputs[layer["name"]]
+            want = {"mean": out.mean().item(), "std": out.std(correction=0).item(), "min": out.min().item(),
+                    "max": out.max().item(), "norm": torch.linalg.vector_norm(out).item(),
+                    "zero_fraction": (out == 0).double().mean().item()}
+            for key, value in want.items():
+                assert close(layer["stats"][key], value), (layer["name"], key)
+
+
+def test_grads_api_under_torchrun_is_over_every_ranks_batch(api_reports: list[list[dict[str, Any]]]) -> None:
+    """``hookcli.grads`` (loss: the output's mean) on each rank's half of a batch, as one input and as
+    ``data`` in batches of 2: every rank's report holds plain torch's gradients over the whole batch:
+    each layer's output gradient that of the sum of the batch losses (each batch's backward starts
+    from its own loss), each parameter's that of their mean (DDP's), the loss their mean."""
+    ranks = api_reports
+    assert ranks[0] == ranks[1]
+    net = worker.model()
+    x, _ = worker.batch(0)
+    outputs, h = [], x
+    for module in net:
+        h = module(h)
+        outputs.append(h)
+    for report, rows in zip(ranks[0][2:], (4, 2)):  # rows per batch: one input per rank, then batches of 2
+        losses = [h[start:start + rows].mean() for start in range(0, worker.GLOBAL_BATCH, rows)]
+        out_grads = torch.autograd.grad(sum(losses), outputs, retain_graph=True)
+        param_grads = torch.autograd.grad(sum(losses) / len(losses), list(net.parameters()), retain_graph=True)
+        assert close(report["loss"]["value"], (sum(losses) / len(losses)).item())
+        assert any("2 ranks" in note for note in report["notes"])
+        assert [layer["name"] for layer in report["layers"]] == [str(i) for i in range(len(net))]
+        for layer, g in zip(report["layers"], out_grads):
+            for key, value in grad_stats(g).items():
+                assert close(layer["grad"][key], value), (rows, layer["name"], key)
+        assert [p["name"] for p in report["params"]] == [name for name, _ in net.named_parameters()]
+        for p, g in zip(report["params"], param_grads):
+            for key, value in grad_stats(g).items():
+                assert close(p["grad"][key], value), (rows, p["name"], key)
+
+
+def grad_stats(g: torch.Tensor) -> dict[str, float]:
+    """What a grads report says of a gradient, computed by torch (float64)."""
+    g = g.detach().double()
+    return {"mean": g.mean().item(), "std": g.std(correction=0).item(), "min": g.min().item(),
+            "max": g.max().item(), "norm": torch.linalg.vector_norm(g).item()}
 
 
 def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dict[str, Any]]) -> None:

@@ -380,9 +380,12 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
+    from hookcli.engine import distributed
     from hookcli.engine.run import new_report, raise_failure, run_step, running
 
     opts = prep.options
+    # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
+    ranks = command == "grads" and observer is None and distributed.process_group() is not None
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
@@ -398,8 +401,11 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
 
     # parameters are read inside ``running``: moving the model may replace its parameter objects
     with running(prep) as (model, args, kwargs):
+        scope = param_scope(prep.index, prep.selection, opts.params)
         run = run_step(prep, model, args, kwargs, hooks, loss=loss, observer=observer, clip=opts.clip,
-                       params=param_scope(prep.index, prep.selection, opts.params))
+                       params=scope, merge=ranks)
+        if ranks:
+            _over_ranks(prep, run, scope)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
         raise no_gradients(prep)
     report.layers = run.layers
@@ -412,7 +418,10 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     if opts.params == "selected" and not run.params:
         report.notes.append("the selected modules have no parameters (--params all lists every parameter)")
     if run.loss is not None:
-        report.loss = run.loss[0].info(run.loss_value)
+        report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
+                                       else run.loss_value)
+    if ranks:
+        report.notes.append(distributed.ranks_note())
     if run.flops is not None:
         report.flops = run.flops
     quantized = quantized_modules(model)
@@ -424,6 +433,26 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     if run.failure is not None:
         raise_failure(report, run.failure, run.cause)
     return report
+
+
+def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]]) -> None:
+    """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``): the
+    layers' statistics over every rank's batch, each parameter's gradient the ranks' mean (DDP's)."""
+    from hookcli.engine import distributed
+    from hookcli.engine.batches import MergedRows, batch_size_of
+    from hookcli.engine.run import ranked_records
+
+    rows = MergedRows()
+    rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
+    run.layers = ranked_records(rows, failed=run.failure is not None)
+    if run.failure is not None:
+        return
+    means = distributed.mean_over_ranks(scope, run.gradients or {})
+    names = [name for name, g in means.items() if g is not None]
+    host = dict(zip(names, to_host([reduce_tensor(means[name], zeros=False) for name in names])))
+    for record in run.params:
+        if record.name in host:
+            record.grad = gradient_stats(host[record.name], abs_max=True)
 
 
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
@@ -441,7 +470,9 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.progress import bar as progress_bar
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
-    from hookcli.engine.run import data_batches, data_source, new_report, raise_failure, require_values, run_step, running
+    from hookcli.engine import distributed
+    from hookcli.engine.run import (data_batches, data_source, new_report, raise_failure, ranked_records,
+                                    require_values, run_step, running)
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -454,6 +485,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     _refuse_inference_tensors(prep.index)
     report = new_report(prep, command)
     rows = MergedRows()
+    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
     sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
     losses: list[float] = []
     choice: LossChoice | None = None
@@ -473,7 +505,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = rows.records()
+                report.layers = ranked_records(rows, failed=True) if ranks else rows.records()
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             if not run.reached:
@@ -487,12 +519,15 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
             losses.append(float(run.loss_value) if run.loss_value is not None else math.nan)
             advance(1)
         count = len(losses)
+        if ranks:  # the layers' rows first: a rank whose model raised waits in that collective
+            report.layers = ranked_records(rows, failed=False)
+        means = distributed.mean_over_ranks(reported, {name: sums[name].div_(count) for name in sums})
         extra: list[Vector] = []
         plan: list[tuple[str, nn.Parameter, int | None, int]] = []
         for name, p in reported:
             g_slot = None
-            if name in sums:
-                extra.append(reduce_tensor(sums[name].div_(count), zeros=False))
+            if means.get(name) is not None:
+                extra.append(reduce_tensor(means[name], zeros=False))
                 g_slot = len(extra) - 1
             extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
             plan.append((name, p, g_slot, len(extra) - 1))
@@ -500,10 +535,14 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
         report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=values[n][0],
                                      grad=gradient_stats(values[g], abs_max=True) if g is not None else None)
                          for name, p, g, n in plan] if opts.params != "none" else None
-    report.layers = rows.records()
+    if not ranks:
+        report.layers = rows.records()
     data_source(prep, report, rows)
     if choice is not None:
-        report.loss = choice.info(math.fsum(losses) / count)
-    report.notes.append(f"parameter gradients: of the mean loss over the {count} batches; layer gradients: "
+        report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
+    if ranks:
+        report.notes.append(distributed.ranks_note())
+    where = f"{count} batches" + (f" of each of the {distributed.world_size()} ranks" if ranks else "")
+    report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")
     return report

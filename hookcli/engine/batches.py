@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hookcli.engine import distributed
 from hookcli.engine.loading import DATA_HINT, LoadedModel, import_attr
 from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
@@ -259,11 +260,15 @@ class MergedRows:
                     have = merged.get(key)
                     merged[key] = vector if have is None else merge(have, vector)
 
-    def records(self) -> list[LayerRecord]:
-        """The merged rows (statistics of all their batches), in the order they were first seen."""
+    def records(self, *, ranks: bool = False, failed: bool = False) -> list[LayerRecord]:
+        """The merged rows (statistics of all their batches), in the order they were first seen.
+        ``ranks``: under ``torchrun``, merged over every rank's batches too (``distributed.global_rows``;
+        ``failed``: this rank's run failed, every rank raises ``RanksFailed``)."""
         stats, grads = list(self._stats), list(self._grads)
         host = to_host([self._stats[k] for k in stats] + [self._grads[k] for k in grads])
         merged_stats, merged_grads = dict(zip(stats, host)), dict(zip(grads, host[len(stats):]))
+        if ranks:  # under torchrun: over every rank's batches (docs/distributed.md); as they are without one
+            merged_stats, merged_grads = distributed.global_rows(merged_stats, merged_grads, failed=failed)
         out = []
         for key, rec in self._rows.items():
             values, grad = merged_stats.get(key), merged_grads.get(key)

@@ -105,21 +105,77 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(name: str, p: torch.Tensor) -> bool:
-    """Whether ``p``'s ranks hold disjoint parts of it (a DTensor ``Shard`` over the whole world) rather
-    than copies. UnsupportedError for layouts this step does not reduce exactly (a mesh of more than one
-    dimension, a part of the world, a ``Partial`` placement)."""
+    """Whether ``p``'s ranks hold disjoint parts of it (a DTensor with a ``Shard`` placement on some mesh
+    dimension: FSDP2, tensor parallelism, both) rather than copies. UnsupportedError for layouts this
+    step does not reduce exactly (a mesh of more than two dimensions, a ``Partial`` placement; a mesh
+    of part of the world is checked by ``tp_groups``)."""
     dtensor = _dtensor_type()
     if dtensor is None or not isinstance(p, dtensor):
         return False
     mesh, placements = p.device_mesh, p.placements
-    if mesh.ndim != 1 or mesh.size() != torch.distributed.get_world_size():
+    if mesh.ndim > 2:
         raise UnsupportedError(f"parameter {name} is a DTensor over a {mesh.ndim}-D mesh of {mesh.size()} ranks",
-                               hint="hookcli's distributed watch reduces DTensor parameters on a 1-D mesh of the "
-                                    "whole world (FSDP2) and replicated ones (DDP); tensor parallelism is not yet")
-    if placements[0].is_partial():
+                               hint="hookcli's distributed watch reduces DTensor parameters on a 1-D or 2-D mesh "
+                                    "of the whole world (FSDP2, tensor parallel, FSDP2 x TP) and replicated ones (DDP)")
+    if any(placement.is_partial() for placement in placements):
         raise UnsupportedError(f"parameter {name} is a DTensor with a Partial placement",
-                               hint="watch parameters that are sharded or replicated (FSDP2, DDP)")
-    return bool(placements[0].is_shard())
+                               hint="watch parameters that are sharded or replicated (FSDP2, TP, DDP)")
+    return any(placement.is_shard() for placement in placements)
+
+
+def owns(p: torch.Tensor, tp_first: bool = True) -> bool:
+    """Whether this rank adds its local part of ``p`` to the global statistics: a DTensor's part is held
+    by every rank along the mesh dimensions where it is ``Replicate``; the rank at coordinate 0 there
+    adds it, the others add nothing (so shards sum and copies count once). A DTensor over part of the
+    world (FSDP2's data-parallel mesh under FSDP2 x TP) has a copy in every TP group: the TP group's
+    first rank adds it (``tp_first``). True for other tensors."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return True
+    if p.device_mesh.size() != torch.distributed.get_world_size() and not tp_first:
+        return False
+    coordinate = p.device_mesh.get_coordinate()
+    return all(coordinate[dim] == 0 for dim, placement in enumerate(p.placements) if placement.is_replicate())
+
+
+def tp_groups(model: nn.Module, params: Sequence[tuple[str, torch.Tensor]]) -> list[list[int]] | None:
+    """The tensor-parallel groups (each a list of ranks) of ``model``'s DTensor parameters, or None
+    without tensor parallelism. Their mesh's dimensions are tensor parallel but for the first when
+    the model has FSDP2 modules (``fully_shard`` shards over mesh dimension 0: FSDP2 x TP). Ranks of one
+    TP group see the same batch: a layer output they hold copies of is counted once, one they hold
+    parts of is summed (``StepReduction.placement``). UnsupportedError for more than one TP dimension
+    or parameters on different TP groups, and for a DTensor over part of the world but under FSDP2 x TP."""
+    dtensor = _dtensor_type()
+    meshes = [(name, p.device_mesh) for name, p in params if dtensor is not None and isinstance(p, dtensor)]
+    if not meshes:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    first_tp_dim = 1 if any(isinstance(m, FSDPModule) for m in model.modules()) else 0
+    found: list[list[int]] | None = None
+    for name, mesh in meshes:
+        tp_dims = mesh.ndim - first_tp_dim
+        if tp_dims == 0:
+            continue
+        if tp_dims > 0 and mesh.size() != torch.distributed.get_world_size():
+            raise UnsupportedError(f"parameter {name} is tensor parallel over {mesh.size()} of "
+                                   f"{torch.distributed.get_world_size()} ranks",
+                                   hint="hookcli reduces a device mesh of the whole world (TP, or FSDP2 x TP)")
+        if tp_dims > 1:
+            raise UnsupportedError(f"parameter {name} is a DTensor over a {mesh.ndim}-D mesh without FSDP2",
+                                   hint="hookcli reduces tensor parallelism over one mesh dimension, alone or "
+                                        "under FSDP2 (fully_shard over mesh dimension 0)")
+        ranks = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+        if found is not None and sorted(ranks) != sorted(found):
+            raise UnsupportedError(f"parameter {name} is tensor parallel over other ranks than the model's "
+                                   "other DTensor parameters", hint="parallelize the model over one device mesh")
+        found = ranks
+    partial = [name for name, mesh in meshes if mesh.size() != torch.distributed.get_world_size()]
+    if partial and found is None:
+        raise UnsupportedError(f"parameter {partial[0]} is a DTensor over part of the world's ranks",
+                               hint="hookcli reduces DTensor parameters on a mesh of the whole world, or FSDP2's "
+                                    "data-parallel mesh under FSDP2 x TP")
+    return found
 
 
 @dataclass
@@ -152,30 +208,56 @@ class StepReduction:
     ``collectives`` counts the ``all_reduce``/``all_gather_object`` calls it made (tests check it against the process group's own sequence number).
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, tp: list[list[int]] | None = None) -> None:
         self.group = group
         self.rank = torch.distributed.get_rank(group)
         self.world = torch.distributed.get_world_size(group)
+        #: the tensor-parallel groups (``tp_groups``), None without tensor parallelism
+        self.tp = tp
+        #: whether this rank is the first of its TP group (it alone adds a replicated output's rows)
+        self.tp_first = tp is None or any(ranks[0] == self.rank for ranks in tp)
         self.layers: list[tuple[str, str]] = []
         #: layer key -> (type, shape, dtype) as the first rank that ran it saw it
         self.meta: dict[tuple[str, str], tuple[str, list[int] | None, str]] = {}
+        #: layer key -> "data" (no TP: each rank its own batch, summed), "sharded" (the ranks of a TP
+        #: group hold parts of the output: summed) or "replicated" (they hold copies: counted once)
+        self.placement: dict[tuple[str, str], str] = {}
         self.collectives = 0
         self.nonfinite_seen = False
         backend = torch.distributed.get_backend(group)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
     # -- the layout ------------------------------------------------------------------------------
-    def _learn(self, local_meta: dict[tuple[str, str], tuple[str, list[int] | None, str]]) -> None:
+    def _learn(self, local_meta: dict[tuple[str, str], tuple[Any, ...]]) -> None:
         """Every rank's keys into the layout (one ``all_gather_object``): known keys keep their slots, new
-        ones follow in rank order and, within a rank, in the order its modules ran."""
+        ones follow in rank order and, within a rank, in the order its modules ran. Under tensor
+        parallelism each key's meta carries the rank's statistics row, and a new key's placement is
+        decided from them (``_placement``), the same on every rank."""
         gathered: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(gathered, local_meta, group=self.group)
         self.collectives += 1
         for metas in gathered:
             for key, meta in metas.items():
                 if key not in self.meta:
-                    self.meta[key] = meta
+                    self.meta[key] = meta[:3]
                     self.layers.append(key)
+                    self.placement[key] = self._placement(key, gathered)
+
+    def _placement(self, key: tuple[str, str], gathered: list[Any]) -> str:
+        """A plain-tensor output's placement, from the ranks' statistics rows of the step that first ran
+        it: "replicated" when in every TP group that ran it all ranks hold equal rows (``_same``), else
+        "sharded"; "data" without tensor parallelism."""
+        if self.tp is None:
+            return "data"
+        ran = False
+        for ranks in self.tp:
+            rows = [gathered[r][key][3] if key in gathered[r] else None for r in ranks]
+            if all(row is None for row in rows):
+                continue
+            ran = True
+            if any(row is None for row in rows) or not all(_same(row, rows[0]) for row in rows[1:]):
+                return "sharded"
+        return "replicated" if ran else "sharded"
 
     # -- the reduction ---------------------------------------------------------------------------
     def reduce(self, layer_rows: dict[tuple[str, str], tuple[tuple[Any, ...], Sequence[float] | None,
@@ -187,12 +269,15 @@ class StepReduction:
         slots in attach order; ``loss``: this rank's. Returns the layers in layout order, each as key
         and meta (with the most calls any rank made), and the result: slots ``2 i`` and ``2 i + 1`` are
         layer ``i``'s statistics and gradient, then come ``params``' slots, then the mean loss."""
-        local_meta = {key: meta[:3] for key, (meta, _, _) in layer_rows.items()}
+        local_meta = {key: meta[:3] if self.tp is None else (*meta[:3], stats)
+                      for key, (meta, stats, _) in layer_rows.items()}
         new = sum(1 for key in layer_rows if key not in self.meta)
         while True:
             plan = Plan()
             for key in self.layers:
                 _, stats, grad = layer_rows.get(key, ((), None, None))
+                if self.placement[key] == "replicated" and not self.tp_first:  # counted once: the TP group's first rank's
+                    stats = grad = None
                 plan.add(MERGED, stats)
                 plan.add(MERGED, grad)
             plan.kinds += params.kinds
@@ -337,14 +422,15 @@ def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
 
 def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
-               loss: Vector | None, *, failed: bool = False) -> WatchStep:
+               loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None) -> WatchStep:
     """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
     ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
-    of them are shards (``is_sharded``); ``failed``: hookcli's hooks failed on this rank in the step.
+    of them are shards (``is_sharded``); ``owned``: which this rank adds (``owns``; all without it);
+    ``failed``: hookcli's hooks failed on this rank in the step.
     Every rank gets the same record; rank diagnostics are findings."""
     try:
-        rows = _local_rows(groups, params, sharded, updates, loss)
+        rows = _local_rows(groups, params, sharded, updates, loss, owned)
     except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
         plan = Plan()  # the same slots as the other ranks', all empty
         for shard in sharded:
@@ -360,8 +446,10 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
 
 
 def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
-                updates: Sequence[Vector] | None, loss: Vector | None) -> tuple[Any, Plan, float | None]:
-    """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer."""
+                updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None
+                ) -> tuple[Any, Plan, float | None]:
+    """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer; a
+    sharded parameter's rows are left out where this rank does not own its part (``owns``)."""
     local_vectors: list[Vector] = []
     for *_, stats, grad in groups.values():
         local_vectors += [v for v in (stats, grad) if v is not None]
@@ -378,10 +466,13 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
                   for key, (typ, shape, dtype, calls, stats, grad) in groups.items()}
     plan = Plan()
     for i, p in enumerate(params):
-        plan.add(MERGED if sharded[i] else REPLICATED, take(p.grad))
+        rows = [take(p.grad), take(p.norm), take(updates[i]) if updates else None]
+        if sharded[i] and owned is not None and not owned[i]:  # another rank adds this copy of the part
+            rows = [None, None, None]
+        plan.add(MERGED if sharded[i] else REPLICATED, rows[0])
         norm_kind = SHARDED_NORM if sharded[i] else REPLICATED
-        plan.add(norm_kind, take(p.norm))
-        plan.add(norm_kind, take(updates[i]) if updates else None)
+        plan.add(norm_kind, rows[1])
+        plan.add(norm_kind, rows[2])
     loss_row = take(loss)
     return layer_rows, plan, loss_row[0] if loss_row is not None else None
 
@@ -396,7 +487,9 @@ def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[st
 
     record = WatchStep(step, rows[-1][0] if rows[-1] is not None else None)
     for i, ((name, path), (typ, shape, dtype, calls)) in enumerate(layers):
-        record.layers.append(WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1)))
+        placement = reduction.placement.get((name, path)) if reduction.tp is not None else None
+        record.layers.append(WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1),
+                                        placement))
     base = 2 * len(layers)
     for i, p in enumerate(params):
         g, n, u = base + 3 * i, base + 3 * i + 1, base + 3 * i + 2
@@ -435,3 +528,73 @@ def _rank_findings(reduction: StepReduction, step: int, layers: Sequence[tuple[t
         found.append(Finding("nonfinite_rank", "error", step, name, direction, float(bad_rank), None,
                              f"NaN/Inf first seen on rank {bad_rank}, in {where}"))
     return found
+
+
+Rows = dict[Any, list[float]]
+
+
+def global_rows(stats: Rows, grads: Rows, *, failed: bool = False) -> tuple[Rows, Rows]:
+    """The ranks' host statistics rows merged into global ones (``stats`` / ``grads`` of the Python API
+    under ``torchrun``: each rank ran its own part of the batch; ``MergedRows.records``): the rows of
+    each key (any picklable key, the same model on every rank) over every rank that had it, with
+    ``StepReduction``'s collectives. Without a process group, the rows as they are. ``failed``: this
+    rank's run failed: every rank raises ``RanksFailed`` (none is left waiting in a collective)."""
+    group = process_group()
+    if group is None:
+        return stats, grads
+    reduction = StepReduction(group)
+    keys = list(dict.fromkeys([*stats, *grads]))
+    layer_rows = {key: (("", None, "", 1), stats.get(key), grads.get(key)) for key in keys}
+    layers, result = reduction.reduce(layer_rows, Plan(), None, failed=failed)
+    out_stats: Rows = {}
+    out_grads: Rows = {}
+    for index, (key, _) in enumerate(layers):
+        for out, row in ((out_stats, result.rows[2 * index]), (out_grads, result.rows[2 * index + 1])):
+            if row is not None:
+                out[key] = row
+    return out_stats, out_grads
+
+
+def world_size() -> int:
+    """The number of ranks of the default process group (1 without one)."""
+    return torch.distributed.get_world_size() if process_group() is not None else 1
+
+
+def ranks_note() -> str:
+    """What a report merged over the ranks says of it."""
+    return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own batch, "
+            "merged (docs/distributed.md)")
+
+
+def mean_over_ranks(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str, torch.Tensor | None]
+                    ) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient averaged over the ranks (what DDP applies: a rank without one adds
+    zeros), in one ``all_reduce`` of a packed float64 buffer; None where no rank has one. ``params``:
+    the same names in the same order on every rank (a replicated model). Without a process group,
+    ``grads`` as they are."""
+    group = process_group()
+    if group is None:
+        return grads
+    device = StepReduction(group).device
+    parts = []
+    for name, p in params:
+        g = grads.get(name)
+        parts.append(torch.tensor([0.0 if g is None else 1.0], dtype=torch.float64, device=device))
+        parts.append(torch.zeros(p.numel(), dtype=torch.float64, device=device) if g is None
+                     else g.detach().reshape(-1).to(device=device, dtype=torch.float64))
+    buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(buffer, group=group)
+    out: dict[str, torch.Tensor | None] = {}
+    at = 0
+    world = torch.distributed.get_world_size(group)
+    for name, p in params:
+        present, values = buffer[at].item(), buffer[at + 1:at + 1 + p.numel()]
+        at += 1 + p.numel()
+        out[name] = (values / world).reshape(p.shape) if present else None
+    return out
+
+
+def rank_mean(value: float) -> float:
+    """The mean of the ranks' ``value`` (one collective); ``value`` without a process group."""
+    group = process_group()
+    return StepReduction(group).rank_mean(value) if group is not None else value

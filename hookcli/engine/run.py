@@ -24,9 +24,10 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import (
-    INTERRUPTS, HookcliError, InputError, ModelRaisedError, UnsupportedError, UsageError, exit_status, internal_error,
-    safe_str,
+    INTERRUPTS, HookcliError, InputError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
+    internal_error, safe_str,
 )
+from hookcli.engine import distributed
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import ModelInputs, check_signature, make_inputs, with_note
@@ -611,13 +612,30 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if prep.data is not None:
         return data_forward_report(prep, command)
     report = new_report(prep, command)
-    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep))
+    ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
+    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep), merge=ranks)
     report.layers = run.layers
+    if ranks:
+        rows = MergedRows()
+        rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
+        report.layers = ranked_records(rows, failed=run.failure is not None)
+        report.notes.append(distributed.ranks_note())
     if run.flops is not None:
         report.flops = run.flops
     if run.failure is not None:
         raise_failure(report, run.failure, run.cause)
     return report
+
+
+def ranked_records(rows: MergedRows, *, failed: bool) -> list[LayerRecord]:
+    """``rows`` merged over every rank (under ``torchrun``). A rank whose run ``failed`` tells the
+    others (they raise ``RanksFailed``) and gets its own rows back, to raise its own failure."""
+    try:
+        return rows.records(ranks=True, failed=failed)
+    except RanksFailed:
+        if not failed:
+            raise
+        return rows.records()
 
 
 def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -654,16 +672,19 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     assert prep.data is not None
     report = new_report(prep, command)
     rows = MergedRows()
+    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = rows.records()
+                report.layers = ranked_records(rows, failed=True) if ranks else rows.records()
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             advance(1)
-    report.layers = rows.records()
+    report.layers = rows.records(ranks=ranks)
     data_source(prep, report, rows)
+    if ranks:
+        report.notes.append(distributed.ranks_note())
     return report

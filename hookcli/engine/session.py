@@ -316,7 +316,7 @@ class HookSession:
             entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype))
             floating = tensor.is_floating_point()  # (is_float, inline: once per output tensor)
             if options.stats and floating and not tensor.is_meta:
-                entry.stats = self.reducer.reduce(tensor)
+                entry.stats = self.reducer.reduce(distributed.local(tensor))  # a DTensor: this rank's part
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 self._hook_grad(tensor, self._output_grad_hook(call, entry))
@@ -336,7 +336,7 @@ class HookSession:
             if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
                 return
             try:
-                entry.grad = self.reducer.reduce(grad, zeros=self.options.grad_zeros)
+                entry.grad = self.reducer.reduce(distributed.local(grad), zeros=self.options.grad_zeros)
                 if self.options.keep_grad is not None:
                     self.options.keep_grad(call.name, call.call, entry.path, grad)
             except Exception as exc:

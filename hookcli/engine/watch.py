@@ -77,8 +77,11 @@ class StepWatcher:
         group = distributed.process_group()
         if group is not None:
             distributed.check_supported(model)
-        self.reduction = distributed.StepReduction(group) if group is not None else None
         self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
+        self.reduction = distributed.StepReduction(group, distributed.tp_groups(model, self.params)) \
+            if group is not None else None
+        self.owned = [distributed.owns(p, self.reduction.tp_first) for _, p in self.params] \
+            if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
@@ -250,7 +253,7 @@ class StepWatcher:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
-                                          failed=self.hooks.session.error is not None)
+                                          failed=self.hooks.session.error is not None, owned=self.owned)
         vectors: list[Vector] = []
 
         def slot(vector: Vector | None) -> int | None:

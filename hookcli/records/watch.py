@@ -33,10 +33,16 @@ class WatchLayer:
     dtype: str
     stats: WatchStats | None
     grad: WatchStats | None  # of the gradient w.r.t. this output, over every backward of the step
+    #: under tensor parallelism (docs/distributed.md): "sharded" (the TP ranks' parts, summed) or
+    #: "replicated" (their copies, counted once); None otherwise (and left out of the dict)
+    placement: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
-                "shape": self.shape, "dtype": self.dtype, "stats": self.stats, "grad": self.grad}
+        out = {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
+               "shape": self.shape, "dtype": self.dtype, "stats": self.stats, "grad": self.grad}
+        if self.placement is not None:
+            out["placement"] = self.placement
+        return out
 
 
 @dataclass
