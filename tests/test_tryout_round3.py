@@ -12,6 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hookcli
 
 from reference import float64_stats
 
@@ -179,3 +183,77 @@ def test_a_timm_model_too_large_for_the_memory_is_refused_before_it_is_built(
     assert result.exit_code == 2, result.stderr
     assert "timm:test_resnet has" in result.stderr and "  hint: " in result.stderr
     assert result.stdout == ""
+
+
+def _train_logged(path: Path, steps: int, seed: int) -> list[float]:
+    """``steps`` steps of a small MLP under ``hookcli.watch(every=1, out=path)``; plain torch's losses."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with hookcli.watch(model, optimizer, every=1, out=path) as w:
+        for _ in range(steps):
+            x = torch.randn(16, 4)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            w.step(loss=loss)
+            losses.append(loss.item())
+    return losses
+
+
+def test_a_run_resumed_after_a_crash_mid_write_is_reported(cli, tmp_path: Path) -> None:
+    """A run killed while writing a line, then resumed with the same ``out`` (the log is appended to
+    for that): the new run's first line was glued to the torn one, and ``hookcli report`` refused the
+    whole log (exit 2, "line 3 is not JSON"). The new run must start on a line of its own, the torn
+    line be left out with a note, and every whole line of both runs be reported."""
+    log = tmp_path / "run.jsonl"
+    first = _train_logged(log, 3, seed=0)
+    lines = log.read_bytes().splitlines(keepends=True)
+    torn = lines[0] + lines[1] + lines[2][: len(lines[2]) // 2]
+    log.write_bytes(torn)  # the crash: line 3 half written
+    second = _train_logged(log, 2, seed=1)
+    assert log.read_bytes().startswith(torn)  # nothing the user had is lost
+    result = cli("report", log, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["steps"] == [0, 1, 0, 1]
+    assert report["losses"] == pytest.approx(first[:2] + second, rel=1e-6)
+    notes = result.stderr.splitlines()
+    assert notes[0].startswith("note: line 3 left out: it is cut short"), result.stderr
+    assert "steps go back" in result.stderr and "Error" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def three_lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The three lines of a real watch log."""
+    log = tmp_path_factory.mktemp("log") / "run.jsonl"
+    _train_logged(log, 3, seed=0)
+    return log.read_text().splitlines(keepends=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_line_cut_anywhere_then_followed_by_whole_lines_is_left_out(three_lines: list[str], tmp_path: Path,
+                                                                      cut: float) -> None:
+    """Wherever the crash cut line 2 (inside a number, a string, a key), the report leaves it out with
+    a note and reads the lines after it."""
+    cut_at = max(1, int(cut * (len(three_lines[1]) - 1)))
+    log = tmp_path / "cut.jsonl"
+    log.write_text(three_lines[0] + three_lines[1][:cut_at] + "\n" + three_lines[2])
+    report = hookcli.report(log)
+    assert report.steps == [0, 2]
+    assert report.notes[0].startswith("line 2 left out: it is cut short")
+
+
+def test_a_log_whose_only_line_is_cut_short_says_so(cli, three_lines: list[str], tmp_path: Path) -> None:
+    """A run killed while writing its first line: the error said "no logged steps (empty log)" and the
+    note about the torn line was lost; it must say that its only line is cut short."""
+    log = tmp_path / "cut.jsonl"
+    log.write_text(three_lines[0][:100])
+    result = cli("report", log)
+    assert result.exit_code == 2
+    err = result.stderr.splitlines()
+    assert len(err) == 2 and err[0].startswith("Error: ") and "cut short" in err[0], result.stderr
+    assert "empty log" not in err[0] and err[1].startswith("  hint: ") and result.stdout == ""
