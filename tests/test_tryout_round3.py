@@ -257,3 +257,20 @@ def test_a_log_whose_only_line_is_cut_short_says_so(cli, three_lines: list[str],
     err = result.stderr.splitlines()
     assert len(err) == 2 and err[0].startswith("Error: ") and "cut short" in err[0], result.stderr
     assert "empty log" not in err[0] and err[1].startswith("  hint: ") and result.stdout == ""
+
+
+@settings(max_examples=20, deadline=None)
+@given(loss=st.integers(min_value=2**1024, max_value=10**600) | st.integers(min_value=-(10**600), max_value=-(2**1024)))
+def test_a_loss_beyond_floats_range_is_an_infinite_loss_not_an_internal_error(loss: int) -> None:
+    """``w.step(loss=10**400)``: a Python int is a number, but ``float()`` of it raised OverflowError out
+    of ``w.step`` (an internal error). It is the infinite loss float arithmetic makes of it, which the
+    ``nonfinite`` rule flags."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, optimizer) as w:
+        model(torch.ones(3, 2)).sum().backward()
+        optimizer.step()
+        w.step(loss=loss)
+    assert w.last is not None and w.last.loss == (float("inf") if loss > 0 else float("-inf"))
+    assert [f.direction for f in w.findings if f.rule == "nonfinite"] == ["loss"]

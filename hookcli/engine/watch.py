@@ -9,6 +9,7 @@ gradients and updates, the loss) reach the host in one transfer and are handed t
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -317,4 +318,7 @@ def check_loss(loss: Any) -> None:
 def _loss_vector(loss: Any) -> Vector:
     if isinstance(loss, torch.Tensor):
         return loss.detach().reshape(1)
-    return (float(loss),)  # type: ignore[return-value]
+    try:
+        return (float(loss),)  # type: ignore[return-value]
+    except OverflowError:  # an int beyond float's range: the infinity float arithmetic makes of it
+        return (math.inf if loss > 0 else -math.inf,)  # type: ignore[return-value]
