@@ -274,3 +274,42 @@ def test_a_loss_beyond_floats_range_is_an_infinite_loss_not_an_internal_error(lo
         w.step(loss=loss)
     assert w.last is not None and w.last.loss == (float("inf") if loss > 0 else float("-inf"))
     assert [f.direction for f in w.findings if f.rule == "nonfinite"] == ["loss"]
+
+
+CHDIR_SCRIPT = """
+import json, os, sys
+import torch
+from torch import nn
+
+os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "work"))  # the script works in its folder
+torch.manual_seed(0)
+model = nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+updates = []
+for step in range(2):
+    model(torch.randn(4, 3)).sum().backward()
+    before = model.weight.detach().clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    updates.append(float((model.weight.detach() - before).norm()))
+json.dump(updates, open("updates.json", "w"))
+"""
+
+
+def test_watch_scripts_out_is_where_the_user_ran_hookcli_not_where_the_script_went(cli, tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hookcli watch --out runs/a.jsonl -- python train.py`` with a script that changes its working
+    directory before its first step: the log was opened there (work/runs/a.jsonl), not in the folder
+    the user typed the command in, where the summary line said it was."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "train.py").write_text(CHDIR_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = cli("watch", "--out", "runs/a.jsonl", "--", "python", "train.py")
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "work" / "runs").exists()
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "a.jsonl").read_text().splitlines()]
+    assert "2 logged to runs/a.jsonl" in result.stderr
+    updates = json.loads((tmp_path / "work" / "updates.json").read_text())
+    weight = [[p for p in line["params"] if p["name"] == "weight"][0] for line in lines]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert [p["update_norm"] for p in weight] == pytest.approx(updates, rel=1e-6)
