@@ -7,6 +7,7 @@ the faults these found have bad-input rows in ``tests/test_bad_inputs.py`` besid
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hookcli
+from hookcli.errors import UnsupportedError
 
 from reference import float64_stats
 
@@ -313,3 +315,88 @@ def test_watch_scripts_out_is_where_the_user_ran_hookcli_not_where_the_script_we
     weight = [[p for p in line["params"] if p["name"] == "weight"][0] for line in lines]
     assert [line["step"] for line in lines] == [0, 1]
     assert [p["update_norm"] for p in weight] == pytest.approx(updates, rel=1e-6)
+
+
+COMPILED_SCRIPT = """
+import json, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+compiled = torch.compile(model, backend="eager")
+losses = []
+for step in range(3):
+    loss = compiled(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+json.dump(losses, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches emptied before and after (compiled code of one test must not serve another)."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_watch_script_of_a_model_compiled_before_its_first_step(cli, tmp_path: Path, fresh_dynamo: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/watch.md: a script that compiles its model before the first step is watched under the
+    model's own module names, and its losses are those of the same script run without hookcli."""
+    import runpy
+
+    (tmp_path / "train.py").write_text(COMPILED_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = cli("watch", "--out", "run.jsonl", "--", "python", "train.py", "watched.json")
+    assert result.exit_code == 0, result.stderr
+    monkeypatch.setattr("sys.argv", ["train.py", "plain.json"])
+    runpy.run_path("train.py", run_name="__main__")
+    assert json.loads((tmp_path / "watched.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [(x["name"], x["calls"], x["stats"]["count"]) for x in lines[1]["layers"]] == [
+        ("0", 1, 64), ("1", 1, 64), ("2", 1, 8)]
+    assert [p["name"] for p in lines[0]["params"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _compiled_mlp() -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    return model, torch.compile(model, backend="eager"), torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def test_watching_a_model_after_dynamo_compiled_its_code_unwatched_is_refused(fresh_dynamo: None) -> None:
+    """A model compiled and trained a while, then watched (or a second model of the same classes,
+    compiled anew: a notebook's next cell). Dynamo reused the graphs compiled without hooks (it does
+    not guard on module hooks): no hook fired and every logged line had ``layers: []``, silently. It
+    must be refused (as ``stats`` refuses it) at the first logged step; after ``torch.compiler.reset()``,
+    as the hint says, the outputs are recorded, equal to plain torch's."""
+    torch.manual_seed(0)
+    _, compiled, optimizer = _compiled_mlp()
+    for _ in range(2):
+        compiled(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model, compiled, optimizer = _compiled_mlp()  # new modules, the same code: the same compiled graph
+    with pytest.raises(UnsupportedError, match="no hook fired in the torch.compile'd model") as caught:
+        with hookcli.watch(compiled, optimizer) as w:
+            compiled(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+            w.step()
+    assert "torch.compiler.reset()" in (caught.value.hint or "")
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks  # the watch took its hooks away
+    torch.compiler.reset()
+    outputs: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().double()))
+    with hookcli.watch(compiled, optimizer) as w:
+        compiled(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        w.step()
+    assert w.last is not None
+    (first,) = [layer for layer in w.last.layers if layer.name == "0"]
+    assert first.stats["rms"] == pytest.approx(float(outputs[0].pow(2).mean().sqrt()), rel=1e-6)

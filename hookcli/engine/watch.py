@@ -19,7 +19,7 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
-from hookcli.engine.session import HookOptions, HookSet, ParamVectors
+from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Vector, device_float, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
@@ -227,6 +227,8 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            if self.hooks.compiled and not session.calls and any(p.grad is not None for p in params):
+                raise stale_graph_error()  # a backward reached the model, yet none of its hooks fired
             record = self._collect(step, groups, params, self._updates, loss)
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
