@@ -227,8 +227,11 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
-            if self.hooks.compiled and not session.calls and any(p.grad is not None for p in params):
-                raise stale_graph_error()  # a backward reached the model, yet none of its hooks fired
+            # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
+            # rank that raised here alone would leave the others waiting in the step's collectives)
+            if (self.reduction is None and self.hooks.compiled and not session.calls
+                    and any(p.grad is not None for p in params)):
+                raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss)
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
