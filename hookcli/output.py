@@ -443,8 +443,9 @@ class LineLog:
 
     The path is checked when the log is made (OutputError, before any training step); the file is
     created at the first line (with missing directories), and opened ``O_APPEND``: an existing log
-    keeps its lines and the new ones follow. Each line goes to the file in one unbuffered write, so
-    a process that dies leaves every line written before complete. An OSError is OutputError.
+    keeps its lines and the new ones follow (on a line of their own when its last line was torn by a
+    crash). Each line goes to the file in one unbuffered write, so a process that dies leaves every
+    line written before complete. An OSError is OutputError.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -459,6 +460,8 @@ class LineLog:
                     _make_parents(self.target)
                 flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
                 self._fd = os.open(self.target.path, flags | (0 if self.target.in_place else os.O_CREAT), 0o666)
+                if _ends_mid_line(self.target.path):  # a run that died mid-write: its torn line stays alone
+                    line = "\n" + line
             OutputStream(self._fd).write(line.encode())
 
     def close(self) -> None:
@@ -466,3 +469,12 @@ class LineLog:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def _ends_mid_line(path: str | os.PathLike[str]) -> bool:
+    """Whether the file holds bytes after its last newline (a line torn by a crash mid-write)."""
+    with open(path, "rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return False
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) != b"\n"

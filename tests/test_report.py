@@ -223,7 +223,7 @@ def _log_text(path: Path) -> list[str]:
     ('{line1}{{"schema": 2, "step": 1}}\n', "line 2 has schema 2, not 1"),
     ('{{"schema": 1, "step": "one"}}\n', "line 1 has no whole-number 'step'"),
     ('{{"schema": 1, "step": 1, "layers": 3}}\n', "line 1 has a 'layers' that is not a list"),
-    ("{line1}{torn}\n{line2}", "line 2 is not JSON"),  # torn but not last: the log is damaged
+    ("{line1}{torn} ]\n{line2}", "line 2 is not JSON"),  # not a line cut short: the log is damaged
     pytest.param("[" * 100_000 + "]" * 100_000 + "\n", "line 1 is not JSON", id="too-deep"),  # not exit 3
 ])
 def test_a_bad_log_is_exit_2_with_one_line_naming_it(cli, healthy, tmp_path: Path, content: str | None,

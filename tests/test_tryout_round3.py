@@ -7,11 +7,17 @@ the faults these found have bad-input rows in ``tests/test_bad_inputs.py`` besid
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hookcli
+from hookcli.errors import UnsupportedError
 
 from reference import float64_stats
 
@@ -179,3 +185,218 @@ def test_a_timm_model_too_large_for_the_memory_is_refused_before_it_is_built(
     assert result.exit_code == 2, result.stderr
     assert "timm:test_resnet has" in result.stderr and "  hint: " in result.stderr
     assert result.stdout == ""
+
+
+def _train_logged(path: Path, steps: int, seed: int) -> list[float]:
+    """``steps`` steps of a small MLP under ``hookcli.watch(every=1, out=path)``; plain torch's losses."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with hookcli.watch(model, optimizer, every=1, out=path) as w:
+        for _ in range(steps):
+            x = torch.randn(16, 4)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            w.step(loss=loss)
+            losses.append(loss.item())
+    return losses
+
+
+def test_a_run_resumed_after_a_crash_mid_write_is_reported(cli, tmp_path: Path) -> None:
+    """A run killed while writing a line, then resumed with the same ``out`` (the log is appended to
+    for that): the new run's first line was glued to the torn one, and ``hookcli report`` refused the
+    whole log (exit 2, "line 3 is not JSON"). The new run must start on a line of its own, the torn
+    line be left out with a note, and every whole line of both runs be reported."""
+    log = tmp_path / "run.jsonl"
+    first = _train_logged(log, 3, seed=0)
+    lines = log.read_bytes().splitlines(keepends=True)
+    torn = lines[0] + lines[1] + lines[2][: len(lines[2]) // 2]
+    log.write_bytes(torn)  # the crash: line 3 half written
+    second = _train_logged(log, 2, seed=1)
+    assert log.read_bytes().startswith(torn)  # nothing the user had is lost
+    result = cli("report", log, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["steps"] == [0, 1, 0, 1]
+    assert report["losses"] == pytest.approx(first[:2] + second, rel=1e-6)
+    notes = result.stderr.splitlines()
+    assert notes[0].startswith("note: line 3 left out: it is cut short"), result.stderr
+    assert "steps go back" in result.stderr and "Error" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def three_lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The three lines of a real watch log."""
+    log = tmp_path_factory.mktemp("log") / "run.jsonl"
+    _train_logged(log, 3, seed=0)
+    return log.read_text().splitlines(keepends=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_line_cut_anywhere_then_followed_by_whole_lines_is_left_out(three_lines: list[str], tmp_path: Path,
+                                                                      cut: float) -> None:
+    """Wherever the crash cut line 2 (inside a number, a string, a key), the report leaves it out with
+    a note and reads the lines after it."""
+    cut_at = max(1, int(cut * (len(three_lines[1]) - 1)))
+    log = tmp_path / "cut.jsonl"
+    log.write_text(three_lines[0] + three_lines[1][:cut_at] + "\n" + three_lines[2])
+    report = hookcli.report(log)
+    assert report.steps == [0, 2]
+    assert report.notes[0].startswith("line 2 left out: it is cut short")
+
+
+def test_a_log_whose_only_line_is_cut_short_says_so(cli, three_lines: list[str], tmp_path: Path) -> None:
+    """A run killed while writing its first line: the error said "no logged steps (empty log)" and the
+    note about the torn line was lost; it must say that its only line is cut short."""
+    log = tmp_path / "cut.jsonl"
+    log.write_text(three_lines[0][:100])
+    result = cli("report", log)
+    assert result.exit_code == 2
+    err = result.stderr.splitlines()
+    assert len(err) == 2 and err[0].startswith("Error: ") and "cut short" in err[0], result.stderr
+    assert "empty log" not in err[0] and err[1].startswith("  hint: ") and result.stdout == ""
+
+
+@settings(max_examples=20, deadline=None)
+@given(loss=st.integers(min_value=2**1024, max_value=10**600) | st.integers(min_value=-(10**600), max_value=-(2**1024)))
+def test_a_loss_beyond_floats_range_is_an_infinite_loss_not_an_internal_error(loss: int) -> None:
+    """``w.step(loss=10**400)``: a Python int is a number, but ``float()`` of it raised OverflowError out
+    of ``w.step`` (an internal error). It is the infinite loss float arithmetic makes of it, which the
+    ``nonfinite`` rule flags."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, optimizer) as w:
+        model(torch.ones(3, 2)).sum().backward()
+        optimizer.step()
+        w.step(loss=loss)
+    assert w.last is not None and w.last.loss == (float("inf") if loss > 0 else float("-inf"))
+    assert [f.direction for f in w.findings if f.rule == "nonfinite"] == ["loss"]
+
+
+CHDIR_SCRIPT = """
+import json, os, sys
+import torch
+from torch import nn
+
+os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "work"))  # the script works in its folder
+torch.manual_seed(0)
+model = nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+updates = []
+for step in range(2):
+    model(torch.randn(4, 3)).sum().backward()
+    before = model.weight.detach().clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    updates.append(float((model.weight.detach() - before).norm()))
+json.dump(updates, open("updates.json", "w"))
+"""
+
+
+def test_watch_scripts_out_is_where_the_user_ran_hookcli_not_where_the_script_went(cli, tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hookcli watch --out runs/a.jsonl -- python train.py`` with a script that changes its working
+    directory before its first step: the log was opened there (work/runs/a.jsonl), not in the folder
+    the user typed the command in, where the summary line said it was."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "train.py").write_text(CHDIR_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = cli("watch", "--out", "runs/a.jsonl", "--", "python", "train.py")
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "work" / "runs").exists()
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "a.jsonl").read_text().splitlines()]
+    assert "2 logged to runs/a.jsonl" in result.stderr
+    updates = json.loads((tmp_path / "work" / "updates.json").read_text())
+    weight = [[p for p in line["params"] if p["name"] == "weight"][0] for line in lines]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert [p["update_norm"] for p in weight] == pytest.approx(updates, rel=1e-6)
+
+
+COMPILED_SCRIPT = """
+import json, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+compiled = torch.compile(model, backend="eager")
+losses = []
+for step in range(3):
+    loss = compiled(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+json.dump(losses, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches emptied before and after (compiled code of one test must not serve another)."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_watch_script_of_a_model_compiled_before_its_first_step(cli, tmp_path: Path, fresh_dynamo: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/watch.md: a script that compiles its model before the first step is watched under the
+    model's own module names, and its losses are those of the same script run without hookcli."""
+    import runpy
+
+    (tmp_path / "train.py").write_text(COMPILED_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = cli("watch", "--out", "run.jsonl", "--", "python", "train.py", "watched.json")
+    assert result.exit_code == 0, result.stderr
+    monkeypatch.setattr("sys.argv", ["train.py", "plain.json"])
+    runpy.run_path("train.py", run_name="__main__")
+    assert json.loads((tmp_path / "watched.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [(x["name"], x["calls"], x["stats"]["count"]) for x in lines[1]["layers"]] == [
+        ("0", 1, 64), ("1", 1, 64), ("2", 1, 8)]
+    assert [p["name"] for p in lines[0]["params"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _compiled_mlp() -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    return model, torch.compile(model, backend="eager"), torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def test_watching_a_model_after_dynamo_compiled_its_code_unwatched_is_refused(fresh_dynamo: None) -> None:
+    """A model compiled and trained a while, then watched (or a second model of the same classes,
+    compiled anew: a notebook's next cell). Dynamo reused the graphs compiled without hooks (it does
+    not guard on module hooks): no hook fired and every logged line had ``layers: []``, silently. It
+    must be refused (as ``stats`` refuses it) at the first logged step; after ``torch.compiler.reset()``,
+    as the hint says, the outputs are recorded, equal to plain torch's."""
+    torch.manual_seed(0)
+    _, compiled, optimizer = _compiled_mlp()
+    for _ in range(2):
+        compiled(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model, compiled, optimizer = _compiled_mlp()  # new modules, the same code: the same compiled graph
+    with pytest.raises(UnsupportedError, match="no hook fired in the torch.compile'd model") as caught:
+        with hookcli.watch(compiled, optimizer) as w:
+            compiled(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+            w.step()
+    assert "torch.compiler.reset()" in (caught.value.hint or "")
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks  # the watch took its hooks away
+    torch.compiler.reset()
+    outputs: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().double()))
+    with hookcli.watch(compiled, optimizer) as w:
+        compiled(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        w.step()
+    assert w.last is not None
+    (first,) = [layer for layer in w.last.layers if layer.name == "0"]
+    assert first.stats["rms"] == pytest.approx(float(outputs[0].pow(2).mean().sqrt()), rel=1e-6)

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KE
                           *(f"param.grad.{k}" for k in WATCH_STAT_KEYS))
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+#: The start of a JSON token a cut line can end in (``-``, ``1.``, ``1e-``, ``tr``, ``nul``; nothing).
+_TOKEN_START = re.compile(r"-?\d*(\.\d*)?([eE][-+]?\d*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?")
 
 
 def _number(value: Any) -> float | None:
@@ -87,9 +91,10 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict[str, Any]:
 def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[str, Any]]:
     """The lines of a watch log, one at a time (a long run's log need not fit in memory twice).
 
-    A last line without its newline that is not JSON is a line torn by a crash mid-write
-    (hookcli.watch writes each line whole, newline included): it is left out, with a note added to
-    ``notes``. Any other bad line is an InputError naming it; so is a log with no line."""
+    A line torn by a crash mid-write (hookcli.watch writes each line whole, newline included) is left
+    out, with a note added to ``notes``: a last line without its newline that is not JSON, or a JSON
+    object cut short (a resumed run's lines follow it, ``LineLog`` starts them on a new line). Any
+    other bad line is an InputError naming it; so is a log with no whole line."""
     shown = os.fspath(path)
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below, also when a bad line stops the reading
@@ -109,16 +114,36 @@ def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[st
             try:
                 line = _parse_line(shown, number, raw)
             except InputError:
-                if raw.endswith(b"\n"):
+                if raw.endswith(b"\n") and not _cut_short(raw):
                     raise
-                notes.append(f"line {number} left out: it ends without a newline and is not a whole line "
-                             "(a run that stopped mid-write)")
-                break
+                notes.append(f"line {number} left out: " + (
+                    "it is cut short (a run that stopped mid-write; a resumed run's lines follow)"
+                    if raw.endswith(b"\n") else
+                    "it ends without a newline and is not a whole line (a run that stopped mid-write)"))
+                continue
             found = True
             yield line
+    if not found and notes:
+        raise InputError(f"{shown} has no whole line: what it holds is cut short (a run that stopped mid-write)",
+                         hint="the run stopped while it wrote its first line; run it again (the log is appended to)")
     if not found:
         raise InputError(f"{shown} has no logged steps (empty log)",
                          hint="a watch writes its first line at the first logged step (step 0)")
+
+
+def _cut_short(raw: bytes) -> bool:
+    """Whether a line that is not JSON is the start of a JSON object cut short (a line torn by a crash,
+    which a resumed run's lines follow), not a line damaged otherwise: the parser ran out of text."""
+    try:
+        text = raw.decode("utf-8").rstrip("\r\n")
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        # out of text: in a string never closed, or what is left is the start of a value's last token
+        return text.startswith("{") and (exc.msg.startswith("Unterminated string")
+                                         or _TOKEN_START.fullmatch(text, exc.pos) is not None)
+    except (ValueError, RecursionError):  # not UTF-8, nested too deep
+        return False
+    return False
 
 
 def _label(entry: dict[str, Any]) -> str:

@@ -213,7 +213,9 @@ def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike
     if script.module is not None and not _module_found(script.module):
         raise UsageError(f"watch -- -m: no module named {script.module!r}",
                          hint="run from the folder the module is importable from; " + COMMAND_HINT)
-    spy = ScriptWatch({"every": every, "out": out, "layers": layers, "types": types, "rules": rules},
+    # the log is opened at the first step: against the working directory of now, not the script's then
+    log = os.path.abspath(out) if out is not None else None
+    spy = ScriptWatch({"every": every, "out": log, "layers": layers, "types": types, "rules": rules},
                       on_found or (lambda _f: None), on_note or (lambda _t: None))
     run = WatchRun("script", None, None, 0, every, os.fspath(out) if out is not None else None)
     saved_argv, saved_path = sys.argv, list(sys.path)

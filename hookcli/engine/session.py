@@ -802,11 +802,17 @@ def attach(
     inner = getattr(model, "_orig_mod", model)
     must_run = {name for name, module in selection if module is model or module is inner}
     if hooks.compiled and must_run and not must_run & set(session._counts) and session.error is None:
-        raise UnsupportedError(
-            "no hook fired in the torch.compile'd model: it ran a graph compiled before hookcli attached its "
-            "hooks (torch does not recompile when hooks are added)",
-            hint="run hookcli in a fresh process, call torch.compiler.reset() first, or pass the module "
-            "without torch.compile")
+        raise stale_graph_error()
+
+
+def stale_graph_error() -> UnsupportedError:
+    """A torch.compile'd model ran without firing hookcli's hooks: Dynamo reused a graph compiled before
+    they were added (it does not guard on module hooks), so nothing of the model would be recorded."""
+    return UnsupportedError(
+        "no hook fired in the torch.compile'd model: it ran a graph compiled before hookcli attached its "
+        "hooks (torch does not recompile when hooks are added)",
+        hint="run hookcli in a fresh process, call torch.compiler.reset() first, or pass the module "
+        "without torch.compile")
 
 
 class ParamReads:

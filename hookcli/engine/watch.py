@@ -9,6 +9,7 @@ gradients and updates, the loss) reach the host in one transfer and are handed t
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
-from hookcli.engine.session import HookOptions, HookSet, ParamVectors
+from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Vector, l2_norm, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
@@ -228,6 +229,11 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
+            # rank that raised here alone would leave the others waiting in the step's collectives)
+            if (self.reduction is None and self.hooks.compiled and not session.calls
+                    and any(p.grad is not None for p in params)):
+                raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss)
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
@@ -319,4 +325,7 @@ def check_loss(loss: Any) -> None:
 def _loss_vector(loss: Any) -> Vector:
     if isinstance(loss, torch.Tensor):
         return loss.detach().reshape(1)
-    return (float(loss),)  # type: ignore[return-value]
+    try:
+        return (float(loss),)  # type: ignore[return-value]
+    except OverflowError:  # an int beyond float's range: the infinity float arithmetic makes of it
+        return (math.inf if loss > 0 else -math.inf,)  # type: ignore[return-value]
