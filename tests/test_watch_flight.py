@@ -183,7 +183,7 @@ def test_a_healthy_run_writes_no_flight_line_and_the_ring_stays_k_steps(tmp_path
         ring = w._watcher.flight.ring
         assert len(ring) == 7 and [entry[0] for entry in ring] == list(range(393, 400))
     assert counts[0][0] == counts[1][0]
-    assert abs(counts[1][1] - counts[0][1]) < 50
+    assert counts[1][1] - counts[0][1] < 50  # no growth (what other tests left, e.g. dynamo caches, may shrink)
     assert [line["step"] for line in read_log(tmp_path / "log.jsonl")] == [0, 100, 200, 300]
 
 
