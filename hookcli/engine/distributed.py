@@ -27,7 +27,7 @@ the local shard is reduced, never gathered).
 
 from __future__ import annotations
 
-import functools
+import sys
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,13 +89,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if ddp is not None and isinstance(model, ddp) else model  # type: ignore[return-value]
 
 
-@functools.cache
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor
-        return None
-    return DTensor
+    """torch's DTensor class, or None while nothing has imported ``torch.distributed.tensor``: a tensor
+    can only be a DTensor once its module is loaded, and importing it for a check would cost every run
+    sympy and the symbolic-shapes machinery (~1 s; tests/test_setup_cost.py)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
