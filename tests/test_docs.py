@@ -29,7 +29,8 @@ from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_th
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
-COMMAND_PAGES = ("shapes", "stats", "grads", "check", "features", "fmaps", "modules", "models", "diff")
+#: The docs page of a command whose page is named otherwise (every other command has docs/NAME.md).
+PAGE_OF = {"report": "watch"}
 
 
 def rel(path: Path) -> str:
@@ -342,11 +343,15 @@ def test_every_config_is_documented_and_points_at_existing_docs() -> None:
 
 
 def test_there_is_a_page_per_command_and_the_readme_links_them() -> None:
+    from hookcli.cli import main
+
     readme = (ROOT / "README.md").read_text()
-    for name in [*COMMAND_PAGES, "json-format", "ci", "python-api", "performance"]:
+    commands = sorted(main.commands)  # every command the CLI has, not a list kept by hand
+    assert {"shapes", "watch", "report"} <= set(commands)
+    for name in [*(PAGE_OF.get(c, c) for c in commands), "json-format", "ci", "python-api", "performance"]:
         assert (ROOT / "docs" / f"{name}.md").exists(), f"docs/{name}.md is missing"
         assert f"(docs/{name}.md" in readme, f"README.md does not link docs/{name}.md"
-    for name in COMMAND_PAGES:
+    for name in commands:
         assert f"$ hookcli {name}" in readme, f"README.md shows no example of hookcli {name}"
 
 
@@ -375,7 +380,7 @@ def _same_command(words: list[str], line: str) -> bool:
 
 
 def test_readme_stays_a_front_door() -> None:
-    """About 10 KB: what hookcli is, set-up, one example per command, exit codes, CI, links. Reference
-    material belongs in docs/ (the README was a 56 KB manual once)."""
+    """About 12 KB: what hookcli is, set-up, one example per command (eleven of them since watch and
+    report), exit codes, CI, links. Reference material belongs in docs/ (the README was a 56 KB manual once)."""
     size = len((ROOT / "README.md").read_bytes())
-    assert size <= 11_000, f"README.md is {size} bytes: move detail into docs/ (the front door is about 10 KB)"
+    assert size <= 13_000, f"README.md is {size} bytes: move detail into docs/ (the front door is about 12 KB)"
