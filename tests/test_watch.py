@@ -508,11 +508,13 @@ def test_a_log_that_fails_mid_run_never_raises_into_optimizer_step() -> None:
 def test_a_logged_step_reaches_the_host_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     """hookcli's own host transfer (``to_host``, wrapped to count its calls, still run): once per logged
     step, none on unlogged ones; the first step with a loss from w.step() reads the loss in a second."""
+    import hookcli.engine.stats as engine_stats
     import hookcli.engine.watch as engine_watch
 
     calls: list[int] = []
-    real = engine_watch.to_host
-    monkeypatch.setattr(engine_watch, "to_host", lambda vectors: calls.append(len(vectors)) or real(vectors))
+    real = engine_stats.to_host
+    for module in (engine_stats, engine_watch):  # a step's Transfer, and the loss read by w.step()
+        monkeypatch.setattr(module, "to_host", lambda vectors: calls.append(len(vectors)) or real(vectors))
     torch.manual_seed(0)
     model = Net().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

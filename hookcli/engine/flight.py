@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hookcli.engine.stats import INFS, NANS, Vector, to_host, watch_stats
+from hookcli.engine.stats import INFS, NANS, Transfer, Vector, to_host
 from hookcli.records import WatchLayer, WatchStep
 
 #: One step in the ring: (step, its merged outputs as ``merged_outputs`` gives them, its loss vector or None).
@@ -105,21 +105,11 @@ class FlightRecorder:
 def flight_records(entries: Sequence[Entry]) -> list[WatchStep]:
     """The ring's steps as ``WatchStep`` records marked ``flight`` (layers and loss; no parameters),
     with one transfer for them all."""
-    vectors: list[Vector] = []
-
-    def slot(vector: Vector | None) -> int | None:
-        if vector is None:
-            return None
-        vectors.append(vector)
-        return len(vectors) - 1
-
+    transfer = Transfer()
+    slot, stats = transfer.slot, transfer.stats
     plan = [(step, [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()], slot(loss))
             for step, groups, loss in entries]
-    values = to_host(vectors)
-
-    def stats(index: int | None) -> dict[str, Any] | None:
-        return watch_stats(values[index]) if index is not None else None
-
+    values = transfer.run()
     records = []
     for step, layers, loss_slot in plan:
         record = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, flight=True)

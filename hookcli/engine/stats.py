@@ -640,6 +640,29 @@ def watch_stats(values: Sequence[float]) -> dict[str, float | int | None]:
     return stats
 
 
+class Transfer:
+    """Small result vectors gathered for one host transfer: ``slot(vector)`` is the vector's index in it
+    (None for None); ``run()`` makes the transfer (``to_host``); then ``stats(index)`` is a slot's
+    watch statistics (None for None) and ``values`` every slot's host values."""
+
+    def __init__(self) -> None:
+        self.vectors: list[Vector] = []
+        self.values: list[list[float]] = []
+
+    def slot(self, vector: Vector | None) -> int | None:
+        if vector is None:
+            return None
+        self.vectors.append(vector)
+        return len(self.vectors) - 1
+
+    def run(self) -> list[list[float]]:
+        self.values = to_host(self.vectors)
+        return self.values
+
+    def stats(self, index: int | None) -> dict[str, Any] | None:
+        return watch_stats(self.values[index]) if index is not None else None
+
+
 def to_host(vectors: Sequence[Vector]) -> list[list[float]]:
     """Host values of many small result vectors of any lengths, with one transfer per device.
 

@@ -20,7 +20,7 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.stats import Vector, l2_norm, merge, to_host, watch_stats
+from hookcli.engine.stats import Transfer, Vector, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import WatchLayer, WatchParam, WatchStep
 
@@ -260,23 +260,13 @@ class StepWatcher:
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
                                           failed=self.hooks.session.error is not None, owned=self.owned)
-        vectors: list[Vector] = []
-
-        def slot(vector: Vector | None) -> int | None:
-            if vector is None:
-                return None
-            vectors.append(vector)
-            return len(vectors) - 1
-
+        transfer = Transfer()
+        slot, stats = transfer.slot, transfer.stats
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
         param_slots = [(p, slot(p.grad), slot(p.norm), slot(updates[i]) if updates else None)
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
-        values = to_host(vectors)  # the step's one transfer
-
-        def stats(index: int | None) -> dict[str, Any] | None:
-            return watch_stats(values[index]) if index is not None else None
-
+        values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
