@@ -29,7 +29,7 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
                    "warmup": (3, integer(1))},
     "grad_explode": {"ratio": (10.0, number(1, low_open=True)), "window": (5, integer(1))},
     "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
-    "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
+    "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1)), "share": (0.2, number(0, 1))},
     "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
 }
 
@@ -140,6 +140,8 @@ class _State:
     grad_norms: deque[float] = field(default_factory=deque)
     frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
     dead_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row mostly zeros
+    #: per channel of a layer's output: logged steps in a row that channel was mostly zeros
+    channel_runs: dict[str, list[int]] = field(default_factory=dict)
     told: dict[str, set[str]] = field(default_factory=dict)  # rule -> the layers/parameters it named
 
 
@@ -302,10 +304,16 @@ class Rules:
                         f"{ratio:.3g}x {last}'s")]
 
     def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
-        """An output that is zero in at least ``fraction`` of its values at ``steps`` logged steps in a row."""
+        """Channels of an output that are zero in at least ``fraction`` of their values at ``steps`` logged
+        steps in a row, when they are at least ``share`` of its channels (the finding's value: how many
+        channels; a narrow ReLU layer has a few that no input switches on); an output without channels counted: the whole
+        output, likewise."""
         runs = self.state.dead_runs
         found = []
         for layer in rec.layers:
+            if layer.channel_zero_fraction:
+                found += self._dead_channels(rec.step, _layer_name(layer), layer.channel_zero_fraction, cfg)
+                continue
             if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
                 continue
             name = _layer_name(layer)
@@ -317,6 +325,20 @@ class Rules:
                                      f"{name}'s output is {layer.stats['zero_fraction']:.1%} zeros in "
                                      f"{runs[name]} logged steps in a row (dead units)"))
         return found
+
+    def _dead_channels(self, step: int, name: str, fractions: list[float], cfg: Settings) -> list[Finding]:
+        runs = self.state.channel_runs.get(name)
+        if runs is None or len(runs) != len(fractions):
+            runs = self.state.channel_runs[name] = [0] * len(fractions)
+        for i, fraction in enumerate(fractions):
+            runs[i] = runs[i] + 1 if _finite(fraction) and fraction >= cfg["fraction"] else 0
+        dead = [i for i, run in enumerate(runs) if run >= cfg["steps"]]
+        if not dead or len(dead) < cfg["share"] * len(runs) or not self._new("dead_units", name):
+            return []
+        first = ", ".join(map(str, dead[:8])) + (", ..." if len(dead) > 8 else "")
+        return [Finding("dead_units", "warning", step, name, "forward", float(len(dead)), cfg["fraction"],
+                        f"{name}: {len(dead)} of its {len(runs)} channels are at least {cfg['fraction']:.0%} zeros "
+                        f"in {cfg['steps']} logged steps in a row (dead units): channels {first}")]
 
     def _activation_growth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output whose largest magnitude is above ``ratio`` times its RMS (massive activations)."""

@@ -101,7 +101,8 @@ class StepWatcher:
 
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
-        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True),
+        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
+                                                              channel_zeros=self.reduction is None),
                            params=self.params)
         try:
             if self.optimizer is not None:
@@ -117,6 +118,7 @@ class StepWatcher:
         assert self.hooks.session is not None
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
+        self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         self._before = self._param_vectors = self._updates = None
         self._stepped = False
 
@@ -269,6 +271,8 @@ class StepWatcher:
             return len(vectors) - 1
 
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
+        channels = merged_channels(self.hooks.session.calls)
+        channel_slots = {key: (slot(nonzeros), per) for key, (nonzeros, per) in channels.items()}
         param_slots = [(p, slot(p.grad), slot(p.norm), slot(updates[i]) if updates else None)
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
@@ -279,6 +283,12 @@ class StepWatcher:
 
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
+        for layer in layers:
+            if (found := channel_slots.get((layer.name, layer.output))) is not None:
+                index, per = found
+                zeros = [1.0 - nonzero / per for nonzero in values[index]]  # type: ignore[index]
+                layer.channels, layer.channel_zero_fraction = len(zeros), zeros
+                layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
@@ -305,6 +315,28 @@ def merged_outputs(calls: Sequence[Any]) -> _Groups:
             group[4] = _merged(group[4], out.stats)
             group[5] = _merged(group[5], out.grad)
     return groups
+
+
+def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
+    """The step's per-channel nonzero counts by (module, output path), summed over its calls, and how
+    many values each channel held in all: an output whose channel count differs between calls (or that
+    some call did not count) is left out, as is a call that raised or never returned."""
+    out: dict[tuple[str, str], tuple[torch.Tensor, int] | None] = {}
+    for call in calls:
+        if call.raised or not call.finished:
+            continue
+        for t in call.outputs:
+            key, nonzeros = (call.name, t.path), t.nonzeros
+            if key in out and out[key] is None:
+                continue
+            if nonzeros is None:
+                out[key] = None
+                continue
+            per = math.prod(t.shape) // nonzeros.numel()
+            had = out.get(key)
+            out[key] = (nonzeros, per) if had is None else \
+                (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
+    return {key: value for key, value in out.items() if value is not None}
 
 
 def _merged(a: Vector | None, b: Vector | None) -> Vector | None:

@@ -36,12 +36,20 @@ class WatchLayer:
     #: under tensor parallelism (docs/distributed.md): "sharded" (the TP ranks' parts, summed) or
     #: "replicated" (their copies, counted once); None otherwise (and left out of the dict)
     placement: str | None = None
+    #: The output's channels (its channel dimension's size; None: no channel dimension, or not counted:
+    #: a flight line, a run under torchrun) and how many of them were all zeros in the step's calls
+    channels: int | None = None
+    dead_channels: int | None = None
+    #: Each channel's zero fraction over the step's calls (for the dead_units rule; not in the log)
+    channel_zero_fraction: list[float] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
                "shape": self.shape, "dtype": self.dtype, "stats": self.stats, "grad": self.grad}
         if self.placement is not None:
             out["placement"] = self.placement
+        if self.channels is not None:
+            out["dead_channels"], out["channels"] = self.dead_channels, self.channels
         return out
 
 
