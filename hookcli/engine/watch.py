@@ -20,9 +20,9 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.stats import Vector, l2_norm, merge, to_host, watch_stats
+from hookcli.engine.stats import Vector, histogram, l2_norm, merge, to_host, watch_stats
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
-from hookcli.records import WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
 _Groups = dict[tuple[str, str], list[Any]]
@@ -65,7 +65,7 @@ class StepWatcher:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
-                 on_step: Callable[[WatchStep], None], flight: int | None = None) -> None:
+                 on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -85,6 +85,9 @@ class StepWatcher:
             if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
+        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; one process)
+        self.histograms = histograms and self.reduction is None
+        self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
         self._param_vectors: list[ParamVectors] | None = None
         self._updates: list[Vector] | None = None
@@ -119,7 +122,7 @@ class StepWatcher:
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
-        self._before = self._param_vectors = self._updates = None
+        self._before = self._param_vectors = self._updates = self._histograms = None
         self._stepped = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
@@ -140,6 +143,7 @@ class StepWatcher:
             self._hand_on()
         if self.logged:
             self._param_vectors = self.hooks.param_vectors()
+            self._histograms = self._param_histograms()
             self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
 
     def _post_step(self) -> None:
@@ -231,12 +235,13 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            histograms = self._histograms if self._param_vectors is not None else self._param_histograms()
             # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
             # rank that raised here alone would leave the others waiting in the step's collectives)
             if (self.reduction is None and self.hooks.compiled and not session.calls
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
-            record = self._collect(step, groups, params, self._updates, loss)
+            record = self._collect(step, groups, params, self._updates, loss, histograms)
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise
@@ -256,8 +261,15 @@ class StepWatcher:
         for record in flight_records(flight.unwritten(before)):
             self.on_step(record)
 
+    def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
+        """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
+        if not self.histograms:
+            return None
+        return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
+
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
-                 loss: Any) -> WatchStep:
+                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+                 ) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
@@ -276,6 +288,7 @@ class StepWatcher:
         param_slots = [(p, slot(p.grad), slot(p.norm), slot(updates[i]) if updates else None)
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
+        histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
         values = to_host(vectors)  # the step's one transfer
 
         def stats(index: int | None) -> dict[str, Any] | None:
@@ -295,6 +308,9 @@ class StepWatcher:
             update = values[u][0] if u is not None else None
             out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
                                          update / norm if update is not None and norm else None))
+        for entry, (v, g) in zip(out.params, histogram_slots):
+            entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
+            entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
         return out
 
 
