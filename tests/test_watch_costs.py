@@ -126,3 +126,15 @@ def test_channels_cost_one_count_per_output_on_logged_steps_only(flight: int | N
     per_output = [(2 * 8 * 36, 8), (2 * 8 * 36, 8), (2 * 4, 4)]
     assert sorted(counted[0]) == sorted(per_output) and sorted(counted[2]) == sorted(per_output)
     assert counted[1] == [] and counted[3] == []
+
+
+def test_channels_are_not_counted_when_dead_units_is_off() -> None:
+    """Only the dead_units rule reads the per-channel counts: switched off, a logged step counts none
+    (and its layers carry no channel fields)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    with hookcli.watch(model, every=1, rules={"dead_units": False}) as w:
+        with CountNonzeros() as mode:
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            w.step()
+    assert mode.seen == [] and [layer.channels for layer in w.last.layers] == [None, None]

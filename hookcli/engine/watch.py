@@ -65,7 +65,8 @@ class StepWatcher:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
-                 on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False) -> None:
+                 on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
+                 channels: bool = True) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -85,6 +86,8 @@ class StepWatcher:
             if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
+        #: each logged step's per-channel zero counts (the dead_units rule's; one process)
+        self.channels = channels and self.reduction is None
         #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; one process)
         self.histograms = histograms and self.reduction is None
         self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
@@ -105,7 +108,7 @@ class StepWatcher:
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
-                                                              channel_zeros=self.reduction is None),
+                                                              channel_zeros=self.channels),
                            params=self.params)
         try:
             if self.optimizer is not None:
