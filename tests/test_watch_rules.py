@@ -166,8 +166,8 @@ def test_a_bad_init_that_kills_the_relus_is_flagged_at_the_relu() -> None:
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     assert (model.act1(model.fc1(x)) == 0).all()
     w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(), 3)
-    dead = {f.layer: f for f in flagged(w.findings, "dead_units", 2)}
-    assert (dead["act1"].direction, dead["act1"].value) == ("forward", 16.0)  # every one of its 16 channels
+    (dead,) = flagged(w.findings, "dead_units", 2)  # 32 values a channel: judged as a whole output
+    assert (dead.layer, dead.direction, dead.value) == ("act1", "forward", 1.0)
 
 
 class ConvNet(nn.Module):
@@ -219,7 +219,7 @@ def test_a_bad_init_that_kills_4_of_16_channels_is_flagged_at_that_layer(killed:
             assert layers["act1"].stats["zero_fraction"] < 0.9  # the whole output: far below fraction 0.99
     (dead,) = flagged(w.findings, "dead_units", 2)
     assert (dead.layer, dead.step, dead.value, dead.direction) == ("act1", 2, 4.0, "forward")
-    assert "4 of its 16 channels" in dead.message and ", ".join(map(str, killed)) in dead.message
+    assert "4 of the 16 channels of act1's output" in dead.message and ", ".join(map(str, killed)) in dead.message
 
 
 def test_dead_channels_and_channels_are_on_the_log_line(tmp_path: Path) -> None:
@@ -616,3 +616,28 @@ def test_a_frozen_parameter_is_told_by_what_its_gradient_was() -> None:
     assert set(messages) == {"head.weight", "head.bias", "unused.weight", "unused.bias"}
     assert "it has a gradient: not in the optimizer?" in messages["head.weight"]
     assert "no gradient reached it" in messages["unused.weight"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches=st.lists(st.integers(1, 5), min_size=1, max_size=4), tokens=st.integers(1, 6),
+       killed=st.sets(st.integers(0, 7), max_size=8), seed=st.integers(0, 2**16))
+def test_channel_counts_merge_the_steps_calls(batches: list[int], tokens: int, killed: set[int], seed: int) -> None:
+    """Micro-batches of any sizes through a Linear on [B, T, C] (channels last) and its ReLU: the step's
+    per-channel zero fractions and dead count are plain torch's over all the calls' values together."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[sorted(killed)] = -100.0
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(b, tokens, 3, generator=g) for b in batches]
+    with hookcli.watch(model, every=1) as w:
+        for x in xs:
+            model(x).sum().backward()
+        w.step()
+    with torch.no_grad():
+        out = torch.cat([model(x).reshape(-1, 8) for x in xs])
+    zeros = (out == 0).double().mean(0).tolist()
+    layer = {layer.name: layer for layer in w.last.layers}["1"]
+    assert layer.calls == len(batches) and layer.channels == 8
+    assert layer.channel_zero_fraction == pytest.approx(zeros, abs=1e-12)
+    assert layer.dead_channels == sum(z == 1.0 for z in zeros) >= len(killed)

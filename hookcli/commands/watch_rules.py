@@ -29,9 +29,13 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
                    "warmup": (3, integer(1))},
     "grad_explode": {"ratio": (10.0, number(1, low_open=True)), "window": (5, integer(1))},
     "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
-    "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1)), "share": (0.2, number(0, 1))},
+    "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
     "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
 }
+
+#: ``dead_units`` judges an output per channel when each channel held at least this many values in the
+#: step (a channel of a few values, a Linear's on a small batch, is all zeros by chance): else as a whole.
+CHANNEL_VALUES = 100
 
 RULES_HINT = "e.g. rules={'loss_spike': {'ratio': 3.0}, 'dead_units': False}; the rules: " + ", ".join(RULES)
 
@@ -305,13 +309,13 @@ class Rules:
 
     def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """Channels of an output that are zero in at least ``fraction`` of their values at ``steps`` logged
-        steps in a row, when they are at least ``share`` of its channels (the finding's value: how many
-        channels; a narrow ReLU layer has a few that no input switches on); an output without channels counted: the whole
-        output, likewise."""
+        steps in a row (the finding's value: how many channels); an output without channels counted, or whose channels held fewer than
+        ``CHANNEL_VALUES`` values each: the whole output, likewise (its value: its zero fraction)."""
         runs = self.state.dead_runs
         found = []
         for layer in rec.layers:
-            if layer.channel_zero_fraction:
+            if layer.channel_zero_fraction and layer.stats is not None and layer.channels \
+                    and layer.stats["count"] >= CHANNEL_VALUES * layer.channels:
                 found += self._dead_channels(rec.step, _layer_name(layer), layer.channel_zero_fraction, cfg)
                 continue
             if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
@@ -333,12 +337,13 @@ class Rules:
         for i, fraction in enumerate(fractions):
             runs[i] = runs[i] + 1 if _finite(fraction) and fraction >= cfg["fraction"] else 0
         dead = [i for i, run in enumerate(runs) if run >= cfg["steps"]]
-        if not dead or len(dead) < cfg["share"] * len(runs) or not self._new("dead_units", name):
+        if not dead or not self._new("dead_units", name):
             return []
         first = ", ".join(map(str, dead[:8])) + (", ..." if len(dead) > 8 else "")
         return [Finding("dead_units", "warning", step, name, "forward", float(len(dead)), cfg["fraction"],
-                        f"{name}: {len(dead)} of its {len(runs)} channels are at least {cfg['fraction']:.0%} zeros "
-                        f"in {cfg['steps']} logged steps in a row (dead units): channels {first}")]
+                        f"{len(dead)} of the {len(runs)} channels of {name}'s output are at least "
+                        f"{cfg['fraction']:.0%} zeros in {cfg['steps']} logged steps in a row (dead units): "
+                        f"channels {first}")]
 
     def _activation_growth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output whose largest magnitude is above ``ratio`` times its RMS (massive activations)."""
