@@ -87,3 +87,54 @@ def test_a_logged_step_widens_no_parameter_to_float64(monkeypatch: pytest.Monkey
         assert entry.norm == pytest.approx(float(before[entry.name].double().norm()), rel=1e-12)
         assert entry.update_norm == pytest.approx(float((p.detach().double() - before[entry.name].double()).norm()),
                                                   rel=1e-5)
+
+
+class CountNonzeros(TorchDispatchMode):
+    """The size of the input and of the result of every ``count_nonzero`` op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.count_nonzero:
+            self.seen.append((args[0].numel(), out.numel()))
+        return out
+
+
+@pytest.mark.parametrize("flight", [None, 2])
+def test_channels_cost_one_count_per_output_on_logged_steps_only(flight: int | None) -> None:
+    """The per-channel zero counts of ``dead_units``: one ``count_nonzero`` per selected output with a
+    channel dimension on a logged step, whose result is one number per channel (the host transfer grows
+    by the channel counts, not by the values); none on unlogged steps, flight-recorded ones included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 3, 8, 8)
+    counted = []
+    with hookcli.watch(model, optimizer, every=2, flight=flight) as w:
+        for _step in range(4):
+            with CountNonzeros() as mode:
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                w.step()
+            counted.append(mode.seen)
+    # the selected outputs: conv [2, 8, 6, 6] and its ReLU (8 channels in dim 1), Linear's [2, 4] (4, last)
+    assert [(layer.name, layer.channels) for layer in w.last.layers] == [("0", 8), ("1", 8), ("3", 4)]
+    per_output = [(2 * 8 * 36, 8), (2 * 8 * 36, 8), (2 * 4, 4)]
+    assert sorted(counted[0]) == sorted(per_output) and sorted(counted[2]) == sorted(per_output)
+    assert counted[1] == [] and counted[3] == []
+
+
+def test_channels_are_not_counted_when_dead_units_is_off() -> None:
+    """Only the dead_units rule reads the per-channel counts: switched off, a logged step counts none
+    (and its layers carry no channel fields)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    with hookcli.watch(model, every=1, rules={"dead_units": False}) as w:
+        with CountNonzeros() as mode:
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            w.step()
+    assert mode.seen == [] and [layer.channels for layer in w.last.layers] == [None, None]

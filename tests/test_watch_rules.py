@@ -166,8 +166,79 @@ def test_a_bad_init_that_kills_the_relus_is_flagged_at_the_relu() -> None:
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     assert (model.act1(model.fc1(x)) == 0).all()
     w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(), 3)
-    (dead,) = flagged(w.findings, "dead_units", 2)
+    (dead,) = flagged(w.findings, "dead_units", 2)  # 32 values a channel: judged as a whole output
     assert (dead.layer, dead.direction, dead.value) == ("act1", "forward", 1.0)
+
+
+class ConvNet(nn.Module):
+    """conv1 -> act1 -> conv2 -> act2 -> pool -> head, on 3x16x16 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.act1 = nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()
+        self.conv2, self.act2 = nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()
+        self.pool, self.head = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.act2(self.conv2(self.act1(self.conv1(x))))).flatten(1))
+
+
+def _conv_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+@pytest.mark.parametrize("killed", [[1, 5, 9, 14], [0, 1, 2, 3]])
+def test_a_bad_init_that_kills_4_of_16_channels_is_flagged_at_that_layer(killed: list[int]) -> None:
+    """conv1's bias at -50 on 4 of its 16 channels: those channels of act1 are zero (plain torch says so)
+    while the other 12 live; the whole output is only ~60% zeros, yet the rule names act1 and its 4
+    channels within 3 logged steps. Each logged step's per-channel counts are plain torch's."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    with torch.no_grad():
+        model.conv1.bias[killed] = -50.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(3):
+            x, y = _conv_batch(step)
+            with torch.no_grad():
+                act1 = model.act1(model.conv1(x))
+                act2 = model.act2(model.conv2(act1))
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+            layers = {layer.name: layer for layer in w.last.layers}
+            for name, out in (("act1", act1), ("act2", act2)):
+                zeros = (out == 0).double().mean(dim=(0, 2, 3)).tolist()  # channels first: dim 1
+                assert layers[name].channels == 16
+                assert layers[name].channel_zero_fraction == pytest.approx(zeros, abs=1e-12)
+                assert layers[name].dead_channels == sum(z == 1.0 for z in zeros)
+            assert [z == 1.0 for z in layers["act1"].channel_zero_fraction] == [i in killed for i in range(16)]
+            assert layers["act1"].stats["zero_fraction"] < 0.9  # the whole output: far below fraction 0.99
+    (dead,) = flagged(w.findings, "dead_units", 2)
+    assert (dead.layer, dead.step, dead.value, dead.direction) == ("act1", 2, 4.0, "forward")
+    assert "4 of the 16 channels of act1's output" in dead.message and ", ".join(map(str, killed)) in dead.message
+
+
+def test_dead_channels_and_channels_are_on_the_log_line(tmp_path: Path) -> None:
+    """The log line of each layer with a channel dimension carries ``dead_channels`` and ``channels``
+    (Linear's last dim: [32, 16] -> 16 channels); per-channel fractions stay off the log."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.fc1.bias[:3] = -20.0
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    dead = int((model.act1(model.fc1(x)) == 0).all(dim=0).sum())
+    assert dead >= 3
+    log = tmp_path / "log.jsonl"
+    train(model, torch.optim.SGD(model.parameters(), lr=0.0), regression(), 1, out=log)
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    layers = {layer["name"]: layer for layer in line["layers"]}
+    assert (layers["act1"]["dead_channels"], layers["act1"]["channels"]) == (dead, 16)
+    assert (layers["head"]["dead_channels"], layers["head"]["channels"]) == (0, 1)
+    assert "channel_zero_fraction" not in layers["act1"]
 
 
 def test_a_corrupted_batch_is_a_loss_spike_at_its_step() -> None:
@@ -545,3 +616,28 @@ def test_a_frozen_parameter_is_told_by_what_its_gradient_was() -> None:
     assert set(messages) == {"head.weight", "head.bias", "unused.weight", "unused.bias"}
     assert "it has a gradient: not in the optimizer?" in messages["head.weight"]
     assert "no gradient reached it" in messages["unused.weight"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches=st.lists(st.integers(1, 5), min_size=1, max_size=4), tokens=st.integers(1, 6),
+       killed=st.sets(st.integers(0, 7), max_size=8), seed=st.integers(0, 2**16))
+def test_channel_counts_merge_the_steps_calls(batches: list[int], tokens: int, killed: set[int], seed: int) -> None:
+    """Micro-batches of any sizes through a Linear on [B, T, C] (channels last) and its ReLU: the step's
+    per-channel zero fractions and dead count are plain torch's over all the calls' values together."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[sorted(killed)] = -100.0
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(b, tokens, 3, generator=g) for b in batches]
+    with hookcli.watch(model, every=1) as w:
+        for x in xs:
+            model(x).sum().backward()
+        w.step()
+    with torch.no_grad():
+        out = torch.cat([model(x).reshape(-1, 8) for x in xs])
+    zeros = (out == 0).double().mean(0).tolist()
+    layer = {layer.name: layer for layer in w.last.layers}["1"]
+    assert layer.calls == len(batches) and layer.channels == 8
+    assert layer.channel_zero_fraction == pytest.approx(zeros, abs=1e-12)
+    assert layer.dead_channels == sum(z == 1.0 for z in zeros) >= len(killed)

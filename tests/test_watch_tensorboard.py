@@ -1,15 +1,20 @@
 """``hookcli.watch(tensorboard_dir=...)``: the event file read back with TensorBoard's own
 ``EventAccumulator`` holds, at each logged step, the values of that step's JSON log line (float32, as
-TensorBoard keeps scalars); without the tensorboard package it is a UsageError with a pip hint."""
+TensorBoard keeps scalars) and the parameters' histograms (plain torch's buckets); without the tensorboard
+package it is a UsageError with a pip hint."""
 
 from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
@@ -69,3 +74,82 @@ def test_a_tensorboard_dir_that_is_a_file_is_an_output_error(tmp_path: Path) -> 
     with pytest.raises(OutputError, match="cannot write"):
         hookcli.watch(nn.Linear(2, 2), tensorboard_dir=tmp_path / "tb")
     assert (tmp_path / "tb").read_text() == "not a folder"
+
+
+def _histograms(directory: Path) -> dict[str, dict[int, Any]]:
+    events = event_accumulator.EventAccumulator(str(directory), size_guidance={event_accumulator.HISTOGRAMS: 0})
+    events.Reload()
+    return {tag: {e.step: e.histogram_value for e in events.Histograms(tag)} for tag in events.Tags()["histograms"]}
+
+
+def _at_centres(lo: float, span: float, buckets: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """Values at the centres of 30 buckets from lo to lo + span (so no value is near an edge), with lo
+    and lo + span themselves first and last: the min and max."""
+    values = [lo] + [lo + (k + 0.5) * span / 30 for k in buckets] + [lo + span]
+    return torch.tensor((values * shape[0] * shape[1])[: shape[0] * shape[1]]).reshape(shape)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lo=st.floats(-10, 10), span=st.floats(0.5, 100), buckets=st.lists(st.integers(0, 29), min_size=1, max_size=40),
+       grad_lo=st.floats(-5, 5), grad_buckets=st.lists(st.integers(0, 29), min_size=1, max_size=40))
+def test_parameter_histograms_are_plain_torchs_buckets(lo: float, span: float, buckets: list[int], grad_lo: float,
+                                                       grad_buckets: list[int]) -> None:
+    """At a logged step: ``params/<name>/values`` and ``params/<name>/grad`` are 30 equal buckets from the
+    tensor's min to its max, whose counts are ``torch.histc``'s, and min / max / num / sum / sum of
+    squares are plain torch's (the weights before the update, the gradient that the update read)."""
+    model = nn.Linear(6, 5)
+    weight = _at_centres(lo, span, buckets, (5, 6)).float()
+    coefficient = _at_centres(grad_lo, 2.0, grad_buckets, (5, 6)).float()
+    with torch.no_grad():
+        model.weight.copy_(weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tempfile.TemporaryDirectory() as tmp:
+        with hookcli.watch(model, opt, every=1, tensorboard_dir=tmp) as w:
+            model(torch.zeros(1, 6))  # a forward the watch sees; the loss below makes weight's gradient known
+            (model.weight * coefficient).sum().backward()
+            grad = model.weight.grad.clone()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+        got = _histograms(Path(tmp))
+    assert torch.equal(grad, coefficient)
+    for tag, t in (("params/weight/values", weight), ("params/weight/grad", grad)):
+        h = got[tag][0]
+        lo_t, hi_t = float(t.min()), float(t.max())
+        assert (h.min, h.max, h.num) == (lo_t, hi_t, t.numel())
+        assert h.sum == pytest.approx(float(t.double().sum()), rel=1e-9, abs=1e-9)
+        assert h.sum_squares == pytest.approx(float(t.double().square().sum()), rel=1e-9)
+        assert list(h.bucket) == torch.histc(t, bins=30, min=lo_t, max=hi_t).tolist()
+        assert list(h.bucket_limit) == pytest.approx([lo_t + (hi_t - lo_t) * (k + 1) / 30 for k in range(30)])
+
+
+def test_histograms_are_written_at_logged_steps_only_and_only_with_a_tensorboard_dir(tmp_path: Path) -> None:
+    """every=2 over 4 steps: histograms at steps 0 and 2, for each parameter and its gradient, the sum of
+    their buckets the parameter's size; the JSON log's lines stay as they were (no histogram in them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen = {}
+    with hookcli.watch(model, opt, every=2, out=tmp_path / "log.jsonl", tensorboard_dir=tmp_path / "tb") as w:
+        for step in range(4):
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            seen[step] = {name: (p.detach().clone(), p.grad.clone()) for name, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    got = _histograms(tmp_path / "tb")
+    names = [name for name, _ in model.named_parameters()]
+    assert set(got) == {f"params/{name}/{kind}" for name in names for kind in ("values", "grad")}
+    for name in names:
+        for kind, index in (("values", 0), ("grad", 1)):
+            assert set(got[f"params/{name}/{kind}"]) == {0, 2}
+            for step, h in got[f"params/{name}/{kind}"].items():
+                t = seen[step][name][index]
+                assert (h.min, h.max, h.num) == (float(t.min()), float(t.max()), t.numel())
+                assert sum(h.bucket) == t.numel() and len(h.bucket) == 30
+    assert all("histogram" not in text for text in (tmp_path / "log.jsonl").read_text().splitlines())
+    with hookcli.watch(model, opt, every=1) as w:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        w.step()
+    assert all(p.values_histogram is None and p.grad_histogram is None for p in w.last.params)

@@ -59,7 +59,9 @@ class Watch:
                             else None)
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
-        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight)
+        self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight,
+                                    histograms=self.tensorboard is not None,
+                                    channels="dead_units" in self._rules.settings)
         self._open = self._used = False
 
     def __enter__(self) -> Self:

@@ -33,6 +33,10 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
     "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
 }
 
+#: ``dead_units`` judges an output per channel when each channel held at least this many values in the
+#: step (a channel of a few values, a Linear's on a small batch, is all zeros by chance): else as a whole.
+CHANNEL_VALUES = 100
+
 RULES_HINT = "e.g. rules={'loss_spike': {'ratio': 3.0}, 'dead_units': False}; the rules: " + ", ".join(RULES)
 
 
@@ -140,6 +144,8 @@ class _State:
     grad_norms: deque[float] = field(default_factory=deque)
     frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
     dead_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row mostly zeros
+    #: per channel of a layer's output: logged steps in a row that channel was mostly zeros
+    channel_runs: dict[str, list[int]] = field(default_factory=dict)
     told: dict[str, set[str]] = field(default_factory=dict)  # rule -> the layers/parameters it named
 
 
@@ -302,10 +308,16 @@ class Rules:
                         f"{ratio:.3g}x {last}'s")]
 
     def _dead_units(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
-        """An output that is zero in at least ``fraction`` of its values at ``steps`` logged steps in a row."""
+        """Channels of an output that are zero in at least ``fraction`` of their values at ``steps`` logged
+        steps in a row (the finding's value: how many channels); an output without channels counted, or whose channels held fewer than
+        ``CHANNEL_VALUES`` values each: the whole output, likewise (its value: its zero fraction)."""
         runs = self.state.dead_runs
         found = []
         for layer in rec.layers:
+            if layer.channel_zero_fraction and layer.stats is not None and layer.channels \
+                    and layer.stats["count"] >= CHANNEL_VALUES * layer.channels:
+                found += self._dead_channels(rec.step, _layer_name(layer), layer.channel_zero_fraction, cfg)
+                continue
             if layer.stats is None or not layer.stats["count"] or not _finite(layer.stats["zero_fraction"]):
                 continue
             name = _layer_name(layer)
@@ -317,6 +329,21 @@ class Rules:
                                      f"{name}'s output is {layer.stats['zero_fraction']:.1%} zeros in "
                                      f"{runs[name]} logged steps in a row (dead units)"))
         return found
+
+    def _dead_channels(self, step: int, name: str, fractions: list[float], cfg: Settings) -> list[Finding]:
+        runs = self.state.channel_runs.get(name)
+        if runs is None or len(runs) != len(fractions):
+            runs = self.state.channel_runs[name] = [0] * len(fractions)
+        for i, fraction in enumerate(fractions):
+            runs[i] = runs[i] + 1 if _finite(fraction) and fraction >= cfg["fraction"] else 0
+        dead = [i for i, run in enumerate(runs) if run >= cfg["steps"]]
+        if not dead or not self._new("dead_units", name):
+            return []
+        first = ", ".join(map(str, dead[:8])) + (", ..." if len(dead) > 8 else "")
+        return [Finding("dead_units", "warning", step, name, "forward", float(len(dead)), cfg["fraction"],
+                        f"{len(dead)} of the {len(runs)} channels of {name}'s output are at least "
+                        f"{cfg['fraction']:.0%} zeros in {cfg['steps']} logged steps in a row (dead units): "
+                        f"channels {first}")]
 
     def _activation_growth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """An output whose largest magnitude is above ``ratio`` times its RMS (massive activations)."""

@@ -1,7 +1,8 @@
 """``hookcli.watch(tensorboard_dir=...)``: each logged step's record as TensorBoard scalars
 (docs/watch.md#tensorboard; the extra ``hookcli[tensorboard]``).
 
-The values are the record's, the log line's numbers: nothing is measured again on the device.
+The values are the record's, the log line's numbers (and its parameters' histograms, which the engine
+measured at the logged step): nothing is measured again here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ LAYER_SCALARS = ("rms", "abs_max", "zero_fraction")
 class TensorBoardLog:
     """A TensorBoard event file in ``directory`` (made now, with missing folders), one set of scalars per
     logged step, flushed at each: ``loss``; ``layers/<name>/rms``, ``abs_max``, ``zero_fraction``,
-    ``grad_rms``; ``params/<name>/grad_norm``, ``update_ratio``. UsageError without the tensorboard
+    ``grad_rms``; ``params/<name>/grad_norm``, ``update_ratio``; histograms ``params/<name>/values`` and
+    ``grad`` (the record's, measured on the device at the logged step before the update). UsageError without the tensorboard
     package, OutputError for a directory that cannot be made."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -55,6 +57,10 @@ class TensorBoardLog:
                 add(f"params/{param.name}/grad_norm", param.grad["rms"] * math.sqrt(param.grad["count"]), step)
             if param.update_ratio is not None:
                 add(f"params/{param.name}/update_ratio", param.update_ratio, step)
+            for kind, hist in (("values", param.values_histogram), ("grad", param.grad_histogram)):
+                if hist is not None:
+                    self.writer.add_histogram_raw(f"params/{param.name}/{kind}", hist.min, hist.max, hist.num,
+                                                  hist.sum, hist.sum_squares, hist.limits, hist.counts, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from hookcli.engine.stats import (
     to_host,
 )
 from hookcli.engine import distributed
+from hookcli.engine.channels import ChannelDims, channel_nonzeros, has_channels
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import run_lock
 
@@ -68,6 +69,9 @@ class HookOptions:
     keep_grad: KeepFn | None = None
     #: Count the zeros of gradients too (``hookcli.watch``; the commands' gradient tables show none).
     grad_zeros: bool = False
+    #: Count each selected output's nonzero values per channel (``hookcli.watch``'s dead units; the
+    #: channel dimension as ``ChannelDims`` finds it), while the session's ``count_channels`` is on.
+    channel_zeros: bool = False
 
 
 class RunObserver:
@@ -104,6 +108,8 @@ class _Tensor:
     stats: Vector | None = None
     grad: Vector | None = None
     wants_grad: bool = False
+    #: With ``channel_zeros``: the nonzero values in each channel (``channel_nonzeros``), on the device
+    nonzeros: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -155,6 +161,10 @@ class HookSession:
         #: While True every hook returns at once: no record, no statistics, no tensor hook, no host
         #: synchronisation (a watch's unlogged steps). Switched only between steps.
         self.idle = False
+        #: With ``channel_zeros``: whether outputs are counted per channel now (a watch's logged steps
+        #: only; its flight recorder's unlogged steps are not). Switched only between steps.
+        self.count_channels = options.channel_zeros
+        self.channel_dims = ChannelDims(dict(self.selection)) if options.channel_zeros else None
 
     def reset(self) -> None:
         """Empty the per-step state (a hook set's step boundary): the calls, their counts, the stored
@@ -317,6 +327,8 @@ class HookSession:
             floating = tensor.is_floating_point()  # (is_float, inline: once per output tensor)
             if options.stats and floating and not tensor.is_meta:
                 entry.stats = self.reducer.reduce(distributed.local(tensor))  # a DTensor: this rank's part
+            if self.count_channels and self.channel_dims is not None and has_channels(tensor):
+                entry.nonzeros = channel_nonzeros(tensor, self.channel_dims(call.name, tensor))
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 self._hook_grad(tensor, self._output_grad_hook(call, entry))

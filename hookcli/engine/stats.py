@@ -503,6 +503,31 @@ def l2_norm(t: torch.Tensor) -> Vector:
     return torch.linalg.vector_norm(x, dtype=device_float(x.device)).reshape(1)
 
 
+#: The buckets of a ``histogram`` (TensorBoard's histograms of hookcli.watch's parameters).
+HISTOGRAM_BINS = 30
+
+
+def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS) -> torch.Tensor | None:
+    """``[min, max, count, sum, sum of squares, *bucket counts]`` of a dense tensor's values, on its device
+    (no transfer): ``bins`` equal buckets from min to max, the last one closed (``torch.histc``'s). Its
+    min or max is not finite when a value is not (the buckets are then meaningless). None for an
+    empty or non-strided tensor."""
+    if t.numel() == 0 or t.layout != torch.strided or t.is_nested or not t.is_floating_point():
+        return None
+    wide = device_float(t.device)
+    x = t.detach().reshape(-1)
+    x = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    lo, hi = torch.aminmax(x)
+    span = hi - lo
+    scaled = (x - lo).div_(torch.where(span > 0, span, torch.ones_like(span))).mul_(bins)
+    index = scaled.nan_to_num_(0.0).clamp_(0, bins - 1).long()  # truncation is floor: scaled >= 0
+    ones = torch.ones(1, dtype=wide, device=x.device).expand(x.numel())
+    counts = torch.zeros(bins, dtype=wide, device=x.device).index_add_(0, index, ones)
+    head = torch.stack([lo.to(wide), hi.to(wide), torch.tensor(x.numel(), dtype=wide, device=x.device),
+                        x.sum(dtype=wide), torch.linalg.vector_norm(x, dtype=wide).square()])
+    return torch.cat([head, counts])
+
+
 def device_float(device: torch.device) -> torch.dtype:
     """The widest float a device reduces in: float64, except on Apple's MPS, which has none."""
     return torch.float32 if device.type == "mps" else torch.float64

@@ -20,9 +20,9 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.stats import Transfer, Vector, l2_norm, merge, to_host
+from hookcli.engine.stats import Transfer, Vector, histogram, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
-from hookcli.records import WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
 _Groups = dict[tuple[str, str], list[Any]]
@@ -65,7 +65,8 @@ class StepWatcher:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
-                 on_step: Callable[[WatchStep], None], flight: int | None = None) -> None:
+                 on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
+                 channels: bool = True) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -85,6 +86,11 @@ class StepWatcher:
             if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
+        #: each logged step's per-channel zero counts (the dead_units rule's; one process)
+        self.channels = channels and self.reduction is None
+        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; one process)
+        self.histograms = histograms and self.reduction is None
+        self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
         self._param_vectors: list[ParamVectors] | None = None
         self._updates: list[Vector] | None = None
@@ -101,7 +107,8 @@ class StepWatcher:
 
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
-        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True),
+        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
+                                                              channel_zeros=self.channels),
                            params=self.params)
         try:
             if self.optimizer is not None:
@@ -117,7 +124,8 @@ class StepWatcher:
         assert self.hooks.session is not None
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
-        self._before = self._param_vectors = self._updates = None
+        self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        self._before = self._param_vectors = self._updates = self._histograms = None
         self._stepped = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
@@ -138,6 +146,7 @@ class StepWatcher:
             self._hand_on()
         if self.logged:
             self._param_vectors = self.hooks.param_vectors()
+            self._histograms = self._param_histograms()
             self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
 
     def _post_step(self) -> None:
@@ -229,12 +238,13 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            histograms = self._histograms if self._param_vectors is not None else self._param_histograms()
             # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
             # rank that raised here alone would leave the others waiting in the step's collectives)
             if (self.reduction is None and self.hooks.compiled and not session.calls
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
-            record = self._collect(step, groups, params, self._updates, loss)
+            record = self._collect(step, groups, params, self._updates, loss, histograms)
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise
@@ -254,8 +264,15 @@ class StepWatcher:
         for record in flight_records(flight.unwritten(before)):
             self.on_step(record)
 
+    def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
+        """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
+        if not self.histograms:
+            return None
+        return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
+
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
-                 loss: Any) -> WatchStep:
+                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+                 ) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
@@ -263,18 +280,30 @@ class StepWatcher:
         transfer = Transfer()
         slot, stats = transfer.slot, transfer.stats
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
+        channels = merged_channels(self.hooks.session.calls)
+        channel_slots = {key: (slot(nonzeros), per) for key, (nonzeros, per) in channels.items()}
         param_slots = [(p, slot(p.grad), slot(p.norm), slot(updates[i]) if updates else None)
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
+        histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
+        for layer in layers:
+            if (found := channel_slots.get((layer.name, layer.output))) is not None:
+                index, per = found
+                zeros = [1.0 - nonzero / per for nonzero in values[index]]  # type: ignore[index]
+                layer.channels, layer.channel_zero_fraction = len(zeros), zeros
+                layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
             update = values[u][0] if u is not None else None
             out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
                                          update / norm if update is not None and norm else None))
+        for entry, (v, g) in zip(out.params, histogram_slots):
+            entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
+            entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
         return out
 
 
@@ -295,6 +324,28 @@ def merged_outputs(calls: Sequence[Any]) -> _Groups:
             group[4] = _merged(group[4], out.stats)
             group[5] = _merged(group[5], out.grad)
     return groups
+
+
+def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
+    """The step's per-channel nonzero counts by (module, output path), summed over its calls, and how
+    many values each channel held in all: an output whose channel count differs between calls (or that
+    some call did not count) is left out, as is a call that raised or never returned."""
+    out: dict[tuple[str, str], tuple[torch.Tensor, int] | None] = {}
+    for call in calls:
+        if call.raised or not call.finished:
+            continue
+        for t in call.outputs:
+            key, nonzeros = (call.name, t.path), t.nonzeros
+            if key in out and out[key] is None:
+                continue
+            if nonzeros is None:
+                out[key] = None
+                continue
+            per = math.prod(t.shape) // nonzeros.numel()
+            had = out.get(key)
+            out[key] = (nonzeros, per) if had is None else \
+                (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
+    return {key: value for key, value in out.items() if value is not None}
 
 
 def _merged(a: Vector | None, b: Vector | None) -> Vector | None:

@@ -6,6 +6,7 @@ bumping ``WATCH_SCHEMA``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +37,44 @@ class WatchLayer:
     #: under tensor parallelism (docs/distributed.md): "sharded" (the TP ranks' parts, summed) or
     #: "replicated" (their copies, counted once); None otherwise (and left out of the dict)
     placement: str | None = None
+    #: The output's channels (its channel dimension's size; None: no channel dimension, or not counted:
+    #: a flight line, a run under torchrun) and how many of them were all zeros in the step's calls
+    channels: int | None = None
+    dead_channels: int | None = None
+    #: Each channel's zero fraction over the step's calls (for the dead_units rule; not in the log)
+    channel_zero_fraction: list[float] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
                "shape": self.shape, "dtype": self.dtype, "stats": self.stats, "grad": self.grad}
         if self.placement is not None:
             out["placement"] = self.placement
+        if self.channels is not None:
+            out["dead_channels"], out["channels"] = self.dead_channels, self.channels
         return out
+
+
+@dataclass
+class Histogram:
+    """The values of one tensor at one logged step in equal buckets from ``min`` to ``max`` (TensorBoard's
+    histogram: ``limits`` are the buckets' right edges, ``counts`` how many values fell in each)."""
+
+    min: float
+    max: float
+    num: int
+    sum: float
+    sum_squares: float
+    limits: list[float]
+    counts: list[float]
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> Histogram | None:
+        """From ``engine.stats.histogram``'s vector on the host; None when its min or max is not finite."""
+        lo, hi, num, total, squares, *counts = values
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None
+        bins = len(counts)
+        return cls(lo, hi, int(num), total, squares, [lo + (hi - lo) * (k + 1) / bins for k in range(bins)], counts)
 
 
 @dataclass
@@ -55,6 +87,10 @@ class WatchParam:
     grad: WatchStats | None  # of the accumulated .grad; None when no backward of the step reached it
     update_norm: float | None = None  # ||w_after - w_before|| of the optimizer's step; None without one
     update_ratio: float | None = None  # update_norm / norm; None without an update or when norm is 0
+    #: With ``tensorboard_dir=``: the weights' and the gradient's histograms at the logged step, before
+    #: the update (None: not asked, empty, or a value not finite); not in the log
+    values_histogram: Histogram | None = field(default=None, repr=False)
+    grad_histogram: Histogram | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": self.shape, "norm": self.norm, "grad": self.grad,

@@ -30,6 +30,7 @@ from hookcli.errors import (
     ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
 )
 from hookcli.commands.grads import backward_report, build_loss, data_backward_report
+from hookcli.engine.channels import ChannelDims
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
@@ -37,41 +38,6 @@ from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
 from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
-
-
-#: Modules whose output keeps its channels in dim 1 ([B, C, ...]: convolutions and the norms over them)
-#: and modules that work on the last dimension ([..., C]: linear layers, layer norms, embeddings).
-_CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
-                   nn.GroupNorm, nn.LocalResponseNorm)
-_CHANNELS_LAST = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag,
-                  nn.MultiheadAttention)
-
-
-class ChannelDims:
-    """The channel dimension of each output for ``dead_channels``' ``dim = "auto"``.
-
-    A module that fixes the layout says it: convolutions and batch/instance/group norms put channels in
-    dim 1 ([B, C, L], [B, C, H, W]); linear layers, layer norms, embeddings and attention in the last
-    ([B, T, C], Swin's [B, H, W, C]). Any other module (an activation, dropout, a container, a block of
-    a library) inherits the layout of the latest such output of the same shape in this run (outputs
-    arrive as calls finish, so a container's children come first); otherwise a 3-D output is taken as
-    a sequence [B, T, C] (last) and any other as [B, C, ...] (dim 1)."""
-
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
-        self.modules = modules
-        self.seen: dict[tuple[int, ...], int] = {}
-
-    def __call__(self, name: str, t: torch.Tensor) -> int:
-        module = self.modules.get(name)
-        shape = tuple(t.shape)
-        if isinstance(module, _CHANNELS_FIRST):
-            dim = 1
-        elif isinstance(module, _CHANNELS_LAST):
-            dim = t.dim() - 1
-        else:
-            return self.seen.get(shape, t.dim() - 1 if t.dim() == 3 else 1)
-        self.seen[shape] = dim
-        return dim
 
 
 class Probe(RunObserver):
