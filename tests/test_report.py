@@ -538,3 +538,28 @@ def test_every_row_fits_the_width_on_one_line(width: int) -> None:
         (row,) = [line for line in lines if line.split() and series.name.startswith(line.split()[0].split("…")[0])
                   and line.rstrip().endswith(f"{series.values[-1]:.4g}")]
         assert cell_len(row) <= width
+
+
+def test_stat_dead_channels_is_the_count_plain_torch_finds_per_step(tmp_path: Path) -> None:
+    """``--stat dead_channels``: per layer and logged step, how many channels were zero in every value;
+    a conv whose bias kills 3 of its 8 channels before a ReLU shows 3 at each step (plain torch counts)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    with torch.no_grad():
+        model[0].bias[[0, 3, 6]] = -50.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    expected = []
+    with hookcli.watch(model, opt, every=1, out=tmp_path / "log.jsonl") as w:
+        for step in range(3):
+            x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+            with torch.no_grad():
+                act = model[1](model[0](x))
+            expected.append(float((act == 0).all(dim=0).all(dim=-1).all(dim=-1).sum()))  # channels: dim 1
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    report = hookcli.report(tmp_path / "log.jsonl", stat="dead_channels", layers="1")
+    (relu,) = report.series
+    assert relu.values == expected and expected == [3.0, 3.0, 3.0]

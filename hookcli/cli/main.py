@@ -601,7 +601,7 @@ def fmaps(**values: Any) -> None:
 @click.argument("log", type=click.Path(dir_okay=True))
 @click.option("--stat", default="rms", show_default=True, metavar="NAME",
               help="The statistic shown: of each layer's output (" + ", ".join(WATCH_STAT_KEYS) + "), of its "
-                   "gradient (grad.rms, grad.abs_max, ...), or of each parameter (norm, update_norm, "
+                   "gradient (grad.rms, grad.abs_max, ...), its dead_channels, or of each parameter (norm, update_norm, "
                    "update_ratio, param.grad.rms, ...).")
 @click.option("--layers", "-l", "row_patterns", multiple=True, metavar="NAMES",
               help="Only these rows: names or globs, comma-separated ('blocks.*'); a parameter also matches by "

@@ -22,9 +22,14 @@ from hookcli.records import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, ReportSeries
 #: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
 PARAM_KEYS = ("norm", "update_norm", "update_ratio")
 
+#: What a layer entry has besides its output's and gradient's statistics: how many of its channels
+#: were zero in every value at that step (docs/watch.md "The log").
+LAYER_KEYS = ("dead_channels",)
+
 #: Every name ``--stat`` takes: a layer output's statistic (``rms``), its gradient's (``grad.rms``),
-#: a parameter's own (``update_ratio``) or its gradient's (``param.grad.rms``).
-STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KEYS), *PARAM_KEYS,
+#: the layer's own count (``dead_channels``), a parameter's own (``update_ratio``) or its gradient's
+#: (``param.grad.rms``).
+STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KEYS), *LAYER_KEYS, *PARAM_KEYS,
                           *(f"param.grad.{k}" for k in WATCH_STAT_KEYS))
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -154,7 +159,7 @@ def _label(entry: dict[str, Any]) -> str:
 
 def _value(entry: dict[str, Any], stat: str) -> float | None:
     """The ``stat`` of one layer or parameter entry (``stat`` without its ``param.`` prefix)."""
-    if stat in PARAM_KEYS:
+    if stat in PARAM_KEYS or stat in LAYER_KEYS:
         return _number(entry.get(stat))
     where, _, key = stat.rpartition(".")
     stats = entry.get(where or "stats")
