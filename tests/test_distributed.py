@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from hookcli.engine import distributed, stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker as worker  # noqa: E402
+from torchrun_launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -38,15 +36,7 @@ REL = 1e-5
 def torchrun(mode: str, out: Path, world: int = WORLD) -> list[dict[str, Any]] | None:
     """Run the worker on ``world`` ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None
     for ``count`` (its files are in ``out/4`` and ``out/40``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                           "--master-addr", "127.0.0.1", "--master-port", str(port),
-                           str(Path(worker.__file__)), mode, str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = launch([str(Path(worker.__file__)), mode, str(out)], world)
     assert done.returncode == 0, done.stderr[-4000:]
     if mode == "count":
         return None
