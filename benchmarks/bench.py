@@ -672,15 +672,17 @@ class Trainee:
     """A GPT-style model with its own AdamW and one fixed batch of token ids; ``step()`` is one plain
     training step: forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``."""
 
-    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0) -> None:
+    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0, device: str = "cpu") -> None:
         import torch
 
         import models
 
         torch.manual_seed(seed)
-        self.model = models.GPT(config).train()
+        self.model = models.GPT(config).train().to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.tokens = torch.randint(0, config.vocab, (batch, seq + 1))
+        self.tokens = torch.randint(0, config.vocab, (batch, seq + 1)).to(device)
+        #: on a GPU, every step ends with ``torch.cuda.synchronize()`` so that its time is the device's
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else None
 
     def step(self) -> Any:
         """One training step; the loss (detached)."""
@@ -691,6 +693,8 @@ class Trainee:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sync is not None:
+            self.sync()
         return loss.detach()
 
 
@@ -824,6 +828,81 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
     return rows
 
 
+def bench_watch_gpu(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Issue 22's watch rows on a CUDA GPU: the logged (``every=1``) and unlogged step of a GPT-style
+    model with AdamW against its twin's bare step (``torch.cuda.synchronize()`` ends every step), the
+    articles' ``.item()`` hooks as the peer, and the peak device memory of a watched step against a
+    bare one (``torch.cuda.max_memory_allocated``). Two sizes: the CPU rows' model, and one 8x wider
+    in compute (width 1024, 8 layers, b16 s256) where the GPU is busy rather than waiting on launches."""
+    import torch
+
+    import models
+
+    if not torch.cuda.is_available():
+        row = _row("watch_gpu", "watch on CUDA", "skipped", None, None, detail="no CUDA GPU here")
+        print_rows([row])
+        return [row]
+    rows: list[dict[str, Any]] = []
+    sizes = ((models.WATCH_GPT, 8, 128),
+             (models.GPTConfig(vocab=8192, width=1024, heads=16, layers=8, max_len=256), 16, 256))
+    rounds = 1 + (10 if quick else 30)
+    for config, batch, seq in sizes:
+        rows += _watch_gpu_rows(config, batch, seq, rounds)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _watch_gpu_rows(config: Any, batch: int, seq: int, rounds: int) -> list[dict[str, Any]]:
+    """``bench_watch_gpu``'s rows of one model size: its own twins, each row over ``rounds`` rounds."""
+    import tempfile
+
+    import torch
+
+    import hookcli
+
+    rows: list[dict[str, Any]] = []
+    twin, bare = (Trainee(config, batch, seq, device="cuda") for _ in range(2))
+    label = f"gpt-style {config.layers}L w{config.width} b{batch} s{seq} ({torch.cuda.get_device_name()})"
+    bare_times: list[float] = []
+    alternate_steps(bare.step, lambda i: twin.step(), 3)  # warm-up: kernels, allocator, AdamW state
+    with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-gpu-") as tmp:
+        for every, variant, goal in ((1, "logged step (every=1)", "<= 1.25"), (10**9, "unlogged step", "<= 1.02")):
+            with hookcli.watch(twin.model, twin.optimizer, every=every, out=os.path.join(tmp, f"{every}.jsonl")) as w:
+                timed = alternate_steps(bare.step, lambda i, w=w: w.step(loss=twin.step()), rounds).tail(1)
+            bare_times.extend(timed.bare)
+            rows.append(_row("watch_gpu", label, variant, statistics.median(timed.variant),
+                             _median_ratio(timed.variant, timed.bare), goal,
+                             f"bare {statistics.median(timed.bare) * 1e3:.2f} ms, {len(timed.bare)} rounds"))
+            print_rows(rows[-1:])
+        item_rows: list[tuple[float, ...]] = []
+        leaves = [m for m in twin.model.modules() if next(m.children(), None) is None]
+        handles = [m.register_forward_hook(item_hook(item_rows)) for m in leaves]
+        try:
+            timed = alternate_steps(bare.step, lambda i: (item_rows.clear(), twin.step()), rounds).tail(1)
+        finally:
+            for h in handles:
+                h.remove()
+        rows.append(_row("watch_gpu", label, "peer: .item() hooks", statistics.median(timed.variant),
+                         _median_ratio(timed.variant, timed.bare), detail=f"{len(leaves)} leaf modules"))
+        print_rows(rows[-1:])
+        peaks = {}
+        for variant in ("bare", "watched"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if variant == "bare":
+                bare.step()
+            else:
+                with hookcli.watch(twin.model, twin.optimizer, every=1, out=os.path.join(tmp, "peak.jsonl")) as w:
+                    w.step(loss=twin.step())
+            peaks[variant] = torch.cuda.max_memory_allocated() / 2**20
+        rows.append(_row("watch_gpu", f"peak device memory, {label}", "every=1 / bare", None,
+                         peaks["watched"] / peaks["bare"], "<= 1.05",
+                         f"{peaks['watched']:.0f} MiB vs {peaks['bare']:.0f} MiB (max_memory_allocated, one step)"))
+        print_rows(rows[-1:])
+    rows.insert(0, _row("watch_gpu", label, "bare step", statistics.median(bare_times), 1.0))
+    return rows
+
+
 def _median_ratio(variants: list[float], bares: list[float]) -> float:
     return statistics.median(v / b for v, b in zip(variants, bares))
 
@@ -934,6 +1013,8 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
     "check_steps": ("10. hookcli check --steps 30 (issue 23), seconds", bench_check_steps),
     "watch": ("11. hookcli.watch over a GPT-style training step with AdamW (issue 22), vs the same bare step",
               bench_watch),
+    "watch_gpu": ("12. hookcli.watch on a CUDA GPU, vs the same bare step (torch.cuda.synchronize() ends each step)",
+                  bench_watch_gpu),
 }
 
 
