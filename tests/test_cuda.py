@@ -44,7 +44,8 @@ def test_a_logged_step_on_cuda_equals_plain_torch(tmp_path: Path) -> None:
     names = [str(i) for i in range(6)]
     for step in range(2):
         seen: dict[str, torch.Tensor] = {}
-        handles = [ref[int(n)].register_forward_hook(lambda _m, _i, out, n=n: seen.__setitem__(n, out)) for n in names]
+        handles = [ref[int(n)].register_forward_hook(lambda _m, _i, out, n=n, seen=seen: seen.__setitem__(n, out))
+                   for n in names]
         x, y = batch(step)
         ref_loss = (ref(x) - y).pow(2).mean()
         for h in handles:
@@ -118,25 +119,29 @@ def test_check_steps_on_cuda_leaves_the_model_as_it_was() -> None:
 
 
 WORKER = """
-import json, sys, torch, torch.distributed as dist
+import sys, traceback, torch, torch.distributed as dist
 from torch import nn
 import hookcli
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(
-    nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).cuda())
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
 out = sys.argv[1]
-with hookcli.watch(model, opt, out=out + "/log.jsonl") as w:
-    for step in range(2):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(8, 4, generator=g)[rank * 4:(rank + 1) * 4].cuda()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        w.step(loss=loss)
+try:
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).cuda())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookcli.watch(model, opt, out=out + "/log.jsonl") as w:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 4, generator=g)[rank * 4:(rank + 1) * 4].cuda()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+except BaseException:
+    open(f"{out}/rank{rank}.err", "w").write(traceback.format_exc())
+    raise
 dist.destroy_process_group()
 """
 
@@ -147,14 +152,16 @@ def test_a_ddp_watch_on_the_gpu_under_torchrun_equals_one_process(tmp_path: Path
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     done = launch([str(script), str(tmp_path)], 2)
-    assert done.returncode == 0, done.stderr[-4000:]
+    errors = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("rank*.err")}
+    assert done.returncode == 0, errors or done.stderr[-4000:]
     line = [json.loads(s) for s in (tmp_path / "log.jsonl").read_text().splitlines()][-1]
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
         seen: dict[str, torch.Tensor] = {}
-        handles = [m.register_forward_hook(lambda _m, _i, o, n=n: seen.__setitem__(n, o)) for n, m in ref.named_children()]
+        handles = [m.register_forward_hook(lambda _m, _i, o, n=n, seen=seen: seen.__setitem__(n, o))
+                   for n, m in ref.named_children()]
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         loss = ref(x).pow(2).mean()
         for h in handles:

@@ -203,16 +203,16 @@ def test_a_bad_flight_is_a_usage_error(flight: Any) -> None:
 
 
 def test_the_device_flag_names_the_first_bad_step_without_reading_every_step() -> None:
-    """Device vectors (the accelerator path, here on CPU tensors): the flag is read every K - 1 steps
+    """Device vectors (the accelerator path, here on CPU tensors): the flag is read every K steps
     and by ``read``; the first bad step is exact, later bad steps do not move it."""
     reducer = Reducer()
     recorder = FlightRecorder(5)
     good, bad = torch.ones(6), torch.tensor([1.0, float("inf"), 2.0])
-    for step in range(3):
+    for step in range(4):
         recorder.push(step, {("a", ""): ["Linear", [6], "float32", 1, reducer._reduce_device(good, True), None]}, None)
-    assert recorder.first_bad is None and recorder._unread == 3
-    recorder.push(3, {("a", ""): ["Linear", [3], "float32", 1, reducer._reduce_device(bad, True), None]}, None)
-    assert recorder.first_bad == 3 and recorder._unread == 0  # the 4th unread step: read now
+    assert recorder.first_bad is None and recorder._unread == 4
+    recorder.push(4, {("a", ""): ["Linear", [3], "float32", 1, reducer._reduce_device(bad, True), None]}, None)
+    assert recorder.first_bad == 4 and recorder._unread == 0  # the 5th unread step: read now
     recorder = FlightRecorder(50)
     for step in range(6):
         vector = reducer._reduce_device(bad if step >= 2 else good, True)
@@ -225,6 +225,24 @@ def test_the_device_flag_names_the_first_bad_step_without_reading_every_step() -
     stats, grad = two[("a", "")][4:]  # one tensor per step in the ring, its rows the vectors
     assert stats.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
     assert stats.tolist() == reducer._reduce_device(good, True).tolist()
+
+
+@settings(max_examples=20, deadline=None)
+@given(size=st.integers(2, 9), bad=st.integers(0, 40))
+def test_device_flags_read_late_still_write_the_k_steps_up_to_the_first_bad_one(size: int, bad: int) -> None:
+    """On an accelerator the flag is read up to K - 1 steps after the bad step: the ring (2K - 1 steps)
+    still holds the K steps up to it, and exactly those are written, as on CPU."""
+    reducer = Reducer()
+    recorder = FlightRecorder(size)
+    good, inf = torch.ones(4), torch.tensor([1.0, float("inf")])
+    step = 0
+    while recorder.first_bad is None:
+        vector = reducer._reduce_device(inf if step >= bad else good, True)
+        recorder.push(step, {("a", ""): ["Linear", [4], "float32", 1, vector, None]}, None)
+        step += 1
+    assert recorder.first_bad == bad and step - 1 - bad < size
+    assert [entry[0] for entry in recorder.unwritten(upto=recorder.first_bad)] == list(range(max(0, bad - size + 1),
+                                                                                         bad + 1))
 
 
 def test_without_w_step_the_optimizer_ends_the_recorded_steps(tmp_path: Path) -> None:

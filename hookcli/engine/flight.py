@@ -1,12 +1,13 @@
 """The flight recorder of ``hookcli.watch(flight=K)`` (docs/watch.md#flight-recorder).
 
 Every step's merged output and output-gradient statistics (the vectors a logged step makes, see
-``engine.watch.merged_outputs``) go into a ring of the last K steps, where they are: host ``Moments``
+``engine.watch.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
 on CPU, small tensors on an accelerator (no transfer). Whether a step held a NaN or Inf is known at
-once on CPU; on an accelerator a device scalar keeps the first such step (``torch.where``, no host
-synchronisation) and is read when the watch transfers anyway (a logged step, the block's end, the loop
-raising) and at the latest every ``K - 1`` steps, so that the first non-finite step is still in the
-ring when it is read. The ring is then turned into records (one transfer) for the log.
+once on CPU (the ring holds K steps); on an accelerator a device scalar keeps the first such step
+(``torch.where``, no host synchronisation) and is read when the watch transfers anyway (a logged step,
+the block's end, the loop raising) and at the latest every ``K`` steps, and the ring holds ``2K - 1``
+steps, so that the K steps up to the first non-finite one are all still there when it is read. What
+is written is the same on both: those K steps, turned into records (one transfer) for the log.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ Entry = tuple[int, dict[tuple[str, str], list[Any]], Vector | None]
 
 
 class FlightRecorder:
-    """A ring of the last ``size`` steps' statistics, and the first step where one was not finite."""
+    """A ring of the last steps' statistics, and the first step where one was not finite: ``size`` steps
+    are written, up to the first non-finite one (with device vectors the ring keeps ``2 * size - 1``: a
+    device flag is read up to ``size - 1`` steps after that step)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -56,6 +59,8 @@ class FlightRecorder:
                 elif vector is not None:
                     places.setdefault(vector.device, []).append((group, index))
         device_bad: dict[torch.device, torch.Tensor] = {}
+        if places and self.ring.maxlen == self.size:  # flags read late: keep the K steps before them too
+            self.ring = deque(self.ring, maxlen=2 * self.size - 1)
         for device, where in places.items():
             block = torch.stack([group[index] for group, index in where])
             for row, (group, index) in enumerate(where):
@@ -79,7 +84,7 @@ class FlightRecorder:
             first.copy_(torch.where(bad & (first < 0), step, first))
         if self._device_first:
             self._unread += 1
-            if self._unread >= self.size - 1:  # read before the step could drop out of the ring
+            if self._unread >= self.size:  # read while the K steps up to a bad one are in the ring
                 self.read()
 
     def read(self) -> int | None:
@@ -93,10 +98,11 @@ class FlightRecorder:
                 self.first_bad = min(found)
         return self.first_bad
 
-    def unwritten(self, before: int | None = None) -> list[Entry]:
-        """The ring's steps not written yet (and before ``before``, the step whose own line follows);
-        they count as written from now on."""
-        entries = [e for e in self.ring if e[0] > self.written and (before is None or e[0] < before)]
+    def unwritten(self, before: int | None = None, upto: int | None = None) -> list[Entry]:
+        """The last ``size`` of the ring's steps not written yet, before ``before`` (the step whose own
+        line follows) and up to ``upto`` (the first non-finite step); they count as written from now on."""
+        entries = [e for e in self.ring if e[0] > self.written and (before is None or e[0] < before)
+                   and (upto is None or e[0] <= upto)][-self.size:]
         if entries:
             self.written = entries[-1][0]
         return entries

@@ -261,7 +261,8 @@ class StepWatcher:
         if not everything and (flight.first_bad is None or flight.dumped):
             return
         flight.dumped = flight.first_bad is not None
-        for record in flight_records(flight.unwritten(before)):
+        upto = None if everything else flight.first_bad  # the K steps up to the first NaN/Inf, as on CPU
+        for record in flight_records(flight.unwritten(before, upto)):
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
