@@ -11,6 +11,7 @@ MODE ``two`` (2 ranks): ``ddp`` (DistributedDataParallel; each rank its half of 
 its half), ``tp`` (``0`` ColwiseParallel, ``2`` RowwiseParallel; every rank the whole batch),
 ``tp_replicate`` (``0`` ColwiseParallel with ``output_layouts=Replicate()``; the rest plain copies;
 every rank the whole batch), ``refused`` (a DTensor parameter on a 2-D mesh without FSDP2).
+After them, ``two`` runs the ``report`` example of docs/distributed.md (FSDP2; ``OUT/docs.json``).
 MODE ``four`` (4 ranks): ``fsdp_tp`` (FSDP2 over mesh dimension ``dp`` x TP as ``tp`` over ``tp``; each
 TP group its half of the batch).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,33 @@ def run(case: str, hidden: int) -> list[Any]:
     return out
 
 
+class Started:
+    """``torch.distributed`` for the docs' example, whose process group the worker has started already
+    (one process group per process: starting a second after the first ended hangs under torchrun)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def init_process_group(*_args: Any, **_kwargs: Any) -> None:
+        """Started already."""
+
+    @staticmethod
+    def destroy_process_group() -> None:
+        """Left to the worker."""
+
+
+def docs_example(out: Path) -> None:
+    """The ``report`` example of docs/distributed.md, as the page shows it, in the worker's process
+    group: rank 0 writes ``out``."""
+    page = (Path(__file__).parents[1] / "docs" / "distributed.md").read_text()
+    namespace: dict[str, Any] = {"__name__": "docs_example"}
+    for block in re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M):
+        exec(compile(block, "docs/distributed.md", "exec"), namespace)  # noqa: S102 - the docs' own example
+    namespace["dist"] = Started()
+    namespace["report"](str(out))
+
+
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -114,6 +143,9 @@ def main(mode: str, out: Path) -> None:
         (out / case).mkdir(exist_ok=True)
         (out / case / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
         gc.collect()  # the case's meshes (and their process groups) go before the next case's
+        dist.barrier()
+    if mode == "two":
+        docs_example(out / "docs.json")
         dist.barrier()
     dist.destroy_process_group()
 

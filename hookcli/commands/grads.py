@@ -422,7 +422,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
     if ranks:
-        report.notes.append(distributed.ranks_note())
+        report.notes.append(distributed.ranks_note(tp))
     if run.flops is not None:
         report.flops = run.flops
     quantized = quantized_modules(model)
@@ -536,8 +536,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:
-        report.notes.append(distributed.ranks_note())
-    where = f"{count} batches" + (f" of each of the {distributed.world_size()} ranks" if ranks else "")
+        report.notes.append(distributed.ranks_note(tp))
+    where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")
     report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")
     return report
