@@ -2,8 +2,8 @@
 
 ``python -m torch.distributed.run --nproc-per-node N tests/distributed_api_worker.py MODE OUT``: builds
 ``model()`` (seed 0) wrapped as each case of MODE says, runs ``hookcli.stats`` and ``hookcli.grads``
-(loss: the output's mean) on this rank's part of ``batch()`` (as one input, and for ``grads`` also as
-``data`` in batches of 2), and writes ``OUT/<case>/rank<r>.json``: the reports' dicts, or
+(loss: the output's mean) on this rank's part of ``batch()`` (as one input, and as ``data`` in
+batches of 2), and writes ``OUT/<case>/rank<r>.json``: the reports' dicts, or
 ``[error class, exit code, message]`` where hookcli refused.
 
 MODE ``two`` (2 ranks): ``ddp`` (DistributedDataParallel; each rank its half of the batch), ``fsdp``
@@ -86,8 +86,8 @@ def wrapped(case: str, hidden: int) -> tuple[nn.Module, int, int]:
 
 
 def run(case: str, hidden: int) -> list[Any]:
-    """The case's reports (dicts) in order: stats, grads, grads over ``data`` in batches of 2; or the
-    refusal. Under FSDP2 the user has gradients in ``.grad`` (a backward of their own) before hookcli
+    """The case's reports (dicts) in order: stats, then grads, each as one input and over ``data`` in
+    batches of 2; or the refusal. Under FSDP2 the user has gradients in ``.grad`` (a backward of their own) before hookcli
     runs; ``{"grads_kept": ...}`` follows the reports: whether they are there, unchanged, after."""
     net, part, parts = wrapped(case, hidden)
     per = GLOBAL_BATCH // parts
@@ -97,8 +97,8 @@ def run(case: str, hidden: int) -> list[Any]:
         net(x).square().mean().backward()
         before = [p.grad.to_local().clone() for p in net.parameters()]
     try:
-        reports = [hookcli.stats(net, inputs=x), hookcli.grads(net, inputs=x, loss="mean"),
-                   hookcli.grads(net, data=x, batch_size=2, loss="mean")]
+        reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2),
+                   hookcli.grads(net, inputs=x, loss="mean"), hookcli.grads(net, data=x, batch_size=2, loss="mean")]
     except hookcli.errors.HookcliError as exc:
         return [type(exc).__name__, exc.exit_code, str(exc)]
     out: list[Any] = [report.to_dict() for report in reports]

@@ -132,17 +132,19 @@ CASES = list(PARTS)
 
 @pytest.mark.parametrize("case", CASES)
 def test_stats_equal_plain_torch_over_the_global_batch(case: str, results: dict[str, list[Any]]) -> None:
-    """``hookcli.stats`` on each rank's part: every rank's report holds plain torch's statistics of each
-    layer's output over the whole global batch, under the model's own layer names (a DDP unwrapped);
-    counts exact (a TP copy counted once, its parts summed); the placement of each TP output said."""
+    """``hookcli.stats`` on each rank's part (as one input, and as ``data`` in batches of 2): every
+    rank's report holds plain torch's statistics of each layer's output over the whole global batch,
+    under the model's own layer names (a DDP unwrapped); counts exact (a TP copy counted once, its
+    parts summed); the placement of each TP output said."""
     ranks = results[case]
     assert all(rank == ranks[0] for rank in ranks)
-    report = ranks[0][0]
-    assert_stats(report, reference(case, worker.GLOBAL_BATCH // PARTS[case])["outputs"], case)
-    [note] = [note for note in report["notes"] if f"all {len(ranks)} ranks" in note]
-    assert ("tensor parallel in groups of 2" in note) == (PLACEMENT[case] is not None), note
-    for layer in report["layers"]:
-        assert layer.get("placement") == (PLACEMENT[case] or {}).get(layer["name"]), (case, layer["name"])
+    outputs = reference(case, worker.GLOBAL_BATCH // PARTS[case])["outputs"]
+    for report in ranks[0][:2]:  # one input, then data in batches of 2
+        assert_stats(report, outputs, case)
+        [note] = [note for note in report["notes"] if f"all {len(ranks)} ranks" in note]
+        assert ("tensor parallel in groups of 2" in note) == (PLACEMENT[case] is not None), note
+        for layer in report["layers"]:
+            assert layer.get("placement") == (PLACEMENT[case] or {}).get(layer["name"]), (case, layer["name"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -154,7 +156,7 @@ def test_grads_equal_plain_torch_over_the_global_batch(case: str, results: dict[
     and TP) and its norm, the loss their mean."""
     ranks = results[case]
     assert all(rank == ranks[0] for rank in ranks)
-    for report, rows in zip(ranks[0][1:], (worker.GLOBAL_BATCH // PARTS[case], 2)):
+    for report, rows in zip(ranks[0][2:4], (worker.GLOBAL_BATCH // PARTS[case], 2)):
         assert_grads(report, reference(case, rows), f"{case}, {rows} rows")
         for layer in report["layers"]:
             assert layer.get("placement") == (PLACEMENT[case] or {}).get(layer["name"])
