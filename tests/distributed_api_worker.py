@@ -10,7 +10,7 @@ MODE ``two`` (2 ranks): ``ddp`` (DistributedDataParallel; each rank its half of 
 (FSDP2, hidden 5: uneven shards 3 + 2, the last weight's single row 1 + 0: an empty shard; each rank
 its half), ``tp`` (``0`` ColwiseParallel, ``2`` RowwiseParallel; every rank the whole batch),
 ``tp_replicate`` (``0`` ColwiseParallel with ``output_layouts=Replicate()``; the rest plain copies;
-every rank the whole batch), ``refused`` (a DTensor parameter on a 2-D mesh without FSDP2).
+every rank the whole batch), ``refused`` (what they refuse: ``refusals``).
 After them, ``two`` runs the ``report`` example of docs/distributed.md (FSDP2; ``OUT/docs.json``).
 MODE ``four`` (4 ranks): ``fsdp_tp`` (FSDP2 over mesh dimension ``dp`` x TP as ``tp`` over ``tp``; each
 TP group its half of the batch).
@@ -76,19 +76,37 @@ def wrapped(case: str, hidden: int) -> tuple[nn.Module, int, int]:
         for index in (0, 2, 4):
             fully_shard(net[index], mesh=mesh["dp"])
         return fully_shard(net, mesh=mesh["dp"]), mesh["dp"].get_local_rank(), world // 2
-    if case == "refused":
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (1, world))
-        net[0].weight = nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh, [Replicate(), Shard(0)]))
-        return net, rank, world
     raise ValueError(case)
+
+
+def refusals() -> list[tuple[str, int, str]]:
+    """What ``stats`` / ``grads`` refuse, as (error class, exit code, message): a DTensor parameter on a
+    2-D mesh without FSDP2 (two tensor-parallel dimensions), and ``clip`` on an FSDP2 model. (FSDP1,
+    refused too, cannot be built on CPU: "FSDP needs a non-CPU accelerator device".)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x = batch()[:2]
+    two_d = model(5)
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    two_d[0].weight = nn.Parameter(distribute_tensor(two_d[0].weight.detach(), mesh, [Replicate(), Shard(0)]))
+    fsdp, _, _ = wrapped("fsdp", 5)
+    said = []
+    for call in (lambda: hookcli.stats(two_d, inputs=x), lambda: hookcli.grads(two_d, inputs=x, loss="mean"),
+                 lambda: hookcli.grads(fsdp, inputs=x, loss="mean", clip=0.1)):
+        try:
+            call()
+        except hookcli.errors.HookcliError as exc:
+            said.append((type(exc).__name__, exc.exit_code, str(exc)))
+    return said
 
 
 def run(case: str, hidden: int) -> list[Any]:
     """The case's reports (dicts) in order: stats, then grads, each as one input and over ``data`` in
     batches of 2; or the refusal. Under FSDP2 the user has gradients in ``.grad`` (a backward of their own) before hookcli
     runs; ``{"grads_kept": ...}`` follows the reports: whether they are there, unchanged, after."""
+    if case == "refused":
+        return refusals()
     net, part, parts = wrapped(case, hidden)
     per = GLOBAL_BATCH // parts
     x = batch()[part * per:(part + 1) * per]

@@ -387,6 +387,12 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
     ranks = command == "grads" and observer is None and distributed.process_group() is not None
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
+    if ranks and opts.clip is not None and any(distributed.is_sharded(name, p)
+                                               for name, p in prep.loaded.model.named_parameters()):
+        # FSDP2's backward runs on unsharded copies (the clipping hooks on the shards never fire); a
+        # DTensor's clipped count is not a number of this rank's
+        raise UnsupportedError("--clip cannot go with parameters sharded over the ranks (FSDP2, tensor parallel)",
+                               hint="leave --clip out under torchrun, or clip a plain or DDP model's gradients")
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
