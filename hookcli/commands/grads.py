@@ -23,7 +23,7 @@ from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver
 from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
 from hookcli.records import ParamRecord, Report
-from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, reduce_tensor, shape_of, to_host
+from hookcli.engine.stats import gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
               Loss.mean: "mean"}
@@ -386,6 +386,13 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     opts = prep.options
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
     ranks = command == "grads" and observer is None and distributed.process_group() is not None
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
+    if ranks and opts.clip is not None and any(distributed.is_sharded(name, p)
+                                               for name, p in prep.loaded.model.named_parameters()):
+        # FSDP2's backward runs on unsharded copies (the clipping hooks on the shards never fire); a
+        # DTensor's clipped count is not a number of this rank's
+        raise UnsupportedError("--clip cannot go with parameters sharded over the ranks (FSDP2, tensor parallel)",
+                               hint="leave --clip out under torchrun, or clip a plain or DDP model's gradients")
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
@@ -405,7 +412,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         run = run_step(prep, model, args, kwargs, hooks, loss=loss, observer=observer, clip=opts.clip,
                        params=scope, merge=ranks)
         if ranks:
-            _over_ranks(prep, run, scope)
+            _over_ranks(prep, run, scope, tp)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
         raise no_gradients(prep)
     report.layers = run.layers
@@ -421,7 +428,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
     if ranks:
-        report.notes.append(distributed.ranks_note())
+        report.notes.append(distributed.ranks_note(tp))
     if run.flops is not None:
         report.flops = run.flops
     quantized = quantized_modules(model)
@@ -435,24 +442,26 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     return report
 
 
-def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]]) -> None:
-    """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``): the
-    layers' statistics over every rank's batch, each parameter's gradient the ranks' mean (DDP's)."""
+def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: list[list[int]] | None) -> None:
+    """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``; ``tp``:
+    ``distributed.supported_tp_groups``): the layers' statistics over every rank's batch, each
+    parameter's gradient and norm over the ranks (``distributed.param_rows``: a copy's gradient the
+    ranks' mean, DDP's; a shard's merged with the others)."""
     from hookcli.engine import distributed
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.run import ranked_records
 
     rows = MergedRows()
     rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-    run.layers = ranked_records(rows, failed=run.failure is not None)
+    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
     if run.failure is not None:
         return
-    means = distributed.mean_over_ranks(scope, run.gradients or {})
-    names = [name for name, g in means.items() if g is not None]
-    host = dict(zip(names, to_host([reduce_tensor(means[name], zeros=False) for name in names])))
+    over = distributed.param_rows(scope, run.gradients or {}, tp)
     for record in run.params:
-        if record.name in host:
-            record.grad = gradient_stats(host[record.name], abs_max=True)
+        if record.name in over:
+            grad, record.norm = over[record.name]
+            if grad is not None:
+                record.grad = gradient_stats(grad, abs_max=True)
 
 
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
@@ -486,6 +495,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     report = new_report(prep, command)
     rows = MergedRows()
     ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
     losses: list[float] = []
     choice: LossChoice | None = None
@@ -505,7 +515,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True) if ranks else rows.records()
+                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             if not run.reached:
@@ -520,29 +530,21 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
             advance(1)
         count = len(losses)
         if ranks:  # the layers' rows first: a rank whose model raised waits in that collective
-            report.layers = ranked_records(rows, failed=False)
-        means = distributed.mean_over_ranks(reported, {name: sums[name].div_(count) for name in sums})
-        extra: list[Vector] = []
-        plan: list[tuple[str, nn.Parameter, int | None, int]] = []
-        for name, p in reported:
-            g_slot = None
-            if means.get(name) is not None:
-                extra.append(reduce_tensor(means[name], zeros=False))
-                g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
-            plan.append((name, p, g_slot, len(extra) - 1))
-        values = to_host(extra)
-        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=values[n][0],
-                                     grad=gradient_stats(values[g], abs_max=True) if g is not None else None)
-                         for name, p, g, n in plan] if opts.params != "none" else None
+            report.layers = ranked_records(rows, failed=False, tp=tp)
+        over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
+        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad,
+                                     norm=over[name][1],
+                                     grad=gradient_stats(over[name][0], abs_max=True) if over[name][0] is not None
+                                     else None)
+                         for name, p in reported] if opts.params != "none" else None
     if not ranks:
         report.layers = rows.records()
     data_source(prep, report, rows)
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:
-        report.notes.append(distributed.ranks_note())
-    where = f"{count} batches" + (f" of each of the {distributed.world_size()} ranks" if ranks else "")
+        report.notes.append(distributed.ranks_note(tp))
+    where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")
     report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")
     return report
