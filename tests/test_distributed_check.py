@@ -169,12 +169,14 @@ def test_replica_desync_is_off_without_torchrun_and_skips_when_enabled() -> None
     assert DEFAULTS["replica_desync"]["rtol"] == distributed.DESYNC_RTOL
 
 
-@pytest.mark.parametrize("table", [{"replica_desync": {"rtol": 0}}, {"replica_desync": {"rtol": "tight"}},
-                                   {"replica_desync": {"tol": 1e-6}}])
-def test_replica_desync_settings_are_validated(table: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("table", "named"), [({"rtol": 0}, "'rtol'"), ({"rtol": "tight"}, "'rtol'"),
+                                              ({"tol": 1e-6}, "unknown key 'tol'")])
+def test_replica_desync_settings_are_validated(table: dict[str, Any], named: str) -> None:
+    """A tolerance must be a finite number > 0, and the rule's table has no other key."""
     with pytest.raises(ConfigError) as info:
-        parse_checks(table)
-    assert "replica_desync" in str(info.value)
+        parse_checks({"replica_desync": table})
+    assert "replica_desync" in str(info.value) and named in str(info.value)
+    assert parse_checks({"replica_desync": {"rtol": 1e-6}}).rules["replica_desync"]["rtol"] == 1e-6
 
 
 def test_replicas_compare_at_the_given_tolerance() -> None:
