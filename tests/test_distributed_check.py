@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import hookcli
 from hookcli.commands.check.schema import DEFAULTS, parse_checks
