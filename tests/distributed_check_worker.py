@@ -11,6 +11,8 @@ group, several ``hookcli.check`` cases, each rank on its own slice of the global
 - ``desync``: rank 1's copy of ``2.weight`` nudged by 1e-3 relative, and a ``.grad`` of ``0.bias`` that
   differs between the ranks (a backward whose gradients nobody averaged);
 - ``raises``: a model whose forward raises on rank 1 only;
+- ``raises_in_copy``: one that raises on rank 1 from its second call (params_change's copy) on;
+- ``data``: ``model()`` on this rank's half as ``data`` in batches of 8;
 - ``steps``: ``check`` with ``steps=3`` (refused under torchrun).
 """
 
@@ -85,6 +87,19 @@ class RaisesOnRank1(nn.Module):
         return self.net(x)
 
 
+class RaisesOnRank1Later(RaisesOnRank1):
+    """``model()`` whose forward raises on rank 1 from its second call on (the checked run passes; the
+    SGD step on params_change's copy raises)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        RaisesOnRank1Later.calls += 1
+        if dist.get_rank() == 1 and RaisesOnRank1Later.calls > 1:
+            raise ValueError("rank 1 cannot run this batch twice")
+        return self.net(x)
+
+
 def run(**kwargs: Any) -> dict[str, Any]:
     """``hookcli.check`` as a dict, or the error it raised."""
     try:
@@ -110,6 +125,8 @@ def main(out: Path) -> None:
     cases["desync"] = run(model=net, inputs=my_slice(batch()))
     cases["desync_kept"] = all(torch.equal(before[name], p) for name, p in net.named_parameters())
     cases["raises"] = run(model=RaisesOnRank1(), inputs=my_slice(batch()))
+    cases["raises_in_copy"] = run(model=RaisesOnRank1Later(), inputs=my_slice(batch()))
+    cases["data"] = run(model=model(), data=my_slice(batch()), batch_size=8)
     cases["steps"] = run(model=model(), inputs=my_slice(batch()), steps=3)
     (out / f"rank{rank}.json").write_text(json.dumps(cases))
     dist.barrier()  # no rank tears gloo down while another still talks to it

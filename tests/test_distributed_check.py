@@ -145,6 +145,30 @@ def test_a_model_raising_on_rank_1_stops_every_rank(ranks: list[dict[str, Any]])
     assert (name, code) == ("RanksFailed", 2) and "1 of 2 ranks" in message
 
 
+def test_a_copy_raising_on_rank_1_fails_params_change_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """The checked run passes on both ranks, params_change's copy raises on rank 1 alone: each rank
+    steps its copy without a collective, so neither waits, and both fail params_change naming rank 1."""
+    results = [rank["raises_in_copy"]["result"] for rank in ranks]
+    assert timeless(results[0]) == timeless(results[1])
+    change = rule(results[0], "params_change")
+    assert change["status"] == "FAIL" and change["message"].startswith("on rank 1: ")
+    assert "cannot run this batch twice" in change["message"]
+    assert [r["rule"] for r in results[0]["rules"] if r["status"] == "FAIL"] == ["params_change"]
+
+
+def test_check_over_data_is_over_every_ranks_batches(ranks: list[dict[str, Any]]) -> None:
+    """``data`` in batches of 8 on each rank's half: the same passing result on both ranks; the ReLU's
+    zero fraction that of plain torch over the global batch."""
+    results = [rank["data"]["result"] for rank in ranks]
+    assert timeless(results[0]) == timeless(results[1])
+    assert results[0]["ok"], results[0]["rules"]
+    net = worker.model()
+    with torch.no_grad():
+        relu = net[1](net[0](worker.batch()))
+    zero = rule(results[0], "max_zero_fraction")
+    assert zero["offender"] == "1" and close(zero["value"], (relu == 0).double().mean().item())
+
+
 def test_check_steps_is_refused_under_torchrun(ranks: list[dict[str, Any]]) -> None:
     """``steps=N`` would train on each rank's batch alone: refused on every rank, exit 2."""
     for rank in ranks:
