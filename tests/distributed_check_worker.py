@@ -101,11 +101,15 @@ class RaisesOnRank1Later(RaisesOnRank1):
 
 
 def run(**kwargs: Any) -> dict[str, Any]:
-    """``hookcli.check`` as a dict, or the error it raised."""
+    """``hookcli.check`` as a dict, or the error it raised; ``collectives``: how many it made (the
+    process group's own sequence number, every collective on it)."""
+    group = dist.group.WORLD
+    before = group._get_sequence_number_for_group()
     try:
-        return {"result": hookcli.check(loss="mean", **kwargs).to_dict()}
+        done: dict[str, Any] = {"result": hookcli.check(loss="mean", **kwargs).to_dict()}
     except hookcli.errors.HookcliError as exc:
-        return {"error": [type(exc).__name__, exc.exit_code, str(exc)]}
+        done = {"error": [type(exc).__name__, exc.exit_code, str(exc)]}
+    return {**done, "collectives": group._get_sequence_number_for_group() - before}
 
 
 def main(out: Path) -> None:
