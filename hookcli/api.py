@@ -130,6 +130,9 @@ def check(model: Any = None, *, checks: dict[str, Any] | None = None, config: st
     ``steps=N`` (N > 0) also trains a copy for N steps and turns on the training rules (init_loss,
     overfit_batch, params_update, determinism: docs/check.md), with your ``optimizer`` (an optimiser
     of ``model``, or a factory ``params -> Optimizer``) and ``loss_fn(output, *inputs)`` where given.
+    Under torchrun: every rule over every rank's batch, the same result on every rank, plus
+    ``replica_desync``; ``steps=N`` refused; the model raising on another rank raises RanksFailed
+    (docs/distributed.md).
 
     >>> result = hookcli.check(model, input_shapes=["2x3x32x32"], checks={"output_shape": [2, 10]})
     >>> assert result.ok, result

@@ -97,7 +97,7 @@ class UnsupportedError(UsageError):
 
 
 class RanksFailed(HookcliError):
-    """Under torchrun, hookcli's hooks failed on another rank during a logged step (exit 2): every rank
+    """Under torchrun, the run (the model or hookcli's hooks) failed on another rank (exit 2): every rank
     stops there, since one that raised alone would leave the others waiting in the step's collectives;
     the rank that failed raises its own error instead."""
 

@@ -384,8 +384,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     from hookcli.engine.run import new_report, raise_failure, run_step, running
 
     opts = prep.options
-    # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
-    ranks = command == "grads" and observer is None and distributed.process_group() is not None
+    # under torchrun, ``grads`` and ``check`` are over every rank's batch (docs/distributed.md)
+    ranks = (command == "check" or command == "grads" and observer is None) and distributed.process_group() is not None
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     if ranks and opts.clip is not None and any(distributed.is_sharded(name, p)
                                                for name, p in prep.loaded.model.named_parameters()):

@@ -224,6 +224,8 @@ class StepReduction:
         self.placement: dict[tuple[str, str], str] = {}
         self.collectives = 0
         self.nonfinite_seen = False
+        #: replicated rows that differ by more than this (relative) are a desync (``_same``)
+        self.rtol = DESYNC_RTOL
         backend = torch.distributed.get_backend(group)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
@@ -327,7 +329,8 @@ class StepReduction:
                     else [0.0] * len(Moments._fields)
         total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
         if total1[1] > 0:
-            raise RanksFailed(f"hookcli's hooks failed on {int(total1[1])} of {self.world} ranks in this step",
+            raise RanksFailed(f"the run failed on {int(total1[1])} of {self.world} ranks in this step (the model "
+                              "or hookcli's hooks raised there)",
                               hint="the failed rank raised its own error: its output says what went wrong")
         if total1[0] > 0:
             return StepResult([], {}, {}), [], True
@@ -361,7 +364,7 @@ class StepReduction:
             else:
                 size = int(total1[at + 1])
                 theirs = total1[at + 2: at + 2 + size]
-                differs = row is not None and total1[at] > 0 and not _same(row, theirs)
+                differs = row is not None and total1[at] > 0 and not _same(row, theirs, self.rtol)
                 max1 += [float(self.rank) if differs else -1.0]
                 at += 2 + len(Moments._fields)
         total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
@@ -410,14 +413,14 @@ def centred_about(m: Moments, mean: float) -> list[float]:
             m.m4 + 4 * d * m.m3 + 6 * d2 * m.m2 + m.count * d2 * d2]
 
 
-def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
-    """Whether two copies of a replicated row agree (NaN equals NaN; ``DESYNC_RTOL`` relative)."""
+def _same(mine: Sequence[float], theirs: Sequence[float], rtol: float = DESYNC_RTOL) -> bool:
+    """Whether two copies of a replicated row agree (NaN equals NaN; ``rtol`` relative)."""
     if len(mine) != len(theirs):
         return False
     for a, b in zip(mine, theirs):
         if a == b or (math.isnan(a) and math.isnan(b)):
             continue
-        if not (abs(a - b) <= DESYNC_RTOL * max(abs(a), abs(b))):
+        if not (abs(a - b) <= rtol * max(abs(a), abs(b))):
             return False
     return True
 
@@ -709,3 +712,54 @@ def rank_mean(value: float) -> float:
     """The mean of the ranks' ``value`` (one collective); ``value`` without a process group."""
     group = process_group()
     return StepReduction(group).rank_mean(value) if group is not None else value
+
+
+def gathered(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, with one ``all_gather_object``: how ``check``
+    merges the plain measurements each rank made on its own (``commands/check/ranks.py``);
+    ``[value]`` without a process group."""
+    group = process_group()
+    if group is None:
+        return [value]
+    out: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, value, group=group)
+    return out
+
+
+def replica_desync(params: Sequence[tuple[str, torch.Tensor]], rtol: float = DESYNC_RTOL
+                   ) -> tuple[list[str], list[tuple[str, str, int]]]:
+    """The parameters whose copies differ across the ranks (``check``'s ``replica_desync`` rule), by
+    ``StepReduction``'s comparison of replicated rows (``_same`` at ``rtol``: the MAX slot of the
+    highest rank whose copy differs from rank 0's): each parameter's values and, where it holds one,
+    its ``.grad`` (what the user's backward left: DDP makes them equal), as statistics rows (a
+    fingerprint: mean, extremes, central moments, counts). Sharded parameters (FSDP2, tensor
+    parallel: a DTensor with a ``Shard`` placement, or one this module does not reduce) are not
+    replicas and are left out. Returns the names compared and each desync as (parameter, "value" or
+    "gradient", rank); two collectives, the same on every rank. Nothing without a process group."""
+    group = process_group()
+    if group is None:
+        return [], []
+    compared: list[str] = []
+    vectors: list[Vector] = []
+    grads: list[bool] = []
+    for name, p in params:
+        try:
+            if is_sharded(name, p):
+                continue
+        except UnsupportedError:  # a layout the watch refuses: not a plain copy either
+            continue
+        compared.append(name)
+        vectors.append(reduce_tensor(local(p.detach())))
+        grads.append(p.grad is not None)
+        if p.grad is not None:
+            vectors.append(reduce_tensor(local(p.grad.detach())))
+    host = iter(to_host(vectors))
+    plan = Plan()
+    for has_grad in grads:
+        plan.add(REPLICATED, next(host))
+        plan.add(REPLICATED, next(host) if has_grad else None)
+    reduction = StepReduction(group)
+    reduction.rtol = rtol
+    _, result = reduction.reduce({}, plan, None)
+    return compared, [(compared[slot // 2], ("value", "gradient")[slot % 2], rank)
+                      for slot, rank in sorted(result.desync_rank.items())]

@@ -60,6 +60,9 @@ class Observations:
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What the training run of ``check --steps N`` measured (None: no --steps).
     training: Training | None = None
+    #: Under ``torchrun`` (``check/ranks.py``): ``{"world", "compared", "desync"}``, the parameters compared
+    #: across the ranks and each desync as (parameter, "value" or "gradient", rank); None without a process group.
+    replicas: dict[str, Any] | None = None
 
 
 @dataclass
@@ -727,6 +730,23 @@ def baseline(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
     return _result(rule, diffs, ok_where=None, ok_value=0, limit=0,
                    ok_message=f"{len(seen)} layers match the baseline {os.path.basename(str(rule['file']))}",
                    fail_message=f"{len(diffs)} difference(s) from the baseline: {diffs[0]['message']}" if diffs else "")
+
+
+def replica_desync(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """Every replicated parameter (and the ``.grad`` it holds) equal on every rank (under ``torchrun``);
+    SKIP without a process group, as there are no replicas to compare."""
+    found = obs.replicas
+    if found is None:
+        return RuleResult(rule.name, "SKIP", rule.severity, "runs under torchrun (a process group of 2 or more "
+                          "ranks): compares the ranks' copies of each parameter")
+    rtol = rule["rtol"]
+    compared = [name for name in found["compared"] if not rule.ignored(name, "param")]
+    bad = [_violation(name, rank, rtol, f"the {what} of parameter {name} (layer {_owner(name) or '(model)'}) on rank "
+                                        f"{rank} differs from rank 0's by more than {rtol:g} (relative): data-parallel "
+                                        "replicas are out of sync")
+           for name, what, rank in found["desync"] if not rule.ignored(name, "param")]
+    return _result(rule, bad, limit=rtol, ok_message=f"{len(compared)} parameters equal on all {found['world']} ranks "
+                   "(values, and gradients where .grad is set; sharded parameters are not replicas)")
 
 
 def _show(value: Any) -> str:

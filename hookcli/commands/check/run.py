@@ -27,7 +27,8 @@ from hookcli.commands.check.schema import RUNS, SPEC, CheckRules, parse_checks
 from hookcli.commands.check.steps import StepOptions, train
 from hookcli.config import Config, config_options, confine_read
 from hookcli.errors import (
-    ConfigError, HookcliError, InternalError, ModelRaisedError, UnsupportedError, describe_exception, exit_status,
+    ConfigError, HookcliError, InternalError, ModelRaisedError, RanksFailed, UnsupportedError, describe_exception,
+    exit_status,
 )
 from hookcli.commands.grads import backward_report, build_loss, data_backward_report
 from hookcli.engine.channels import ChannelDims
@@ -38,6 +39,7 @@ from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
 from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
+from hookcli.commands.check import ranks as check_ranks
 
 
 class Probe(RunObserver):
@@ -86,7 +88,7 @@ class Probe(RunObserver):
         # activation-sized temporary (x.abs() would be one); NaN makes either differ from 0
         dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
         channels = int(t.shape[d])
-        self._channels.append(((name, call, path), channels, t.numel() // channels, d, dead.sum()))
+        self._channels.append(((name, call, path), channels, t.numel() // channels, d, dead))
 
     def output(self, output: Any) -> None:
         """The model's output tensors: path, shape, dtype and (floats) the count of non-finite values."""
@@ -102,9 +104,10 @@ class Probe(RunObserver):
     def finished(self, order: CompletionOrder) -> None:
         self.order = order
 
-    def fill(self, obs: Observations) -> None:
-        """Move every measurement to the host in one transfer and store it in ``obs``."""
-        vectors = [v.reshape(1) for *_, v in self._channels]
+    def fill(self, obs: Observations, ranks: bool = False) -> None:
+        """Move every measurement to the host in one transfer and store it in ``obs``; ``ranks``: merged
+        over every rank's batch (under ``torchrun``: ``check_ranks.merge_probe``, one collective)."""
+        vectors = [v.sum().reshape(1) for *_, v in self._channels]
         vectors += [b.reshape(1) for *_, b in self._outputs if b is not None]
         host = iter(row[0] for row in to_host(vectors))
         obs.order = dict(self.order)
@@ -113,6 +116,8 @@ class Probe(RunObserver):
         obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
                         "nonfinite": int(next(host)) if bad is not None else 0}
                        for path, shape, dtype, bad in self._outputs]
+        if ranks:
+            check_ranks.merge_probe(obs, {key: dead.cpu() for key, *_, dead in self._channels})
 
 
 def _no_copy(why: str) -> UnsupportedError:
@@ -206,7 +211,8 @@ class SteppedCopy:
 
 
 def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observations, BaseException | None]:
-    """One forward, loss and backward with every hook: the Report and the probe's Observations."""
+    """One forward, loss and backward with every hook: the Report and the probe's Observations (under
+    ``torchrun``, both over every rank's batch)."""
     obs = Observations()
     dead = rules.get("dead_channels")
     frozen = {name for name, module in prep.index.named
@@ -219,8 +225,18 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
         if exc.report is None:
             raise
         report, cause = exc.report, exc
-    probe.fill(obs)
+    probe.fill(obs, ranks=cause is None and check_ranks.active())  # a failed rank's peers raised RanksFailed
     return report, obs, cause
+
+
+def measure_again(prep: engine.Prepared, rules: CheckRules) -> tuple[Report | None, Observations | None,
+                                                                     BaseException | None]:
+    """``measure`` for a second look at a copy: the model raising there (on any rank: the others get
+    ``RanksFailed``) is that look's cause, on every rank, never the check's failure."""
+    try:
+        return measure(prep, rules)
+    except RanksFailed as exc:
+        return None, None, exc
 
 
 #: The learning rate of the second look's single SGD step: enough to move a zero-initialised weight off
@@ -248,19 +264,23 @@ def _second_look(prep: engine.Prepared, rules: CheckRules, report: Report, obs: 
         obs.change_error = stepped.error
         obs.changes = None if changes is None or not names else {n: changes[n] for n in names if n in changes}
         obs.grad_max = dict(stepped.grad_max)
+        if check_ranks.active():
+            check_ranks.merge_changes(obs)
         unchanged = [n for n, c in (obs.changes or {}).items() if c == 0 and not obs.grad_max.get(n)]
         del stepped
     if not (suspects(rules, report, obs) or unchanged):
         return
     try:
-        nudged = SteppedCopy(prep, trainable, NUDGE_LR)
+        nudged: SteppedCopy | None = SteppedCopy(prep, trainable, NUDGE_LR)
     except UnsupportedError:  # no copy, no second look: the rules judge the first run alone
+        nudged = None
+    if nudged is not None:
+        nudged.step(1)  # under torchrun each rank steps its copy on its own batch
+    if check_ranks.any_rank(nudged is None or nudged.error is not None):  # every rank looks, or none
         return
-    nudged.step(1)
-    if nudged.error is not None:
-        return
-    later, later_obs, later_cause = measure(nudged.prepared(), rules)
-    if later_cause is None:
+    assert nudged is not None
+    later, later_obs, later_cause = measure_again(nudged.prepared(), rules)
+    if later_cause is None and later is not None and later_obs is not None:
         obs.stepped = (later, later_obs)
         norms = {p.name: float((p.grad or {}).get("norm") or 0.0) for p in later.params or [] if p.grad is not None}
         obs.grace = {n: norms[n] for n in unchanged if norms.get(n)}
@@ -286,8 +306,8 @@ def _lifted_look(prep: engine.Prepared, rules: CheckRules, trainable: list[str],
     with torch.no_grad():
         for name in scales:
             params[name].fill_(LAYER_SCALE_LIFT)
-    report, _, cause = measure(lifted.prepared(), rules)
-    if cause is None:
+    report, _, cause = measure_again(lifted.prepared(), rules)
+    if cause is None and report is not None:
         obs.lifted, obs.layer_scales = report, scales
 
 
@@ -329,7 +349,12 @@ def run_check(options: RunOptions, rules: CheckRules, training: StepOptions | No
     """
     started = time.perf_counter()
     training = training or StepOptions()
-    rules = rules.for_steps(training.steps)
+    if training.steps and check_ranks.active():
+        raise UnsupportedError("check --steps N does not train under torchrun yet: its copy would take steps on "
+                               "this rank's batch alone, without the gradients DDP averages over the ranks",
+                               hint="run check --steps N in one process (without torchrun), or check without "
+                                    "--steps under torchrun (every other rule is over the ranks)")
+    rules = rules.for_steps(training.steps).for_ranks(check_ranks.active())
     # inference_mode(False): gradients, also when called under torch.inference_mode
     with exclusive(options.model), torch.inference_mode(False):
         return _run_check(options, rules, started, training)
@@ -346,6 +371,8 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float, training:
     report, obs, cause = measure(prep, rules)
     if prep.data is not None and cause is None:
         report, cause = over_data(prep, report)
+    if check_ranks.active() and cause is None:  # every rank is here: a failed run on one raised on the others
+        check_ranks.merge_norms(report)
     obs.baseline = baseline
     run_seconds = time.perf_counter() - run_started
     step_seconds: float | None = None
@@ -355,6 +382,9 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float, training:
         step_seconds = time.perf_counter() - step_started
     if report.failure is None:
         measure_probes(prep, rules, obs)
+        if check_ranks.active():  # every rank reaches here: a failed run on one rank raised on the others
+            check_ranks.merge_probes(rules, obs)
+            obs.replicas = check_ranks.replicas(prep.index.named_parameters(), rules)
     train_seconds: float | None = None
     if (training.steps and report.failure is None
             and any(r.enabled and SPEC[r.name].needs_steps for r in rules.rules.values())):

@@ -259,6 +259,19 @@ PROBE_SPECS: tuple[RuleSpec, ...] = (
 )
 
 
+#: The rules of a check under ``torchrun`` (a process group of 2+ ranks: docs/distributed.md): on there
+#: unless the table sets ``enabled`` (``CheckRules.for_ranks``); when enabled without one, SKIP.
+RANK_SPECS: tuple[RuleSpec, ...] = (
+    RuleSpec(
+        "replica_desync", {"enabled": False, "severity": "error", "rtol": 1e-9},  # rtol: distributed.DESYNC_RTOL
+        {"rtol": _positive, **_IGNORE}, kind="param", evaluator="replica_desync",
+        default_doc="under torchrun, error, `rtol = 1e-9`",
+        doc="a parameter's values, or the `.grad` it holds, differ between the data-parallel replicas (ranks) by more "
+            "than `rtol` relative ([under torchrun](distributed.md#hookclicheck-under-torchrun))",
+        offender="the parameter and the highest rank whose copy differs from rank 0's"),
+)
+
+
 def _lrs(value: Any) -> list[float]:
     if isinstance(value, list) and value and len(value) <= 8:
         try:
@@ -310,7 +323,7 @@ TRAINING_SPECS: tuple[RuleSpec, ...] = (
 #: and part B's opt-in rules (a name without a spec yet is skipped: ``CheckRules.for_steps``).
 STEP_RULES: tuple[str, ...] = ("init_loss", "overfit_batch", "params_update", "determinism",
                                "batch_independence", "input_dependence", "grad_accumulation")
-SPECS = SPECS + TRAINING_SPECS + PROBE_SPECS
+SPECS = SPECS + TRAINING_SPECS + PROBE_SPECS + RANK_SPECS
 SPEC: dict[str, RuleSpec] = {spec.name: spec for spec in SPECS}
 
 #: The rules of ``[checks]`` (members are their names; ``RUNS`` is the pseudo-rule every check has).
@@ -404,6 +417,17 @@ class CheckRules:
                 rules[name] = replace(rules[name], enabled=True)
         if "params_change" not in self.chosen and rules["params_update"].enabled:
             rules["params_change"] = replace(rules["params_change"], enabled=False)
+        return replace(self, rules=rules)
+
+    def for_ranks(self, ranks: bool) -> CheckRules:
+        """The rules of a check under ``torchrun`` (``ranks``: a process group of 2+ ranks): the
+        ``RANK_SPECS`` rules are on unless the table set their ``enabled``."""
+        if not ranks:
+            return self
+        rules = dict(self.rules)
+        for spec in RANK_SPECS:
+            if spec.name not in self.chosen:
+                rules[spec.name] = replace(rules[spec.name], enabled=True)
         return replace(self, rules=rules)
 
     def get(self, name: str) -> RuleConfig | None:
