@@ -146,6 +146,25 @@ def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, wor
     assert all(rank["findings"] == [] for rank in ranks)
 
 
+@settings(max_examples=40, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(0, 29), max_size=20), min_size=2, max_size=4),
+       lo=st.floats(-10, 10), span=st.floats(0.5, 100))
+def test_bucket_counts_of_parts_with_the_global_edges_add_up_to_those_of_the_whole(parts: list[list[int]], lo: float,
+                                                                                   span: float) -> None:
+    """What ``global_histograms`` sums, without processes: each part's ``histogram`` with the edges of
+    the whole (its min and max, the ranks' MAX) adds up to ``torch.histc`` of the concatenation; empty
+    parts (an empty FSDP2 shard) add nothing. Values at bucket centres (no rounding across an edge)."""
+    hi = lo + span
+    tensors = [lo + span * (torch.tensor(p, dtype=torch.float64) + 0.5) / 30 for p in parts]
+    tensors[0] = torch.cat([torch.tensor([lo, hi], dtype=torch.float64), tensors[0]])
+    whole = torch.cat(tensors)
+    found = [h for t in tensors if (h := stats.histogram(t, bounds=(lo, hi))) is not None]
+    assert all(h[:2].tolist() == [lo, hi] for h in found)  # the edges given, not the part's own
+    summed = sum(found)
+    assert summed[2] == whole.numel()
+    assert summed[5:].tolist() == torch.histc(whole, bins=30, min=lo, max=hi).tolist()
+
+
 @pytest.fixture(scope="module")
 def api_reports(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
     """Each rank's ``stats`` and ``grads`` reports (the worker's ``stats`` mode: one torchrun)."""
