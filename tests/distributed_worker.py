@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hookcli
+from hookcli.records import WatchStep
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -93,6 +94,8 @@ def main(mode: str, out: Path) -> None:
             train(mode, out / str(layers), layers)
     else:
         train(mode, out, 0)
+    if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
+        dead_units(out)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
@@ -143,9 +146,11 @@ def train(mode: str, out: Path, layers: int) -> None:
                 net[2].weight[0, 0] += 1e-3
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     group = dist.group.WORLD
-    records, collectives, errors = [], [], []
+    records, collectives, errors, channels = [], [], [], []
     per_rank = GLOBAL_BATCH // data_world
-    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
+    # histograms over the shards (FSDP2, TP): rank 0 alone asks for them, every rank takes part
+    tensorboard = out / "tb" if mode in ("fsdp", "tp") and rank == 0 else None
+    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl", tensorboard_dir=tensorboard) as w:
         for step in range(STEPS):
             x, y = batch(step, 4 if layers else 3)
             x, y = x[data_rank * per_rank:(data_rank + 1) * per_rank], y[data_rank * per_rank:(data_rank + 1) * per_rank]
@@ -156,7 +161,9 @@ def train(mode: str, out: Path, layers: int) -> None:
                 net[1].register_forward_hook(lambda _m, _a, out: out.as_subclass(Unreadable))
             loss = nn.functional.mse_loss(wrapped(x), y)
             loss.backward()
+            in_step = group._get_sequence_number_for_group()
             optimizer.step()
+            in_step = group._get_sequence_number_for_group() - in_step
             optimizer.zero_grad()
             before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             try:
@@ -165,11 +172,63 @@ def train(mode: str, out: Path, layers: int) -> None:
                 errors.append((type(exc).__name__, exc.exit_code, str(exc)))
                 break
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
-            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
+            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1],
+                                "optimizer_step": in_step})
             records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
+            channels.append(channel_fractions(w.last))
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
                                                        "findings": [f.to_dict() for f in w.findings],
-                                                       "errors": errors}))
+                                                       "errors": errors, "channels": channels}))
+
+
+def channel_fractions(record: WatchStep) -> dict[str, list[float]]:
+    """Each counted layer's per-channel zero fractions (the ``dead_units`` rule's; not in the log)."""
+    return {layer.name + layer.output: layer.channel_zero_fraction for layer in record.layers
+            if layer.channel_zero_fraction is not None}
+
+
+#: ``dead_model``'s channels killed by its init: a large negative bias, zero on every rank's data
+DEAD = (0, 1)
+
+
+def dead_model() -> nn.Sequential:
+    """Linear(3, 6) + ReLU, seeded, whose channels ``DEAD`` are zero on any input; channel 2 is ``x[..., 0]``,
+    channel 3 its negation (``dead_batch`` makes each zero on one rank's half only)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 6), nn.ReLU())
+    with torch.no_grad():
+        net[0].bias[list(DEAD)] = -1e3
+        net[0].weight[2:4] = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, 0.0]])
+        net[0].bias[2:4] = 0.0
+    return net
+
+
+def dead_batch(step: int) -> torch.Tensor:
+    """The global batch ``[8, 16, 3]`` of ``step``: feature 0 is at most 0 in the first half of the rows (rank
+    0's), at least 0 in the second (rank 1's). 64 values a channel on a rank (fewer than the 100 that the
+    ``dead_units`` rule judges a channel on), 128 in all."""
+    x = torch.randn(GLOBAL_BATCH, 16, 3, generator=torch.Generator().manual_seed(300 + step))
+    half = GLOBAL_BATCH // 2
+    x[:half, :, 0] = -x[:half, :, 0].abs()
+    x[half:, :, 0] = x[half:, :, 0].abs()
+    return x
+
+
+def dead_units(out: Path) -> None:
+    """``dead_model`` under DDP with its rank's half of ``dead_batch`` (no optimizer: the weights stay), 3
+    logged steps: ``OUT/dead<r>.json`` holds each record's layers (dead and all channels) and per-channel
+    zero fractions, and the findings."""
+    rank, half = dist.get_rank(), GLOBAL_BATCH // dist.get_world_size()
+    wrapped = nn.parallel.DistributedDataParallel(dead_model())
+    layers, channels = [], []
+    with hookcli.watch(wrapped, None, every=1) as w:
+        for step in range(STEPS):
+            wrapped(dead_batch(step)[rank * half:(rank + 1) * half]).sum().backward()
+            w.step()
+            layers.append([layer.to_dict() for layer in w.last.layers])
+            channels.append(channel_fractions(w.last))
+    (out / f"dead{rank}.json").write_text(json.dumps({"layers": layers, "channels": channels,
+                                                       "findings": [f.to_dict() for f in w.findings]}))
 
 
 if __name__ == "__main__":

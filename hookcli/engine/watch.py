@@ -86,10 +86,12 @@ class StepWatcher:
             if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
-        #: each logged step's per-channel zero counts (the dead_units rule's; one process)
-        self.channels = channels and self.reduction is None
-        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; one process)
-        self.histograms = histograms and self.reduction is None
+        #: each logged step's per-channel zero counts (the dead_units rule's; under torchrun summed over
+        #: the ranks in the step's first SUM)
+        self.channels = channels
+        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; under
+        #: torchrun over every rank's part, with one more collective: ``distributed.global_histograms``)
+        self.histograms = histograms if self.reduction is None else self.reduction.any_rank(histograms)
         self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
         self._param_vectors: list[ParamVectors] | None = None
@@ -268,6 +270,11 @@ class StepWatcher:
         """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
         if not self.histograms:
             return None
+        if self.reduction is not None:  # over every rank's part: a shard it owns, or rank 0's copy
+            adds = [owned if sharded else self.reduction.rank == 0 for owned, sharded in zip(self.owned, self.sharded)]
+            return distributed.global_histograms(self.reduction, [  # type: ignore[return-value]
+                (distributed.local(p.detach()), distributed.local(p.grad) if p.grad is not None else None)
+                for _, p in self.params], adds)
         return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
@@ -276,7 +283,9 @@ class StepWatcher:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
-                                          failed=self.hooks.session.error is not None, owned=self.owned)
+                                          failed=self.hooks.session.error is not None, owned=self.owned,
+                                          channels=merged_channels(self.hooks.session.calls) if self.channels else None,
+                                          histograms=histograms)  # type: ignore[arg-type]
         transfer = Transfer()
         slot, stats = transfer.slot, transfer.stats
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
