@@ -12,6 +12,9 @@ dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
 0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
+``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
+``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``): packed into those
+launches, as each launch costs every rank a torch start-up.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def main(mode: str, out: Path) -> None:
         train(mode, out, 0)
     if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
         dead_units(out)
+    if mode == "tp":
+        sequence_parallel(out)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
@@ -229,6 +234,56 @@ def dead_units(out: Path) -> None:
             channels.append(channel_fractions(w.last))
     (out / f"dead{rank}.json").write_text(json.dumps({"layers": layers, "channels": channels,
                                                        "findings": [f.to_dict() for f in w.findings]}))
+
+
+#: ``sp_model``'s tokens per sequence and batch rows
+SP_TOKENS, SP_ROWS = 4, 2
+
+
+def sp_model() -> nn.Sequential:
+    """torch's tensor-parallel tutorial in small (seed 1): a LayerNorm on sequence-sharded tokens, a Linear
+    pair (colwise from ``Shard(1)``, rowwise back to ``Shard(1)``), a head (colwise to ``Replicate``)."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
+
+
+def sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step`` (every rank the same; each feeds the model its own tokens)."""
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(SP_ROWS, SP_TOKENS, 4, generator=g), torch.randn(SP_ROWS, SP_TOKENS, 2, generator=g)
+
+
+def sequence_parallel(out: Path) -> None:
+    """``sp_model`` under sequence + tensor parallelism over every rank (each rank its slice of the tokens),
+    ``STEPS`` logged steps, the loss of the replicated head output: ``OUT/sp/log.jsonl`` and
+    ``OUT/sp/rank<r>.json`` as ``train`` writes them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = sp_model()
+    parallelize_module(net, init_device_mesh("cpu", (world,)), {
+        "0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+        "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    (out / "sp").mkdir(exist_ok=True)
+    records, channels = [], []
+    tokens = SP_TOKENS // world
+    with hookcli.watch(net, optimizer, every=1, out=out / "sp" / "log.jsonl") as w:
+        for step in range(STEPS):
+            x, y = sp_batch(step)
+            loss = nn.functional.mse_loss(net(x[:, rank * tokens:(rank + 1) * tokens]), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+            records.append(json.loads(w.last.to_json_line()))
+            channels.append(channel_fractions(w.last))
+    (out / "sp" / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels,
+                                                              "findings": [f.to_dict() for f in w.findings]}))
 
 
 if __name__ == "__main__":

@@ -267,6 +267,56 @@ def test_dead_channels_are_those_of_the_global_batch(launched: Any) -> None:
     assert found == [("dead_units", 2, "1", float(len(worker.DEAD)))]
 
 
+def sp_reference() -> list[dict[str, Any]]:
+    """``sp_model``'s training in one process in plain torch, every token at once: per step each
+    module's output and its gradient w.r.t. the loss (every rank's loss: the replicated head's), each
+    parameter's norm, gradient and update (SGD), as ``reference`` gives them."""
+    net = worker.sp_model()
+    params = dict(net.named_parameters())
+    steps = []
+    for step in range(worker.STEPS):
+        x, y = worker.sp_batch(step)
+        outputs, h = [], x
+        for module in net:
+            h = module(h)
+            outputs.append(h)
+        loss = nn.functional.mse_loss(h, y)
+        out_grads = torch.autograd.grad(loss, outputs, retain_graph=True)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        record = {"loss": loss.item(), "params": {},
+                  "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
+                  "channels": {str(i): torch_channels(o) for i, o in enumerate(outputs)}}
+        with torch.no_grad():
+            for (name, p), g in zip(params.items(), grads):
+                before = p.detach().clone()
+                p -= worker.LR * g
+                record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
+                                          torch.linalg.vector_norm((before - p).double()).item())
+        steps.append(record)
+    return steps
+
+
+def test_sequence_parallel_equals_plain_torch_over_every_token(launched: Any) -> None:
+    """Sequence parallelism (the ``tp`` launch's second watch: torch's TP tutorial in small): each rank
+    feeds its half of the tokens to a ``SequenceParallel`` LayerNorm, a colwise Linear gathers them, the
+    rowwise one scatters them back, a colwise head replicates its output. Every output's and its
+    gradient's statistics, and every parameter's, are those of one process over all the tokens. The
+    LayerNorm's output (a DTensor), the Linear pair's and the ReLU's are classified ``sharded`` (other
+    tokens or other features on each rank), the head's ``replicated``. The LayerNorm's gradients are
+    ``Partial`` (each rank its tokens' share): summed, not compared as replicas (no ``replica_desync``)."""
+    folder = launched("tp") / "sp"
+    ranks = ranks_of(folder)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    expected = sp_reference()
+    assert_matches(lines, expected)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
+    assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
+    assert ranks[0]["records"] == ranks[1]["records"] == lines
+    assert ranks[0]["findings"] == ranks[1]["findings"] == []
+
+
 @settings(max_examples=40, deadline=None)
 @given(parts=st.lists(st.lists(st.integers(0, 29), max_size=20), min_size=2, max_size=4),
        lo=st.floats(-10, 10), span=st.floats(0.5, 100))

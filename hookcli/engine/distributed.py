@@ -7,8 +7,8 @@ buffers, however many layers there are:
 
 1. SUM: presence, counts, ``count * mean``, zero/NaN/Inf counts, squared shard norms, losses, rank
    0's copy of every replicated row (the other ranks add zeros), the outputs' per-channel nonzero
-   counts and the histograms' bucket counts (``global_histograms``: their min and max come from one
-   more collective at the optimizer's pre-step);
+   counts, the histograms' bucket counts (``global_histograms``: their min and max come from one more
+   collective at the optimizer's pre-step) and the values of ``Partial`` gradients (``partial_grads``);
 2. SUM: the central moment sums ``m2..m4`` about the *global* mean (Chan/Pebay: each rank shifts its
    own central sums by ``d = mean_r - mean`` with the binomial formula), so no power sums about 0 and
    no digits lost to an offset;
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, histogram, to_host, watch_stats
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, histogram, reduce_tensor, to_host,
+                                  watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep
 
@@ -46,6 +47,9 @@ from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchSte
 #: reported, the others are compared with it), norms of shards (root of the summed squares), and
 #: per-rank numbers reported as their mean over the ranks (the loss).
 MERGED, REPLICATED, SHARDED_NORM, RANK_MEAN = "merged", "replicated", "sharded_norm", "rank_mean"
+#: ... and values whose sum over the ranks is the tensor (a ``Partial`` gradient: ``partial_grads``):
+#: the row is ``[adds, *values]``, its statistics are taken from the summed values
+SUMMED = "summed"
 #: Replicas whose rows differ by more than this (relative) are a desync; equal copies reduce equally.
 DESYNC_RTOL = 1e-9
 
@@ -205,6 +209,8 @@ class StepResult:
     channels: dict[tuple[str, str], tuple[float, list[float]]] = field(default_factory=dict)
     #: ``reduce``'s ``extra`` summed over the ranks
     extra: list[float] = field(default_factory=list)
+    #: slot -> the summed values of a ``SUMMED`` slot
+    summed: dict[int, list[float]] = field(default_factory=dict)
 
 
 class StepReduction:
@@ -360,6 +366,8 @@ class StepReduction:
                 sum1 += [float(present), value * value]
             elif kind == RANK_MEAN:
                 sum1 += [float(present), row[0] if present else 0.0]
+            elif kind == SUMMED:
+                sum1 += [float(v) for v in row]  # type: ignore[union-attr]
             else:  # REPLICATED: rank 0's row (its length first), zeros from the others
                 mine = self.rank == 0 and present
                 sum1 += [float(mine), float(len(row)) if mine else 0.0]
@@ -385,6 +393,8 @@ class StepReduction:
                 at += 6
             elif kind in (SHARDED_NORM, RANK_MEAN):
                 at += 2
+            elif kind == SUMMED:
+                at += len(row)  # type: ignore[arg-type]
             else:
                 at += 2 + len(Moments._fields)
         total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
@@ -399,6 +409,8 @@ class StepReduction:
                 at += 6
             elif kind in (SHARDED_NORM, RANK_MEAN):
                 at += 2
+            elif kind == SUMMED:
+                at += len(row)  # type: ignore[arg-type]
             else:
                 size = int(total1[at + 1])
                 theirs = total1[at + 2: at + 2 + size]
@@ -408,6 +420,7 @@ class StepReduction:
         total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
         max_calls, extremes = total3[:len(calls)], total3[len(calls):]
         rows: list[list[float] | None] = []
+        summed: dict[int, list[float]] = {}
         nonfinite_rank: dict[int, int] = {}
         desync_rank: dict[int, int] = {}
         at, at2, at3 = 2, 0, 0
@@ -429,13 +442,22 @@ class StepReduction:
                 present, value = total1[at:at + 2]
                 rows.append([value / present] if present else None)
                 at += 2
+            elif kind == SUMMED:
+                size = len(plan.rows[slot])  # type: ignore[arg-type]
+                values = total1[at + 1:at + size]
+                rows.append(list(as_moments(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0]))
+                            if total1[at] and values else None)
+                if rows[-1] is not None:
+                    summed[slot] = values
+                at += size
             else:
                 present, size = total1[at:at + 2]
                 rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
                 if extremes[at3] >= 0:
                     desync_rank[slot] = int(extremes[at3])
                 at, at3 = at + 2 + len(Moments._fields), at3 + 1
-        return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):]), max_calls, False
+        return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
+                          summed=summed), max_calls, False
 
 
 
@@ -463,6 +485,35 @@ def _same(mine: Sequence[float], theirs: Sequence[float]) -> bool:
     return True
 
 
+#: A ``Partial`` gradient's local values (float64, flat: a copy) and whether this rank adds them
+PartialGrad = tuple[bool, torch.Tensor] | None
+
+
+def partial_grads(params: Sequence[tuple[str, torch.Tensor]]) -> list[PartialGrad]:
+    """For each parameter whose ``.grad`` is a DTensor with a ``Partial`` placement (sequence
+    parallelism's LayerNorm: each TP rank holds its tokens' share of the gradient, summed by the
+    optimizer's step), a copy of its local values, to be summed in the step's first SUM (exact
+    statistics of a sum need its values; these are the size of the parameter); None for any other.
+    Taken at the optimizer's pre-step (``zero_grad`` may follow before the step ends). The rank at
+    coordinate 0 of each ``Replicate`` mesh dimension adds them. UnsupportedError for a ``Partial``
+    gradient that is also sharded (the same on every rank: they all raise)."""
+    dtensor = _dtensor_type()
+    out: list[PartialGrad] = []
+    for name, p in params:
+        g = p.grad
+        if dtensor is None or not isinstance(g, dtensor) or not any(pl.is_partial() for pl in g.placements):
+            out.append(None)
+            continue
+        if any(pl.is_shard() for pl in g.placements):
+            raise UnsupportedError(f"the gradient of parameter {name} is both sharded and Partial",
+                                   hint="hookcli reduces a Partial gradient replicated elsewhere (sequence "
+                                        "parallelism's norms over a 1-D TP mesh)")
+        coordinate = g.device_mesh.get_coordinate()
+        adds = all(coordinate[d] == 0 for d, pl in enumerate(g.placements) if pl.is_replicate())
+        out.append((adds, g.to_local().detach().reshape(-1).to(torch.float64, copy=True)))
+    return out
+
+
 #: A parameter's or its gradient's share of a histogram over every rank (``global_histograms``): the
 #: global ``(min, max)`` and this rank's ``engine.stats.histogram`` vector with those edges (None where
 #: it adds nothing); None for the whole entry: no histogram (no values on any rank, or a NaN/Inf)
@@ -473,7 +524,8 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
                loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None,
                channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
-               histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None) -> WatchStep:
+               histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
+               partial: Sequence[PartialGrad] | None = None) -> WatchStep:
     """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
     ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
@@ -481,14 +533,16 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
     ``failed``: hookcli's hooks failed on this rank in the step; ``channels``: ``merged_channels``
     (the per-channel nonzero counts, summed over the ranks in the first SUM); ``histograms``: each
     parameter's and gradient's ``global_histograms`` part (the bucket counts summed in the first SUM
-    too). Every rank gets the same record; rank diagnostics are findings."""
+    too); ``partial``: ``partial_grads`` (those gradients' values summed in the first SUM). Every rank
+    gets the same record; rank diagnostics are findings."""
     try:
-        rows = _local_rows(groups, params, sharded, updates, loss, owned, channels, histograms)
+        rows = _local_rows(groups, params, sharded, updates, loss, owned, channels, histograms, partial)
     except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
         plan = Plan()  # the same slots as the other ranks', all empty
-        for shard in sharded:
-            for kind in ((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
-                plan.add(kind, None)
+        for i, shard in enumerate(sharded):
+            for k, kind in enumerate((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
+                summed = k == 0 and partial is not None and partial[i] is not None
+                plan.add(SUMMED if summed else kind, [0.0] * (1 + partial[i][1].numel()) if summed else None)
         try:
             reduction.reduce({}, plan, None, failed=True,
                              extra=[0.0] * (2 * HISTOGRAM_PART * len(histograms)) if histograms is not None else ())
@@ -500,6 +554,11 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
     record = _record(reduction, step, layers, params, result)
     if histograms is not None:
         _add_histograms(record, histograms, result.extra)
+        for i, found in enumerate(partial or ()):  # a Partial gradient's histogram: of its summed values
+            values = result.summed.get(2 * len(layers) + 3 * i)
+            if found is not None and values is not None:
+                record.params[i].grad_histogram = Histogram.from_values(
+                    to_host([histogram(torch.tensor(values, dtype=torch.float64))])[0])  # type: ignore[list-item]
     return record
 
 
@@ -512,8 +571,8 @@ def global_histograms(reduction: StepReduction, tensors: Sequence[tuple[torch.Te
     """Each parameter's and its gradient's histogram over every rank's part, nothing gathered: the
     global min and max of the parts (one MAX ``all_reduce``, the step's fourth collective), then this
     rank's bucket counts with those edges, on the device (``StepReduction.reduce`` sums them in the
-    step's first SUM). ``tensors``: each parameter's (local values, local gradient or None), in attach
-    order;
+    step's first SUM). ``tensors``: each parameter's (local values, local gradient or None: none, or a
+    ``Partial`` one, whose histogram ``watch_step`` takes from its summed values), in attach order;
     ``adds``: which this rank counts (a shard it owns, or rank 0's copy of a replicated one)."""
     parts = [t for pair in tensors for t in pair]
     counted = [t is not None and add and t.numel() > 0 and t.is_floating_point()
@@ -554,7 +613,8 @@ def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart,
 def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
                 updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None,
                 channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
-                histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None) -> tuple[Any, ...]:
+                histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
+                partial: Sequence[PartialGrad] | None = None) -> tuple[Any, ...]:
     """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer; a
     sharded parameter's rows are left out where this rank does not own its part (``owns``). Also its
     channel counts (key -> (values per channel, nonzeros)) and the histograms' ``extra``."""
@@ -569,6 +629,8 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
     local_vectors += [nonzeros for nonzeros, _ in channels.values()]
     hist_vectors = [part[2] for pair in histograms or () for part in pair if part is not None and part[2] is not None]
     local_vectors += hist_vectors
+    summed = [p[1] for p in partial or () if p is not None]
+    local_vectors += summed
     host = iter(to_host(local_vectors))  # the step's one transfer
 
     def take(vector: Vector | None) -> list[float] | None:
@@ -592,6 +654,11 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
         for part in pair:
             vector = take(part[2]) if part is not None else None
             extra += vector[2:] if vector is not None else [0.0] * HISTOGRAM_PART
+    for i, found in enumerate(partial or ()):
+        if found is not None:  # the gradient's slot: its values, summed (a REPLICATED row would see a desync)
+            adds, values = found
+            values = next(host)
+            plan.rows[3 * i], plan.kinds[3 * i] = [float(adds), *(values if adds else [0.0] * len(values))], SUMMED
     return layer_rows, plan, loss_row[0] if loss_row is not None else None, channel_rows, extra
 
 
