@@ -12,6 +12,9 @@ dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
 0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
+``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
+``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``): packed into those
+launches, as each launch costs every rank a torch start-up.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hookcli
+from hookcli.records import WatchStep
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -93,6 +97,10 @@ def main(mode: str, out: Path) -> None:
             train(mode, out / str(layers), layers)
     else:
         train(mode, out, 0)
+    if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
+        dead_units(out)
+    if mode == "tp":
+        sequence_parallel(out)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
@@ -143,9 +151,11 @@ def train(mode: str, out: Path, layers: int) -> None:
                 net[2].weight[0, 0] += 1e-3
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     group = dist.group.WORLD
-    records, collectives, errors = [], [], []
+    records, collectives, errors, channels = [], [], [], []
     per_rank = GLOBAL_BATCH // data_world
-    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl") as w:
+    # histograms over the shards (FSDP2, TP): rank 0 alone asks for them, every rank takes part
+    tensorboard = out / "tb" if mode in ("fsdp", "tp") and rank == 0 else None
+    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl", tensorboard_dir=tensorboard) as w:
         for step in range(STEPS):
             x, y = batch(step, 4 if layers else 3)
             x, y = x[data_rank * per_rank:(data_rank + 1) * per_rank], y[data_rank * per_rank:(data_rank + 1) * per_rank]
@@ -156,7 +166,9 @@ def train(mode: str, out: Path, layers: int) -> None:
                 net[1].register_forward_hook(lambda _m, _a, out: out.as_subclass(Unreadable))
             loss = nn.functional.mse_loss(wrapped(x), y)
             loss.backward()
+            in_step = group._get_sequence_number_for_group()
             optimizer.step()
+            in_step = group._get_sequence_number_for_group() - in_step
             optimizer.zero_grad()
             before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             try:
@@ -165,11 +177,113 @@ def train(mode: str, out: Path, layers: int) -> None:
                 errors.append((type(exc).__name__, exc.exit_code, str(exc)))
                 break
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
-            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1]})
+            collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1],
+                                "optimizer_step": in_step})
             records.append(json.loads(w.last.to_json_line()))  # as the log writes it (NaN sanitised)
+            channels.append(channel_fractions(w.last))
     (out / f"rank{rank}.json").write_text(json.dumps({"records": records, "collectives": collectives,
                                                        "findings": [f.to_dict() for f in w.findings],
-                                                       "errors": errors}))
+                                                       "errors": errors, "channels": channels}))
+
+
+def channel_fractions(record: WatchStep) -> dict[str, list[float]]:
+    """Each counted layer's per-channel zero fractions (the ``dead_units`` rule's; not in the log)."""
+    return {layer.name + layer.output: layer.channel_zero_fraction for layer in record.layers
+            if layer.channel_zero_fraction is not None}
+
+
+#: ``dead_model``'s channels killed by its init: a large negative bias, zero on every rank's data
+DEAD = (0, 1)
+
+
+def dead_model() -> nn.Sequential:
+    """Linear(3, 6) + ReLU, seeded, whose channels ``DEAD`` are zero on any input; channel 2 is ``x[..., 0]``,
+    channel 3 its negation (``dead_batch`` makes each zero on one rank's half only)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 6), nn.ReLU())
+    with torch.no_grad():
+        net[0].bias[list(DEAD)] = -1e3
+        net[0].weight[2:4] = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, 0.0]])
+        net[0].bias[2:4] = 0.0
+    return net
+
+
+def dead_batch(step: int) -> torch.Tensor:
+    """The global batch ``[8, 16, 3]`` of ``step``: feature 0 is at most 0 in the first half of the rows (rank
+    0's), at least 0 in the second (rank 1's). 64 values a channel on a rank (fewer than the 100 that the
+    ``dead_units`` rule judges a channel on), 128 in all."""
+    x = torch.randn(GLOBAL_BATCH, 16, 3, generator=torch.Generator().manual_seed(300 + step))
+    half = GLOBAL_BATCH // 2
+    x[:half, :, 0] = -x[:half, :, 0].abs()
+    x[half:, :, 0] = x[half:, :, 0].abs()
+    return x
+
+
+def dead_units(out: Path) -> None:
+    """``dead_model`` under DDP with its rank's half of ``dead_batch`` (no optimizer: the weights stay), 3
+    logged steps: ``OUT/dead<r>.json`` holds each record's layers (dead and all channels) and per-channel
+    zero fractions, and the findings."""
+    rank, half = dist.get_rank(), GLOBAL_BATCH // dist.get_world_size()
+    wrapped = nn.parallel.DistributedDataParallel(dead_model())
+    layers, channels = [], []
+    with hookcli.watch(wrapped, None, every=1) as w:
+        for step in range(STEPS):
+            wrapped(dead_batch(step)[rank * half:(rank + 1) * half]).sum().backward()
+            w.step()
+            layers.append([layer.to_dict() for layer in w.last.layers])
+            channels.append(channel_fractions(w.last))
+    (out / f"dead{rank}.json").write_text(json.dumps({"layers": layers, "channels": channels,
+                                                       "findings": [f.to_dict() for f in w.findings]}))
+
+
+#: ``sp_model``'s tokens per sequence and batch rows
+SP_TOKENS, SP_ROWS = 4, 2
+
+
+def sp_model() -> nn.Sequential:
+    """torch's tensor-parallel tutorial in small (seed 1): a LayerNorm on sequence-sharded tokens, a Linear
+    pair (colwise from ``Shard(1)``, rowwise back to ``Shard(1)``), a head (colwise to ``Replicate``)."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
+
+
+def sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step`` (every rank the same; each feeds the model its own tokens)."""
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(SP_ROWS, SP_TOKENS, 4, generator=g), torch.randn(SP_ROWS, SP_TOKENS, 2, generator=g)
+
+
+def sequence_parallel(out: Path) -> None:
+    """``sp_model`` under sequence + tensor parallelism over every rank (each rank its slice of the tokens),
+    ``STEPS`` logged steps, the loss of the replicated head output: ``OUT/sp/log.jsonl`` and
+    ``OUT/sp/rank<r>.json`` as ``train`` writes them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = sp_model()
+    parallelize_module(net, init_device_mesh("cpu", (world,)), {
+        "0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+        "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    (out / "sp").mkdir(exist_ok=True)
+    records, channels = [], []
+    tokens = SP_TOKENS // world
+    with hookcli.watch(net, optimizer, every=1, out=out / "sp" / "log.jsonl") as w:
+        for step in range(STEPS):
+            x, y = sp_batch(step)
+            loss = nn.functional.mse_loss(net(x[:, rank * tokens:(rank + 1) * tokens]), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+            records.append(json.loads(w.last.to_json_line()))
+            channels.append(channel_fractions(w.last))
+    (out / "sp" / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels,
+                                                              "findings": [f.to_dict() for f in w.findings]}))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,22 @@ WORLD = 2
 REL = 1e-5
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``launched(mode, world)``: the folder of one torchrun of the worker in ``mode``, made once per
+    module (several tests read one launch: each costs every rank a torch start-up)."""
+    done: dict[tuple[str, int], Path] = {}
+
+    def run(mode: str, world: int = WORLD) -> Path:
+        if (mode, world) not in done:
+            out = tmp_path_factory.mktemp(mode)
+            torchrun(mode, out, world)
+            done[(mode, world)] = out
+        return done[(mode, world)]
+
+    return run
+
+
 def torchrun(mode: str, out: Path, world: int = WORLD) -> list[dict[str, Any]] | None:
     """Run the worker on ``world`` ranks; each rank's ``rank<r>.json`` (the log is ``out/log.jsonl``), None
     for ``count`` (its files are in ``out/4`` and ``out/40``)."""
@@ -71,15 +87,69 @@ def reference(hidden: int = 5) -> list[dict[str, Any]]:
         grads = torch.autograd.grad(sum(losses) / WORLD, list(params.values()))
         record = {"loss": (sum(losses) / WORLD).item(),
                   "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
-                  "params": {}}
+                  "channels": {str(i): torch_channels(o) for i, o in enumerate(outputs)},
+                  "params": {}, "tensors": {}}
         with torch.no_grad():
             for (name, p), g in zip(params.items(), grads):
                 before = p.detach().clone()
                 p -= worker.LR * g
                 record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
                                           torch.linalg.vector_norm((before - p).double()).item())
+                record["tensors"][name] = (before, g)
         steps.append(record)
     return steps
+
+
+def torch_channels(t: torch.Tensor) -> tuple[list[float], int]:
+    """Each channel's (the last dimension's) zero fraction over all the other dimensions, and how many
+    channels are zero in every value: what the ``dead_units`` rule and the log's ``dead_channels`` say."""
+    zero = (t.detach() == 0).reshape(-1, t.shape[-1]).double()
+    return zero.mean(0).tolist(), int((zero.min(0).values == 1).sum())
+
+
+def assert_channels(lines: list[dict[str, Any]], fractions: list[dict[str, list[float]]],
+                    expected: list[dict[str, Any]], uncounted: set[str] = frozenset()) -> None:
+    """Every logged step's per-channel zero fractions (``fractions``: the rank's ``channel_fractions``)
+    and ``dead_channels`` / ``channels`` equal plain torch's over the global batch; the layers in
+    ``uncounted`` (tensor-parallel shards) have none."""
+    for line, found, ref in zip(lines, fractions, expected, strict=True):
+        for layer in line["layers"]:
+            name = layer["name"]
+            if name in uncounted:
+                assert "channels" not in layer and name not in found, name
+                continue
+            want, dead = ref["channels"][name]
+            assert (layer["channels"], layer["dead_channels"]) == (len(want), dead), (line["step"], name)
+            assert found[name] == pytest.approx(want, abs=1e-12), (line["step"], name)
+
+
+def assert_histograms(folder: Path, expected: list[dict[str, Any]]) -> None:
+    """TensorBoard's histograms of every parameter and gradient (rank 0's event file) equal
+    ``torch.histc`` of the whole tensor in one process: 30 buckets from its min to its max, the
+    count, sum and sum of squares."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"histograms": 0})
+    events.Reload()
+    for name in expected[0]["tensors"]:
+        for kind, index in (("values", 0), ("grad", 1)):
+            written = events.Histograms(f"params/{name}/{kind}")
+            assert [h.step for h in written] == list(range(worker.STEPS)), (name, kind)
+            for h, ref in zip(written, expected):
+                t = ref["tensors"][name][index].detach().reshape(-1)
+                lo, hi = t.min().item(), t.max().item()
+                h = h.histogram_value
+                assert (close(h.min, lo), close(h.max, hi), h.num) == (True, True, t.numel()), (name, kind)
+                assert close(h.sum, t.double().sum().item()) and close(h.sum_squares, t.double().square().sum().item())
+                # no value of the reference within 1e-5 of an inner bucket edge: the ranks' float
+                # rounding cannot move one across it
+                position = (t.double() - lo) / (hi - lo) * 30
+                inner = position[(position > 0) & (position < 30)]
+                assert ((inner - inner.round()).abs() > 1e-5).all()
+                if lo == hi:  # one value (4.bias): all in the first bucket, as in one process (histc
+                    assert list(h.bucket) == [t.numel()] + [0] * 29  # would widen the range by 1 each side)
+                    continue
+                assert list(h.bucket) == torch.histc(t, bins=30, min=lo, max=hi).tolist(), (name, kind)
 
 
 def close(actual: float, expected: float) -> bool:
@@ -114,36 +184,156 @@ def expected() -> list[dict[str, Any]]:
     return reference()
 
 
+def ranks_of(folder: Path, world: int = WORLD) -> list[dict[str, Any]]:
+    """Each rank's ``rank<r>.json`` of a launch."""
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, tmp_path: Path,
+def test_two_ranks_equal_plain_torch_over_the_global_batch(mode: str, launched: Any,
                                                            expected: list[dict[str, Any]]) -> None:
-    ranks = torchrun(mode, tmp_path)
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    """DDP and FSDP2 (uneven and empty shards): every number of the log, and each output's per-channel
+    zero counts; under FSDP2 (``tensorboard_dir=`` given to rank 0 alone) also each parameter's and
+    gradient's histogram over its shards, with one more collective a logged step (inside
+    ``optimizer.step()``: the shards' min and max)."""
+    folder = launched(mode)
+    ranks = ranks_of(folder)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
     assert_matches(lines, expected)
+    assert_channels(lines, ranks[0]["channels"], expected)
     # every rank got the same records; only rank 0 wrote (one log, one line per step)
     assert ranks[0]["records"] == ranks[1]["records"] == lines
+    assert ranks[0]["channels"] == ranks[1]["channels"]
     assert ranks[0]["findings"] == [] and ranks[1]["findings"] == []
+    collectives = [(c["optimizer_step"], c["process_group"]) for c in ranks[0]["collectives"][1:]]
+    if mode == "fsdp":
+        assert_histograms(folder / "tb", expected)
+        assert collectives == [(1, 3), (1, 3)]
+    else:
+        assert not (folder / "tb").exists()
+        assert collectives == [(0, 3), (0, 3)]
 
 
 @pytest.mark.parametrize(("mode", "world", "out_grad_scale"), [("tp", 2, 1 / WORLD), ("tp_dtensor", 2, 1 / WORLD),
                                                                  ("fsdp_tp", 4, 1.0)])
 def test_tensor_parallel_equals_plain_torch_over_the_global_batch(mode: str, world: int, out_grad_scale: float,
-                                                                  tmp_path: Path) -> None:
+                                                                  launched: Any) -> None:
     """Tensor parallel on 2 ranks (``0`` colwise, ``2`` rowwise; every rank the whole batch) and FSDP2 x
     TP on 2 x 2 (each TP group half the batch, FSDP2 shards uneven and empty), and TP whose colwise
     layer outputs a DTensor (``use_local_output=False``; its local part is reduced): the numbers of one
     process over the global batch. The colwise layer's output and the ReLU after it are parts of the
     features on each TP rank (summed), the rowwise output and what follows are copies (counted once).
     Output gradients are of the loss each rank's backward starts from: under TP alone the global mean
-    loss (1/2 of the reference's sum of two half-batch losses), under FSDP2 x TP its TP group's half."""
-    ranks = torchrun(mode, tmp_path, world)
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert_matches(lines, reference(worker.TP_HIDDEN), out_grad_scale=out_grad_scale)
+    loss (1/2 of the reference's sum of two half-batch losses), under FSDP2 x TP its TP group's half.
+    Per-channel zeros are counted on the copies only; under ``tp`` (``tensorboard_dir=`` on rank 0)
+    the parameters' and gradients' histograms are over their TP shards."""
+    folder = launched(mode, world)
+    ranks = ranks_of(folder, world)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    expected = reference(worker.TP_HIDDEN)
+    assert_matches(lines, expected, out_grad_scale=out_grad_scale)
     for line in lines:
         assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
             "0": "sharded", "1": "sharded", "2": "replicated", "3": "replicated", "4": "replicated"}
+    # per-channel zeros: of the copies, once per TP group, summed over the groups; of the shards, none
+    assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1"})
     assert all(rank["records"] == lines for rank in ranks)
     assert all(rank["findings"] == [] for rank in ranks)
+    if mode == "tp":  # histograms of colwise (Shard(0)), rowwise (Shard(1)) and replicated parameters
+        assert_histograms(folder / "tb", expected)
+
+
+def test_dead_channels_are_those_of_the_global_batch(launched: Any) -> None:
+    """DDP on 2 ranks (the ``ddp`` launch's second watch): ``dead_model``'s init kills channels 0 and 1;
+    channel 2 is zero on rank 0's half of the batch only, channel 3 on rank 1's. Each logged step's
+    per-channel zero fractions and ``dead_channels`` are plain torch's over the global batch (2 dead,
+    where each rank alone has 3), and ``dead_units`` judges the ReLU per channel (128 values a channel
+    over the ranks; a rank's 64 are too few for the rule): it names the 2 killed channels at step 2."""
+    folder = launched("ddp")
+    ranks = [json.loads((folder / f"dead{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0] == ranks[1]
+    net = worker.dead_model()
+    for step, (layers, fractions) in enumerate(zip(ranks[0]["layers"], ranks[0]["channels"], strict=True)):
+        with torch.no_grad():
+            linear = net[0](worker.dead_batch(step))
+            outputs = {"0": linear, "1": net[1](linear)}
+        assert [torch_channels(half)[1] for half in outputs["1"].chunk(WORLD)] == [3, 3]  # each rank alone
+        for layer in layers:
+            want, dead = torch_channels(outputs[layer["name"]])
+            assert (layer["channels"], layer["dead_channels"]) == (6, dead), (step, layer["name"])
+            assert fractions[layer["name"]] == pytest.approx(want, abs=1e-12), (step, layer["name"])
+        assert [layer["dead_channels"] for layer in layers] == [0, len(worker.DEAD)]
+    found = [(f["rule"], f["step"], f["layer"], f["value"]) for f in ranks[0]["findings"]]
+    assert found == [("dead_units", 2, "1", float(len(worker.DEAD)))]
+
+
+def sp_reference() -> list[dict[str, Any]]:
+    """``sp_model``'s training in one process in plain torch, every token at once: per step each
+    module's output and its gradient w.r.t. the loss (every rank's loss: the replicated head's), each
+    parameter's norm, gradient and update (SGD), as ``reference`` gives them."""
+    net = worker.sp_model()
+    params = dict(net.named_parameters())
+    steps = []
+    for step in range(worker.STEPS):
+        x, y = worker.sp_batch(step)
+        outputs, h = [], x
+        for module in net:
+            h = module(h)
+            outputs.append(h)
+        loss = nn.functional.mse_loss(h, y)
+        out_grads = torch.autograd.grad(loss, outputs, retain_graph=True)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        record = {"loss": loss.item(), "params": {},
+                  "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
+                  "channels": {str(i): torch_channels(o) for i, o in enumerate(outputs)}}
+        with torch.no_grad():
+            for (name, p), g in zip(params.items(), grads):
+                before = p.detach().clone()
+                p -= worker.LR * g
+                record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
+                                          torch.linalg.vector_norm((before - p).double()).item())
+        steps.append(record)
+    return steps
+
+
+def test_sequence_parallel_equals_plain_torch_over_every_token(launched: Any) -> None:
+    """Sequence parallelism (the ``tp`` launch's second watch: torch's TP tutorial in small): each rank
+    feeds its half of the tokens to a ``SequenceParallel`` LayerNorm, a colwise Linear gathers them, the
+    rowwise one scatters them back, a colwise head replicates its output. Every output's and its
+    gradient's statistics, and every parameter's, are those of one process over all the tokens. The
+    LayerNorm's output (a DTensor), the Linear pair's and the ReLU's are classified ``sharded`` (other
+    tokens or other features on each rank), the head's ``replicated``. The LayerNorm's gradients are
+    ``Partial`` (each rank its tokens' share): summed, not compared as replicas (no ``replica_desync``)."""
+    folder = launched("tp") / "sp"
+    ranks = ranks_of(folder)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    expected = sp_reference()
+    assert_matches(lines, expected)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
+    assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
+    assert ranks[0]["records"] == ranks[1]["records"] == lines
+    assert ranks[0]["findings"] == ranks[1]["findings"] == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(0, 29), max_size=20), min_size=2, max_size=4),
+       lo=st.floats(-10, 10), span=st.floats(0.5, 100))
+def test_bucket_counts_of_parts_with_the_global_edges_add_up_to_those_of_the_whole(parts: list[list[int]], lo: float,
+                                                                                   span: float) -> None:
+    """What ``global_histograms`` sums, without processes: each part's ``histogram`` with the edges of
+    the whole (its min and max, the ranks' MAX) adds up to ``torch.histc`` of the concatenation; empty
+    parts (an empty FSDP2 shard) add nothing. Values at bucket centres (no rounding across an edge)."""
+    hi = lo + span
+    tensors = [lo + span * (torch.tensor(p, dtype=torch.float64) + 0.5) / 30 for p in parts]
+    tensors[0] = torch.cat([torch.tensor([lo, hi], dtype=torch.float64), tensors[0]])
+    whole = torch.cat(tensors)
+    found = [h for t in tensors if (h := stats.histogram(t, bounds=(lo, hi))) is not None]
+    assert all(h[:2].tolist() == [lo, hi] for h in found)  # the edges given, not the part's own
+    summed = sum(found)
+    assert summed[2] == whole.numel()
+    assert summed[5:].tolist() == torch.histc(whole, bins=30, min=lo, max=hi).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +424,8 @@ def test_one_process_watch_equals_plain_torch(tmp_path: Path, expected: list[dic
 
 
 def test_collectives_per_logged_step_do_not_grow_with_layers(tmp_path: Path) -> None:
-    """A logged step's reduction is 3 all_reduce calls with 4 layers as with 40, counted by the
+    """A logged step's reduction is 3 all_reduce calls with 4 layers as with 40 (their per-channel
+    zero counts included), counted by the
     process group's own sequence number (every collective on it, hookcli's or not) around
     ``w.step()``; the first step adds only the ranks' mean of its late loss (the layout exchange ran
     inside optimizer.step(), where the step was closed)."""
@@ -246,6 +437,8 @@ def test_collectives_per_logged_step_do_not_grow_with_layers(tmp_path: Path) -> 
             assert [c["process_group"] for c in rank["collectives"]] == [c["hookcli"] for c in rank["collectives"]]
         counts[layers] = [c["process_group"] for c in ranks[0]["collectives"]]
         assert len(ranks[0]["records"][1]["layers"]) == 2 * layers + 1
+        # the per-channel zero counts ride in the first SUM
+        assert [layer["channels"] for layer in ranks[0]["records"][1]["layers"]] == [4] * (2 * layers) + [1]
     assert counts[4] == counts[40] == [1, 3, 3]
 
 

@@ -60,7 +60,7 @@ class Watch:
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight,
-                                    histograms=self.tensorboard is not None,
+                                    histograms=tensorboard_dir is not None,  # under torchrun: on every rank
                                     channels="dead_units" in self._rules.settings)
         self._open = self._used = False
 

@@ -5,8 +5,10 @@ of FSDP2/DTensor parameters and their gradients) to host ``Moments`` as usual; `
 merges the ranks' rows into the global ones with three ``all_reduce`` calls over packed float64
 buffers, however many layers there are:
 
-1. SUM: presence, counts, ``count * mean``, zero/NaN/Inf counts, squared shard norms, losses, and rank
-   0's copy of every replicated row (the other ranks add zeros);
+1. SUM: presence, counts, ``count * mean``, zero/NaN/Inf counts, squared shard norms, losses, rank
+   0's copy of every replicated row (the other ranks add zeros), the outputs' per-channel nonzero
+   counts, the histograms' bucket counts (``global_histograms``: their min and max come from one more
+   collective at the optimizer's pre-step) and the values of ``Partial`` gradients (``partial_grads``);
 2. SUM: the central moment sums ``m2..m4`` about the *global* mean (Chan/Pebay: each rank shifts its
    own central sums by ``d = mean_r - mean`` with the binomial formula), so no power sums about 0 and
    no digits lost to an offset;
@@ -36,15 +38,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import (EMPTY, Moments, Vector, as_moments, device_float, reduce_tensor, to_host,
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, device_float, histogram,
+                                  reduce_tensor, to_host,
                                   watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
-from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep
 
 #: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
 #: reported, the others are compared with it), norms of shards (root of the summed squares), and
 #: per-rank numbers reported as their mean over the ranks (the loss).
 MERGED, REPLICATED, SHARDED_NORM, RANK_MEAN = "merged", "replicated", "sharded_norm", "rank_mean"
+#: ... and values whose sum over the ranks is the tensor (a ``Partial`` gradient: ``partial_grads``):
+#: the row is ``[adds, *values]``, its statistics are taken from the summed values
+SUMMED = "summed"
 #: Replicas whose rows differ by more than this (relative) are a desync; equal copies reduce equally.
 DESYNC_RTOL = 1e-9
 
@@ -199,6 +205,13 @@ class StepResult:
     nonfinite_rank: dict[int, int]
     #: slot -> a rank whose replicated row differs from rank 0's
     desync_rank: dict[int, int]
+    #: layer key -> (values per channel, nonzero values per channel), summed over the ranks that added
+    #: the layer's statistics (``StepReduction.reduce``'s ``channels``)
+    channels: dict[tuple[str, str], tuple[float, list[float]]] = field(default_factory=dict)
+    #: ``reduce``'s ``extra`` summed over the ranks
+    extra: list[float] = field(default_factory=list)
+    #: slot -> the summed values of a ``SUMMED`` slot
+    summed: dict[int, list[float]] = field(default_factory=dict)
 
 
 class StepReduction:
@@ -222,6 +235,9 @@ class StepReduction:
         #: layer key -> "data" (no TP: each rank its own batch, summed), "sharded" (the ranks of a TP
         #: group hold parts of the output: summed) or "replicated" (they hold copies: counted once)
         self.placement: dict[tuple[str, str], str] = {}
+        #: layer key -> its channel count, whose per-channel nonzero counts ride in the first SUM; None:
+        #: not counted (no channel dimension, ranks that disagree, or a TP-sharded output)
+        self.channel_sizes: dict[tuple[str, str], int | None] = {}
         self.collectives = 0
         self.nonfinite_seen = False
         #: replicated rows that differ by more than this (relative) are a desync (``_same``)
@@ -234,7 +250,9 @@ class StepReduction:
         """Every rank's keys into the layout (one ``all_gather_object``): known keys keep their slots, new
         ones follow in rank order and, within a rank, in the order its modules ran. Under tensor
         parallelism each key's meta carries the rank's statistics row, and a new key's placement is
-        decided from them (``_placement``), the same on every rank."""
+        decided from them (``_placement``), the same on every rank; its last item is the output's
+        channel count (None: not counted), which a new key's ``channel_sizes`` takes when the ranks
+        agree."""
         gathered: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(gathered, local_meta, group=self.group)
         self.collectives += 1
@@ -244,6 +262,10 @@ class StepReduction:
                     self.meta[key] = meta[:3]
                     self.layers.append(key)
                     self.placement[key] = self._placement(key, gathered)
+                    sizes = {m[key][4] for m in gathered if key in m and m[key][4] is not None}
+                    # a TP-sharded output's ranks hold other channels or other tokens of it: not counted
+                    self.channel_sizes[key] = sizes.pop() if len(sizes) == 1 and \
+                        self.placement[key] != "sharded" else None
 
     def _placement(self, key: tuple[str, str], gathered: list[Any]) -> str:
         """A plain-tensor output's placement, from the ranks' statistics rows of the step that first ran
@@ -264,35 +286,57 @@ class StepReduction:
     # -- the reduction ---------------------------------------------------------------------------
     def reduce(self, layer_rows: dict[tuple[str, str], tuple[tuple[Any, ...], Sequence[float] | None,
                                                               Sequence[float] | None]],
-               params: Plan, loss: float | None, *, failed: bool = False
-               ) -> tuple[list[tuple[tuple[str, str], tuple[Any, ...]]], StepResult]:
+               params: Plan, loss: float | None, *, failed: bool = False,
+               channels: dict[tuple[str, str], tuple[float, Sequence[float]]] | None = None,
+               extra: Sequence[float] = ()) -> tuple[list[tuple[tuple[str, str], tuple[Any, ...]]], StepResult]:
         """Global rows of a step. ``layer_rows``: key -> (meta ``(type, shape, dtype, calls)``, stats row,
         gradient row) of the layers this rank ran, in the order they ran; ``params``: the parameter
-        slots in attach order; ``loss``: this rank's. Returns the layers in layout order, each as key
-        and meta (with the most calls any rank made), and the result: slots ``2 i`` and ``2 i + 1`` are
-        layer ``i``'s statistics and gradient, then come ``params``' slots, then the mean loss."""
+        slots in attach order; ``loss``: this rank's; ``channels``: key -> (values per channel, nonzero
+        values per channel) of this rank's outputs counted per channel; ``extra``: values summed over
+        the ranks in the first SUM too (the same length on every rank). Returns the layers in layout
+        order, each as key and meta (with the most calls any rank made), and the result: slots ``2 i``
+        and ``2 i + 1`` are layer ``i``'s statistics and gradient, then come ``params``' slots, then
+        the mean loss; a layer's channel counts are summed where every rank that added its
+        statistics counted them alike."""
+        channels = channels or {}
         # under TP, each key's row that decides its placement (``_placement``): its statistics, else (a
         # ``grads`` run, which has none) its gradient's: copies of an output have copies of a gradient
-        local_meta = {key: meta[:3] if self.tp is None else (*meta[:3], stats if stats is not None else grad)
+        local_meta = {key: (*meta[:3], (stats if stats is not None else grad) if self.tp is not None else None,
+                            len(channels[key][1]) if key in channels else None)
                       for key, (meta, stats, grad) in layer_rows.items()}
         new = sum(1 for key in layer_rows if key not in self.meta)
         while True:
             plan = Plan()
+            counted: list[tuple[tuple[str, str], int]] = []  # the layers whose channel counts ride along
+            tail: list[float] = []
             for key in self.layers:
                 _, stats, grad = layer_rows.get(key, ((), None, None))
                 if self.placement[key] == "replicated" and not self.tp_first:  # counted once: the TP group's first rank's
                     stats = grad = None
                 plan.add(MERGED, stats)
                 plan.add(MERGED, grad)
+                if (size := self.channel_sizes.get(key)) is not None:
+                    counted.append((key, size))
+                    mine = channels.get(key) if stats is not None else None
+                    alike = mine is not None and len(mine[1]) == size
+                    tail += [float(stats is not None), float(alike), float(mine[0]) if alike else 0.0]
+                    tail += [float(v) for v in mine[1]] if alike else [0.0] * size
             plan.kinds += params.kinds
             plan.rows += params.rows
             plan.add(RANK_MEAN, None if loss is None else [loss])
             calls = [float(layer_rows[key][0][3]) if key in layer_rows else 0.0 for key in self.layers]
-            result, max_calls, more = self._reduce(plan, calls, new, failed)
+            result, max_calls, more = self._reduce(plan, calls, new, failed, [*tail, *extra])
             if not more:
                 break
             self._learn(local_meta)
             new = 0
+        at = 0
+        for key, size in counted:
+            adding, alike, per = result.extra[at:at + 3]
+            if adding and alike == adding and per:
+                result.channels[key] = (per, result.extra[at + 3:at + 3 + size])
+            at += 3 + size
+        result.extra = result.extra[at:]
         layers = [(key, (*self.meta[key], int(max_calls[index]))) for index, key in enumerate(self.layers)]
         return layers, result
 
@@ -301,16 +345,21 @@ class StepReduction:
         adds it after the optimizer closed the step."""
         return self._all_reduce([value], torch.distributed.ReduceOp.SUM)[0] / self.world
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (one collective, when the watch starts): every rank
+        then takes part in what one rank asked for (``tensorboard_dir=`` given to rank 0 alone)."""
+        return self._all_reduce([float(flag)], torch.distributed.ReduceOp.MAX)[0] > 0
+
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
         buffer = torch.tensor(values, dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(buffer, op=op, group=self.group)
         self.collectives += 1
         return buffer.cpu().tolist()
 
-    def _reduce(self, plan: Plan, calls: list[float], new: int, failed: bool
+    def _reduce(self, plan: Plan, calls: list[float], new: int, failed: bool, tail: Sequence[float] = ()
                 ) -> tuple[StepResult, list[float], bool]:
-        """The three collectives over ``plan``; ``more``: a rank has keys the layout lacks (the caller
-        learns them and reduces again)."""
+        """The three collectives over ``plan``, ``tail`` summed in the first (``StepResult.extra``);
+        ``more``: a rank has keys the layout lacks (the caller learns them and reduces again)."""
         sum1: list[float] = [float(new), float(failed)]
         for kind, row in zip(plan.kinds, plan.rows):
             present = row is not None
@@ -322,11 +371,14 @@ class StepReduction:
                 sum1 += [float(present), value * value]
             elif kind == RANK_MEAN:
                 sum1 += [float(present), row[0] if present else 0.0]
+            elif kind == SUMMED:
+                sum1 += [float(v) for v in row]  # type: ignore[union-attr]
             else:  # REPLICATED: rank 0's row (its length first), zeros from the others
                 mine = self.rank == 0 and present
                 sum1 += [float(mine), float(len(row)) if mine else 0.0]
                 sum1 += [float(v) for v in row] + [0.0] * (len(Moments._fields) - len(row)) if mine \
                     else [0.0] * len(Moments._fields)
+        sum1 += tail
         total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
         if total1[1] > 0:
             raise RanksFailed(f"the run failed on {int(total1[1])} of {self.world} ranks in this step (the model "
@@ -347,6 +399,8 @@ class StepReduction:
                 at += 6
             elif kind in (SHARDED_NORM, RANK_MEAN):
                 at += 2
+            elif kind == SUMMED:
+                at += len(row)  # type: ignore[arg-type]
             else:
                 at += 2 + len(Moments._fields)
         total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
@@ -361,6 +415,8 @@ class StepReduction:
                 at += 6
             elif kind in (SHARDED_NORM, RANK_MEAN):
                 at += 2
+            elif kind == SUMMED:
+                at += len(row)  # type: ignore[arg-type]
             else:
                 size = int(total1[at + 1])
                 theirs = total1[at + 2: at + 2 + size]
@@ -370,6 +426,7 @@ class StepReduction:
         total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
         max_calls, extremes = total3[:len(calls)], total3[len(calls):]
         rows: list[list[float] | None] = []
+        summed: dict[int, list[float]] = {}
         nonfinite_rank: dict[int, int] = {}
         desync_rank: dict[int, int] = {}
         at, at2, at3 = 2, 0, 0
@@ -391,13 +448,22 @@ class StepReduction:
                 present, value = total1[at:at + 2]
                 rows.append([value / present] if present else None)
                 at += 2
+            elif kind == SUMMED:
+                size = len(plan.rows[slot])  # type: ignore[arg-type]
+                values = total1[at + 1:at + size]
+                rows.append(list(as_moments(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0]))
+                            if total1[at] and values else None)
+                if rows[-1] is not None:
+                    summed[slot] = values
+                at += size
             else:
                 present, size = total1[at:at + 2]
                 rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
                 if extremes[at3] >= 0:
                     desync_rank[slot] = int(extremes[at3])
                 at, at3 = at + 2 + len(Moments._fields), at3 + 1
-        return StepResult(rows, nonfinite_rank, desync_rank), max_calls, False
+        return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
+                          summed=summed), max_calls, False
 
 
 
@@ -425,36 +491,139 @@ def _same(mine: Sequence[float], theirs: Sequence[float], rtol: float = DESYNC_R
     return True
 
 
+#: A ``Partial`` gradient's local values (float64, flat: a copy) and whether this rank adds them
+PartialGrad = tuple[bool, torch.Tensor] | None
+
+
+def partial_grads(params: Sequence[tuple[str, torch.Tensor]]) -> list[PartialGrad]:
+    """For each parameter whose ``.grad`` is a DTensor with a ``Partial`` placement (sequence
+    parallelism's LayerNorm: each TP rank holds its tokens' share of the gradient, summed by the
+    optimizer's step), a copy of its local values, to be summed in the step's first SUM (exact
+    statistics of a sum need its values; these are the size of the parameter); None for any other.
+    Taken at the optimizer's pre-step (``zero_grad`` may follow before the step ends). The rank at
+    coordinate 0 of each ``Replicate`` mesh dimension adds them. UnsupportedError for a ``Partial``
+    gradient that is also sharded (the same on every rank: they all raise)."""
+    dtensor = _dtensor_type()
+    out: list[PartialGrad] = []
+    for name, p in params:
+        g = p.grad
+        if dtensor is None or not isinstance(g, dtensor) or not any(pl.is_partial() for pl in g.placements):
+            out.append(None)
+            continue
+        if any(pl.is_shard() for pl in g.placements):
+            raise UnsupportedError(f"the gradient of parameter {name} is both sharded and Partial",
+                                   hint="hookcli reduces a Partial gradient replicated elsewhere (sequence "
+                                        "parallelism's norms over a 1-D TP mesh)")
+        coordinate = g.device_mesh.get_coordinate()
+        adds = all(coordinate[d] == 0 for d, pl in enumerate(g.placements) if pl.is_replicate())
+        out.append((adds, g.to_local().detach().reshape(-1).to(torch.float64, copy=True)))
+    return out
+
+
+#: A parameter's or its gradient's share of a histogram over every rank (``global_histograms``): the
+#: global ``(min, max)`` and this rank's ``engine.stats.histogram`` vector with those edges (None where
+#: it adds nothing); None for the whole entry: no histogram (no values on any rank, or a NaN/Inf)
+HistogramPart = tuple[float, float, torch.Tensor | None] | None
+
+
 def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
-               loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None) -> WatchStep:
+               loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None,
+               channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
+               histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
+               partial: Sequence[PartialGrad] | None = None) -> WatchStep:
     """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
     ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
     of them are shards (``is_sharded``); ``owned``: which this rank adds (``owns``; all without it);
-    ``failed``: hookcli's hooks failed on this rank in the step.
-    Every rank gets the same record; rank diagnostics are findings."""
+    ``failed``: hookcli's hooks failed on this rank in the step; ``channels``: ``merged_channels``
+    (the per-channel nonzero counts, summed over the ranks in the first SUM); ``histograms``: each
+    parameter's and gradient's ``global_histograms`` part (the bucket counts summed in the first SUM
+    too); ``partial``: ``partial_grads`` (those gradients' values summed in the first SUM). Every rank
+    gets the same record; rank diagnostics are findings."""
     try:
-        rows = _local_rows(groups, params, sharded, updates, loss, owned)
+        rows = _local_rows(groups, params, sharded, updates, loss, owned, channels, histograms, partial)
     except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
         plan = Plan()  # the same slots as the other ranks', all empty
-        for shard in sharded:
-            for kind in ((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
-                plan.add(kind, None)
+        for i, shard in enumerate(sharded):
+            for k, kind in enumerate((MERGED, SHARDED_NORM, SHARDED_NORM) if shard else (REPLICATED,) * 3):
+                summed = k == 0 and partial is not None and partial[i] is not None
+                plan.add(SUMMED if summed else kind, [0.0] * (1 + partial[i][1].numel()) if summed else None)
         try:
-            reduction.reduce({}, plan, None, failed=True)
+            reduction.reduce({}, plan, None, failed=True,
+                             extra=[0.0] * (2 * HISTOGRAM_PART * len(histograms)) if histograms is not None else ())
         except RanksFailed:
             pass
         raise
-    layers, result = reduction.reduce(*rows, failed=failed)
-    return _record(reduction, step, layers, params, result)
+    layer_rows, plan, loss_row, channel_rows, extra = rows
+    layers, result = reduction.reduce(layer_rows, plan, loss_row, failed=failed, channels=channel_rows, extra=extra)
+    record = _record(reduction, step, layers, params, result)
+    if histograms is not None:
+        _add_histograms(record, histograms, result.extra)
+        for i, found in enumerate(partial or ()):  # a Partial gradient's histogram: of its summed values
+            values = result.summed.get(2 * len(layers) + 3 * i)
+            if found is not None and values is not None:
+                record.params[i].grad_histogram = Histogram.from_values(
+                    to_host([histogram(torch.tensor(values, dtype=torch.float64))])[0])  # type: ignore[list-item]
+    return record
+
+
+#: What a rank adds to the first SUM for one histogram: count, sum, sum of squares, the bucket counts
+HISTOGRAM_PART = 3 + HISTOGRAM_BINS
+
+
+def global_histograms(reduction: StepReduction, tensors: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                      adds: Sequence[bool]) -> list[tuple[HistogramPart, HistogramPart]]:
+    """Each parameter's and its gradient's histogram over every rank's part, nothing gathered: the
+    global min and max of the parts (one MAX ``all_reduce``, the step's fourth collective), then this
+    rank's bucket counts with those edges, on the device (``StepReduction.reduce`` sums them in the
+    step's first SUM). ``tensors``: each parameter's (local values, local gradient or None: none, or a
+    ``Partial`` one, whose histogram ``watch_step`` takes from its summed values), in attach order;
+    ``adds``: which this rank counts (a shard it owns, or rank 0's copy of a replicated one)."""
+    parts = [t for pair in tensors for t in pair]
+    counted = [t is not None and add and t.numel() > 0 and t.is_floating_point()
+               for pair, add in zip(tensors, adds) for t in pair]
+    local_extremes = to_host([_max_and_negated_min(t) if c else (-math.inf, -math.inf)  # type: ignore[misc]
+                              for t, c in zip(parts, counted)])
+    flat = [v if math.isfinite(v) or v == -math.inf else math.inf  # a NaN/Inf: no histogram (inf wins the MAX)
+            for row in local_extremes for v in row]
+    extremes = reduction._all_reduce([float(v) for v in flat], torch.distributed.ReduceOp.MAX)
+    out: list[HistogramPart] = []
+    for index, (t, c) in enumerate(zip(parts, counted)):
+        hi, lo = extremes[2 * index], -extremes[2 * index + 1]
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            out.append(None)
+            continue
+        out.append((lo, hi, histogram(local(t), bounds=(lo, hi)) if c else None))
+    return list(zip(out[::2], out[1::2]))
+
+
+def _max_and_negated_min(t: torch.Tensor) -> torch.Tensor:
+    """``[max, -min]`` of ``t``'s values, on its device (MIN as MAX of ``-x``: exact)."""
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return torch.stack([hi, -lo])
+
+
+def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart, HistogramPart]],
+                    summed: Sequence[float]) -> None:
+    """The global histograms into ``record``'s parameters from the summed parts (``global_histograms``)."""
+    for index, (entry, pair) in enumerate(zip(record.params, histograms)):
+        found = []
+        for kind, part in enumerate(pair):
+            at = (2 * index + kind) * HISTOGRAM_PART
+            found.append(Histogram.from_values([part[0], part[1], *summed[at:at + HISTOGRAM_PART]])
+                         if part is not None and summed[at] else None)
+        entry.values_histogram, entry.grad_histogram = found
 
 
 def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
-                updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None
-                ) -> tuple[Any, Plan, float | None]:
+                updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None,
+                channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
+                histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
+                partial: Sequence[PartialGrad] | None = None) -> tuple[Any, ...]:
     """This rank's rows for ``StepReduction.reduce``: its vectors to the host in one transfer; a
-    sharded parameter's rows are left out where this rank does not own its part (``owns``)."""
+    sharded parameter's rows are left out where this rank does not own its part (``owns``). Also its
+    channel counts (key -> (values per channel, nonzeros)) and the histograms' ``extra``."""
     local_vectors: list[Vector] = []
     for *_, stats, grad in groups.values():
         local_vectors += [v for v in (stats, grad) if v is not None]
@@ -462,6 +631,12 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
         local_vectors += [v for v in (p.grad, p.norm, updates[i] if updates else None) if v is not None]
     if loss is not None:
         local_vectors.append(loss)
+    channels = channels or {}
+    local_vectors += [nonzeros for nonzeros, _ in channels.values()]
+    hist_vectors = [part[2] for pair in histograms or () for part in pair if part is not None and part[2] is not None]
+    local_vectors += hist_vectors
+    summed = [p[1] for p in partial or () if p is not None]
+    local_vectors += summed
     host = iter(to_host(local_vectors))  # the step's one transfer
 
     def take(vector: Vector | None) -> list[float] | None:
@@ -479,7 +654,18 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
         plan.add(norm_kind, rows[1])
         plan.add(norm_kind, rows[2])
     loss_row = take(loss)
-    return layer_rows, plan, loss_row[0] if loss_row is not None else None
+    channel_rows = {key: (float(per), next(host)) for key, (_, per) in channels.items()}
+    extra: list[float] = []
+    for pair in histograms or ():
+        for part in pair:
+            vector = take(part[2]) if part is not None else None
+            extra += vector[2:] if vector is not None else [0.0] * HISTOGRAM_PART
+    for i, found in enumerate(partial or ()):
+        if found is not None:  # the gradient's slot: its values, summed (a REPLICATED row would see a desync)
+            adds, values = found
+            values = next(host)
+            plan.rows[3 * i], plan.kinds[3 * i] = [float(adds), *(values if adds else [0.0] * len(values))], SUMMED
+    return layer_rows, plan, loss_row[0] if loss_row is not None else None, channel_rows, extra
 
 
 def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[str, str], tuple[Any, ...]]],
@@ -493,8 +679,12 @@ def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[st
     record = WatchStep(step, rows[-1][0] if rows[-1] is not None else None)
     for i, ((name, path), (typ, shape, dtype, calls)) in enumerate(layers):
         placement = reduction.placement.get((name, path)) if reduction.tp is not None else None
-        record.layers.append(WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1),
-                                        placement))
+        layer = WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1), placement)
+        if (counts := result.channels.get((name, path))) is not None:  # as StepWatcher._collect makes them
+            per, nonzeros = counts
+            layer.channels, layer.channel_zero_fraction = len(nonzeros), [1.0 - n / per for n in nonzeros]
+            layer.dead_channels = sum(n == 0 for n in nonzeros)
+        record.layers.append(layer)
     base = 2 * len(layers)
     for i, p in enumerate(params):
         g, n, u = base + 3 * i, base + 3 * i + 1, base + 3 * i + 2

@@ -328,7 +328,8 @@ class HookSession:
             if options.stats and floating and not tensor.is_meta:
                 entry.stats = self.reducer.reduce(distributed.local(tensor))  # a DTensor: this rank's part
             if self.count_channels and self.channel_dims is not None and has_channels(tensor):
-                entry.nonzeros = channel_nonzeros(tensor, self.channel_dims(call.name, tensor))
+                part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
+                entry.nonzeros = channel_nonzeros(part, self.channel_dims(call.name, part))
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 self._hook_grad(tensor, self._output_grad_hook(call, entry))

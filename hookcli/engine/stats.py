@@ -507,17 +507,23 @@ def l2_norm(t: torch.Tensor) -> Vector:
 HISTOGRAM_BINS = 30
 
 
-def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS) -> torch.Tensor | None:
+def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS, bounds: tuple[float, float] | None = None
+              ) -> torch.Tensor | None:
     """``[min, max, count, sum, sum of squares, *bucket counts]`` of a dense tensor's values, on its device
     (no transfer): ``bins`` equal buckets from min to max, the last one closed (``torch.histc``'s). Its
-    min or max is not finite when a value is not (the buckets are then meaningless). None for an
-    empty or non-strided tensor."""
+    min or max is not finite when a value is not (the buckets are then meaningless). ``bounds``: the
+    buckets' ``(min, max)`` instead of ``t``'s own (a histogram over several ranks' parts, whose
+    counts add up: ``engine.distributed.global_histograms``; ``t``'s values lie within them). None for
+    an empty or non-strided tensor."""
     if t.numel() == 0 or t.layout != torch.strided or t.is_nested or not t.is_floating_point():
         return None
     wide = device_float(t.device)
     x = t.detach().reshape(-1)
     x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    lo, hi = torch.aminmax(x)
+    if bounds is None:
+        lo, hi = torch.aminmax(x)
+    else:
+        lo, hi = (torch.tensor(b, dtype=wide, device=x.device) for b in bounds)
     span = hi - lo
     scaled = (x - lo).div_(torch.where(span > 0, span, torch.ones_like(span))).mul_(bins)
     index = scaled.nan_to_num_(0.0).clamp_(0, bins - 1).long()  # truncation is floor: scaled >= 0

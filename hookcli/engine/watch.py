@@ -86,13 +86,17 @@ class StepWatcher:
             if self.reduction is not None else []
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
-        #: each logged step's per-channel zero counts (the dead_units rule's; one process)
-        self.channels = channels and self.reduction is None
-        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; one process)
-        self.histograms = histograms and self.reduction is None
+        #: each logged step's per-channel zero counts (the dead_units rule's; under torchrun summed over
+        #: the ranks in the step's first SUM)
+        self.channels = channels
+        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; under
+        #: torchrun over every rank's part, with one more collective: ``distributed.global_histograms``)
+        self.histograms = histograms if self.reduction is None else self.reduction.any_rank(histograms)
         self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
         self._param_vectors: list[ParamVectors] | None = None
+        #: under torchrun: the Partial gradients' values at the pre-step (``distributed.partial_grads``)
+        self._partial: list[distributed.PartialGrad] | None = None
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
@@ -125,7 +129,7 @@ class StepWatcher:
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
-        self._before = self._param_vectors = self._updates = self._histograms = None
+        self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._stepped = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
@@ -146,6 +150,7 @@ class StepWatcher:
             self._hand_on()
         if self.logged:
             self._param_vectors = self.hooks.param_vectors()
+            self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
             self._histograms = self._param_histograms()
             self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
 
@@ -238,6 +243,8 @@ class StepWatcher:
                 self._write_flight(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            if self.reduction is not None and self._param_vectors is None:
+                self._partial = distributed.partial_grads(self.params)
             histograms = self._histograms if self._param_vectors is not None else self._param_histograms()
             # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
             # rank that raised here alone would leave the others waiting in the step's collectives)
@@ -269,6 +276,12 @@ class StepWatcher:
         """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
         if not self.histograms:
             return None
+        if self.reduction is not None:  # over every rank's part: a shard it owns, or rank 0's copy
+            adds = [owned if sharded else self.reduction.rank == 0 for owned, sharded in zip(self.owned, self.sharded)]
+            partial = self._partial if self._partial is not None else distributed.partial_grads(self.params)
+            return distributed.global_histograms(self.reduction, [  # type: ignore[return-value]
+                (distributed.local(p.detach()), distributed.local(p.grad) if p.grad is not None and found is None
+                 else None) for (_, p), found in zip(self.params, partial)], adds)
         return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
@@ -277,7 +290,9 @@ class StepWatcher:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
-                                          failed=self.hooks.session.error is not None, owned=self.owned)
+                                          failed=self.hooks.session.error is not None, owned=self.owned,
+                                          channels=merged_channels(self.hooks.session.calls) if self.channels else None,
+                                          histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
         transfer = Transfer()
         slot, stats = transfer.slot, transfer.stats
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]

@@ -38,7 +38,8 @@ class WatchLayer:
     #: "replicated" (their copies, counted once); None otherwise (and left out of the dict)
     placement: str | None = None
     #: The output's channels (its channel dimension's size; None: no channel dimension, or not counted:
-    #: a flight line, a run under torchrun) and how many of them were all zeros in the step's calls
+    #: a flight line, a tensor-parallel "sharded" output) and how many of them were all zeros in the
+    #: step's calls (under torchrun: on every rank)
     channels: int | None = None
     dead_channels: int | None = None
     #: Each channel's zero fraction over the step's calls (for the dead_units rule; not in the log)
