@@ -61,9 +61,10 @@ def wrapped(case: str, hidden: int) -> tuple[nn.Module, int, int]:
     if case == "ddp":
         return nn.parallel.DistributedDataParallel(net), rank, world
     if case == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))  # FSDP2's default mesh is on CUDA wherever a GPU exists
         for index in (0, 2, 4):
-            fully_shard(net[index])
-        return fully_shard(net), rank, world
+            fully_shard(net[index], mesh=mesh)
+        return fully_shard(net, mesh=mesh), rank, world
     if case == "tp":
         parallelize_module(net, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return net, 0, 1

@@ -138,7 +138,10 @@ def train(mode: str, out: Path, layers: int) -> None:
     if mode in ("fsdp", "fsdp_tp"):
         from torch.distributed.fsdp import fully_shard
 
-        dp = {"mesh": mesh["dp"]} if mode == "fsdp_tp" else {}
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # a CPU mesh named: FSDP2's default mesh is on CUDA wherever a GPU exists (one GPU: rank 1 fails)
+        dp = {"mesh": mesh["dp"] if mode == "fsdp_tp" else init_device_mesh("cpu", (world,))}
         for index in (0, 2, 4):
             fully_shard(net[index], **dp)
         wrapped: nn.Module = fully_shard(net, **dp)

@@ -8,7 +8,6 @@ One torchrun run (tests/distributed_check_worker.py) for every case.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,11 @@ from hookcli.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_check_worker as worker  # noqa: E402
-from torchrun_launch import launch  # noqa: E402
+from torchrun_launch import close, launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo")
 WORLD = 2
-REL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +36,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     done = launch([str(Path(worker.__file__)), str(out)], WORLD)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-def close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
 
 
 def rule(result: dict[str, Any], name: str) -> dict[str, Any]:

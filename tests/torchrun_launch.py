@@ -1,4 +1,5 @@
-"""Launch a script under ``torchrun`` on localhost for the distributed tests (not a test module itself)."""
+"""The distributed tests' shared parts (not a test module itself): launching a script under ``torchrun``
+on localhost, and comparing what the ranks report with plain torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
+
+
+#: The issue's bar for floats (counts are compared exactly).
+REL = 1e-5
+
+
+def close(actual: float, expected: float, spread: float = 0.0) -> bool:
+    """Equal within ``REL``; a mean also within ``REL`` of its values' ``spread`` (their std): a mean
+    near 0 of float32 values summed in another order (DDP's averaged gradients) has no relative
+    precision."""
+    return actual == pytest.approx(expected, rel=REL, abs=max(1e-9, REL * spread))
 
 
 def free_port() -> int:
