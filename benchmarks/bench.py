@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores, + ~20 for watch)
     python benchmarks/bench.py --quick         # fewer repeats (a few minutes; watch: every=50 over 50 steps)
-    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch
+    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch|distributed
     python benchmarks/bench.py --json rows.json
 
 What is measured is what users call: ``hookcli.stats``/``hookcli.shapes`` on a model instance and the
@@ -20,6 +20,7 @@ median of a few). Nothing here is a test: the suite never times anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -672,15 +673,24 @@ class Trainee:
     """A GPT-style model with its own AdamW and one fixed batch of token ids; ``step()`` is one plain
     training step: forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``."""
 
-    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0) -> None:
+    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0, *, device: str = "cpu",
+                 ddp: bool = False) -> None:
+        """``ddp``: under a process group, the model wrapped in ``DistributedDataParallel`` and a batch of
+        this rank's own (the distributed rows)."""
         import torch
 
         import models
 
         torch.manual_seed(seed)
-        self.model = models.GPT(config).train()
+        self.model = models.GPT(config).train().to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.tokens = torch.randint(0, config.vocab, (batch, seq + 1))
+        if ddp:
+            rank = torch.distributed.get_rank()
+            self.tokens = torch.randint(0, config.vocab, (batch, seq + 1),
+                                        generator=torch.Generator().manual_seed(1000 * seed + rank))
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.tokens = self.tokens.to(device)
 
     def step(self) -> Any:
         """One training step; the loss (detached)."""
@@ -880,6 +890,39 @@ def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int
     return [row]
 
 
+# --------------------------------------------------------------------------- 12. distributed (issue 24)
+
+def bench_distributed(repeats: int, quick: bool = False, *, device: str = "cpu", world: int = 2,
+                      config: Any = None, batch: int = 4, seq: int = 128, every: int = 50,
+                      steps: int | None = None, threads: int | None = None) -> list[dict[str, Any]]:
+    """Issue 24: ``hookcli.watch`` on a DDP model under torchrun (``world`` ranks, started here), against
+    the same bare DDP step: the watch rows' model and twins (``bench_distributed.py``, which rank 0's rows
+    come from), each rank its own ``batch``. Rows: a logged step (``every=1``) and an unlogged one,
+    medians over rounds of variant / bare; ``every`` over ``steps`` (default 4 x every, ``--quick``:
+    1 x every), total over total bare; the collectives hookcli adds to a logged and an unlogged step
+    (count and bytes: the step's ``c10d`` calls less those of a bare DDP step). ``device="cuda"``: NCCL
+    when there are ``world`` GPUs, else gloo with every rank on ``cuda:0``."""
+    import tempfile
+
+    steps = steps or (every if quick else 4 * every)
+    threads = threads or (max(1, _threads() // world) if device == "cpu" else 1)
+    with tempfile.TemporaryDirectory(prefix="hookcli-bench-distributed-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                os.path.join(HERE, "bench_distributed.py"), out, "--repeats", str(repeats), "--every", str(every),
+                "--steps", str(steps), "--device", device, "--threads", str(threads), "--batch", str(batch),
+                "--seq", str(seq)]
+        if config is not None:
+            args += ["--config", json.dumps(dataclasses.asdict(config))]
+        done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if done.returncode:
+            raise RuntimeError(f"bench_distributed.py under torchrun failed:\n{done.stderr[-4000:]}")
+        with open(out) as fh:
+            rows = json.load(fh)
+    print_rows(rows)
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 
 def machine_line() -> str:
@@ -934,6 +977,8 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
     "check_steps": ("10. hookcli check --steps 30 (issue 23), seconds", bench_check_steps),
     "watch": ("11. hookcli.watch over a GPT-style training step with AdamW (issue 22), vs the same bare step",
               bench_watch),
+    "distributed": ("12. hookcli.watch on DDP under torchrun, 2 ranks (issue 24), vs the same bare DDP step",
+                    bench_distributed),
 }
 
 
@@ -944,6 +989,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads in this process (default: every core)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the distributed section's ranks run (cuda: NCCL on 2+ GPUs, else gloo on one)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     import torch
@@ -967,7 +1014,8 @@ def main() -> None:
         print(f"\n{title}")
         if name == "table":
             _print_table_header()
-        section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick)]
+        options = {"device": args.device} if name == "distributed" else {}
+        section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick, **options)]
         if name == "table":
             print("  goals:")
             print_goals([r for r in section_rows if r["section"] == "table goals"])
@@ -979,7 +1027,8 @@ def main() -> None:
     print(f"\ngoals: {met} of {len(goals)} met" + (":" if len(goals) > met else ""))
     for r in goals:
         if not r["met"]:
-            print(f"  NOT MET  {r['target']} ({r['variant']}): {r['ratio']:.2f}, goal {r['goal']}")
+            measured = "" if r["ratio"] is None else f": {r['ratio']:.2f}"
+            print(f"  NOT MET  {r['target']} ({r['variant']}){measured}, goal {r['goal']}")
     print(f"load average at end: {_load()}; {time.perf_counter() - started:.0f} s in all")
     if args.json:
         with open(args.json, "w") as fh:
