@@ -1,4 +1,4 @@
-"""hookcli benchmarks: every performance goal (issues 6, 14, 15, 22) with its measured ratio, through the public API.
+"""hookcli benchmarks: every performance goal (issues 6, 14, 15, 22, 24) with its measured ratio, through the public API.
 
     python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores, + ~20 for watch)
     python benchmarks/bench.py --quick         # fewer repeats (a few minutes; watch: every=50 over 50 steps)
