@@ -1,4 +1,4 @@
-"""The oldest torch hookcli's distributed watch runs on (docs/distributed.md "Which torch"): the version
+"""The oldest torch hookcli runs on under torchrun (docs/distributed.md "Which torch"): the version
 check as a pure function of ``torch.__version__`` strings, and the floor declared once in pyproject's
 ``distributed`` extra. No process group and no torch mock: the check reads only the string."""
 
@@ -31,7 +31,7 @@ def test_torch_versions_below_the_floor_are_refused(version: str, refused: bool)
     with pytest.raises(UnsupportedError) as caught:
         distributed.check_torch_version(version)
     assert caught.value.exit_code == EXIT_USAGE
-    assert str(caught.value) == f"hookcli.watch under torchrun needs torch 2.9 or newer, this is {version}"
+    assert str(caught.value) == f"hookcli under torchrun needs torch 2.9 or newer, this is {version}"
     assert "torch>=2.9" in caught.value.hint
 
 

@@ -58,9 +58,8 @@ def process_group() -> Any | None:
     return torch.distributed.group.WORLD
 
 
-#: The oldest torch a distributed watch runs on: the oldest the matrix of tests/test_distributed.py passes
-#: on (CPU, gloo; docs/distributed.md "Which torch"). Below it FSDP2 on gloo sums the ranks' gradients
-#: instead of averaging them (2.7, 2.8) or does not run on CPU (2.6), and FSDP2 x TP refuses uneven shards.
+#: The oldest torch hookcli runs on under a process group: the oldest the distributed test matrix passes
+#: on (CPU, gloo; what fails below it: docs/distributed.md "Which torch"). pyproject's ``distributed`` extra.
 MIN_TORCH = (2, 9)
 
 
@@ -72,8 +71,8 @@ def check_torch_version(version: str) -> None:
     if found is None or (int(found[1]), int(found[2])) >= MIN_TORCH:
         return
     needed = f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"
-    raise UnsupportedError(f"hookcli.watch under torchrun needs torch {needed} or newer, this is {version}",
-                           hint=f"pip install 'torch>={needed}' (or 'hookcli[distributed]'), or watch one rank's "
+    raise UnsupportedError(f"hookcli under torchrun needs torch {needed} or newer, this is {version}",
+                           hint=f"pip install 'torch>={needed}' (or 'hookcli[distributed]'), or run one rank's "
                                 "model without a process group")
 
 
