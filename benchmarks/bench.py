@@ -673,24 +673,15 @@ class Trainee:
     """A GPT-style model with its own AdamW and one fixed batch of token ids; ``step()`` is one plain
     training step: forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``."""
 
-    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0, *, device: str = "cpu",
-                 ddp: bool = False) -> None:
-        """``ddp``: under a process group, the model wrapped in ``DistributedDataParallel`` and a batch of
-        this rank's own (the distributed rows)."""
+    def __init__(self, config: Any, batch: int, seq: int, seed: int = 0) -> None:
         import torch
 
         import models
 
         torch.manual_seed(seed)
-        self.model = models.GPT(config).train().to(device)
+        self.model = models.GPT(config).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.tokens = torch.randint(0, config.vocab, (batch, seq + 1))
-        if ddp:
-            rank = torch.distributed.get_rank()
-            self.tokens = torch.randint(0, config.vocab, (batch, seq + 1),
-                                        generator=torch.Generator().manual_seed(1000 * seed + rank))
-            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.tokens = self.tokens.to(device)
 
     def step(self) -> Any:
         """One training step; the loss (detached)."""
@@ -890,7 +881,7 @@ def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int
     return [row]
 
 
-# --------------------------------------------------------------------------- 12. distributed (issue 24)
+# --------------------------------------------------------------------------- 13. distributed (issue 24)
 
 def bench_distributed(repeats: int, quick: bool = False, *, device: str = "cpu", world: int = 2,
                       config: Any = None, batch: int = 4, seq: int = 128, every: int = 50,
@@ -977,7 +968,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
     "check_steps": ("10. hookcli check --steps 30 (issue 23), seconds", bench_check_steps),
     "watch": ("11. hookcli.watch over a GPT-style training step with AdamW (issue 22), vs the same bare step",
               bench_watch),
-    "distributed": ("12. hookcli.watch on DDP under torchrun, 2 ranks (issue 24), vs the same bare DDP step",
+    "distributed": ("13. hookcli.watch on DDP under torchrun, 2 ranks (issue 24), vs the same bare DDP step",
                     bench_distributed),
 }
 

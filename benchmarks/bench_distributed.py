@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_distributed.py OUT.json \\
         --repeats 3 --every 50 --steps 50 --device cpu
 
-Two twin DDP models (``bench.Trainee``, the watch rows' GPT-style model; each rank its own batch) train
+Two twin DDP models (``ddp_trainee``: the watch rows' GPT-style model; each rank its own batch) train
 side by side, as in the watch rows: every round a bare DDP step of one, then a step of the other under
 the variant. Rank 0 times them (the collectives make both ranks wait for the slower one, as a user's
 run does) and writes the rows to OUT.json. Backend: gloo on CPU; on CUDA NCCL when every rank has a GPU
@@ -72,6 +72,20 @@ def setup(device: str) -> tuple[str, str]:
     return backend, dev
 
 
+def ddp_trainee(config: Any, batch: int, seq: int, device: str) -> bench.Trainee:
+    """``bench.Trainee`` (the watch rows' model, AdamW, seed 0) on ``device``, wrapped in
+    ``DistributedDataParallel``, with a batch of this rank's own."""
+    trainee = bench.Trainee(config, batch, seq)
+    params = list(trainee.model.parameters())
+    trainee.model.to(device)  # in place: the parameters the optimizer holds move (checked)
+    assert all(p is q for p, q in zip(params, trainee.model.parameters())), "module.to made new parameters"
+    rank = dist.get_rank()
+    trainee.tokens = torch.randint(0, config.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(rank))
+    trainee.tokens = trainee.tokens.to(device)
+    trainee.model = torch.nn.parallel.DistributedDataParallel(trainee.model)
+    return trainee
+
+
 def counted(step: Any) -> list[tuple[str, int]]:
     """The collectives of one call of ``step`` on this rank."""
     with Collectives() as seen:
@@ -114,8 +128,7 @@ def run(args: argparse.Namespace, backend: str, device: str) -> list[dict[str, A
     """The section's rows (the same on every rank but for the timings: rank 0's are kept)."""
     config = models.GPTConfig(**json.loads(args.config)) if args.config else models.WATCH_GPT
     world = dist.get_world_size()
-    twin = bench.Trainee(config, args.batch, args.seq, device=device, ddp=True)
-    bare = bench.Trainee(config, args.batch, args.seq, device=device, ddp=True)
+    twin, bare = (ddp_trainee(config, args.batch, args.seq, device) for _ in range(2))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def bare_step() -> None:
