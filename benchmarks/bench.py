@@ -1,8 +1,8 @@
-"""hookcli benchmarks: every performance goal (issues 6, 14, 15, 22) with its measured ratio, through the public API.
+"""hookcli benchmarks: every performance goal (issues 6, 14, 15, 22, 24) with its measured ratio, through the public API.
 
     python benchmarks/bench.py                 # everything (about 10 minutes on 2 idle cores, + ~20 for watch)
     python benchmarks/bench.py --quick         # fewer repeats (a few minutes; watch: every=50 over 50 steps)
-    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch
+    python benchmarks/bench.py --only table    # table|memory|cli|scaling|gpu|help|meta|kernel|diff|watch|distributed
     python benchmarks/bench.py --json rows.json
 
 What is measured is what users call: ``hookcli.stats``/``hookcli.shapes`` on a model instance and the
@@ -20,6 +20,7 @@ median of a few). Nothing here is a test: the suite never times anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -959,6 +960,39 @@ def _wandb_rows(label: str, bare: Trainee, twin: Trainee, every: int, steps: int
     return [row]
 
 
+# --------------------------------------------------------------------------- 13. distributed (issue 24)
+
+def bench_distributed(repeats: int, quick: bool = False, *, device: str = "cpu", world: int = 2,
+                      config: Any = None, batch: int = 4, seq: int = 128, every: int = 50,
+                      steps: int | None = None, threads: int | None = None) -> list[dict[str, Any]]:
+    """Issue 24: ``hookcli.watch`` on a DDP model under torchrun (``world`` ranks, started here), against
+    the same bare DDP step: the watch rows' model and twins (``bench_distributed.py``, which rank 0's rows
+    come from), each rank its own ``batch``. Rows: a logged step (``every=1``) and an unlogged one,
+    medians over rounds of variant / bare; ``every`` over ``steps`` (default 4 x every, ``--quick``:
+    1 x every), total over total bare; the collectives hookcli adds to a logged and an unlogged step
+    (count and bytes: the step's ``c10d`` calls less those of a bare DDP step). ``device="cuda"``: NCCL
+    when there are ``world`` GPUs, else gloo with every rank on ``cuda:0``."""
+    import tempfile
+
+    steps = steps or (every if quick else 4 * every)
+    threads = threads or (max(1, _threads() // world) if device == "cpu" else 1)
+    with tempfile.TemporaryDirectory(prefix="hookcli-bench-distributed-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                os.path.join(HERE, "bench_distributed.py"), out, "--repeats", str(repeats), "--every", str(every),
+                "--steps", str(steps), "--device", device, "--threads", str(threads), "--batch", str(batch),
+                "--seq", str(seq)]
+        if config is not None:
+            args += ["--config", json.dumps(dataclasses.asdict(config))]
+        done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if done.returncode:
+            raise RuntimeError(f"bench_distributed.py under torchrun failed:\n{done.stderr[-4000:]}")
+        with open(out) as fh:
+            rows = json.load(fh)
+    print_rows(rows)
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 
 def machine_line() -> str:
@@ -1015,6 +1049,8 @@ SECTIONS: dict[str, tuple[str, Callable[..., list[dict[str, Any]]]]] = {
               bench_watch),
     "watch_gpu": ("12. hookcli.watch on a CUDA GPU, vs the same bare step (torch.cuda.synchronize() ends each step)",
                   bench_watch_gpu),
+    "distributed": ("13. hookcli.watch on DDP under torchrun, 2 ranks (issue 24), vs the same bare DDP step",
+                    bench_distributed),
 }
 
 
@@ -1025,6 +1061,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads in this process (default: every core)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the distributed section's ranks run (cuda: NCCL on 2+ GPUs, else gloo on one)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     import torch
@@ -1048,7 +1086,8 @@ def main() -> None:
         print(f"\n{title}")
         if name == "table":
             _print_table_header()
-        section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick)]
+        options = {"device": args.device} if name == "distributed" else {}
+        section_rows = [_normalised(name, r) for r in fn(repeats, quick=args.quick, **options)]
         if name == "table":
             print("  goals:")
             print_goals([r for r in section_rows if r["section"] == "table goals"])
@@ -1060,7 +1099,8 @@ def main() -> None:
     print(f"\ngoals: {met} of {len(goals)} met" + (":" if len(goals) > met else ""))
     for r in goals:
         if not r["met"]:
-            print(f"  NOT MET  {r['target']} ({r['variant']}): {r['ratio']:.2f}, goal {r['goal']}")
+            measured = "" if r["ratio"] is None else f": {r['ratio']:.2f}"
+            print(f"  NOT MET  {r['target']} ({r['variant']}){measured}, goal {r['goal']}")
     print(f"load average at end: {_load()}; {time.perf_counter() - started:.0f} s in all")
     if args.json:
         with open(args.json, "w") as fh:

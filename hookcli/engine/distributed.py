@@ -29,8 +29,9 @@ the local shard is reduced, never gathered).
 
 from __future__ import annotations
 
-import sys
 import math
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,18 +65,28 @@ def process_group() -> Any | None:
     return torch.distributed.group.WORLD
 
 
-#: The oldest torch a distributed watch runs on: FSDP2 (``fully_shard``) and DTensor are public from 2.6.
-MIN_TORCH = (2, 6)
+#: The oldest torch hookcli runs on under a process group: the oldest the distributed test matrix passes
+#: on (CPU, gloo; what fails below it: docs/distributed.md "Which torch"). pyproject's ``distributed`` extra.
+MIN_TORCH = (2, 9)
+
+
+def check_torch_version(version: str) -> None:
+    """UnsupportedError when ``version`` (a ``torch.__version__`` string: ``2.8.0+cu128``, ``2.9.0a0+git...``)
+    is older than ``MIN_TORCH``; the major.minor decides, so a pre-release of the floor passes. A string
+    that does not start with ``major.minor`` passes (a custom build: nothing to compare)."""
+    found = re.match(r"\s*(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= MIN_TORCH:
+        return
+    needed = f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"
+    raise UnsupportedError(f"hookcli under torchrun needs torch {needed} or newer, this is {version}",
+                           hint=f"pip install 'torch>={needed}' (or 'hookcli[distributed]'), or run one rank's "
+                                "model without a process group")
 
 
 def check_supported(model: nn.Module) -> None:
     """UnsupportedError, under a process group, for a torch older than ``MIN_TORCH`` and for FSDP1
     (``FullyShardedDataParallel``: its flat parameters are not per-layer tensors hookcli could name)."""
-    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if version < MIN_TORCH:
-        raise UnsupportedError(f"hookcli under torchrun needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer, "
-                               f"this is {torch.__version__}",
-                               hint="upgrade torch, or watch one rank's model without a process group")
+    check_torch_version(torch.__version__)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
