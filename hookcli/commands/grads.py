@@ -381,7 +381,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import new_report, raise_failure, run_step, running
+    from hookcli.engine.run import global_rows, new_report, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
@@ -408,7 +408,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
             _over_ranks(prep, run, scope)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
         raise no_gradients(prep)
-    report.layers = run.layers
+    report.layers = global_rows(prep, run.layers)
     if run.unreached and run.loss is not None:
         reaches = reached_from(run.loss[1], {id(p) for p in run.unreached.values()})
         for record in run.params:
@@ -471,8 +471,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, new_report, raise_failure, ranked_records,
-                                    require_values, run_step, running)
+    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, raise_failure,
+                                    ranked_records, require_values, run_step, running)
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -537,6 +537,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                          for name, p, g, n in plan] if opts.params != "none" else None
     if not ranks:
         report.layers = rows.records()
+    report.layers = global_rows(prep, report.layers)
     data_source(prep, report, rows)
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
