@@ -381,11 +381,11 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import global_rows, new_report, raise_failure, run_step, running
+    from hookcli.engine.run import global_rows, new_report, over_ranks, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
-    ranks = command == "grads" and observer is None and distributed.process_group() is not None
+    ranks = command == "grads" and observer is None and over_ranks(prep)
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
@@ -471,7 +471,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, raise_failure,
+    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, over_ranks, raise_failure,
                                     ranked_records, require_values, run_step, running)
 
     opts = prep.options
@@ -485,7 +485,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     _refuse_inference_tensors(prep.index)
     report = new_report(prep, command)
     rows = MergedRows()
-    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
+    ranks = over_ranks(prep)  # under torchrun: over every rank's batches
     sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
     losses: list[float] = []
     choice: LossChoice | None = None

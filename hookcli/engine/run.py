@@ -354,6 +354,14 @@ def new_report(prep: Prepared, command: str) -> Report:
     return report
 
 
+def over_ranks(prep: Prepared) -> bool:
+    """Whether a run's rows are merged over the ranks: under a process group, but for ``--shard tp``,
+    where every rank runs the whole batch and every module's output is whole on every rank (the plan
+    gathers each split Linear's output: ``sharding.tp_plan``), so each rank's own rows are already
+    those of one process."""
+    return distributed.process_group() is not None and prep.options.shard != Shard.tp
+
+
 def global_rows(prep: Prepared, layers: list[LayerRecord]) -> list[LayerRecord]:
     """Rows of a ``--shard ddp|fsdp2`` run with the shapes one process over the whole batch shows (a
     leading dimension of this rank's slice size is the batch's: ``sharding.global_shape``); others as
@@ -649,7 +657,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if prep.data is not None:
         return data_forward_report(prep, command)
     report = new_report(prep, command)
-    ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
+    ranks = stats and over_ranks(prep)  # under torchrun: over every rank's batch
     run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep), merge=ranks)
     report.layers = run.layers
     if ranks:
@@ -710,7 +718,7 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     assert prep.data is not None
     report = new_report(prep, command)
     rows = MergedRows()
-    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
+    ranks = over_ranks(prep)  # under torchrun: over every rank's batches
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
