@@ -23,7 +23,7 @@ from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver
 from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
 from hookcli.records import ParamRecord, Report
-from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, reduce_tensor, shape_of, to_host
+from hookcli.engine.stats import gradient_stats, iter_tensors, shape_of
 
 LOSS_NAMES = {Loss.ce: "cross_entropy", Loss.nll: "nll", Loss.mean_square: "mean_square", Loss.sum: "sum",
               Loss.mean: "mean"}
@@ -381,11 +381,12 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import global_rows, new_report, over_ranks, raise_failure, run_step, running
+    from hookcli.engine.run import global_rows, new_report, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
-    ranks = command == "grads" and observer is None and over_ranks(prep)
+    ranks = command == "grads" and observer is None and distributed.process_group() is not None
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
@@ -405,7 +406,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         run = run_step(prep, model, args, kwargs, hooks, loss=loss, observer=observer, clip=opts.clip,
                        params=scope, merge=ranks)
         if ranks:
-            _over_ranks(prep, run, scope)
+            _over_ranks(prep, run, scope, tp)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
         raise no_gradients(prep)
     report.layers = global_rows(prep, run.layers)
@@ -435,24 +436,25 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     return report
 
 
-def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]]) -> None:
-    """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``): the
-    layers' statistics over every rank's batch, each parameter's gradient the ranks' mean (DDP's)."""
+def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: list[list[int]] | None) -> None:
+    """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``; ``tp``:
+    ``distributed.supported_tp_groups``): the layers' statistics over every rank's batch, each
+    parameter's gradient the ranks' mean (DDP's)."""
     from hookcli.engine import distributed
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.run import ranked_records
 
     rows = MergedRows()
     rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-    run.layers = ranked_records(rows, failed=run.failure is not None)
+    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
     if run.failure is not None:
         return
-    means = distributed.mean_over_ranks(scope, run.gradients or {})
-    names = [name for name, g in means.items() if g is not None]
-    host = dict(zip(names, to_host([reduce_tensor(means[name], zeros=False) for name in names])))
+    rows = distributed.param_rows(scope, run.gradients or {}, tp)
     for record in run.params:
-        if record.name in host:
-            record.grad = gradient_stats(host[record.name], abs_max=True)
+        if record.name in rows:
+            grad, record.norm = rows[record.name]
+            if grad is not None:
+                record.grad = gradient_stats(grad, abs_max=True)
 
 
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
@@ -471,7 +473,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, over_ranks, raise_failure,
+    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, raise_failure,
                                     ranked_records, require_values, run_step, running)
 
     opts = prep.options
@@ -485,7 +487,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     _refuse_inference_tensors(prep.index)
     report = new_report(prep, command)
     rows = MergedRows()
-    ranks = over_ranks(prep)  # under torchrun: over every rank's batches
+    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     sums: dict[str, torch.Tensor] = {}  # parameter name -> sum of its per-batch gradients
     losses: list[float] = []
     choice: LossChoice | None = None
@@ -505,7 +508,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True) if ranks else rows.records()
+                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             if not run.reached:
@@ -520,21 +523,13 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
             advance(1)
         count = len(losses)
         if ranks:  # the layers' rows first: a rank whose model raised waits in that collective
-            report.layers = ranked_records(rows, failed=False)
-        means = distributed.mean_over_ranks(reported, {name: sums[name].div_(count) for name in sums})
-        extra: list[Vector] = []
-        plan: list[tuple[str, nn.Parameter, int | None, int]] = []
-        for name, p in reported:
-            g_slot = None
-            if means.get(name) is not None:
-                extra.append(reduce_tensor(means[name], zeros=False))
-                g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
-            plan.append((name, p, g_slot, len(extra) - 1))
-        values = to_host(extra)
-        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=values[n][0],
-                                     grad=gradient_stats(values[g], abs_max=True) if g is not None else None)
-                         for name, p, g, n in plan] if opts.params != "none" else None
+            report.layers = ranked_records(rows, failed=False, tp=tp)
+        over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
+        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad,
+                                     norm=over[name][1],
+                                     grad=gradient_stats(over[name][0], abs_max=True) if over[name][0] is not None
+                                     else None)
+                         for name, p in reported] if opts.params != "none" else None
     if not ranks:
         report.layers = rows.records()
     report.layers = global_rows(prep, report.layers)

@@ -260,20 +260,25 @@ class MergedRows:
                     have = merged.get(key)
                     merged[key] = vector if have is None else merge(have, vector)
 
-    def records(self, *, ranks: bool = False, failed: bool = False) -> list[LayerRecord]:
+    def records(self, *, ranks: bool = False, failed: bool = False, tp: list[list[int]] | None = None
+                ) -> list[LayerRecord]:
         """The merged rows (statistics of all their batches), in the order they were first seen.
         ``ranks``: under ``torchrun``, merged over every rank's batches too (``distributed.global_rows``;
-        ``failed``: this rank's run failed, every rank raises ``RanksFailed``)."""
+        ``failed``: this rank's run failed, every rank raises ``RanksFailed``; ``tp``: the model's
+        tensor-parallel groups, ``distributed.supported_tp_groups``)."""
         stats, grads = list(self._stats), list(self._grads)
         host = to_host([self._stats[k] for k in stats] + [self._grads[k] for k in grads])
         merged_stats, merged_grads = dict(zip(stats, host)), dict(zip(grads, host[len(stats):]))
+        placement: dict[Any, str] = {}
         if ranks:  # under torchrun: over every rank's batches (docs/distributed.md); as they are without one
-            merged_stats, merged_grads = distributed.global_rows(merged_stats, merged_grads, failed=failed)
+            merged_stats, merged_grads, placement = distributed.global_rows(merged_stats, merged_grads,
+                                                                            failed=failed, tp=tp)
         out = []
         for key, rec in self._rows.items():
             values, grad = merged_stats.get(key), merged_grads.get(key)
             out.append(replace(rec, stats=activation_stats(values) if values is not None else rec.stats,
-                               grad=gradient_stats(grad) if grad is not None else rec.grad))
+                               grad=gradient_stats(grad) if grad is not None else rec.grad,
+                               placement=placement.get(key, rec.placement)))
         return out
 
     @property

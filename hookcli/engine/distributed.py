@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import sys
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookcli.engine.stats import EMPTY, Moments, Vector, as_moments, to_host, watch_stats
+from hookcli.engine.stats import (EMPTY, Moments, Vector, as_moments, device_float, reduce_tensor, to_host,
+                                  watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, WatchLayer, WatchParam, WatchStep
 
@@ -66,13 +67,13 @@ def check_supported(model: nn.Module) -> None:
     (``FullyShardedDataParallel``: its flat parameters are not per-layer tensors hookcli could name)."""
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if version < MIN_TORCH:
-        raise UnsupportedError(f"hookcli.watch under torchrun needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer, "
+        raise UnsupportedError(f"hookcli under torchrun needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer, "
                                f"this is {torch.__version__}",
                                hint="upgrade torch, or watch one rank's model without a process group")
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise UnsupportedError("hookcli.watch does not reduce FSDP1 (FullyShardedDataParallel) models",
+        raise UnsupportedError("hookcli does not reduce FSDP1 (FullyShardedDataParallel) models over the ranks",
                                hint="shard with FSDP2 (torch.distributed.fsdp.fully_shard) or use DDP")
 
 
@@ -280,8 +281,10 @@ class StepReduction:
         slots in attach order; ``loss``: this rank's. Returns the layers in layout order, each as key
         and meta (with the most calls any rank made), and the result: slots ``2 i`` and ``2 i + 1`` are
         layer ``i``'s statistics and gradient, then come ``params``' slots, then the mean loss."""
-        local_meta = {key: meta[:3] if self.tp is None else (*meta[:3], stats)
-                      for key, (meta, stats, _) in layer_rows.items()}
+        # under TP, each key's row that decides its placement (``_placement``): its statistics, else (a
+        # ``grads`` run, which has none) its gradient's: copies of an output have copies of a gradient
+        local_meta = {key: meta[:3] if self.tp is None else (*meta[:3], stats if stats is not None else grad)
+                      for key, (meta, stats, grad) in layer_rows.items()}
         new = sum(1 for key in layer_rows if key not in self.meta)
         while True:
             plan = Plan()
@@ -544,16 +547,32 @@ def _rank_findings(reduction: StepReduction, step: int, layers: Sequence[tuple[t
 Rows = dict[Any, list[float]]
 
 
-def global_rows(stats: Rows, grads: Rows, *, failed: bool = False) -> tuple[Rows, Rows]:
+def supported_tp_groups(model: nn.Module) -> list[list[int]] | None:
+    """What ``global_rows`` needs to know of ``model`` (``stats`` / ``grads`` under ``torchrun``): its
+    tensor-parallel groups (``tp_groups``; None without tensor parallelism), after refusing, as the watch
+    does, what hookcli does not reduce exactly (``check_supported``, ``is_sharded``, ``tp_groups``):
+    UnsupportedError."""
+    check_supported(model)
+    params = list(model.named_parameters())
+    for name, p in params:
+        is_sharded(name, p)
+    return tp_groups(model, params)
+
+
+def global_rows(stats: Rows, grads: Rows, *, failed: bool = False, tp: list[list[int]] | None = None
+                ) -> tuple[Rows, Rows, dict[Any, str]]:
     """The ranks' host statistics rows merged into global ones (``stats`` / ``grads`` of the Python API
     under ``torchrun``: each rank ran its own part of the batch; ``MergedRows.records``): the rows of
     each key (any picklable key, the same model on every rank) over every rank that had it, with
-    ``StepReduction``'s collectives. Without a process group, the rows as they are. ``failed``: this
+    ``StepReduction``'s collectives. ``tp``: the tensor-parallel groups (``supported_tp_groups``): the
+    ranks of a TP group ran the same batch, an output they hold parts of is summed, one they hold
+    copies of counted once, as the watch does; the third value says which, by key ("sharded" or
+    "replicated"; empty without TP). Without a process group, the rows as they are. ``failed``: this
     rank's run failed: every rank raises ``RanksFailed`` (none is left waiting in a collective)."""
     group = process_group()
     if group is None:
-        return stats, grads
-    reduction = StepReduction(group)
+        return stats, grads, {}
+    reduction = StepReduction(group, tp)
     keys = list(dict.fromkeys([*stats, *grads]))
     layer_rows = {key: (("", None, "", 1), stats.get(key), grads.get(key)) for key in keys}
     layers, result = reduction.reduce(layer_rows, Plan(), None, failed=failed)
@@ -563,7 +582,8 @@ def global_rows(stats: Rows, grads: Rows, *, failed: bool = False) -> tuple[Rows
         for out, row in ((out_stats, result.rows[2 * index]), (out_grads, result.rows[2 * index + 1])):
             if row is not None:
                 out[key] = row
-    return out_stats, out_grads
+    placement = {key: reduction.placement[key] for key, _ in layers} if tp is not None else {}
+    return out_stats, out_grads, placement
 
 
 def world_size() -> int:
@@ -579,10 +599,12 @@ def ranks_note() -> str:
 
 def mean_over_ranks(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str, torch.Tensor | None]
                     ) -> dict[str, torch.Tensor | None]:
-    """Each parameter's gradient averaged over the ranks (what DDP applies: a rank without one adds
-    zeros), in one ``all_reduce`` of a packed float64 buffer; None where no rank has one. ``params``:
-    the same names in the same order on every rank (a replicated model). Without a process group,
-    ``grads`` as they are."""
+    """Each replicated parameter's gradient averaged over the ranks (what DDP applies: a rank without
+    one adds zeros), in one ``all_reduce`` of a packed float64 buffer; None where no rank has one.
+    ``params``: the same names in the same order on every rank, each a copy on every rank (a plain
+    tensor, or a DTensor that ``is_sharded`` says is not: its local copy is averaged). A sharded
+    gradient (FSDP2's, reduce-scattered: already the ranks' mean) is not theirs to average:
+    ``param_rows`` merges its shards. Without a process group, ``grads`` as they are."""
     group = process_group()
     if group is None:
         return grads
@@ -590,19 +612,97 @@ def mean_over_ranks(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str,
     parts = []
     for name, p in params:
         g = grads.get(name)
+        numel = local(p).numel()
         parts.append(torch.tensor([0.0 if g is None else 1.0], dtype=torch.float64, device=device))
-        parts.append(torch.zeros(p.numel(), dtype=torch.float64, device=device) if g is None
-                     else g.detach().reshape(-1).to(device=device, dtype=torch.float64))
+        parts.append(torch.zeros(numel, dtype=torch.float64, device=device) if g is None
+                     else local(g.detach()).reshape(-1).to(device=device, dtype=torch.float64))
     buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(buffer, group=group)
     out: dict[str, torch.Tensor | None] = {}
     at = 0
     world = torch.distributed.get_world_size(group)
     for name, p in params:
-        present, values = buffer[at].item(), buffer[at + 1:at + 1 + p.numel()]
-        at += 1 + p.numel()
-        out[name] = (values / world).reshape(p.shape) if present else None
+        shape = local(p).shape
+        numel = shape.numel()
+        present, values = buffer[at].item(), buffer[at + 1:at + 1 + numel]
+        at += 1 + numel
+        out[name] = (values / world).reshape(shape) if present else None
     return out
+
+
+def param_rows(params: Sequence[tuple[str, torch.Tensor]], grads: Mapping[str, torch.Tensor | None],
+               tp: list[list[int]] | None = None) -> dict[str, tuple[list[float] | None, float]]:
+    """Each parameter's gradient (a host statistics row for ``gradient_stats``; None where no rank has
+    one) and norm, over the ranks under ``torchrun`` (``grads`` of the Python API):
+
+    - replicated (plain, DDP, a DTensor without ``Shard``): every rank holds a copy; the gradient is
+      the ranks' mean (``mean_over_ranks``: what DDP applies), the norm this rank's copy's;
+    - sharded (FSDP2, tensor parallel, both: ``is_sharded``): every rank reduces its local shard (never
+      gathered), whose gradient is already the global one (FSDP2 reduce-scatters the ranks' mean);
+      the owners' (``owns``; ``tp``: ``supported_tp_groups``) rows are merged and the norm is the
+      root of the summed squares (``StepReduction``: three collectives, none without a shard).
+
+    ``params``: the same names in the same order on every rank. Without a process group, each
+    parameter's own gradient and norm."""
+    group = process_group()
+    sharded = [group is not None and is_sharded(name, p) for name, p in params]
+    replicated = [(name, p) for (name, p), shard in zip(params, sharded) if not shard]
+    means = mean_over_ranks(replicated, {name: grads.get(name) for name, _ in replicated})
+    vectors: list[Vector] = []
+    for (name, p), shard in zip(params, sharded):
+        g = grads.get(name) if shard else means.get(name)
+        if g is not None:
+            vectors.append(reduce_tensor(local(g.detach()), zeros=False))
+        vectors.append(torch.linalg.vector_norm(local(p.detach()), dtype=device_float(p.device)).reshape(1))
+    host = iter(to_host(vectors))  # one transfer
+    rows: dict[str, tuple[list[float] | None, float]] = {}
+    for (name, _), shard in zip(params, sharded):
+        has_grad = (grads.get(name) if shard else means.get(name)) is not None
+        grad_row = next(host) if has_grad else None
+        rows[name] = (grad_row, next(host)[0])
+    if not any(sharded):
+        return rows
+    reduction = StepReduction(group, tp)
+    plan = Plan()
+    for (name, p), shard in zip(params, sharded):
+        if shard:
+            owned = owns(p, reduction.tp_first)  # a part held by several ranks is added once
+            grad_row, norm = rows[name]
+            plan.add(MERGED, grad_row if owned else None)
+            plan.add(SHARDED_NORM, [norm] if owned else None)
+    _, result = reduction.reduce({}, plan, None)
+    merged = iter(result.rows)
+    for (name, _), shard in zip(params, sharded):
+        if shard:
+            grad_row, norm_row = next(merged), next(merged)
+            rows[name] = (grad_row, norm_row[0] if norm_row is not None else 0.0)
+    return rows
+
+
+def uses_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` has FSDP2 (``fully_shard``) modules, under a process group."""
+    if process_group() is None:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp2_gradients(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``value`` w.r.t. ``leaves`` under FSDP2, where ``torch.autograd.grad`` cannot
+    take them (forward ran on unsharded copies of the parameters; FSDP2's post-backward hooks
+    reduce-scatter their gradients into the sharded parameters' ``.grad``: each rank its shard of the
+    ranks' mean). ``value.backward()``, then each leaf's ``.grad`` is read and put back as it was
+    (the user's gradients are kept, also when backward raises)."""
+    saved = [leaf.grad for leaf in leaves]
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        value.backward()
+        return [leaf.grad for leaf in leaves]
+    finally:
+        for leaf, grad in zip(leaves, saved):
+            leaf.grad = grad
 
 
 def rank_mean(value: float) -> float:

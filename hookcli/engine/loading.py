@@ -655,5 +655,8 @@ def from_instance(model: nn.Module, spec: str | None = None) -> LoadedModel:
     if not isinstance(model, nn.Module):
         raise UsageError(f"expected an nn.Module, got {type(model).__name__}",
                          hint="pass a model instance, or a spec string such as 'resnet18' or 'net.py:Net'")
+    from hookcli.engine.distributed import unwrap
+
+    model = unwrap(model)  # a DistributedDataParallel runs as the module it wraps: its layers keep their own names
     return LoadedModel(model, spec if spec is not None else type(model).__name__, "instance",
                        _torchvision_family_of(model), None, None, None)

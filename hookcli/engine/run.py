@@ -354,14 +354,6 @@ def new_report(prep: Prepared, command: str) -> Report:
     return report
 
 
-def over_ranks(prep: Prepared) -> bool:
-    """Whether a run's rows are merged over the ranks: under a process group, but for ``--shard tp``,
-    where every rank runs the whole batch and every module's output is whole on every rank (the plan
-    gathers each split Linear's output: ``sharding.tp_plan``), so each rank's own rows are already
-    those of one process."""
-    return distributed.process_group() is not None and prep.options.shard != Shard.tp
-
-
 def global_rows(prep: Prepared, layers: list[LayerRecord]) -> list[LayerRecord]:
     """Rows of a ``--shard ddp|fsdp2`` run with the shapes one process over the whole batch shows (a
     leading dimension of this rank's slice size is the batch's: ``sharding.global_shape``); others as
@@ -470,16 +462,19 @@ def _no_reentrant_checkpoint() -> UnsupportedError:
 
 
 def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], inputs: Any,
-               flops: Any, spin: Callable[[str], Any]) -> dict[int, torch.Tensor | None]:
+               flops: Any, spin: Callable[[str], Any], *, fsdp2: bool = False) -> dict[int, torch.Tensor | None]:
     """``torch.autograd.grad`` of ``value`` w.r.t. every trainable parameter and input (``.grad``
-    untouched): leaf id -> gradient, None where backward did not reach it."""
+    untouched): leaf id -> gradient, None where backward did not reach it. ``fsdp2``: an FSDP2 model
+    under torchrun, whose gradients only its own backward makes (``distributed.fsdp2_gradients``;
+    ``.grad`` put back as it was)."""
     leaves = [p for _, p in params if p.requires_grad]
     leaves += [t for _, t in iter_tensors(inputs) if t.requires_grad]
     with flops or nullcontext(), spin("backward"), warnings.catch_warnings():
         # ops without a backward (quantized ones) give no gradient: said by the report
         # (a note, or UnsupportedError when nothing got one), not by torch's warning
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
-        results = torch.autograd.grad(value, leaves, allow_unused=True)
+        results = distributed.fsdp2_gradients(value, leaves) if fsdp2 else \
+            torch.autograd.grad(value, leaves, allow_unused=True)
     return {id(leaf): g for leaf, g in zip(leaves, results)}
 
 
@@ -558,7 +553,8 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
                         if optimizer is not None:
                             value.backward()
                         else:
-                            grads = _gradients(value, all_params, (args, kwargs), backward_flops, spin)
+                            grads = _gradients(value, all_params, (args, kwargs), backward_flops, spin,
+                                               fsdp2=distributed.uses_fsdp2(model))
                             result.reached = any(g is not None for g in grads.values())
                 if optimizer is not None and steps is not None:
                     if steps.after_backward is not None:
@@ -594,10 +590,11 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
         for name, p in params:
             g = grads.get(id(p))
             g_slot = None
-            if g is not None:
-                extra.append(session.reducer.reduce(g, zeros=False))
+            if g is not None:  # a DTensor's: this rank's part (merged over the ranks by the caller)
+                extra.append(session.reducer.reduce(distributed.local(g), zeros=False))
                 g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(p.detach(), dtype=device_float(p.device)).reshape(1))
+            extra.append(torch.linalg.vector_norm(distributed.local(p.detach()), dtype=device_float(p.device))
+                         .reshape(1))
             n_slot = len(extra) - 1
             c_slot = None
             if name in clipped:
@@ -657,13 +654,14 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if prep.data is not None:
         return data_forward_report(prep, command)
     report = new_report(prep, command)
-    ranks = stats and over_ranks(prep)  # under torchrun: over every rank's batch
+    ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep), merge=ranks)
     report.layers = run.layers
     if ranks:
         rows = MergedRows()
         rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-        report.layers = ranked_records(rows, failed=run.failure is not None)
+        report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
         report.notes.append(distributed.ranks_note())
     report.layers = global_rows(prep, report.layers)
     if run.flops is not None:
@@ -673,11 +671,12 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     return report
 
 
-def ranked_records(rows: MergedRows, *, failed: bool) -> list[LayerRecord]:
-    """``rows`` merged over every rank (under ``torchrun``). A rank whose run ``failed`` tells the
-    others (they raise ``RanksFailed``) and gets its own rows back, to raise its own failure."""
+def ranked_records(rows: MergedRows, *, failed: bool, tp: list[list[int]] | None = None) -> list[LayerRecord]:
+    """``rows`` merged over every rank (under ``torchrun``; ``tp``: the model's tensor-parallel groups,
+    ``distributed.supported_tp_groups``). A rank whose run ``failed`` tells the others (they raise
+    ``RanksFailed``) and gets its own rows back, to raise its own failure."""
     try:
-        return rows.records(ranks=True, failed=failed)
+        return rows.records(ranks=True, failed=failed, tp=tp)
     except RanksFailed:
         if not failed:
             raise
@@ -718,18 +717,19 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     assert prep.data is not None
     report = new_report(prep, command)
     rows = MergedRows()
-    ranks = over_ranks(prep)  # under torchrun: over every rank's batches
+    ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
+    tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True) if ranks else rows.records()
+                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             advance(1)
-    report.layers = global_rows(prep, rows.records(ranks=ranks))
+    report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
     data_source(prep, report, rows)
     if ranks:
         report.notes.append(distributed.ranks_note())

@@ -146,6 +146,9 @@ class LayerRecord:
     flops: int | None = None
     #: a module without a forward of its own (ModuleList, ModuleDict): never called by design
     container: bool = False
+    #: under tensor parallelism, merged over the ranks (docs/distributed.md): "sharded" (the TP ranks'
+    #: parts, summed) or "replicated" (their copies, counted once); None otherwise
+    placement: str | None = None
 
     @property
     def label(self) -> str:
@@ -177,6 +180,8 @@ class LayerRecord:
             data["grad_input"] = self.grad_input
         if self.flops is not None:
             data["flops"] = self.flops
+        if self.placement is not None:
+            data["placement"] = self.placement
         return data
 
 
