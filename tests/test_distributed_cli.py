@@ -3,8 +3,8 @@ torchrun"): each sharded run's JSON report against a one-process CliRunner run o
 the layers' numbers against plain torch, the materialised weights against a one-process build, and
 the errors (one exit code on every rank, no report, one message).
 
-Five torchrun launches of 2 ranks (gloo, CPU): one of tests/distributed_cli_worker.py (the weights of
-all three kinds) and four of ``python -m hookcli``.
+Six torchrun launches of 2 ranks (gloo, CPU): one of tests/distributed_cli_worker.py (the weights of
+all three kinds) and five of ``python -m hookcli``.
 """
 
 from __future__ import annotations
@@ -57,16 +57,19 @@ def close(one: Any, sharded: Any, path: str = "$") -> None:
         assert one == sharded, (path, one, sharded)
 
 
-def one_process(cli: Any, tmp_path: Path, *args: str) -> dict[str, Any]:
+def one_process(cli: Any, tmp_path: Path, *args: str, command: str = "stats") -> dict[str, Any]:
     out = tmp_path / "one.json"
-    result = cli("stats", MODEL, *args, "-o", out)
+    result = cli(command, MODEL, *args, "-o", out)
     assert result.exit_code == 0, result.output
     return json.loads(out.read_text())
 
 
 def same_report(one: dict[str, Any], sharded: dict[str, Any], kind: str) -> None:
-    """The sharded report is the one-process report, plus a note saying it was sharded."""
+    """The sharded report is the one-process report, plus a note saying it was sharded (and under tp
+    each layer's placement: every output whole on every rank, as the plan gathers each split Linear's)."""
     assert any(f"sharded over {WORLD} ranks (--shard {kind}" in note for note in sharded["notes"])
+    if kind == "tp":
+        assert [row.pop("placement") for row in sharded["layers"]] == ["replicated"] * len(sharded["layers"])
     close({k: v for k, v in one.items() if k != "notes"}, {k: v for k, v in sharded.items() if k != "notes"})
 
 
@@ -111,6 +114,29 @@ def test_sharded_ddp_dummy_input_equals_one_process(cli: Any, tmp_path: Path) ->
     same_report(one_process(cli, tmp_path, "--input-shape", f"{BATCH}x6"), json.loads(done.stdout), "ddp")
 
 
+def test_sharded_tp_grads_equal_one_process(cli: Any, tmp_path: Path) -> None:
+    """grads under tp (every rank the whole batch, the same loss): each layer's output gradient and each
+    parameter's gradient (its shards merged, never gathered) and norm, and the loss, are one process's;
+    the parameters' gradients also against torch.autograd.grad."""
+    done = hookcli_torchrun("grads", MODEL, "--input-shape", f"{BATCH}x6", "--params", "all", "--shard", "tp",
+                            "-f", "json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = json.loads(done.stdout)
+    one = one_process(cli, tmp_path, "--input-shape", f"{BATCH}x6", "--params", "all", command="grads")
+    rows = {row["name"]: row for row in sharded["params"]}
+    same_report(one, sharded, "tp")
+
+    torch.manual_seed(0)
+    net = sharded_models.build().eval()
+    x = torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(0))  # hookcli's dummy: randn(seed=0)
+    assert one["inputs"][0]["source"] == "randn(seed=0)"
+    loss = torch.nn.functional.cross_entropy(net(x), torch.zeros(BATCH, dtype=torch.long))
+    assert math.isclose(sharded["loss"]["value"], loss.item(), rel_tol=REL)
+    names, params = zip(*net.named_parameters())
+    for name, g in zip(names, torch.autograd.grad(loss, params)):
+        assert math.isclose(rows[name]["grad"]["norm"], g.double().norm().item(), rel_tol=REL), name
+
+
 def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     """Every parameter and buffer (BatchNorm's running statistics, a non-persistent buffer) of the model
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
@@ -131,9 +157,9 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
     """The model raising on rank 1 only (its slice of 2 samples is too small for it): every rank exits
     1 (rank 0 with RanksFailed, agreed to rank 1's code), no report, rank 1's error said once, with
-    its hint, no traceback of hookcli's; nobody hangs. torchrun polls its ranks every 2 s here, so
+    its hint, no traceback of hookcli's; nobody hangs. torchrun polls its ranks every 5 s here, so
     that both have ended (neither is stopped by torchrun's SIGTERM) when it reads their exit codes."""
-    done = launch(["--monitor-interval", "2", "-m", "hookcli", "stats", f"{MODELS}:picky", "--input-shape",
+    done = launch(["--monitor-interval", "5", "-m", "hookcli", "stats", f"{MODELS}:picky", "--input-shape",
                    f"{BATCH}x6", "--shard", "ddp", "-f", "json"], WORLD)
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stdout == ""
@@ -142,7 +168,7 @@ def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
     assert all("rank 1:" in line or "rank 0:" in line and "failed on 1 of 2 ranks" in line for line in errors), errors
     assert str(Path(__file__).parents[1] / "hookcli") not in done.stderr  # no traceback through hookcli
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
-    assert codes == {"0": "1", "1": "1"}, done.stderr[-3000:]  # torchrun's table of the ranks' exit codes
+    assert codes == {"0": "1", "1": "1"}, (codes, done.stderr[-3000:])  # torchrun's table of the ranks' exit codes
 
 
 def test_shard_outside_torchrun_and_bad_values_are_usage_errors(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:

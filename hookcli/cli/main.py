@@ -253,9 +253,11 @@ class HookcliGroup(click.Group):
                                                 hint="the model's code ended the process; remove the sys.exit call"))
             ctx.exit(EXIT_FAILED)
         except Exception as exc:  # a bug in hookcli: say so, exit 3
-            code, _ = _agree(ctx, EXIT_INTERNAL, own=True)
+            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True)
             if ctx.meta.get(META_DEBUG):
                 raise
+            if not _says(ctx, None, rank0_own):
+                ctx.exit(code)
             from hookcli.escape import escape_control
 
             click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(safe_str(exc))}"),
@@ -283,7 +285,7 @@ def _agree(ctx: click.Context, code: int, *, own: bool) -> tuple[int, bool]:
     return api.agree_exit(code, own)
 
 
-def _says(ctx: click.Context, exc: HookcliError, rank0_own: bool) -> bool:
+def _says(ctx: click.Context, exc: HookcliError | None, rank0_own: bool) -> bool:
     """Whether this rank prints its error: rank 0 always; another rank only its own error (not the echo
     ``RanksFailed``), and only when rank 0 had none of its own (before the process group is up, or in a
     command without one, every rank met the same error on the same command line: rank 0 says it)."""

@@ -21,7 +21,7 @@ from torch import nn
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver
-from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
+from hookcli.options import GradSort, Loss, RunOptions, Shard, output_key_path, values_of
 from hookcli.records import ParamRecord, Report
 from hookcli.engine.stats import gradient_stats, iter_tensors, shape_of
 
@@ -355,6 +355,16 @@ def _refuse_inference_tensors(index: ModelIndex) -> None:
             "stats and shapes work on it as it is")
 
 
+def refuse_sharded_check(prep: Any, command: str) -> None:
+    """UnsupportedError for ``check --shard fsdp2|tp``: check's rules read each rank's own numbers,
+    which under a sharded model are parts (ddp's are whole copies)."""
+    if command == "check" and prep.options.shard in (Shard.fsdp2, Shard.tp):
+        raise UnsupportedError(f"check --shard {prep.options.shard} is not supported: check's rules read one rank's "
+                               "numbers, and each rank holds only part of a sharded model",
+                               hint="check with --shard ddp, or run stats / grads --shard "
+                                    f"{prep.options.shard} for the model's numbers")
+
+
 def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
                     observer: RunObserver | None = None) -> Report:
     """Forward with gradients, build the loss, backward once; report output and parameter gradients.
@@ -370,6 +380,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
     from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
 
+    refuse_sharded_check(prep, command)
     if prep.data is not None and command == "grads" and observer is None:
         return data_backward_report(prep, command)
     require_values(prep, command)
@@ -482,6 +493,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if given:
         raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
                          hint="leave them out, or run one batch with --input / --input-shape")
+    refuse_sharded_check(prep, command)
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)
     _refuse_inference_tensors(prep.index)
