@@ -2,15 +2,16 @@
 
 ``python -m torch.distributed.run --nproc-per-node N tests/distributed_api_worker.py MODE OUT``: builds
 ``model()`` (seed 0) wrapped as each case of MODE says, runs ``hookcli.stats`` and ``hookcli.grads``
-(loss: the output's mean) on this rank's part of ``batch()`` (as one input, and for ``grads`` also as
-``data`` in batches of 2), and writes ``OUT/<case>/rank<r>.json``: the reports' dicts, or
+(loss: the output's mean) on this rank's part of ``batch()`` (as one input, and as ``data`` in
+batches of 2), and writes ``OUT/<case>/rank<r>.json``: the reports' dicts, or
 ``[error class, exit code, message]`` where hookcli refused.
 
 MODE ``two`` (2 ranks): ``ddp`` (DistributedDataParallel; each rank its half of the batch), ``fsdp``
 (FSDP2, hidden 5: uneven shards 3 + 2, the last weight's single row 1 + 0: an empty shard; each rank
 its half), ``tp`` (``0`` ColwiseParallel, ``2`` RowwiseParallel; every rank the whole batch),
 ``tp_replicate`` (``0`` ColwiseParallel with ``output_layouts=Replicate()``; the rest plain copies;
-every rank the whole batch), ``refused`` (a DTensor parameter on a 2-D mesh without FSDP2).
+every rank the whole batch), ``refused`` (what they refuse: ``refusals``).
+After them, ``two`` runs the ``report`` example of docs/distributed.md (FSDP2; ``OUT/docs.json``).
 MODE ``four`` (4 ranks): ``fsdp_tp`` (FSDP2 over mesh dimension ``dp`` x TP as ``tp`` over ``tp``; each
 TP group its half of the batch).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,19 +76,37 @@ def wrapped(case: str, hidden: int) -> tuple[nn.Module, int, int]:
         for index in (0, 2, 4):
             fully_shard(net[index], mesh=mesh["dp"])
         return fully_shard(net, mesh=mesh["dp"]), mesh["dp"].get_local_rank(), world // 2
-    if case == "refused":
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (1, world))
-        net[0].weight = nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh, [Replicate(), Shard(0)]))
-        return net, rank, world
     raise ValueError(case)
 
 
+def refusals() -> list[tuple[str, int, str]]:
+    """What ``stats`` / ``grads`` refuse, as (error class, exit code, message): a DTensor parameter on a
+    2-D mesh without FSDP2 (two tensor-parallel dimensions), and ``clip`` on an FSDP2 model. (FSDP1,
+    refused too, cannot be built on CPU: "FSDP needs a non-CPU accelerator device".)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x = batch()[:2]
+    two_d = model(5)
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    two_d[0].weight = nn.Parameter(distribute_tensor(two_d[0].weight.detach(), mesh, [Replicate(), Shard(0)]))
+    fsdp, _, _ = wrapped("fsdp", 5)
+    said = []
+    for call in (lambda: hookcli.stats(two_d, inputs=x), lambda: hookcli.grads(two_d, inputs=x, loss="mean"),
+                 lambda: hookcli.grads(fsdp, inputs=x, loss="mean", clip=0.1)):
+        try:
+            call()
+        except hookcli.errors.HookcliError as exc:
+            said.append((type(exc).__name__, exc.exit_code, str(exc)))
+    return said
+
+
 def run(case: str, hidden: int) -> list[Any]:
-    """The case's reports (dicts) in order: stats, grads, grads over ``data`` in batches of 2; or the
-    refusal. Under FSDP2 the user has gradients in ``.grad`` (a backward of their own) before hookcli
+    """The case's reports (dicts) in order: stats, then grads, each as one input and over ``data`` in
+    batches of 2; or the refusal. Under FSDP2 the user has gradients in ``.grad`` (a backward of their own) before hookcli
     runs; ``{"grads_kept": ...}`` follows the reports: whether they are there, unchanged, after."""
+    if case == "refused":
+        return refusals()
     net, part, parts = wrapped(case, hidden)
     per = GLOBAL_BATCH // parts
     x = batch()[part * per:(part + 1) * per]
@@ -95,8 +115,8 @@ def run(case: str, hidden: int) -> list[Any]:
         net(x).square().mean().backward()
         before = [p.grad.to_local().clone() for p in net.parameters()]
     try:
-        reports = [hookcli.stats(net, inputs=x), hookcli.grads(net, inputs=x, loss="mean"),
-                   hookcli.grads(net, data=x, batch_size=2, loss="mean")]
+        reports = [hookcli.stats(net, inputs=x), hookcli.stats(net, data=x, batch_size=2),
+                   hookcli.grads(net, inputs=x, loss="mean"), hookcli.grads(net, data=x, batch_size=2, loss="mean")]
     except hookcli.errors.HookcliError as exc:
         return [type(exc).__name__, exc.exit_code, str(exc)]
     out: list[Any] = [report.to_dict() for report in reports]
@@ -104,6 +124,33 @@ def run(case: str, hidden: int) -> list[Any]:
         out.append({"grads_kept": all(p.grad is not None and torch.equal(p.grad.to_local(), saved)
                                       for p, saved in zip(net.parameters(), before))})
     return out
+
+
+class Started:
+    """``torch.distributed`` for the docs' example, whose process group the worker has started already
+    (one process group per process: starting a second after the first ended hangs under torchrun)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def init_process_group(*_args: Any, **_kwargs: Any) -> None:
+        """Started already."""
+
+    @staticmethod
+    def destroy_process_group() -> None:
+        """Left to the worker."""
+
+
+def docs_example(out: Path) -> None:
+    """The ``report`` example of docs/distributed.md, as the page shows it, in the worker's process
+    group: rank 0 writes ``out``."""
+    page = (Path(__file__).parents[1] / "docs" / "distributed.md").read_text()
+    namespace: dict[str, Any] = {"__name__": "docs_example"}
+    for block in re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M):
+        exec(compile(block, "docs/distributed.md", "exec"), namespace)  # noqa: S102 - the docs' own example
+    namespace["dist"] = Started()
+    namespace["report"](str(out))
 
 
 def main(mode: str, out: Path) -> None:
@@ -114,6 +161,9 @@ def main(mode: str, out: Path) -> None:
         (out / case).mkdir(exist_ok=True)
         (out / case / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
         gc.collect()  # the case's meshes (and their process groups) go before the next case's
+        dist.barrier()
+    if mode == "two":
+        docs_example(out / "docs.json")
         dist.barrier()
     dist.destroy_process_group()
 

@@ -398,6 +398,12 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     # under torchrun, ``grads`` is over every rank's batch (docs/distributed.md); ``check`` is per rank
     ranks = command == "grads" and observer is None and distributed.process_group() is not None
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
+    if ranks and opts.clip is not None and any(distributed.is_sharded(name, p)
+                                               for name, p in prep.loaded.model.named_parameters()):
+        # FSDP2's backward runs on unsharded copies (the clipping hooks on the shards never fire); a
+        # DTensor's clipped count is not a number of this rank's
+        raise UnsupportedError("--clip cannot go with parameters sharded over the ranks (FSDP2, tensor parallel)",
+                               hint="leave --clip out under torchrun, or clip a plain or DDP model's gradients")
     report = new_report(prep, command)
     hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
 
@@ -433,7 +439,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
     if ranks:
-        report.notes.append(distributed.ranks_note())
+        report.notes.append(distributed.ranks_note(tp))
     if run.flops is not None:
         report.flops = run.flops
     quantized = quantized_modules(model)
@@ -549,8 +555,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:
-        report.notes.append(distributed.ranks_note())
-    where = f"{count} batches" + (f" of each of the {distributed.world_size()} ranks" if ranks else "")
+        report.notes.append(distributed.ranks_note(tp))
+    where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")
     report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")
     return report

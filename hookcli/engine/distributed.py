@@ -591,10 +591,22 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if process_group() is not None else 1
 
 
-def ranks_note() -> str:
-    """What a report merged over the ranks says of it."""
-    return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own batch, "
-            "merged (docs/distributed.md)")
+def batch_owners(tp: list[list[int]] | None = None) -> str:
+    """Who ran a batch of its own under ``torchrun``: every rank, or under tensor parallelism
+    (``tp``: ``supported_tp_groups``) every TP group (its ranks ran the same batch)."""
+    if tp is None:
+        return f"each of the {world_size()} ranks"
+    return f"each of the {len(tp)} TP groups" if len(tp) > 1 else "the one TP group"
+
+
+def ranks_note(tp: list[list[int]] | None = None) -> str:
+    """What a report merged over the ranks says of it (``tp``: ``supported_tp_groups``)."""
+    if tp is None:
+        return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own "
+                "batch, merged (docs/distributed.md)")
+    return (f"statistics over all {world_size()} ranks of the process group (torchrun), tensor parallel in "
+            f"groups of {len(tp[0])}: the batch of {batch_owners(tp)}, an output's parts summed and its copies "
+            "counted once (docs/distributed.md)")
 
 
 def mean_over_ranks(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str, torch.Tensor | None]

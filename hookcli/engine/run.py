@@ -662,7 +662,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         rows = MergedRows()
         rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
         report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
-        report.notes.append(distributed.ranks_note())
+        report.notes.append(distributed.ranks_note(tp))
     report.layers = global_rows(prep, report.layers)
     if run.flops is not None:
         report.flops = run.flops
@@ -732,5 +732,5 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
     data_source(prep, report, rows)
     if ranks:
-        report.notes.append(distributed.ranks_note())
+        report.notes.append(distributed.ranks_note(tp))
     return report
