@@ -105,13 +105,18 @@ def test_sharded_stats_equal_one_process_and_plain_torch(cli: Any, tmp_path: Pat
             assert math.isclose(stats[key], value.item(), rel_tol=REL, abs_tol=1e-7), (name, key)
 
 
-def test_sharded_ddp_dummy_input_equals_one_process(cli: Any, tmp_path: Path) -> None:
-    """ddp on the seeded dummy input (the same on every rank, sliced 3 + 2), JSON on stdout, printed
-    once (rank 0's)."""
-    done = hookcli_torchrun("stats", MODEL, "--input-shape", f"{BATCH}x6", "--shard", "ddp", "-f", "json")
+def test_sharded_ddp_data_equals_one_process(cli: Any, tmp_path: Path) -> None:
+    """ddp over ``--data`` (7 samples in batches of 3, 3 and 1: each batch sliced over the ranks, rank 1's
+    slice of the last one empty), JSON on stdout printed once (rank 0's), nothing on stderr: the
+    report of one process over the same batches, its sample count included."""
+    torch.save(torch.randn(7, 6, generator=torch.Generator().manual_seed(3)), tmp_path / "data.pt")
+    args = ("--data", str(tmp_path / "data.pt"), "--batch-size", "3")
+    done = hookcli_torchrun("stats", MODEL, *args, "--shard", "ddp", "-f", "json")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == ""
-    same_report(one_process(cli, tmp_path, "--input-shape", f"{BATCH}x6"), json.loads(done.stdout), "ddp")
+    sharded = json.loads(done.stdout)
+    assert sharded["inputs"][0]["source"].endswith("3 batches, 7 samples")
+    same_report(one_process(cli, tmp_path, *args), sharded, "ddp")
 
 
 def test_sharded_tp_grads_equal_one_process(cli: Any, tmp_path: Path) -> None:

@@ -551,7 +551,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if not ranks:
         report.layers = rows.records()
     report.layers = global_rows(prep, report.layers)
-    data_source(prep, report, rows)
+    data_source(prep, report, rows, done=True)
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:

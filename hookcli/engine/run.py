@@ -698,11 +698,16 @@ def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
         yield index, batch, *place_inputs(prep, batch)
 
 
-def data_source(prep: Prepared, report: Report, rows: MergedRows) -> None:
+def data_source(prep: Prepared, report: Report, rows: MergedRows, *, done: bool = False) -> None:
     """Say in ``report`` where the batches came from and how many batches and samples were seen:
-    each input row's source (its shape and dtype are the first batch's), and the merged rows' notes."""
+    each input row's source (its shape and dtype are the first batch's), and the merged rows' notes.
+    ``done``: every batch ran on every rank; under ``--shard ddp|fsdp2`` the samples are then counted
+    over the ranks' slices (one collective, which a failed run must not wait in)."""
     assert prep.data is not None
-    seen = f"{prep.data.label}, {batches_text(rows.batches)}, {rows.samples} samples"
+    samples = rows.samples
+    if done and prep.options.shard in (Shard.ddp, Shard.fsdp2):
+        samples = round(distributed.rank_mean(float(samples)) * distributed.world_size())
+    seen = f"{prep.data.label}, {batches_text(rows.batches)}, {samples} samples"
     report.inputs = [dataclasses.replace(info, source=seen) for info in report.inputs]
     report.notes += rows.notes
 
@@ -730,7 +735,7 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             advance(1)
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
-    data_source(prep, report, rows)
+    data_source(prep, report, rows, done=True)
     if ranks:
         report.notes.append(distributed.ranks_note(tp))
     return report
