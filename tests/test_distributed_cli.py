@@ -203,3 +203,41 @@ def test_shard_from_a_config_is_checked_like_the_flag(cli: Any, tmp_path: Path,
     assert result.exit_code == 2 and "--shard fsdp2 runs under torchrun only" in result.stderr
     result = cli("stats", MODEL, "--input-shape", "2x6", "--config", bad)
     assert result.exit_code == 2 and "shard" in result.stderr.splitlines()[0]
+
+
+def torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """This process made to look like torchrun's rank ``rank`` of 2 (no process group is made)."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", WORLD), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_only_rank_0_prints_and_one_process_commands_refuse(
+        cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """Under torchrun's environment, ``shapes`` (no process group) runs on every rank and rank 0 alone
+    prints it or writes ``-o``; ``diff``, ``features`` and ``fmaps`` refuse (exit 2 on every rank), said
+    by rank 0 only; so is a bad option (every rank parsed the same line)."""
+    torchrun_env(monkeypatch, rank)
+    out = tmp_path / "shapes.json"
+    result = cli("shapes", MODEL, "--input-shape", "2x6", "-o", out)
+    assert result.exit_code == 0
+    assert out.exists() == (rank == 0)
+    assert result.stderr == (f"wrote {out}\n" if rank == 0 else "")
+    result = cli("shapes", MODEL, "--input-shape", "2x6", "-f", "json")
+    assert result.exit_code == 0
+    if rank == 0:
+        assert [row["name"] for row in json.loads(result.stdout)["layers"]][0] == "fc1"
+    else:
+        assert result.stdout == ""
+    for args in (["diff", MODEL, "--vs-dtype", "float64"], ["features", MODEL, "-o", tmp_path / "f.safetensors"],
+                 ["fmaps", MODEL, "--layer", "fc1", "-o", tmp_path / "f.png"], ["stats", MODEL, "--shard", "zero3"]):
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.stdout == ""
+        if rank == 0:
+            lines = result.stderr.splitlines()
+            assert len(lines) == 2 and lines[0].startswith("Error:") and lines[1].startswith("  hint:"), lines
+        else:
+            assert result.stderr == ""
+    assert not (tmp_path / "f.safetensors").exists() and not (tmp_path / "f.png").exists()
