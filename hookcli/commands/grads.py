@@ -456,7 +456,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
 def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: list[list[int]] | None) -> None:
     """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``; ``tp``:
     ``distributed.supported_tp_groups``): the layers' statistics over every rank's batch, each
-    parameter's gradient the ranks' mean (DDP's)."""
+    parameter's gradient and norm over the ranks (``distributed.param_rows``: a copy's gradient the
+    ranks' mean, DDP's; a shard's merged with the others)."""
     from hookcli.engine import distributed
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.run import ranked_records
@@ -466,10 +467,10 @@ def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: 
     run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
     if run.failure is not None:
         return
-    rows = distributed.param_rows(scope, run.gradients or {}, tp)
+    over = distributed.param_rows(scope, run.gradients or {}, tp)
     for record in run.params:
-        if record.name in rows:
-            grad, record.norm = rows[record.name]
+        if record.name in over:
+            grad, record.norm = over[record.name]
             if grad is not None:
                 record.grad = gradient_stats(grad, abs_max=True)
 
