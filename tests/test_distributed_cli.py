@@ -241,3 +241,26 @@ def test_under_torchrun_only_rank_0_prints_and_one_process_commands_refuse(
         else:
             assert result.stderr == ""
     assert not (tmp_path / "f.safetensors").exists() and not (tmp_path / "f.png").exists()
+
+
+def test_the_cli_opens_and_closes_its_process_group_and_bad_devices_are_usage_errors(
+        cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's environment for one rank (WORLD_SIZE 1, in this process): ``stats`` opens the default
+    process group (gloo) and destroys it after, also when it fails; a device that is no device, or a
+    GPU this rank does not have, is exit 2 with one message (never an internal error)."""
+    from torchrun_launch import free_port
+
+    torchrun_env(monkeypatch, 0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "one.json"
+    assert cli("stats", MODEL, "--input-shape", "2x6", "-o", out).exit_code == 0
+    assert out.exists() and not torch.distributed.is_initialized()
+    devices = ["potato"] + (["cuda"] if torch.cuda.device_count() == 0 else [])
+    for device in devices:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        result = cli("stats", MODEL, "--input-shape", "2x6", "--device", device)
+        assert result.exit_code == 2, result.output
+        assert result.stdout == ""
+        assert result.stderr.startswith("Error: rank 0: ") and len(result.stderr.splitlines()) == 2, result.stderr
+        assert not torch.distributed.is_initialized()

@@ -23,7 +23,7 @@ from torch import nn
 
 from hookcli.engine.input_types import ModelInputs
 from hookcli.engine.loading import LoadedModel
-from hookcli.errors import UnsupportedError
+from hookcli.errors import UnsupportedError, UsageError
 from hookcli.options import Shard, torchrun_env
 
 #: How long a rank waits for the others in one collective before it gives up (a rank that died or
@@ -43,9 +43,17 @@ def process_group(device: str | None) -> Iterator[bool]:
     if dist.is_initialized():
         yield True
         return
-    cuda = device is not None and torch.device(device).type == "cuda"
+    try:
+        cuda = device is not None and torch.device(device).type == "cuda"
+    except (RuntimeError, ValueError):
+        cuda = False  # not a device: the run's options say so (UsageError), on every rank
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            raise UsageError(f"--device {device} under torchrun: this is local rank {local}, and there are "
+                             f"{count} CUDA device(s) here", hint="torchrun --nproc-per-node at most the number of "
+                                                                  "GPUs, or --device cpu")
+        torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     try:
         yield True
