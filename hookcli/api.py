@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["shapes", "stats", "grads", "inspect", "modules", "models", "features", "fmaps", "check",
            "check_rules", "run_check", "diff", "watch", "watch_model", "watch_script", "watch_rules", "report",
-           "kernel_status", "torchrun_group", "agree_exit"]
+           "kernel_status"]
 
 
 def _options(model: Any, kwargs: dict[str, Any]) -> RunOptions:
@@ -319,6 +319,10 @@ def kernel_status() -> str:
     from hookcli.commands.stats import kernel_status as status
 
     return status()
+
+
+# The command line's own helpers under torchrun (not in ``__all__``: a Python caller under torchrun makes
+# its own process group, and its exit code is its own).
 
 
 def torchrun_group(device: str | None = None) -> AbstractContextManager[bool]:
