@@ -195,6 +195,11 @@ class HookcliGroup(click.Group):
         try:
             with _sigterm_as_exception():
                 return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            own_process = (args[0] if args else kwargs.get("args")) is None  # its command line: sys.argv
+            if _group_used and own_process and kwargs.get("standalone_mode", True) is not False:
+                _end_rank(exc.code)
+            raise
         except Terminated:
             if kwargs.get("standalone_mode", True) is False:
                 raise
@@ -275,6 +280,22 @@ class HookcliGroup(click.Group):
 
 #: ``ctx.meta`` key of the root context: the ExitStack holding torchrun's process group (``_start``).
 META_GROUP = "hookcli.group"
+#: Whether this process opened torchrun's process group for its command (``_start``).
+_group_used = False
+
+
+def _end_rank(code: object) -> None:
+    """End a torchrun rank whose command is done (its output written and flushed, its process group
+    destroyed) without the interpreter's teardown: after a tensor-parallel backward, torch's gloo
+    threads can abort that teardown (``terminate called without an active exception``, exit -6: one
+    ``grads --shard tp`` run in four on torch 2.14), which torchrun would report as a failed rank."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else (0 if code is None else EXIT_FAILED))
 
 
 def _agree(ctx: click.Context, code: int, *, own: bool) -> tuple[int, bool]:
@@ -387,6 +408,8 @@ def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
             raise UsageError(f"hookcli {name} does not run under torchrun (it is one process's run)",
                              hint=f"run hookcli {name} without torchrun; stats, grads and check run on every rank")
         if name in _RANKED:  # one process group for the command, closed by HookcliGroup.invoke
+            global _group_used
+            _group_used = True
             group = contextlib.ExitStack()
             ctx.find_root().meta[META_GROUP] = group
             group.enter_context(api.torchrun_group(values.get("device")))

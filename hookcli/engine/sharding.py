@@ -58,7 +58,19 @@ def process_group(device: str | None) -> Iterator[bool]:
     try:
         yield True
     finally:
-        dist.destroy_process_group()
+        _wait_and_destroy()
+
+
+def _wait_and_destroy() -> None:
+    """Destroy the default process group once every collective it started has finished: a collective
+    still in flight when the group goes (the backward of a tensor-parallel layer leaves one, gloo runs
+    it on its own thread) aborts the process as it exits. gloo's barrier waits for them."""
+    dist = torch.distributed
+    try:
+        dist.barrier()
+    except RuntimeError:  # a rank that is gone: nothing is left to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def agree(code: int, own: bool) -> tuple[int, bool]:
