@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from hookcli.options import RunOptions, check_option_names, model_is_instance
@@ -321,3 +322,24 @@ def kernel_status() -> str:
     from hookcli.commands.stats import kernel_status as status
 
     return status()
+
+
+# The command line's own helpers under torchrun (not in ``__all__``: a Python caller under torchrun makes
+# its own process group, and its exit code is its own).
+
+
+def torchrun_group(device: str | None = None) -> AbstractContextManager[bool]:
+    """The command line under ``torchrun``: the default process group for one command (gloo, or nccl
+    when ``device`` is CUDA, each rank on ``cuda:LOCAL_RANK``), destroyed when the block ends, also on
+    errors; yields whether one is there (False outside torchrun). docs/distributed.md."""
+    from hookcli.commands.ranks import torchrun_group as group
+
+    return group(device)
+
+
+def agree_exit(code: int, own: bool) -> tuple[int, bool]:
+    """Under a process group: the exit code every rank exits with (an error of a rank's own wins over
+    the ``RanksFailed`` of the others; ``own``: this rank's is its own) and whether rank 0 had one."""
+    from hookcli.commands.ranks import agree_exit as agree
+
+    return agree(code, own)

@@ -30,12 +30,13 @@ from hookcli.errors import ConfigError, did_you_mean
 from hookcli.targets import is_inside
 from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import (
-    DType, Fill, Mode, OutputFormat, looks_like_weights_file, option_flags, option_help, parse_dtype, source_of,
+    DType, Fill, Mode, OutputFormat, Shard, looks_like_weights_file, option_flags, option_help, parse_dtype, source_of,
     strip_prefix, values_of,
 )
 
 FILLS = values_of(Fill)
 MODES = values_of(Mode)
+SHARDS = values_of(Shard)
 FORMATS = values_of(OutputFormat)
 DTYPE_NAMES = values_of(DType)
 
@@ -199,6 +200,7 @@ OPTION_KEYS: dict[str, KeySpec] = {
     "device": _spec(STR, option_help("device"), _str),
     "dtype": _spec(" | ".join(DTYPE_NAMES), option_help("dtype"), _dtype),
     "mode": _spec(" | ".join(MODES), option_help("train"), _choice(MODES)),
+    "shard": _spec(" | ".join(SHARDS), option_help("shard"), _choice(SHARDS)),
     "format": _spec(" | ".join(FORMATS), "output format", _choice(FORMATS)),
     "output": _spec(STR, "file to write the report to", _str),
     "width": _spec("integer > 0", "table width in columns", integer(1)),

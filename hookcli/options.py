@@ -130,6 +130,28 @@ class GradSort(StrEnum):
     name = "name"
 
 
+class Shard(StrEnum):
+    """How ``--shard`` splits the model over torchrun's ranks (docs/distributed.md)."""
+
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+    tp = "tp"
+
+
+#: The environment ``torchrun`` gives every rank it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> bool:
+    """Whether this process is a rank that ``torchrun`` started (its environment is there)."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
+
+
+def torchrun_rank() -> int:
+    """This process's rank as torchrun says (0 outside torchrun): who prints the report."""
+    return int(os.environ.get("RANK", "0") or 0) if torchrun_env() else 0
+
+
 class Mode(StrEnum):
     """The module mode of a run (``--train/--eval``; a config's ``mode``)."""
 
@@ -421,6 +443,10 @@ class RunOptions:
     # shapes: FLOPs per call; run on the meta device (None: when nothing needs real values)
     flops: bool = _flag("--flops", False)
     meta: bool | None = None
+    #: under torchrun: build the model on the meta device, shard it over the ranks, fill it from rank 0
+    shard: Shard | str | None = _flag(
+        "--shard", help="Under torchrun: shard the model over the ranks (ddp, fsdp2 or tp), built on the meta device "
+        "and filled with rank 0's initialisation; the report is that of one process (docs/distributed.md).")
 
     # filled by validate()
     specs: list[InputSpec] = field(default_factory=list, init=False)
@@ -670,9 +696,22 @@ def _weights_file(opts: RunOptions) -> None:
                            hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
 
 
+def _shard(opts: RunOptions) -> None:
+    """``shard``: one of ``Shard``, only under torchrun, only for a model hookcli builds."""
+    if opts.shard is None:
+        return
+    opts.shard = member(Shard, opts.shard, "--shard")
+    if not torchrun_env():
+        raise UsageError(f"--shard {opts.shard} runs under torchrun only (no RANK/WORLD_SIZE/MASTER_ADDR here)",
+                         hint=f"torchrun --nproc-per-node N -m hookcli ... --shard {opts.shard}, or leave --shard out")
+    if model_is_instance(opts.model):
+        raise UsageError("--shard builds the model on the meta device; this model is already built",
+                         hint="give a model spec (a name, pkg.mod:attr or file.py:attr), or shard your model yourself")
+
+
 #: ``RunOptions.validate``'s steps, in the order their errors take precedence.
 _VALIDATION = (_default_model, _input_forms, _selection, _weights_value, _parsed_inputs, _build_options, _input_sources,
-               _numbers, _run_settings, _weights_file)
+               _numbers, _run_settings, _weights_file, _shard)
 
 
 __all__ = ["RunOptions", "check_option_names", "DEFAULT_MODEL", "HF_PREFIX", "MODEL_SOURCES", "ModelSource", "source_of",

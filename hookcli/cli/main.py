@@ -23,11 +23,13 @@ from hookcli import api
 from hookcli._version import __version__
 from hookcli.errors import (
     EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, INTERRUPTS, CheckFailedError, HookcliError, ModelRaisedError,
-    OutputError, Terminated, UsageError, exit_status, one_line, safe_str,
+    OutputError, RanksFailed, Terminated, UsageError, exit_status, one_line, safe_str,
 )
 
 from hookcli.records import WATCH_STAT_KEYS
-from hookcli.options import DEFAULT_MODEL, LISTED_SOURCES, GradSort, model_sources_text, values_of
+from hookcli.options import (
+    DEFAULT_MODEL, LISTED_SOURCES, GradSort, model_sources_text, torchrun_env, torchrun_rank, values_of,
+)
 from hookcli.cli.options import (
     META_COMMAND,
     META_CONFIG,
@@ -49,6 +51,7 @@ from hookcli.cli.options import (
     prepare_output,
     run_options,
     run_fields,
+    shard_options,
     watch_options,
 )
 
@@ -163,6 +166,8 @@ class OneLineUsageError(click.UsageError):
         self.exit_code = exc.exit_code
 
     def show(self, file: Any = None) -> None:
+        if torchrun_rank() != 0:  # under torchrun every rank parsed the same line: rank 0 says it
+            return
         command = self.ctx.command_path if self.ctx is not None else "hookcli"
         click.echo(f"Error: {one_line(self.format_message())}", err=True)
         click.echo(f"  hint: run '{command} --help' for the options and their values", err=True)
@@ -190,6 +195,11 @@ class HookcliGroup(click.Group):
         try:
             with _sigterm_as_exception():
                 return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            own_process = (args[0] if args else kwargs.get("args")) is None  # its command line: sys.argv
+            if _group_used and own_process and kwargs.get("standalone_mode", True) is not False:
+                _end_rank(exc.code)
+            raise
         except Terminated:
             if kwargs.get("standalone_mode", True) is False:
                 raise
@@ -215,18 +225,28 @@ class HookcliGroup(click.Group):
             return self._invoke_reporting(ctx)
         except BrokenPipeError as exc:  # writing a report or a message: the reader left
             raise ReaderGone() from exc
+        finally:
+            group = ctx.meta.pop(META_GROUP, None)
+            if group is not None:  # torchrun's process group of this command (``_start``), also on errors
+                group.close()
 
     def _invoke_reporting(self, ctx: click.Context) -> Any:
         """The command, its errors turned into a message and an exit code."""
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            code, _ = _agree(ctx, 0, own=False)  # under torchrun: did another rank fail?
+            if code:
+                ctx.exit(code)
+            return result
         except click.UsageError as exc:
             if isinstance(exc, OneLineUsageError):
                 raise
             raise OneLineUsageError(exc) from exc
         except HookcliError as exc:
-            _report_error(ctx, exc)
-            ctx.exit(exc.exit_code)
+            code, rank0_own = _agree(ctx, exc.exit_code, own=not isinstance(exc, RanksFailed))
+            if _says(ctx, exc, rank0_own):
+                _report_error(ctx, exc)
+            ctx.exit(code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
@@ -238,14 +258,17 @@ class HookcliGroup(click.Group):
                                                 hint="the model's code ended the process; remove the sys.exit call"))
             ctx.exit(EXIT_FAILED)
         except Exception as exc:  # a bug in hookcli: say so, exit 3
+            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True)
             if ctx.meta.get(META_DEBUG):
                 raise
+            if not _says(ctx, None, rank0_own):
+                ctx.exit(code)
             from hookcli.escape import escape_control
 
             click.echo(one_line(f"Error: internal error: {type(exc).__name__}: {escape_control(safe_str(exc))}"),
                        err=True)
             click.echo(f"  hint: {INTERNAL_HINT}", err=True)
-            ctx.exit(EXIT_INTERNAL)
+            ctx.exit(code)
         except BaseException as exc:  # a BaseException subclass of the model's own code (hookcli raises none)
             if ctx.meta.get(META_DEBUG):
                 raise
@@ -253,6 +276,44 @@ class HookcliGroup(click.Group):
                 f"the model's code raised {type(exc).__name__} (a BaseException): {safe_str(exc)}",
                 hint="the model's code raised outside any run; run again with --debug for its traceback"))
             ctx.exit(EXIT_FAILED)
+
+
+#: ``ctx.meta`` key of the root context: the ExitStack holding torchrun's process group (``_start``).
+META_GROUP = "hookcli.group"
+#: Whether this process opened torchrun's process group for its command (``_start``).
+_group_used = False
+
+
+def _end_rank(code: object) -> None:
+    """End a torchrun rank whose command is done (its output written and flushed, its process group
+    destroyed) without the interpreter's teardown: after a tensor-parallel backward, torch's gloo
+    threads can abort that teardown (``terminate called without an active exception``, exit -6: one
+    ``grads --shard tp`` run in four on torch 2.14), which torchrun would report as a failed rank."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else (0 if code is None else EXIT_FAILED))
+
+
+def _agree(ctx: click.Context, code: int, *, own: bool) -> tuple[int, bool]:
+    """Under a process group this command opened: the exit code of every rank (``api.agree_exit``) and
+    whether rank 0 failed with its own error; else ``code`` as it is."""
+    if ctx.find_root().meta.get(META_GROUP) is None:
+        return code, own and torchrun_rank() == 0
+    return api.agree_exit(code, own)
+
+
+def _says(ctx: click.Context, exc: HookcliError | None, rank0_own: bool) -> bool:
+    """Whether this rank prints its error: rank 0 always; another rank only its own error (not the echo
+    ``RanksFailed``), and only when rank 0 had none of its own (before the process group is up, or in a
+    command without one, every rank met the same error on the same command line: rank 0 says it)."""
+    if torchrun_rank() == 0:
+        return True
+    grouped = ctx.find_root().meta.get(META_GROUP) is not None
+    return grouped and not isinstance(exc, RanksFailed) and not rank0_own
 
 
 def _report_error(ctx: click.Context, exc: HookcliError) -> None:
@@ -264,19 +325,23 @@ def _report_error(ctx: click.Context, exc: HookcliError) -> None:
         click.echo("".join(traceback.format_exception(cause)), err=True, nl=False)
     from hookcli.escape import escape_control  # names and messages from the model are data
 
-    click.secho(f"Error: {one_line(escape_control(exc.message))}", err=True, fg="red")
+    where = f"rank {torchrun_rank()}: " if torchrun_env() else ""  # torchrun interleaves the ranks' stderr
+    click.secho(f"Error: {where}{one_line(escape_control(exc.message))}", err=True, fg="red")
     if exc.hint:
         click.echo(f"  hint: {one_line(escape_control(exc.hint))}", err=True)
 
 
 def _emit_partial(report: Any, *, fmt: str, output: str | None) -> None:
-    """The partial report of a failed run goes to stdout; an ``-o`` FILE is never replaced by it.
+    """The partial report of a failed run goes to stdout; an ``-o`` FILE is never replaced by it (under
+    torchrun only rank 0's).
 
     A failed run must not destroy a good report from an earlier run, and a partial report in FILE
     could pass for a complete one; stderr says the file was left as it was. A FIFO or device
     (``-o /dev/stdout``, a named pipe a reader waits on) has nothing to lose: it gets the partial
     report, marked partial, where the user sent the output.
     """
+    if torchrun_rank() != 0:
+        return
     if output is not None and _streams_in_place(output):
         _emit(report, fmt=fmt, output=output)
         click.echo(f"the run failed: {output} got its partial report", err=True)
@@ -298,7 +363,10 @@ def _streams_in_place(output: str) -> bool:
 
 
 def _emit(report: Any, *, fmt: str, output: str | None) -> None:
-    """Render a report and write it to stdout or to a file (see hookcli.output for how)."""
+    """Render a report and write it to stdout or to a file (see hookcli.output for how); under
+    torchrun only rank 0 writes it (every rank has the same report)."""
+    if torchrun_rank() != 0:
+        return
     from hookcli.render import render
 
     to_terminal = output is None and sys.stdout is not None and sys.stdout.isatty()
@@ -324,9 +392,27 @@ def _width(to_terminal: bool) -> int:
     return shutil.get_terminal_size((160, 24)).columns if to_terminal else 160
 
 
+#: Commands that refuse to run under torchrun: one process's run, with files every rank would write.
+_ONE_PROCESS = {"diff", "features", "fmaps"}
+#: Commands that run on every rank under torchrun, their numbers merged over the ranks (the others run
+#: the same on every rank, without a process group; rank 0 prints).
+_RANKED = {"stats", "grads", "check"}
+
+
 def _start(values: dict[str, Any]) -> tuple[click.Context, dict[str, Any]]:
     ctx = click.get_current_context()
     prepare_output(ctx, values)
+    if torchrun_env():
+        name = ctx.command.name
+        if name in _ONE_PROCESS:
+            raise UsageError(f"hookcli {name} does not run under torchrun (it is one process's run)",
+                             hint=f"run hookcli {name} without torchrun; stats, grads and check run on every rank")
+        if name in _RANKED:  # one process group for the command, closed by HookcliGroup.invoke
+            global _group_used
+            _group_used = True
+            group = contextlib.ExitStack()
+            ctx.find_root().meta[META_GROUP] = group
+            group.enter_context(api.torchrun_group(values.get("device")))
     from hookcli import progress
 
     progress.enable()  # spinners on stderr for slow phases, only on a terminal
@@ -383,6 +469,7 @@ def shapes(**values: Any) -> None:
 @main.command()
 @model_run_options
 @data_options
+@shard_options
 @output_options
 def stats(**values: Any) -> None:
     """Activation statistics of each selected module call: mean, std, min, max, norm, zeros, NaN/Inf."""
@@ -393,6 +480,7 @@ def stats(**values: Any) -> None:
 @main.command()
 @model_run_options
 @data_options
+@shard_options
 @grad_options
 @click.option("--flops", is_flag=True, help="Forward FLOPs per call, and forward/backward totals.")
 @click.option("--sort", type=click.Choice(values_of(GradSort)),
@@ -411,6 +499,7 @@ def grads(**values: Any) -> None:
 @main.command()
 @model_run_options
 @data_options
+@shard_options
 @grad_options
 @check_options
 @output_options
@@ -431,7 +520,8 @@ def check(**values: Any) -> None:
         ensure_writable(values["junit"])
     result = api.run_check(rules, steps=values["steps"], **run_fields(ctx, values))
     _emit(result, fmt=values["format"], output=values["output"])
-    publish(result, junit=values["junit"], github=values["github"])
+    if torchrun_rank() == 0:  # under torchrun: rank 0 writes the CI outputs
+        publish(result, junit=values["junit"], github=values["github"])
     if not result.ok:
         raise CheckFailedError(result.headline(), result=result) from result.cause
 
@@ -626,7 +716,7 @@ def report(log: str, stat: str, row_patterns: tuple[str, ...], html: str | None,
         check_matplotlib()
         ensure_writable(html)
     result = api.report(log, stat=stat, layers=row_patterns or None)
-    for note in result.notes:
+    for note in result.notes if torchrun_rank() == 0 else ():
         click.echo(f"note: {note}", err=True)
     _emit(result, fmt=values["format"], output=values["output"])
     if html is not None:

@@ -20,7 +20,7 @@ from click.core import ParameterSource
 
 from hookcli.errors import ConfigError, OutputError
 from hookcli.options import (
-    MAX_FMAP_SCALE, MAX_SEED, Fill, Loss, OutputFormat, ParamScope, option_flags, option_help, parse_model_args,
+    MAX_FMAP_SCALE, MAX_SEED, Fill, Loss, OutputFormat, ParamScope, Shard, option_flags, option_help, parse_model_args,
     values_of,
 )
 
@@ -213,6 +213,11 @@ data_options = _compose(
                  help=option_help("batches")),
 )
 """A data set run in batches (stats, grads, check); ``--batch-size`` sets images or rows per batch."""
+
+shard_options = _compose(
+    click.option("--shard", type=_choice(Shard), help=option_help("shard")),
+)
+"""Under torchrun, the model sharded over the ranks (stats, grads, check)."""
 
 model_run_options = _compose(model_options, input_options, selection_options, run_options)
 """The model, its input, the modules to hook and how it runs: what every command that runs a model takes."""

@@ -21,7 +21,7 @@ from torch import nn
 from hookcli.errors import HookcliError, UnsupportedError, UsageError
 from hookcli.engine.model_index import ModelIndex
 from hookcli.engine.session import HookOptions, RunObserver
-from hookcli.options import GradSort, Loss, RunOptions, output_key_path, values_of
+from hookcli.options import GradSort, Loss, RunOptions, Shard, output_key_path, values_of
 from hookcli.records import ParamRecord, Report
 from hookcli.engine.stats import gradient_stats, iter_tensors, shape_of
 
@@ -355,6 +355,16 @@ def _refuse_inference_tensors(index: ModelIndex) -> None:
             "stats and shapes work on it as it is")
 
 
+def refuse_sharded_check(prep: Any, command: str) -> None:
+    """UnsupportedError for ``check --shard fsdp2|tp``: some of check's rules (the copies it trains or
+    probes, parameter norms) work on the model each rank holds, a part of a sharded one (ddp's are whole copies)."""
+    if command == "check" and prep.options.shard in (Shard.fsdp2, Shard.tp):
+        raise UnsupportedError(f"check --shard {prep.options.shard} is not supported: some of check's rules work on the "
+                               "model each rank holds, and each rank holds only part of a sharded model",
+                               hint="check with --shard ddp, or run stats / grads --shard "
+                                    f"{prep.options.shard} for the model's numbers")
+
+
 def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
                     observer: RunObserver | None = None) -> Report:
     """Forward with gradients, build the loss, backward once; report output and parameter gradients.
@@ -370,6 +380,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
     from hookcli.engine.run import require_values
     from hookcli.engine.loading import refuse_torchscript
 
+    refuse_sharded_check(prep, command)
     if prep.data is not None and command == "grads" and observer is None:
         return data_backward_report(prep, command)
     require_values(prep, command)
@@ -381,7 +392,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import new_report, raise_failure, run_step, running
+    from hookcli.engine.run import global_rows, new_report, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` and ``check`` are over every rank's batch (docs/distributed.md)
@@ -415,7 +426,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
             _over_ranks(prep, run, scope, tp)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
         raise no_gradients(prep)
-    report.layers = run.layers
+    report.layers = global_rows(prep, run.layers)
     if run.unreached and run.loss is not None:
         reaches = reached_from(run.loss[1], {id(p) for p in run.unreached.values()})
         for record in run.params:
@@ -480,8 +491,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, new_report, raise_failure, ranked_records,
-                                    require_values, run_step, running)
+    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, raise_failure,
+                                    ranked_records, require_values, run_step, running)
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -489,6 +500,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if given:
         raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
                          hint="leave them out, or run one batch with --input / --input-shape")
+    refuse_sharded_check(prep, command)
     require_values(prep, command)
     refuse_torchscript(prep.loaded.model, prep.selection)
     _refuse_inference_tensors(prep.index)
@@ -539,7 +551,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                          for name, p in reported] if opts.params != "none" else None
     if not ranks:
         report.layers = rows.records()
-    data_source(prep, report, rows)
+    report.layers = global_rows(prep, report.layers)
+    data_source(prep, report, rows, done=True)
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:

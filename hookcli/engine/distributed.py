@@ -107,6 +107,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if ddp is not None and isinstance(model, ddp) else model  # type: ignore[return-value]
 
 
+def type_name(module: nn.Module) -> str:
+    """The module's class name as the user wrote it: FSDP2's ``fully_shard`` swaps a module's class
+    for a subclass ``FSDP<Name>`` of ``(FSDPModule, <Name>)``; that is reported (and ``--types``
+    matched) as ``<Name>``, as in a one-process run."""
+    cls = type(module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    base = getattr(fsdp, "FSDPModule", None)
+    if base is not None and isinstance(module, base) and len(cls.__bases__) == 2 and cls.__bases__[0] is base:
+        return cls.__bases__[1].__name__
+    return cls.__name__
+
+
 def _dtensor_type() -> type | None:
     """torch's DTensor class, or None while nothing has imported ``torch.distributed.tensor``: a tensor
     can only be a DTensor once its module is loaded, and importing it for a check would cost every run

@@ -27,13 +27,13 @@ from hookcli.errors import (
     INTERRUPTS, HookcliError, InputError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
-from hookcli.engine import distributed
+from hookcli.engine import distributed, sharding
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
-from hookcli.options import RunOptions, model_is_instance
+from hookcli.options import RunOptions, Shard, model_is_instance
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, map_tensors, shape_of
 from hookcli.records import (
     LayerRecord,
@@ -122,6 +122,8 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
             data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
                              trust_pickle=opts.trust_pickle)
         inputs = data.first
+        if opts.shard is not None:  # each rank its part of every batch
+            data = dataclasses.replace(data, rest=(sharding.rank_slice(b, opts.shard) for b in data.rest))
     else:
         batch = opts.batch_size if opts.batch_size is not None else (default_batch if not opts.specs else None)
         train_batch = opts.train and batch is None and not opts.specs and not opts.inputs
@@ -134,6 +136,10 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
+    if opts.shard is not None:
+        inputs = sharding.rank_slice(inputs, opts.shard)
+        if data is not None:
+            data = dataclasses.replace(data, first=inputs)
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
     return Prepared(opts, loaded, inputs, selection, info, index, data)
 
@@ -167,11 +173,21 @@ def load(opts: RunOptions, *, meta: bool = False) -> LoadedModel:
     """
     if model_is_instance(opts.model):
         return from_instance(opts.model)
-    with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed), quiet():
-        with torch.device("meta") if meta else nullcontext():
-            return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
-                              trust_pickle=opts.trust_pickle, own_code=opts.model_roots,
-                              trust_remote_code=opts.trust_remote_code)
+
+    def build(on_meta: bool) -> LoadedModel:
+        with progress.phase(f"building {opts.model}"), seeded_rng(opts.seed), quiet():
+            with torch.device("meta") if on_meta else nullcontext():
+                return load_model(str(opts.model), model_args=dict(opts.model_args), weights=opts.weights,
+                                  trust_pickle=opts.trust_pickle, own_code=opts.model_roots,
+                                  trust_remote_code=opts.trust_remote_code)
+
+    if opts.shard is not None and not meta:  # under torchrun: built on meta, sharded, filled from rank 0
+        if distributed.process_group() is None:
+            raise UsageError(f"--shard {opts.shard} needs the process group of two or more torchrun ranks",
+                             hint="torchrun --nproc-per-node N (N >= 2) -m hookcli ...; from Python, call "
+                                  "torch.distributed.init_process_group() first")
+        return sharding.load_sharded(Shard(opts.shard), opts.device, build)
+    return build(meta)
 
 
 def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] | None = None, *,
@@ -185,7 +201,7 @@ def model_info(loaded: LoadedModel, source: str, model_args: Mapping[str, Any] |
     return ModelInfo(
         spec=loaded.spec,
         source="python" if loaded.kind == "instance" else source,
-        class_name=type(model).__name__,
+        class_name=distributed.type_name(model),
         params=sum(p.numel() for p in params),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -324,7 +340,7 @@ def new_report(prep: Prepared, command: str) -> Report:
         if opts.dtype and info.dtype.startswith(("float", "bfloat")) else info
         for info in prep.inputs.infos
     ]
-    return Report(
+    report = Report(
         command=command,
         model=prep.info,
         inputs=inputs,
@@ -332,6 +348,27 @@ def new_report(prep: Prepared, command: str) -> Report:
         mode="train" if opts.train else "eval",
         version=__version__,
     )
+    if opts.shard is not None:
+        report.notes.append(f"the model was sharded over {distributed.world_size()} ranks (--shard {opts.shard}, "
+                            "torchrun): the report is that of one process over the whole batch")
+    return report
+
+
+def global_rows(prep: Prepared, layers: list[LayerRecord]) -> list[LayerRecord]:
+    """Rows of a ``--shard ddp|fsdp2`` run with the shapes one process over the whole batch shows (a
+    leading dimension of this rank's slice size is the batch's: ``sharding.global_shape``); others as
+    they are."""
+    if prep.options.shard not in (Shard.ddp, Shard.fsdp2) or not prep.inputs.infos:
+        return layers
+    shape = prep.inputs.infos[0].shape
+    whole, local = (shape[0] if shape else None), batch_size_of(prep.inputs)
+    if whole is None:
+        return layers
+    return [dataclasses.replace(
+        rec, shape=sharding.global_shape(rec.shape, local, whole),
+        input_shapes=[sharding.global_shape(s, local, whole) if isinstance(s, list) and all(isinstance(d, int) for d in s)
+                      else s for s in rec.input_shapes] if rec.input_shapes is not None else None)
+        for rec in layers]
 
 
 #: The loss a gradient run differentiates: (model output, args, kwargs, model) -> (the scalar loss, what
@@ -626,6 +663,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
         report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
         report.notes.append(distributed.ranks_note(tp))
+    report.layers = global_rows(prep, report.layers)
     if run.flops is not None:
         report.flops = run.flops
     if run.failure is not None:
@@ -660,11 +698,16 @@ def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
         yield index, batch, *place_inputs(prep, batch)
 
 
-def data_source(prep: Prepared, report: Report, rows: MergedRows) -> None:
+def data_source(prep: Prepared, report: Report, rows: MergedRows, *, done: bool = False) -> None:
     """Say in ``report`` where the batches came from and how many batches and samples were seen:
-    each input row's source (its shape and dtype are the first batch's), and the merged rows' notes."""
+    each input row's source (its shape and dtype are the first batch's), and the merged rows' notes.
+    ``done``: every batch ran on every rank; under ``--shard ddp|fsdp2`` the samples are then counted
+    over the ranks' slices (one collective, which a failed run must not wait in)."""
     assert prep.data is not None
-    seen = f"{prep.data.label}, {batches_text(rows.batches)}, {rows.samples} samples"
+    samples = rows.samples
+    if done and prep.options.shard in (Shard.ddp, Shard.fsdp2):
+        samples = round(distributed.rank_mean(float(samples)) * distributed.world_size())
+    seen = f"{prep.data.label}, {batches_text(rows.batches)}, {samples} samples"
     report.inputs = [dataclasses.replace(info, source=seen) for info in report.inputs]
     report.notes += rows.notes
 
@@ -691,8 +734,8 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             advance(1)
-    report.layers = rows.records(ranks=ranks, tp=tp)
-    data_source(prep, report, rows)
+    report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
+    data_source(prep, report, rows, done=True)
     if ranks:
         report.notes.append(distributed.ranks_note(tp))
     return report

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from hookcli.engine.distributed import type_name as class_name  # FSDP2's FSDPLinear is a Linear
 from hookcli.errors import LayerNotFoundError, UsageError, close_matches
 from hookcli.options import split_patterns  # torch-free, for hookcli report too
 
@@ -77,7 +78,7 @@ def select_modules(
             roots = chosen_set
             selected = [
                 n for n in names
-                if type(by_name[n]).__name__ in type_names and any(_within(n, r) for r in roots)
+                if class_name(by_name[n]) in type_names and any(_within(n, r) for r in roots)
             ]
             if not selected:
                 raise LayerNotFoundError(
@@ -88,7 +89,7 @@ def select_modules(
             selected = [n for n in names if n in chosen_set]
     elif type_names:
         _check_types(type_names, named)
-        selected = [n for n, m in named if n and type(m).__name__ in type_names]
+        selected = [n for n, m in named if n and class_name(m) in type_names]
         if not selected:  # only the root has that type
             selected = [""]
     elif all_modules:
@@ -108,7 +109,7 @@ def _within(name: str, root: str) -> bool:
 
 
 def _check_types(type_names: list[str], named: list[tuple[str, nn.Module]]) -> None:
-    present = sorted({type(m).__name__ for _, m in named})
+    present = sorted({class_name(m) for _, m in named})
     for type_name in type_names:
         if type_name not in present:
             matches = close_matches(type_name, present)

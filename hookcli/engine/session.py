@@ -270,7 +270,7 @@ class HookSession:
         self._counts[name] = index + 1
         type_name = type_name_cache.get(name)
         if type_name is None:
-            type_name = type_name_cache[name] = type(module).__name__
+            type_name = type_name_cache[name] = distributed.type_name(module)
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not args[0].is_nested:
             inputs = [("[0]", args[0])]  # the common case, without the generic walk
             input_shapes: list[list[int] | None] = [list(args[0].shape)]
@@ -444,7 +444,7 @@ class HookSession:
         for name, module in self.selection:
             if name not in called:
                 records.append(LayerRecord(
-                    name=name, call=0, type=type(module).__name__, called=False,
+                    name=name, call=0, type=distributed.type_name(module), called=False,
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
                     container=is_container(module),
                 ))

@@ -1,0 +1,196 @@
+"""The command line under ``torchrun``: its process group, and ``--shard ddp|fsdp2|tp`` (docs/distributed.md).
+
+``process_group`` initialises the default process group from torchrun's environment for one command
+(gloo on CPU, nccl with ``--device cuda``, each rank on ``cuda:LOCAL_RANK``) and destroys it after,
+also when the command raises. ``load_sharded`` builds a model the way a one-process run builds it, but
+sharded: every rank builds it on the meta device (no memory), shards it, allocates its own part and
+fills it from rank 0, which alone builds the full model on the host with the model's own seeded
+initialisation (``set_model_state_dict(..., broadcast_from_rank0=True)``; every buffer, persistent or
+not, broadcast from rank 0): the weights are exactly those of ``hookcli stats MODEL``, and device
+memory holds each rank's part only (rank 0's host holds one full copy while it is sent).
+``rank_slice`` gives each data-parallel rank its part of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from hookcli.engine.input_types import ModelInputs
+from hookcli.engine.loading import LoadedModel
+from hookcli.errors import UnsupportedError, UsageError
+from hookcli.options import Shard, torchrun_env
+
+#: How long a rank waits for the others in one collective before it gives up (a rank that died or
+#: never came: the others must not hang for torch's default half hour).
+TIMEOUT = timedelta(minutes=5)
+
+
+@contextlib.contextmanager
+def process_group(device: str | None) -> Iterator[bool]:
+    """The default process group for one command under torchrun (yields True), nothing otherwise
+    (False), or when the caller initialised one already (True: it stays theirs). Destroyed after,
+    also when the block raises."""
+    dist = torch.distributed
+    if not torchrun_env() or not dist.is_available():
+        yield False
+        return
+    if dist.is_initialized():
+        yield True
+        return
+    try:
+        cuda = device is not None and torch.device(device).type == "cuda"
+    except (RuntimeError, ValueError):
+        cuda = False  # not a device: the run's options say so (UsageError), on every rank
+    if cuda:
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            raise UsageError(f"--device {device} under torchrun: this is local rank {local}, and there are "
+                             f"{count} CUDA device(s) here", hint="torchrun --nproc-per-node at most the number of "
+                                                                  "GPUs, or --device cpu")
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    try:
+        yield True
+    finally:
+        _wait_and_destroy()
+
+
+def _wait_and_destroy() -> None:
+    """Destroy the default process group once every collective it started has finished: a collective
+    still in flight when the group goes (the backward of a tensor-parallel layer leaves one, gloo runs
+    it on its own thread) aborts the process as it exits. gloo's barrier waits for them."""
+    dist = torch.distributed
+    try:
+        dist.barrier()
+    except RuntimeError:  # a rank that is gone: nothing is left to wait for
+        pass
+    dist.destroy_process_group()
+
+
+def agree(code: int, own: bool) -> tuple[int, bool]:
+    """The exit code every rank of the default process group exits with, and whether rank 0 failed
+    with an error of its own, from each rank's ``code`` (``own``: an error of this rank's own, not
+    ``RanksFailed``, the echo of another rank's): the highest code of an error of a rank's own, else
+    the highest code (one ``all_reduce`` MAX of three numbers). Without a process group, as given."""
+    from hookcli.engine import distributed
+
+    group = distributed.process_group()
+    if group is None:
+        return code, own
+    rank = torch.distributed.get_rank(group)
+    device = distributed.StepReduction(group).device
+    codes = torch.tensor([code if own else 0, code, code if own and rank == 0 else 0], dtype=torch.int64,
+                         device=device)
+    torch.distributed.all_reduce(codes, op=torch.distributed.ReduceOp.MAX, group=group)
+    first, anyone, rank0 = (int(v) for v in codes.tolist())
+    return (first or anyone), rank0 != 0
+
+
+def _device(device: str | None) -> torch.device:
+    """Where this rank's part of the model lives: ``--device`` (cuda: this rank's GPU), else the CPU."""
+    target = torch.device(device or "cpu")
+    if target.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return target
+
+
+def _fsdp2(model: nn.Module, mesh: object) -> None:
+    """``fully_shard`` every module that owns parameters directly, innermost first, then the root: each
+    module's parameters are gathered only while it runs (FSDP2's usual per-layer wrapping)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in reversed(list(model.modules())):
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def tp_plan(model: nn.Module, world: int) -> dict[str, object]:
+    """A tensor-parallel plan right for any model: every ``nn.Linear`` whose ``out_features`` the world
+    size divides, column-wise, its output gathered back (``Replicate``): each module's output is the
+    one-process output, whatever comes after it. UnsupportedError when no Linear can be split."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    plan: dict[str, object] = {name: ColwiseParallel(output_layouts=Replicate()) for name, m in model.named_modules()
+                               if name and isinstance(m, nn.Linear) and m.out_features % world == 0}
+    if not plan:
+        raise UnsupportedError(f"--shard tp: the model has no nn.Linear whose out_features divides by {world} ranks",
+                               hint="shard it with --shard fsdp2 or --shard ddp, or run on a world size that "
+                                    "divides its Linear layers' widths")
+    return plan
+
+
+def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], LoadedModel]) -> LoadedModel:
+    """The model ``build`` makes (``build(meta)``: on the meta device or, seeded, on the host), sharded
+    over the default process group's ranks as ``shard`` says, with rank 0's initialisation (see the
+    module). The model handed back is the one whose modules are hooked: under DDP the module it wraps
+    (names as in one process)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist = torch.distributed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = build(False) if rank == 0 else None
+    loaded = build(True)
+    model = loaded.model
+    target = _device(device)
+    if shard == Shard.fsdp2:
+        _fsdp2(model, init_device_mesh(target.type, (world,)))
+    elif shard == Shard.tp:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, init_device_mesh(target.type, (world,)), tp_plan(model, world))  # type: ignore[arg-type]
+    model.to_empty(device=target)
+    state = full.model.state_dict() if full is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    sources = dict(full.model.named_buffers()) if full is not None else {}
+    with torch.no_grad():  # every buffer, persistent or not (a state dict leaves the latter out)
+        for name, buffer in model.named_buffers():
+            if rank == 0:
+                buffer.copy_(sources[name])
+            dist.broadcast(buffer, src=0)
+    del full, state, sources
+    if shard == Shard.ddp:
+        # DDP checks that every rank holds the same parameter shapes and broadcasts rank 0's states; the run
+        # calls the module it wraps (its forward is that module's; hookcli averages gradients as DDP does)
+        nn.parallel.DistributedDataParallel(model)
+    return loaded
+
+
+def rank_slice(inputs: ModelInputs, shard: Shard | None) -> ModelInputs:
+    """This rank's part of the global batch: under ddp/fsdp2 every tensor split along its first
+    dimension into world-size consecutive slices (``torch.tensor_split``: uneven ones differ by one
+    sample, a rank past the batch gets an empty slice); under tp, or unsharded, the whole batch. The
+    input rows (``infos``) stay the global batch's."""
+    if shard not in (Shard.ddp, Shard.fsdp2):
+        return inputs
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def part(value: object) -> object:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return torch.tensor_split(value, world)[rank]
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            keep = torch.tensor_split(torch.arange(len(value)), world)[rank].tolist()
+            return type(value)(value[i] for i in keep)  # a list of images (detection models)
+        return value
+
+    return ModelInputs(tuple(part(v) for v in inputs.args), {k: part(v) for k, v in inputs.kwargs.items()},
+                       inputs.infos)
+
+
+def global_shape(shape: list[int] | None, local: int, whole: int) -> list[int] | None:
+    """A row's shape as one process over the whole batch shows it: a leading dimension of this
+    rank's slice size (``local``) is the batch's (``whole``)."""
+    if shape and local != whole and shape[0] == local:
+        return [whole, *shape[1:]]
+    return shape
+
+
+__all__ = ["TIMEOUT", "agree", "global_shape", "load_sharded", "process_group", "rank_slice", "tp_plan"]

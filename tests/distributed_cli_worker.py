@@ -1,0 +1,37 @@
+"""Run under torchrun by tests/test_distributed_cli.py: build ``sharded_models.py:build`` the way
+``hookcli stats MODEL --shard KIND`` does, for each KIND, and save every parameter (gathered: a test
+may) and buffer as the ranks hold them, to compare with a one-process build."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hookcli.engine.run import load
+from hookcli.options import RunOptions
+
+MODEL = str(Path(__file__).with_name("sharded_models.py")) + ":build"
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for kind in ("ddp", "fsdp2", "tp"):
+        model = load(RunOptions(model=MODEL, shard=kind).validate()).model
+        whole = {}
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            gathered = [torch.empty_like(full) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, full.detach().contiguous())
+            whole[name] = torch.stack(gathered)  # every rank's copy: they must all be equal
+        if rank == 0:
+            torch.save(whole, out / f"{kind}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,57 @@
+"""Tiny models for tests/test_distributed_cli.py (``tests/sharded_models.py:NAME`` as a hookcli MODEL)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear -> Tanh -> Linear with a random persistent buffer and a
+    random non-persistent one (a state dict leaves it out), both used in forward; BatchNorm's running
+    statistics drawn at random too, so materialising from rank 0 must carry every buffer. Widths 10, 5
+    and 3 split unevenly over 2 ranks (FSDP2 shards dim 0: 5 rows as 3 + 2, 3 as 2 + 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.bn = nn.BatchNorm1d(10)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(10, 5)
+        self.tanh = nn.Tanh()
+        self.head = nn.Linear(5, 3)
+        self.register_buffer("shift", torch.randn(10))
+        self.register_buffer("scale", torch.rand(5) + 0.5, persistent=False)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tanh(self.fc2(self.act(self.bn(self.fc1(x)) + self.shift)) * self.scale))
+
+
+def build() -> nn.Module:
+    return Net()
+
+
+class Picky(nn.Module):
+    """Raises when it gets fewer than 3 samples: under ``--shard ddp`` on 2 ranks with a batch of 5,
+    rank 1 (2 samples) fails and rank 0 (3) does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < 3:
+            raise ValueError(f"picky: needs 3 samples, got {x.shape[0]}")
+        return self.fc(x)
+
+
+def picky() -> nn.Module:
+    return Picky()
+
+
+def no_linear() -> nn.Module:
+    """Nothing tensor parallelism could split (``--shard tp`` refuses it)."""
+    return nn.Sequential(nn.Conv1d(2, 3, 1), nn.ReLU())
