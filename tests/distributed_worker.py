@@ -99,6 +99,7 @@ def main(mode: str, out: Path) -> None:
         train(mode, out, 0)
     if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
         dead_units(out)
+        accelerator_path(out / "accelerator")
     if mode == "tp":
         sequence_parallel(out)
     if mode == "faults":
@@ -106,6 +107,26 @@ def main(mode: str, out: Path) -> None:
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+
+
+def accelerator_path(out: Path) -> None:
+    """The ddp run again with every statistic taken as on an accelerator (``Reducer._reduce_accelerator``:
+    vectors as tensors, ``SCALE`` included, read by ``to_host``), here on CPU tensors: the ranks must pack
+    the same slots as on the host path (on a GPU they did not: one more value per replicated row on
+    rank 0, and gloo aborted)."""
+    import os
+
+    from hookcli.engine.kernel import NO_KERNEL_ENV
+    from hookcli.engine.stats import Reducer
+
+    out.mkdir(exist_ok=True)
+    host_path, os.environ[NO_KERNEL_ENV] = Reducer._reduce_host, "1"
+    Reducer._reduce_host = lambda self, x, zeros: self._reduce_accelerator(x, zeros)  # type: ignore[method-assign]
+    try:
+        train("ddp", out, 0)
+    finally:
+        Reducer._reduce_host = host_path  # type: ignore[method-assign]
+        del os.environ[NO_KERNEL_ENV]
 
 
 def stats(out: Path) -> None:

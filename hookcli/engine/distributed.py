@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, device_float, histogram,
-                                  reduce_tensor, to_host,
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, SCALE, Moments, Vector, as_moments, device_float,
+                                  histogram, reduce_tensor, to_host,
                                   watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep
@@ -216,7 +216,14 @@ class Plan:
 
     def add(self, kind: str, row: Sequence[float] | None) -> None:
         self.kinds.append(kind)
-        self.rows.append(row)
+        self.rows.append(host_row(row))
+
+
+def host_row(row: Sequence[float] | None) -> Sequence[float] | None:
+    """A statistics row in host ``Moments`` form: ``to_host``'s copy of an accelerator's vector carries
+    ``SCALE`` (one value more, its moments in units of it), a host row does not; every rank must pack
+    the same number of values for a slot whatever its device. Other rows (norms) as they are."""
+    return list(as_moments(row)) if row is not None and len(row) == SCALE + 1 else row
 
 
 @dataclass
