@@ -243,7 +243,8 @@ def _all_option_names() -> set[str]:
 
 # Flags the docs name that are not parameters: --help (Click's), and other tools' flags.
 OTHER_TOOLS_FLAGS = {"--help", "--index-url", "--update-docs", "--upgrade", "--quiet", "--disable-pip-version-check",
-                     "--fix"}  # (ruff check --fix)
+                     "--fix",  # (ruff check --fix)
+                     "--nproc-per-node"}  # (torchrun's)
 
 
 def test_every_flag_named_in_the_docs_exists() -> None:
