@@ -58,6 +58,15 @@ def torchrun(mode: str, out: Path, world: int = WORLD) -> list[dict[str, Any]] |
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def outputs_of(net: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each module's output of ``net`` (a Sequential) on ``x``, in plain torch."""
+    outputs = []
+    for module in net:
+        x = module(x)
+        outputs.append(x)
+    return outputs
+
+
 def torch_stats(t: torch.Tensor) -> dict[str, float]:
     """What the log says of a tensor, computed by torch over the whole tensor (float64)."""
     t = t.detach().double()
@@ -76,10 +85,8 @@ def reference(hidden: int = 5) -> list[dict[str, Any]]:
     steps = []
     for step in range(worker.STEPS):
         x, y = worker.batch(step)
-        outputs, h = [], x
-        for module in net:
-            h = module(h)
-            outputs.append(h)
+        outputs = outputs_of(net, x)
+        h = outputs[-1]
         losses = [nn.functional.mse_loss(h[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
                   for r in range(WORLD)]
         out_grads = torch.autograd.grad(sum(losses), outputs, retain_graph=True)
@@ -88,15 +95,23 @@ def reference(hidden: int = 5) -> list[dict[str, Any]]:
                   "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
                   "channels": {str(i): torch_channels(o) for i, o in enumerate(outputs)},
                   "params": {}, "tensors": {}}
-        with torch.no_grad():
-            for (name, p), g in zip(params.items(), grads):
-                before = p.detach().clone()
-                p -= worker.LR * g
-                record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
-                                          torch.linalg.vector_norm((before - p).double()).item())
-                record["tensors"][name] = (before, g)
+        sgd_step(params, grads, record)
         steps.append(record)
     return steps
+
+
+def sgd_step(params: dict[str, nn.Parameter], grads: Any, record: dict[str, Any]) -> None:
+    """The worker's SGD step in plain torch, in place; each parameter's norm before it, its gradient's
+    statistics and its update's norm into ``record["params"]`` (and the tensors into ``record["tensors"]``
+    where the record has that key)."""
+    with torch.no_grad():
+        for (name, p), g in zip(params.items(), grads):
+            before = p.detach().clone()
+            p -= worker.LR * g
+            record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
+                                      torch.linalg.vector_norm((before - p).double()).item())
+            if "tensors" in record:
+                record["tensors"][name] = (before, g)
 
 
 def torch_channels(t: torch.Tensor) -> tuple[list[float], int]:
@@ -282,22 +297,15 @@ def sp_reference() -> list[dict[str, Any]]:
     steps = []
     for step in range(worker.STEPS):
         x, y = worker.sp_batch(step)
-        outputs, h = [], x
-        for module in net:
-            h = module(h)
-            outputs.append(h)
+        outputs = outputs_of(net, x)
+        h = outputs[-1]
         loss = nn.functional.mse_loss(h, y)
         out_grads = torch.autograd.grad(loss, outputs, retain_graph=True)
         grads = torch.autograd.grad(loss, list(params.values()))
         record = {"loss": loss.item(), "params": {},
                   "layers": {str(i): (torch_stats(o), torch_stats(g)) for i, (o, g) in enumerate(zip(outputs, out_grads))},
                   "channels": {str(i): torch_channels(o) for i, o in enumerate(outputs)}}
-        with torch.no_grad():
-            for (name, p), g in zip(params.items(), grads):
-                before = p.detach().clone()
-                p -= worker.LR * g
-                record["params"][name] = (torch.linalg.vector_norm(before.double()).item(), torch_stats(g),
-                                          torch.linalg.vector_norm((before - p).double()).item())
+        sgd_step(params, grads, record)
         steps.append(record)
     return steps
 
