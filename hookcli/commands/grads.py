@@ -464,7 +464,7 @@ def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: 
 
     rows = MergedRows()
     rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
+    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
     if run.failure is not None:
         return
     over = distributed.param_rows(scope, run.gradients or {}, tp)
@@ -527,7 +527,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
+                report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
+                                 else rows.records())
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             if not run.reached:

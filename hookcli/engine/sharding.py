@@ -65,7 +65,11 @@ def _wait_and_destroy() -> None:
     """Destroy the default process group once every collective it started has finished: a collective
     still in flight when the group goes (the backward of a tensor-parallel layer leaves one, gloo runs
     it on its own thread) aborts the process as it exits. gloo's barrier waits for them."""
+    from hookcli.engine import distributed
+
     dist = torch.distributed
+    if distributed.deserted():  # the others may wait in the model's collective: a barrier would never end
+        return
     try:
         dist.barrier()
     except RuntimeError:  # a rank that is gone: nothing is left to wait for
@@ -81,8 +85,8 @@ def agree(code: int, own: bool) -> tuple[int, bool]:
     from hookcli.engine import distributed
 
     group = distributed.process_group()
-    if group is None:
-        return code, own
+    if group is None:  # a rank that deserted the group knows nothing of the others: it says its own error
+        return code, own and not distributed.deserted()
     rank = torch.distributed.get_rank(group)
     device = distributed.StepReduction(group).device
     codes = torch.tensor([code if own else 0, code, code if own and rank == 0 else 0], dtype=torch.int64,
