@@ -145,7 +145,7 @@ def test_sharded_tp_grads_equal_one_process(cli: Any, tmp_path: Path) -> None:
 def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     """Every parameter and buffer (BatchNorm's running statistics, a non-persistent buffer) of the model
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
-    the same seed, exactly."""
+    the same seed, exactly; tied weights stay tied (ddp) or are refused (fsdp2, tp)."""
     done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
@@ -157,6 +157,15 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
         for name, want in expected.items():
             for rank in range(WORLD):
                 assert torch.equal(got[name][rank], want.detach()), (kind, name, rank)
+    # tied weights (an embedding and its output head): ddp keeps them one parameter, whose gradient is
+    # that of both uses (plain torch's); fsdp2 and tp, whose plans would untie them, refuse (exit 2)
+    tied = json.loads((tmp_path / "tied.json").read_text())
+    torch.manual_seed(0)
+    net = sharded_models.tied()
+    (grad,) = torch.autograd.grad(net(torch.tensor([[1, 2, 3, 4], [5, 6, 0, 1]])).square().mean(), [net.emb.weight])
+    assert tied["ddp"]["same"] and tied["ddp"]["params"] == 1
+    assert torch.allclose(torch.tensor(tied["ddp"]["grad"]), grad, rtol=REL, atol=0)
+    assert tied["fsdp2"] == tied["tp"] == ["UnsupportedError", 2]
 
 
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
