@@ -4,6 +4,7 @@ may) and buffer as the ranks hold them, to compare with a one-process build."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,9 +12,13 @@ import torch
 import torch.distributed as dist
 
 from hookcli.engine.run import load
+from hookcli.errors import HookcliError
 from hookcli.options import RunOptions
 
 MODEL = str(Path(__file__).with_name("sharded_models.py")) + ":build"
+TIED = str(Path(__file__).with_name("sharded_models.py")) + ":tied"
+#: The tied model's input: token ids (the same on every rank).
+TOKENS = [[1, 2, 3, 4], [5, 6, 0, 1]]
 
 
 def main(out: Path) -> None:
@@ -30,6 +35,18 @@ def main(out: Path) -> None:
         if rank == 0:
             torch.save(whole, out / f"{kind}.pt")
         dist.barrier()
+    tied: dict[str, object] = {}
+    for kind in ("ddp", "fsdp2", "tp"):  # ddp keeps the tie; the others refuse it, on every rank alike
+        try:
+            model = load(RunOptions(model=TIED, shard=kind).validate()).model
+        except HookcliError as exc:
+            tied[kind] = [type(exc).__name__, exc.exit_code]
+            continue
+        model(torch.tensor(TOKENS)).square().mean().backward()
+        tied[kind] = {"same": model.head.weight is model.emb.weight, "params": len(list(model.parameters())),
+                      "grad": model.emb.weight.grad.tolist()}
+    if rank == 0:
+        (out / "tied.json").write_text(json.dumps(tied))
     dist.destroy_process_group()
 
 

@@ -55,3 +55,20 @@ def picky() -> nn.Module:
 def no_linear() -> nn.Module:
     """Nothing tensor parallelism could split (``--shard tp`` refuses it)."""
     return nn.Sequential(nn.Conv1d(2, 3, 1), nn.ReLU())
+
+
+class Tied(nn.Module):
+    """A language model's embedding tied to its output head (as ``hf:gpt2``'s wte and lm_head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def tied() -> nn.Module:
+    return Tied()

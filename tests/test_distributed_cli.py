@@ -3,8 +3,8 @@ torchrun"): each sharded run's JSON report against a one-process CliRunner run o
 the layers' numbers against plain torch, the materialised weights against a one-process build, and
 the errors (one exit code on every rank, no report, one message).
 
-Six torchrun launches of 2 ranks (gloo, CPU): one of tests/distributed_cli_worker.py (the weights of
-all three kinds) and five of ``python -m hookcli``.
+Eight torchrun launches of 2 ranks (gloo, CPU): one of tests/distributed_cli_worker.py (the weights of
+all three kinds) and seven of ``python -m hookcli``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_sharded_tp_grads_equal_one_process(cli: Any, tmp_path: Path) -> None:
 def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     """Every parameter and buffer (BatchNorm's running statistics, a non-persistent buffer) of the model
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
-    the same seed, exactly."""
+    the same seed, exactly; tied weights stay tied (ddp) or are refused (fsdp2, tp)."""
     done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
@@ -157,6 +157,15 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
         for name, want in expected.items():
             for rank in range(WORLD):
                 assert torch.equal(got[name][rank], want.detach()), (kind, name, rank)
+    # tied weights (an embedding and its output head): ddp keeps them one parameter, whose gradient is
+    # that of both uses (plain torch's); fsdp2 and tp, whose plans would untie them, refuse (exit 2)
+    tied = json.loads((tmp_path / "tied.json").read_text())
+    torch.manual_seed(0)
+    net = sharded_models.tied()
+    (grad,) = torch.autograd.grad(net(torch.tensor([[1, 2, 3, 4], [5, 6, 0, 1]])).square().mean(), [net.emb.weight])
+    assert tied["ddp"]["same"] and tied["ddp"]["params"] == 1
+    assert torch.allclose(torch.tensor(tied["ddp"]["grad"]), grad, rtol=REL, atol=0)
+    assert tied["fsdp2"] == tied["tp"] == ["UnsupportedError", 2]
 
 
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
@@ -174,6 +183,42 @@ def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
     assert str(Path(__file__).parents[1] / "hookcli") not in done.stderr  # no traceback through hookcli
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
     assert codes == {"0": "1", "1": "1"}, (codes, done.stderr[-3000:])  # torchrun's table of the ranks' exit codes
+
+
+def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
+    """``--shard fsdp2``: the model raising on rank 1 only (before its sharded Linear) leaves rank 0
+    waiting in FSDP2's all-gather of that Linear, a collective hookcli's would never match. Rank 1
+    enters none (no merge, no exit-code agreement, no barrier): it says its own error and exits 1, which
+    ends the run (torchrun stops rank 0, or rank 0's all-gather fails as rank 1's connection closes).
+    Before, every rank hung until the process group's timeout."""
+    done = launch(["-m", "hookcli", "grads", f"{MODELS}:picky", "--input-shape", f"{BATCH}x6", "--shard", "fsdp2",
+                   "-f", "json"], WORLD, timeout=150)
+    assert done.returncode == 1, done.stderr[-3000:]
+    # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial
+    assert done.stdout == "" or json.loads(done.stdout)["partial"] is True, done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    own = ("Error: rank 1: the model raised in forward at (model) (FSDPPicky) with input shape(s) 2x6: ValueError: "
+           "picky: needs 3 samples, got 2")
+    assert errors.count(own) == 1, errors
+    # rank 0: stopped by torchrun, or (when the machine is busy) first its all-gather fails as rank 1 goes
+    assert all(line.startswith("Error: rank 0: the model raised in forward at fc ") for line in errors if line != own)
+    assert str(Path(__file__).parents[1] / "hookcli") not in done.stderr  # no traceback through hookcli
+    codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
+    assert codes.get("1") == "1" and codes.get("0") in ("1", "143", "-15"), (codes, done.stderr[-3000:])
+
+
+def test_a_batch_that_leaves_a_rank_no_sample_is_refused_by_grads() -> None:
+    """``grads --shard ddp`` with a batch of 1 on 2 ranks: rank 1's slice is empty, its loss would raise
+    while rank 0 waits in a collective (before: every rank hung). Every rank refuses it before running:
+    exit 2, one message from rank 0 with its hint."""
+    done = launch(["-m", "hookcli", "grads", MODEL, "--input-shape", "1x6", "--shard", "ddp"], WORLD, timeout=150)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if line.startswith(("Error:", "  hint:"))]
+    assert len(lines) == 2 and lines[0].startswith("Error: rank 0: grads --shard ddp: a batch of 1 sample(s)"), lines
+    assert "empty slice" in lines[0] and lines[1].startswith("  hint:"), lines
+    codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
+    assert codes == {"0": "2", "1": "2"}, (codes, done.stderr[-3000:])
 
 
 def test_shard_outside_torchrun_and_bad_values_are_usage_errors(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -357,12 +357,21 @@ def _refuse_inference_tensors(index: ModelIndex) -> None:
 
 def refuse_sharded_check(prep: Any, command: str) -> None:
     """UnsupportedError for ``check --shard fsdp2|tp``: some of check's rules (the copies it trains or
-    probes, parameter norms) work on the model each rank holds, a part of a sharded one (ddp's are whole copies)."""
+    probes, parameter norms) work on the model each rank holds, a part of a sharded one (ddp's are whole copies).
+    UsageError under ``--shard ddp|fsdp2`` when the global batch leaves a rank an empty slice: its loss
+    would raise there while the others wait in the backward's collectives."""
     if command == "check" and prep.options.shard in (Shard.fsdp2, Shard.tp):
         raise UnsupportedError(f"check --shard {prep.options.shard} is not supported: some of check's rules work on the "
                                "model each rank holds, and each rank holds only part of a sharded model",
                                hint="check with --shard ddp, or run stats / grads --shard "
                                     f"{prep.options.shard} for the model's numbers")
+    if prep.options.shard in (Shard.ddp, Shard.fsdp2):
+        world = torch.distributed.get_world_size()
+        whole = next((info.shape[0] for info in prep.inputs.infos if info.shape), None)  # the global batch's
+        if whole is not None and whole < world:  # every rank decides alike: none is left waiting in a collective
+            raise UsageError(f"{command} --shard {prep.options.shard}: a batch of {whole} sample(s) leaves some of the "
+                             f"{world} ranks an empty slice, and a loss over no values has no gradient",
+                             hint=f"give a batch of at least {world} samples (one a rank), or run on fewer ranks")
 
 
 def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
@@ -464,7 +473,7 @@ def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: 
 
     rows = MergedRows()
     rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
+    run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
     if run.failure is not None:
         return
     over = distributed.param_rows(scope, run.gradients or {}, tp)
@@ -527,7 +536,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
+                report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
+                                 else rows.records())
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             if not run.reached:

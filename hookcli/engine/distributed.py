@@ -56,9 +56,14 @@ SUMMED = "summed"
 DESYNC_RTOL = 1e-9
 
 
+#: This rank left the process group's collectives for good (``desert``).
+_deserted = False
+
+
 def process_group() -> Any | None:
-    """The default process group when ``torch.distributed`` is initialised with more than one rank, else None."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """The default process group when ``torch.distributed`` is initialised with more than one rank, else
+    None (also once this rank has ``desert``-ed it)."""
+    if _deserted or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     if torch.distributed.get_world_size() < 2:
         return None
@@ -909,6 +914,31 @@ def uses_fsdp2(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def runs_collectives(model: nn.Module) -> bool:
+    """Whether ``model``'s own forward and backward run collectives (FSDP2 modules; DTensor parameters:
+    tensor parallelism), under a process group: a rank whose run of it failed may have left the others
+    waiting in one of them."""
+    if process_group() is None:
+        return False
+    dtensor = _dtensor_type()
+    return uses_fsdp2(model) or (dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()))
+
+
+def desert() -> None:
+    """This rank's run failed in a model that ``runs_collectives``: the other ranks may be waiting in one
+    of the model's collectives, which none of hookcli's would match (every rank would hang). From now on
+    this rank enters no collective (``process_group()`` is None; no barrier before the group goes) and
+    raises its own error; as its process ends, its connections close and the others' collective fails
+    (or torchrun stops them)."""
+    global _deserted
+    _deserted = True
+
+
+def deserted() -> bool:
+    """Whether this rank has ``desert``-ed the process group."""
+    return _deserted
 
 
 def fsdp2_gradients(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

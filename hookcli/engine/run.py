@@ -661,7 +661,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if ranks:
         rows = MergedRows()
         rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
-        report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp)
+        report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
         report.notes.append(distributed.ranks_note(tp))
     report.layers = global_rows(prep, report.layers)
     if run.flops is not None:
@@ -671,10 +671,16 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     return report
 
 
-def ranked_records(rows: MergedRows, *, failed: bool, tp: list[list[int]] | None = None) -> list[LayerRecord]:
+def ranked_records(rows: MergedRows, *, failed: bool, tp: list[list[int]] | None = None,
+                   model: nn.Module | None = None) -> list[LayerRecord]:
     """``rows`` merged over every rank (under ``torchrun``; ``tp``: the model's tensor-parallel groups,
     ``distributed.supported_tp_groups``). A rank whose run ``failed`` tells the others (they raise
-    ``RanksFailed``) and gets its own rows back, to raise its own failure."""
+    ``RanksFailed``) and gets its own rows back, to raise its own failure; when ``model`` runs
+    collectives of its own (FSDP2, TP) the others may wait in one of those instead: the failed rank
+    deserts the group (``distributed.desert``) and raises without a collective."""
+    if failed and model is not None and distributed.runs_collectives(model):
+        distributed.desert()
+        return rows.records()
     try:
         return rows.records(ranks=True, failed=failed, tp=tp)
     except RanksFailed:
@@ -730,7 +736,8 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
             run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
             if run.failure is not None:
-                report.layers = ranked_records(rows, failed=True, tp=tp) if ranks else rows.records()
+                report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
+                                 else rows.records())
                 data_source(prep, report, rows)
                 raise_failure(report, run.failure, run.cause, where=f"batch {index}")
             advance(1)

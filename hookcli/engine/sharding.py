@@ -65,7 +65,11 @@ def _wait_and_destroy() -> None:
     """Destroy the default process group once every collective it started has finished: a collective
     still in flight when the group goes (the backward of a tensor-parallel layer leaves one, gloo runs
     it on its own thread) aborts the process as it exits. gloo's barrier waits for them."""
+    from hookcli.engine import distributed
+
     dist = torch.distributed
+    if distributed.deserted():  # the others may wait in the model's collective: a barrier would never end
+        return
     try:
         dist.barrier()
     except RuntimeError:  # a rank that is gone: nothing is left to wait for
@@ -81,8 +85,8 @@ def agree(code: int, own: bool) -> tuple[int, bool]:
     from hookcli.engine import distributed
 
     group = distributed.process_group()
-    if group is None:
-        return code, own
+    if group is None:  # a rank that deserted the group knows nothing of the others: it says its own error
+        return code, own and not distributed.deserted()
     rank = torch.distributed.get_rank(group)
     device = distributed.StepReduction(group).device
     codes = torch.tensor([code if own else 0, code, code if own and rank == 0 else 0], dtype=torch.int64,
@@ -109,6 +113,29 @@ def _fsdp2(model: nn.Module, mesh: object) -> None:
         if module is not model and any(True for _ in module.parameters(recurse=False)):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def _ties(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """The parameters ``model`` shares between modules (tied weights: a language model's embedding and
+    output head), each as its (module name, module, attribute) places, the first as ``named_parameters``
+    names it."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module_name, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module_name, module, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _tie_names(ties: list[list[tuple[str, nn.Module, str]]]) -> str:
+    return "; ".join(" = ".join(f"{m}.{a}" if m else a for m, _, a in group) for group in ties)
+
+
+def _retie(ties: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """Share each tied parameter again (``to_empty`` gives every module a parameter of its own)."""
+    for (_, first, attr), *rest in ties:
+        for _, module, other in rest:
+            setattr(module, other, getattr(first, attr))
 
 
 def tp_plan(model: nn.Module, world: int) -> dict[str, object]:
@@ -141,6 +168,11 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
     loaded = build(True)
     model = loaded.model
     target = _device(device)
+    ties = _ties(model)
+    if ties and shard != Shard.ddp:
+        raise UnsupportedError(f"--shard {shard.value}: the model ties parameters between modules "
+                               f"({_tie_names(ties)}), which hookcli's {shard.value} plan would untie or "
+                               "cannot shard", hint="run it with --shard ddp (ties are kept there)")
     if shard == Shard.fsdp2:
         _fsdp2(model, init_device_mesh(target.type, (world,)))
     elif shard == Shard.tp:
@@ -148,6 +180,7 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
 
         parallelize_module(model, init_device_mesh(target.type, (world,)), tp_plan(model, world))  # type: ignore[arg-type]
     model.to_empty(device=target)
+    _retie(ties)  # before the state is filled: a tied weight is filled once, as in the full model
     state = full.model.state_dict() if full is not None else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     sources = dict(full.model.named_buffers()) if full is not None else {}
