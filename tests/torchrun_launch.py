@@ -4,6 +4,7 @@ on localhost, and comparing what the ranks report with plain torch."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,11 +33,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux ``/proc``; none elsewhere), children first."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 def launch(args: list[str], world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc-per-node world ARGS`` (a script path or ``-m MODULE`` and its arguments), with
     this checkout first on ``PYTHONPATH`` and one thread a rank; stdout and stderr captured apart."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    # on a timeout the ranks go too (killing torchrun alone left them running, holding the pipes)
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(process.pid), process.pid]:  # its ranks run in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
