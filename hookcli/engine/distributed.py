@@ -431,13 +431,7 @@ class StepReduction:
                 mean = s / n if n else 0.0
                 means.append(mean)
                 sum2 += centred_about(as_moments(row) if row is not None else EMPTY, mean)
-                at += 6
-            elif kind in (SHARDED_NORM, RANK_MEAN):
-                at += 2
-            elif kind == SUMMED:
-                at += len(row)  # type: ignore[arg-type]
-            else:
-                at += 2 + len(Moments._fields)
+            at += _width(kind, row)
         total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
         # extremes, calls, the first rank with a NaN/Inf, desynced replicas
         max1: list[float] = list(calls)
@@ -447,17 +441,12 @@ class StepReduction:
                 m = as_moments(row) if row is not None else EMPTY
                 nonfinite = m.nans + m.infs > 0
                 max1 += [m.max, -m.min, -float(self.rank) if nonfinite else -math.inf]
-                at += 6
-            elif kind in (SHARDED_NORM, RANK_MEAN):
-                at += 2
-            elif kind == SUMMED:
-                at += len(row)  # type: ignore[arg-type]
-            else:
+            elif kind == REPLICATED:
                 size = int(total1[at + 1])
                 theirs = total1[at + 2: at + 2 + size]
                 differs = row is not None and total1[at] > 0 and not _same(row, theirs, self.rtol)
                 max1 += [float(self.rank) if differs else -1.0]
-                at += 2 + len(Moments._fields)
+            at += _width(kind, row)
         total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
         max_calls, extremes = total3[:len(calls)], total3[len(calls):]
         rows: list[list[float] | None] = []
@@ -500,6 +489,17 @@ class StepReduction:
         return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
                           summed=summed), max_calls, False
 
+
+
+def _width(kind: str, row: Sequence[float] | None) -> int:
+    """How many values a slot of ``kind`` takes in the first SUM (``StepReduction._reduce`` packs them)."""
+    if kind == MERGED:
+        return 6
+    if kind in (SHARDED_NORM, RANK_MEAN):
+        return 2
+    if kind == SUMMED:
+        return len(row)  # type: ignore[arg-type]
+    return 2 + len(Moments._fields)  # REPLICATED: presence, length, the row padded
 
 
 def centred_about(m: Moments, mean: float) -> list[float]:
