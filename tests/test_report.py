@@ -563,3 +563,64 @@ def test_stat_dead_channels_is_the_count_plain_torch_finds_per_step(tmp_path: Pa
     report = hookcli.report(tmp_path / "log.jsonl", stat="dead_channels", layers="1")
     (relu,) = report.series
     assert relu.values == expected and expected == [3.0, 3.0, 3.0]
+
+
+class PackedTagger(nn.Module):
+    """An LSTM over a PackedSequence (its output holds the int64 ``batch_sizes`` and indices) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return self.head(out.data)
+
+
+INT_ROWS = ["lstm[0].batch_sizes", "lstm[0].sorted_indices", "lstm[0].unsorted_indices"]
+
+
+def test_integer_outputs_are_left_out_with_one_note_and_float_ones_kept(cli, tmp_path: Path) -> None:
+    """A PackedSequence's ``batch_sizes`` and indices are int64: the watch logs their shape and dtype only,
+    so the report leaves them out (not a row of blanks) and says so in one note on stderr; the float
+    outputs of the same module keep their values (plain torch's RMS)."""
+    torch.manual_seed(0)
+    model = PackedTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(out[0].data.detach()))
+    log = tmp_path / "packed.jsonl"
+    try:
+        with hookcli.watch(model, optimizer, out=log) as w:
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                loss = model(torch.randn(3, 5, 4, generator=g), torch.tensor([5, 2, 4])).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                w.step(loss=loss)
+    finally:
+        handle.remove()
+    logged = [layer for layer in json.loads(log.read_text().splitlines()[0])["layers"]]
+    assert {layer["name"] + layer["output"] for layer in logged if layer["stats"] is None} == set(INT_ROWS)
+
+    report = hookcli.report(log)
+    assert [s.name for s in report.series] == ["lstm[0].data", "lstm[1][0]", "lstm[1][1]", "head"]
+    _close(report.series[0].values, [float(t.double().pow(2).mean().sqrt()) for t in seen])
+    (note,) = report.notes
+    assert note.startswith("3 outputs left out, not floating point") and "lstm[0].batch_sizes (int64)" in note
+    assert [s.name for s in hookcli.report(log, stat="grad.rms", layers="lstm*").series] == \
+        ["lstm[0].data", "lstm[1][0]", "lstm[1][1]"]
+    # named alone: no "matches no layer" error, an empty report and the note
+    only = hookcli.report(log, layers="lstm[[]0].batch_sizes")
+    assert only.series == [] and "lstm[0].batch_sizes (int64)" in only.notes[0]
+
+    result = cli("report", log)
+    assert result.exit_code == 0 and not any(name in result.stdout for name in INT_ROWS)
+    assert "lstm[0].data" in result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("note: 3 outputs left out, not floating point: lstm[0].batch_sizes (int64)")
+    data = json.loads(cli("report", log, "--format", "json").stdout)
+    assert INT_ROWS[0] not in [s["name"] for s in data["series"]] and data["notes"] == report.notes

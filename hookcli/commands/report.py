@@ -183,6 +183,18 @@ def _matches(patterns: list[str], name: str, is_param: bool) -> bool:
     return any(p == n or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
 
 
+def _unmeasured_note(rows: list[str]) -> str:
+    """The note for the layer rows left out of a report: outputs that are not floating point (integer
+    or bool: a PackedSequence's ``batch_sizes``, an argmax), of which the watch logs no statistics."""
+    shown = ", ".join(rows[:_NOTE_ROWS]) + (f" and {len(rows) - _NOTE_ROWS} more" if len(rows) > _NOTE_ROWS else "")
+    return (f"{len(rows)} output{'s' if len(rows) > 1 else ''} left out, not floating point: {shown} "
+            "(the watch logs their shape and dtype only: no statistics)")
+
+
+#: How many rows ``_unmeasured_note`` names (a note is one line).
+_NOTE_ROWS = 4
+
+
 def watch_report(path: str | os.PathLike[str], stat: str = "rms",
                  layers: Sequence[str] | str | None = None) -> WatchReport:
     """The ``WatchReport`` of the log at ``path``: ``stat`` per layer (or parameter) per logged step,
@@ -198,6 +210,7 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     losses: list[float | None] = []
     findings: list[Finding] = []
     rows: dict[str, ReportSeries] = {}
+    unmeasured: dict[str, str] = {}  # a layer row's name -> its dtype, until an entry of it has statistics
     for column, line in enumerate(read_log(path, notes)):
         steps.append(line["step"])
         losses.append(_number(line.get("loss")))
@@ -207,6 +220,10 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
             row = rows.get(name)
             if row is None:
                 row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")), [])
+                if not is_param:
+                    unmeasured[name] = str(entry.get("dtype", "?"))
+            if isinstance(entry.get("stats"), dict):
+                unmeasured.pop(name, None)
             row.values += [None] * (column - len(row.values)) + [_value(entry, key)]
     for row in rows.values():
         row.values += [None] * (len(steps) - len(row.values))
@@ -221,6 +238,9 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
                                          hint=(f"did you mean: {', '.join(near)}? " if near else "")
                                          + "names as in the log; globs like 'blocks.*' work")
         series = [s for s in series if _matches(patterns, s.name, is_param)]
+    if left_out := [s for s in series if s.name in unmeasured]:
+        series = [s for s in series if s.name not in unmeasured]
+        notes.append(_unmeasured_note([f"{s.name} ({unmeasured[s.name]})" for s in left_out]))
     back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
     if back is not None:
         notes.append(f"the steps go back at logged step {back + 1} (step {steps[back]} after {steps[back - 1]}): "
