@@ -28,6 +28,22 @@ from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 _Groups = dict[tuple[str, str], list[Any]]
 
 
+#: What the watch tells about a loop that calls ``w.step()`` where its steps come out shifted against
+#: the optimizer's (docs/watch.md "What a step is"). Not told: a ``w.step()`` with no
+#: ``optimizer.step()`` since the last, as a ``GradScaler`` that skips an overflowing step makes it.
+STEP_ORDER = {
+    "before": "optimizer.step() ran right after w.step(), with no forward or backward between: "
+              "w.step() is called before optimizer.step(), so each logged line pairs one step's "
+              "activations with the next step's update",
+    "twice": "optimizer.step() ran twice without a w.step() between: w.step() is called in only "
+             "some steps, so a logged step spans several optimizer steps",
+    "some": "w.step() was called after optimizer.step() had ended the steps without it: w.step() is "
+            "called in only some steps, so the logged steps are shifted",
+}
+#: What to do about any of them.
+STEP_ORDER_FIX = "call w.step() after optimizer.step(), in every step or in none (docs/watch.md#what-a-step-is)"
+
+
 def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
     """The trainable parameters inside the selected modules' subtrees, in ``named_parameters()`` order."""
     roots = {name for name, _ in selection}
@@ -100,6 +116,10 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
+        #: The first misuse of ``Watch.step()`` seen (``STEP_ORDER``'s message), until ``take_misuse``
+        #: hands it on to be warned about; one per watch.
+        self._misuse: str | None = None
+        self._misuse_seen = False
         #: What hookcli's code raised inside the optimizer's hooks (never raised into optimizer.step):
         #: the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or the block's end.
         self.error: BaseException | None = None
@@ -145,6 +165,8 @@ class StepWatcher:
         return hook
 
     def _pre_step(self) -> None:
+        if self.user_steps and self._stepped:
+            self._misused("twice")
         if self._pending is not None:  # no user_step followed the first step: the optimizer ends steps
             self.user_steps = False
             self._hand_on()
@@ -161,6 +183,12 @@ class StepWatcher:
                              for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
+            session = self.hooks.session
+            # right after user_step: no selected module ran and no backward reached a parameter in this
+            # step, yet the optimizer applied gradients (an LBFGS closure runs inside the step: seen)
+            if (session is not None and not session.idle and not session.calls and not self.hooks.backward_reached
+                    and any(p.grad is not None for _, p in self.params)):
+                self._misused("before")
             return
         record = self._close(None)
         if self.user_steps is None:
@@ -174,6 +202,8 @@ class StepWatcher:
         self.raise_error()
         check_loss(loss)
         pending, self._pending = self._pending, None
+        if self.user_steps is False:
+            self._misused("some")
         self.user_steps = True
         if pending is not None:
             if pending.step >= 0:
@@ -185,6 +215,16 @@ class StepWatcher:
         record = self._close(loss)
         if record is not None:
             self.on_step(record)
+
+    def _misused(self, kind: str) -> None:
+        """Note the loop's first misuse of ``Watch.step()`` (``STEP_ORDER``'s ``kind``); nothing else changes."""
+        if not self._misuse_seen:
+            self._misuse, self._misuse_seen = f"hookcli.watch: {STEP_ORDER[kind]}; {STEP_ORDER_FIX}", True
+
+    def take_misuse(self) -> str | None:
+        """The message of a misuse of ``Watch.step()`` not handed on yet (once), else None."""
+        message, self._misuse = self._misuse, None
+        return message
 
     def _hand_on(self) -> None:
         pending, self._pending = self._pending, None
