@@ -755,3 +755,24 @@ def test_the_documented_loops_are_not_warned(loop: str, every: int) -> None:
             opt.zero_grad()
     if loop == "grad scaler skips":
         assert skipped[0] and not skipped[-1]  # some steps skipped, later ones stepped
+
+
+def test_a_selected_branch_that_does_not_run_in_a_step_is_not_a_misuse() -> None:
+    """The watched module (``layers="aux"``) runs only in odd steps and the gradients are zeroed, not
+    freed: at the even steps' optimizer.step() nothing watched has run, and none runs after it either,
+    so nothing is warned (w.step() after optimizer.step(), as documented)."""
+    from hookcli.errors import StepOrderWarning
+
+    torch.manual_seed(0)
+    trunk, aux = nn.Linear(6, 2), nn.Linear(6, 2)
+    model = nn.ModuleDict({"trunk": trunk, "aux": aux})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings_as_errors(StepOrderWarning), hookcli.watch(model, opt, layers="aux") as w:
+        for step in range(6):
+            (x, y), = batches(step)
+            out = trunk(x) + (aux(x) if step % 2 else 0)
+            nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            w.step()
+    assert w.last is not None and w.last.step == 5 and [layer.name for layer in w.last.layers] == ["aux"]

@@ -116,6 +116,9 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
+        #: the optimizer stepped before any selected module ran or any backward reached a parameter in
+        #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
+        self._early_step = False
         #: The first misuse of ``Watch.step()`` seen (``STEP_ORDER``'s message), until ``take_misuse``
         #: hands it on to be warned about; one per watch.
         self._misuse: str | None = None
@@ -150,7 +153,7 @@ class StepWatcher:
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
-        self._stepped = False
+        self._stepped = self._early_step = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -184,11 +187,9 @@ class StepWatcher:
             self._before = None
         if self.user_steps:
             session = self.hooks.session
-            # right after user_step: no selected module ran and no backward reached a parameter in this
-            # step, yet the optimizer applied gradients (an LBFGS closure runs inside the step: seen)
-            if (session is not None and not session.idle and not session.calls and not self.hooks.backward_reached
-                    and any(p.grad is not None for _, p in self.params)):
-                self._misused("before")
+            # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
+            self._early_step = (session is not None and not session.idle and not session.calls
+                                and not self.hooks.backward_reached)
             return
         record = self._close(None)
         if self.user_steps is None:
@@ -205,6 +206,8 @@ class StepWatcher:
         if self.user_steps is False:
             self._misused("some")
         self.user_steps = True
+        if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
+            self._misused("before")  # the step's modules ran after its optimizer step, not before
         if pending is not None:
             if pending.step >= 0:
                 pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
