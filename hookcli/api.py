@@ -264,6 +264,7 @@ def report(path: str | os.PathLike[str], *, stat: str = "rms", layers: Sequence[
     ``stat``: a layer output's statistic (``rms``, ``abs_max``, ``zero_fraction``, ``kurtosis``, ...),
     its gradient's (``grad.rms``), a parameter's (``norm``, ``update_norm``, ``update_ratio``) or its
     gradient's (``param.grad.rms``); ``layers``: names or globs (``"blocks.*"``) of the rows to keep.
+    ``path`` ``"-"`` reads the log from stdin.
 
     >>> report = hookcli.report("runs/exp.jsonl", stat="grad.rms", layers="blocks.*")
     >>> assert report.ok, report.errors

@@ -152,6 +152,12 @@ class InternalError(HookcliError):
     exit_code = EXIT_INTERNAL
 
 
+class StepOrderWarning(UserWarning):
+    """``hookcli.watch``: ``w.step()`` and ``optimizer.step()`` are called in an order that shifts the
+    log's steps against the optimizer's (docs/watch.md "What a step is"). A warning, issued once per
+    watch: the loop's numbers are never changed."""
+
+
 class Terminated(BaseException):
     """SIGTERM turned into an exception (like KeyboardInterrupt for SIGINT), so that it unwinds
     through every ``finally``: temporary files are removed, the user's model is handed back, an

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -563,3 +564,143 @@ def test_stat_dead_channels_is_the_count_plain_torch_finds_per_step(tmp_path: Pa
     report = hookcli.report(tmp_path / "log.jsonl", stat="dead_channels", layers="1")
     (relu,) = report.series
     assert relu.values == expected and expected == [3.0, 3.0, 3.0]
+
+
+class PackedTagger(nn.Module):
+    """An LSTM over a PackedSequence (its output holds the int64 ``batch_sizes`` and indices) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return self.head(out.data)
+
+
+INT_ROWS = ["lstm[0].batch_sizes", "lstm[0].sorted_indices", "lstm[0].unsorted_indices"]
+
+
+def test_integer_outputs_are_left_out_with_one_note_and_float_ones_kept(cli, tmp_path: Path) -> None:
+    """A PackedSequence's ``batch_sizes`` and indices are int64: the watch logs their shape and dtype only,
+    so the report leaves them out (not a row of blanks) and says so in one note on stderr; the float
+    outputs of the same module keep their values (plain torch's RMS)."""
+    torch.manual_seed(0)
+    model = PackedTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(out[0].data.detach()))
+    log = tmp_path / "packed.jsonl"
+    try:
+        with hookcli.watch(model, optimizer, out=log) as w:
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                loss = model(torch.randn(3, 5, 4, generator=g), torch.tensor([5, 2, 4])).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                w.step(loss=loss)
+    finally:
+        handle.remove()
+    logged = [layer for layer in json.loads(log.read_text().splitlines()[0])["layers"]]
+    assert {layer["name"] + layer["output"] for layer in logged if layer["stats"] is None} == set(INT_ROWS)
+
+    report = hookcli.report(log)
+    assert [s.name for s in report.series] == ["lstm[0].data", "lstm[1][0]", "lstm[1][1]", "head"]
+    _close(report.series[0].values, [float(t.double().pow(2).mean().sqrt()) for t in seen])
+    (note,) = report.notes
+    assert note.startswith("3 outputs left out, not floating point") and "lstm[0].batch_sizes (int64)" in note
+    assert [s.name for s in hookcli.report(log, stat="grad.rms", layers="lstm*").series] == \
+        ["lstm[0].data", "lstm[1][0]", "lstm[1][1]"]
+    # named alone: no "matches no layer" error, an empty report and the note
+    only = hookcli.report(log, layers="lstm[[]0].batch_sizes")
+    assert only.series == [] and "lstm[0].batch_sizes (int64)" in only.notes[0]
+
+    result = cli("report", log)
+    assert result.exit_code == 0 and not any(name in result.stdout for name in INT_ROWS)
+    assert "lstm[0].data" in result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("note: 3 outputs left out, not floating point: lstm[0].batch_sizes (int64)")
+    data = json.loads(cli("report", log, "--format", "json").stdout)
+    assert INT_ROWS[0] not in [s["name"] for s in data["series"]] and data["notes"] == report.notes
+
+
+# --------------------------------------------------------------------------- report - (stdin)
+
+
+def test_dash_reads_the_log_from_stdin_as_from_its_file(cli, healthy, broken: Path) -> None:
+    """``cat log.jsonl | hookcli report -``: the same report as from the path, the gate included."""
+    path, refs = healthy
+    piped = cli("report", "-", "--stat", "grad.rms", "--format", "json", input=path.read_bytes())
+    assert piped.exit_code == 0 and piped.stderr == ""
+    data, direct = json.loads(piped.stdout), hookcli.report(path, stat="grad.rms")
+    assert data["path"] == "-" and data["steps"] == direct.steps
+    assert [s["name"] for s in data["series"]] == LAYERS
+    _close(data["series"][1]["values"], refs["grad.rms"])  # blocks.0, against plain torch
+    table = cli("report", "-", input=path.read_bytes())
+    assert table.exit_code == 0 and table.stdout.startswith("report - · 12 logged steps")
+    gate = cli("report", "-", input=broken.read_bytes())
+    assert gate.exit_code == 1 and gate.stderr.startswith("Error: report: 1 error finding(s) in -: step 5")
+    lines = _log_text(path)
+    torn = cli("report", "-", "--format", "json", input="".join(lines[:2]) + lines[2][:30])
+    assert torn.exit_code == 0 and json.loads(torn.stdout)["steps"] == [0, 1]
+    assert torn.stderr.startswith("note: line 3 left out")
+
+
+@pytest.mark.parametrize(("gzipped", "needle"), [
+    (False, "Error: stdin has no logged steps (empty log)"),
+    (True, "Error: stdin is gzip-compressed, not a log's JSON lines"),
+])
+def test_dash_with_an_empty_or_gzipped_stdin_is_exit_2_with_a_hint(cli, healthy, gzipped: bool,
+                                                                     needle: str) -> None:
+    import gzip
+
+    result = cli("report", "-", input=gzip.compress(healthy[0].read_bytes()) if gzipped else b"")
+    err = result.stderr.splitlines()
+    assert result.exit_code == 2 and result.stdout == "" and len(err) == 2, result.stderr
+    assert err[0] == needle and err[1].startswith("  hint: ")
+    if gzipped:
+        assert "gunzip -c LOG.gz | hookcli report -" in err[1]
+
+
+def test_a_gzipped_log_file_is_exit_2_naming_the_command_that_reads_it(cli, healthy, tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "exp.jsonl.gz"
+    path.write_bytes(gzip.compress(healthy[0].read_bytes()))
+    result = cli("report", path)
+    err = result.stderr.splitlines()
+    assert result.exit_code == 2 and result.stdout == "" and len(err) == 2
+    assert err[0] == f"Error: {path} is gzip-compressed, not a log's JSON lines"
+    assert err[1] == f"  hint: decompress it on the way in: gunzip -c {path} | hookcli report -"
+    # what the hint says works
+    piped = cli("report", "-", "--format", "json", input=gzip.decompress(path.read_bytes()))
+    assert piped.exit_code == 0 and json.loads(piped.stdout)["steps"] == list(range(12))
+
+
+@pytest.mark.parametrize("stdin", ["terminal", "closed"])
+def test_dash_without_a_pipe_is_exit_2_not_a_wait(stdin: str) -> None:
+    """``hookcli report -`` typed at a terminal would wait for JSON to be typed: refused at once; a
+    closed stdin (``<&-``) too. A real process: the terminal is a pseudo-terminal."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "hookcli", "report", "-"]
+    if stdin == "terminal":
+        import pty
+
+        leader, follower = pty.openpty()
+        try:
+            out = subprocess.run(command, stdin=follower, capture_output=True, text=True, env=env, timeout=120,
+                                 check=False)
+        finally:
+            os.close(leader)
+            os.close(follower)
+    else:
+        out = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *command], capture_output=True, text=True,
+                             env=env, timeout=120, check=False)
+    err = out.stderr.splitlines()
+    assert out.returncode == 2 and out.stdout == "" and len(err) == 2, out.stderr
+    why = "a terminal, not a log" if stdin == "terminal" else "closed, there is no log to read"
+    assert err[0] == f"Error: report -: stdin is {why}"
+    assert err[1].startswith("  hint: pipe a log in (cat runs/exp.jsonl | hookcli report -)")

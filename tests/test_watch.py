@@ -6,6 +6,7 @@ log: one complete JSON line per logged step that survives a crash and that panda
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -13,6 +14,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -619,3 +622,157 @@ def test_a_long_watch_keeps_nothing_per_step(tmp_path: Path) -> None:
     # (measured: 12 KB once, torch's dispatch and the first traced steps; keeping every record: 2.6 MB)
     assert grown < 64 * 1024, f"{grown} bytes allocated and kept over the last 300 steps"
     assert w.last.step == 599 and len(read_log(tmp_path / "log.jsonl")) == 600
+
+
+# -- w.step() in the wrong place: warned once, nothing changed ---------------------------------------------------
+
+
+def misused_loop(model: nn.Module, opt: torch.optim.Optimizer, order: str, steps: int, watch: Any = None) -> list[float]:
+    """``train``'s loop with ``w.step()`` where the docs forbid it: ``before`` optimizer.step(), only in
+    odd steps (``some``: the optimizer ended the first steps alone), only every third step (``twice``)."""
+    losses = []
+    for step in range(steps):
+        (x, y), = batches(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if order == "before" and watch is not None:
+            watch.step(loss=loss)
+        opt.step()
+        if watch is not None and (order == "some" and step % 2 or order == "twice" and step % 3 == 0):
+            watch.step(loss=loss)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(("order", "every", "words"), [
+    ("before", 1, "optimizer.step() ran right after w.step(), with no forward or backward between"),
+    ("before", 3, "optimizer.step() ran right after w.step(), with no forward or backward between"),
+    ("some", 2, "w.step() was called after optimizer.step() had ended the steps without it"),
+    ("twice", 1, "optimizer.step() ran twice without a w.step() between"),
+])
+def test_w_step_in_the_wrong_place_is_warned_once_and_changes_nothing(order: str, every: int, words: str) -> None:
+    """The loop's losses, weights, buffers and RNG are the unwatched loop's, bit for bit; one
+    StepOrderWarning, at the user's own line, saying what to do."""
+    from hookcli.errors import StepOrderWarning
+
+    torch.manual_seed(0)
+    plain = Net().train()
+    watched = copy.deepcopy(plain)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_watched = torch.optim.SGD(watched.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1)
+    want = misused_loop(plain, opt_plain, order, 8)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(1)
+    with pytest.warns(StepOrderWarning) as caught:
+        with hookcli.watch(watched, opt_watched, every=every) as w:
+            got = misused_loop(watched, opt_watched, order, 8, w)
+    assert got == want and torch.equal(torch.get_rng_state(), rng_after)
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name
+    (warning,) = [c for c in caught if c.category is StepOrderWarning]
+    message = str(warning.message)
+    assert words in message and "call w.step() after optimizer.step(), in every step or in none" in message
+    assert warning.filename == __file__  # the user's w.step() line (or with block), not hookcli's
+    no_hooks_left(watched, opt_watched)
+
+
+def test_a_misuse_warning_turned_into_an_error_is_raised_at_w_step_not_in_optimizer_step() -> None:
+    """With warnings as errors the warning raises where the user called w.step(), never inside
+    optimizer.step() (whose update has then happened in full)."""
+    from hookcli.errors import StepOrderWarning
+
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    with warnings_as_errors(StepOrderWarning), hookcli.watch(model, opt) as w:
+        for step in range(3):
+            (x, y), = batches(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            calls.append("w.step")
+            try:
+                w.step()
+            except StepOrderWarning:
+                calls.append("raised")
+                break
+            calls.append("optimizer.step")
+            before = model.head.weight.detach().clone()
+            opt.step()
+            assert not torch.equal(before, model.head.weight)  # the update happened
+            opt.zero_grad()
+    assert calls == ["w.step", "optimizer.step", "w.step", "raised"]
+
+
+@contextlib.contextmanager
+def warnings_as_errors(category: type[Warning]) -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category)
+        yield
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("loop", ["w.step after", "optimizer only", "no optimizer", "lbfgs closure", "grad scaler skips"])
+def test_the_documented_loops_are_not_warned(loop: str, every: int) -> None:
+    """w.step() after optimizer.step() (every=1 and 3), optimizer.step() alone, w.step() without an
+    optimizer, LBFGS (its forward and backward run inside optimizer.step()), and a GradScaler that skips
+    optimizer.step() at its first steps (w.step() with no optimizer step before it: not a misuse)."""
+    from hookcli.errors import StepOrderWarning
+
+    torch.manual_seed(0)
+    model = Net().train()
+    opt = (torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2) if loop == "lbfgs closure"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # the first steps overflow (CPU, float32)
+    skipped = []
+    with warnings_as_errors(StepOrderWarning), \
+            hookcli.watch(model, None if loop == "no optimizer" else opt, every=every) as w:
+        for step in range(7):
+            (x, y), = batches(step)
+            if loop == "lbfgs closure":
+                def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+                w.step()
+                continue
+            loss = nn.functional.mse_loss(model(x), y)
+            if loop == "grad scaler skips":
+                scaler.scale(loss * 8).backward()
+                before = model.head.weight.detach().clone()
+                scaler.step(opt)
+                scaler.update()
+                skipped.append(torch.equal(before, model.head.weight))
+            else:
+                loss.backward()
+                if loop != "no optimizer":
+                    opt.step()
+            if loop != "optimizer only":
+                w.step(loss=loss)
+            opt.zero_grad()
+    if loop == "grad scaler skips":
+        assert skipped[0] and not skipped[-1]  # some steps skipped, later ones stepped
+
+
+def test_a_selected_branch_that_does_not_run_in_a_step_is_not_a_misuse() -> None:
+    """The watched module (``layers="aux"``) runs only in odd steps and the gradients are zeroed, not
+    freed: at the even steps' optimizer.step() nothing watched has run, and none runs after it either,
+    so nothing is warned (w.step() after optimizer.step(), as documented)."""
+    from hookcli.errors import StepOrderWarning
+
+    torch.manual_seed(0)
+    trunk, aux = nn.Linear(6, 2), nn.Linear(6, 2)
+    model = nn.ModuleDict({"trunk": trunk, "aux": aux})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings_as_errors(StepOrderWarning), hookcli.watch(model, opt, layers="aux") as w:
+        for step in range(6):
+            (x, y), = batches(step)
+            out = trunk(x) + (aux(x) if step % 2 else 0)
+            nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            w.step()
+    assert w.last is not None and w.last.step == 5 and [layer.name for layer in w.last.layers] == ["aux"]

@@ -153,3 +153,68 @@ def test_histograms_are_written_at_logged_steps_only_and_only_with_a_tensorboard
         opt.step()
         w.step()
     assert all(p.values_histogram is None and p.grad_histogram is None for p in w.last.params)
+
+
+def _shown(h: Any) -> list[list[float]]:
+    """The buckets TensorBoard's histogram dashboard draws of a written histogram, ``[left, right, count]``
+    each: its own conversion of the proto (``data_compat``: the empty buckets at both ends dropped, the
+    outer edges the values' min and max)."""
+    from tensorboard import data_compat
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+    from tensorboard.util import tensor_util
+
+    proto = HistogramProto(min=h.min, max=h.max, num=h.num, sum=h.sum, sum_squares=h.sum_squares,
+                           bucket_limit=h.bucket_limit, bucket=h.bucket)
+    return tensor_util.make_ndarray(data_compat.migrate_value(Summary.Value(tag="t", histo=proto)).tensor).tolist()
+
+
+def test_a_constant_parameters_histogram_is_torch_histcs_and_shows_as_add_histograms(tmp_path: Path) -> None:
+    """A LayerNorm's weight (all 1) and bias (all 0) at init are constant: their buckets span value - 1
+    to value + 1 with every value in the middle one, as ``torch.histc`` widens a constant range (not 30
+    empty-width buckets with everything in the first), and TensorBoard draws them as it draws
+    ``SummaryWriter.add_histogram`` of the same tensor."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with hookcli.watch(model, opt, every=1, tensorboard_dir=tmp_path / "tb") as w:
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+    got = _histograms(tmp_path / "tb")
+    with SummaryWriter(str(tmp_path / "own")) as own:
+        for name in ("1.weight", "1.bias"):
+            own.add_histogram(name, before[name], 0)
+    theirs = _histograms(tmp_path / "own")
+    for name, value in (("1.weight", 1.0), ("1.bias", 0.0)):
+        t = before[name]
+        assert torch.equal(t, torch.full_like(t, value))  # constant, as the test needs
+        h = got[f"params/{name}/values"][0]
+        assert (h.min, h.max, h.num) == (value, value, 6)
+        assert list(h.bucket) == torch.histc(t, bins=30).tolist() and h.bucket[15] == 6
+        edges = torch.linspace(value - 1, value + 1, 31, dtype=torch.float64)[1:].tolist()
+        assert list(h.bucket_limit) == pytest.approx(edges, abs=1e-9)
+        assert _shown(h) == _shown(theirs[name][0]) == [[value, value, 6.0]]
+    # a parameter that is not constant keeps its own min..max
+    h = got["params/0.weight/values"][0]
+    assert list(h.bucket) == torch.histc(before["0.weight"], bins=30).tolist()
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0, -2.5])
+def test_a_constant_histogram_over_ranks_bounds_is_torch_histcs(value: float) -> None:
+    """Under torchrun the buckets are counted with the global min and max as ``bounds``
+    (``distributed.global_histograms``) and the record made from them (``_add_histograms``): a tensor
+    constant over every rank gets ``torch.histc``'s widened buckets there too."""
+    from hookcli.engine.stats import histogram
+    from hookcli.records import Histogram
+
+    part = torch.full((5,), value)
+    counts = histogram(part, bounds=(value, value))
+    assert counts is not None
+    record = Histogram.from_values([value, value, *counts[2:].tolist()])
+    assert record is not None and record.counts == torch.histc(part, bins=30).tolist()
+    edges = torch.linspace(value - 1, value + 1, 31, dtype=torch.float64)[1:].tolist()
+    assert record.limits == pytest.approx(edges, abs=1e-9)

@@ -701,8 +701,8 @@ def fmaps(**values: Any) -> None:
                    "needs pip install 'hookcli[report]'.")
 @output_options
 def report(log: str, stat: str, row_patterns: tuple[str, ...], html: str | None, **values: Any) -> None:
-    """Read a hookcli.watch log (JSON Lines): a layer x step heatmap of one statistic, a sparkline per
-    layer, the loss and the findings.
+    """Read a hookcli.watch log (JSON Lines; - reads it from stdin): a layer x step heatmap of one
+    statistic, a sparkline per layer, the loss and the findings.
 
     \b
     Exit 1 when the log holds an error finding (NaN/Inf: a CI gate), 0 otherwise, 2 for a bad log.

@@ -12,8 +12,11 @@ import json
 import math
 import os
 import re
+import shlex
+import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from contextlib import nullcontext
+from typing import IO, Any
 
 from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
 from hookcli.options import split_patterns
@@ -99,8 +102,12 @@ def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[st
     A line torn by a crash mid-write (hookcli.watch writes each line whole, newline included) is left
     out, with a note added to ``notes``: a last line without its newline that is not JSON, or a JSON
     object cut short (a resumed run's lines follow it, ``LineLog`` starts them on a new line). Any
-    other bad line is an InputError naming it; so is a log with no whole line."""
-    shown = os.fspath(path)
+    other bad line is an InputError naming it; so is a log with no whole line. ``-`` is stdin (the
+    Unix convention: ``zcat log.jsonl.gz | hookcli report -``), read to its end and left open."""
+    shown = shown_path(path)
+    if os.fspath(path) == STDIN:
+        yield from _read_lines(shown, _stdin(), notes, close=False)
+        return
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below, also when a bad line stops the reading
     except FileNotFoundError:
@@ -111,9 +118,41 @@ def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[st
                          hint="give the .jsonl file hookcli.watch(out=...) wrote") from None
     except OSError as exc:
         raise InputError(f"cannot read {shown}: {exc.strerror or exc}", hint="check the file's permissions") from None
+    yield from _read_lines(shown, file, notes, close=True)
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """How messages name the log: its path as given, ``stdin`` for ``-``."""
+    shown = os.fspath(path)
+    return "stdin" if shown == STDIN else shown
+
+
+#: The log path that means stdin.
+STDIN = "-"
+
+
+def _stdin() -> IO[bytes]:
+    """stdin's bytes for ``report -``; an InputError when it is closed or a terminal (nothing piped in:
+    reading would wait for typed JSON)."""
+    stream = sys.stdin
+    if stream is None or getattr(stream, "buffer", None) is None:
+        raise InputError("report -: stdin is closed, there is no log to read",
+                         hint="pipe a log in (cat runs/exp.jsonl | hookcli report -) or give its path")
+    if stream.isatty():
+        raise InputError("report -: stdin is a terminal, not a log",
+                         hint="pipe a log in (cat runs/exp.jsonl | hookcli report -) or give its path")
+    return stream.buffer
+
+
+def _read_lines(shown: str, file: IO[bytes], notes: list[str], close: bool) -> Iterator[dict[str, Any]]:
+    """``read_log``'s reading of an open log (``close``: closed at the end, also by an error; stdin is not)."""
     found = False
-    with file:
+    with file if close else nullcontext():
         for number, raw in enumerate(file, start=1):
+            if number == 1 and raw.startswith(_GZIP_MAGIC):  # report reads JSON lines only: one decompressor less
+                raise InputError(f"{shown} is gzip-compressed, not a log's JSON lines",
+                                 hint=f"decompress it on the way in: gunzip -c {shlex.quote(shown) if close else 'LOG.gz'}"
+                                      " | hookcli report -")
             if not raw.strip():
                 continue
             try:
@@ -134,6 +173,10 @@ def read_log(path: str | os.PathLike[str], notes: list[str]) -> Iterator[dict[st
     if not found:
         raise InputError(f"{shown} has no logged steps (empty log)",
                          hint="a watch writes its first line at the first logged step (step 0)")
+
+
+#: The first bytes of a gzip file.
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _cut_short(raw: bytes) -> bool:
@@ -183,6 +226,18 @@ def _matches(patterns: list[str], name: str, is_param: bool) -> bool:
     return any(p == n or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
 
 
+def _unmeasured_note(rows: list[str]) -> str:
+    """The note for the layer rows left out of a report: outputs that are not floating point (integer
+    or bool: a PackedSequence's ``batch_sizes``, an argmax), of which the watch logs no statistics."""
+    shown = ", ".join(rows[:_NOTE_ROWS]) + (f" and {len(rows) - _NOTE_ROWS} more" if len(rows) > _NOTE_ROWS else "")
+    return (f"{len(rows)} output{'s' if len(rows) > 1 else ''} left out, not floating point: {shown} "
+            "(the watch logs their shape and dtype only: no statistics)")
+
+
+#: How many rows ``_unmeasured_note`` names (a note is one line).
+_NOTE_ROWS = 4
+
+
 def watch_report(path: str | os.PathLike[str], stat: str = "rms",
                  layers: Sequence[str] | str | None = None) -> WatchReport:
     """The ``WatchReport`` of the log at ``path``: ``stat`` per layer (or parameter) per logged step,
@@ -198,6 +253,7 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     losses: list[float | None] = []
     findings: list[Finding] = []
     rows: dict[str, ReportSeries] = {}
+    unmeasured: dict[str, str] = {}  # a layer row's name -> its dtype, until an entry of it has statistics
     for column, line in enumerate(read_log(path, notes)):
         steps.append(line["step"])
         losses.append(_number(line.get("loss")))
@@ -207,6 +263,10 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
             row = rows.get(name)
             if row is None:
                 row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")), [])
+                if not is_param:
+                    unmeasured[name] = str(entry.get("dtype", "?"))
+            if isinstance(entry.get("stats"), dict):
+                unmeasured.pop(name, None)
             row.values += [None] * (column - len(row.values)) + [_value(entry, key)]
     for row in rows.values():
         row.values += [None] * (len(steps) - len(row.values))
@@ -217,10 +277,13 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
             if not any(_matches([pattern], s.name, is_param) for s in series):
                 near = close_matches(pattern, [s.name for s in series])
                 raise LayerNotFoundError(f"--layers: {pattern!r} matches no {'parameter' if is_param else 'layer'} "
-                                         f"in {os.fspath(path)}",
+                                         f"in {shown_path(path)}",
                                          hint=(f"did you mean: {', '.join(near)}? " if near else "")
                                          + "names as in the log; globs like 'blocks.*' work")
         series = [s for s in series if _matches(patterns, s.name, is_param)]
+    if left_out := [s for s in series if s.name in unmeasured]:
+        series = [s for s in series if s.name not in unmeasured]
+        notes.append(_unmeasured_note([f"{s.name} ({unmeasured[s.name]})" for s in left_out]))
     back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
     if back is not None:
         notes.append(f"the steps go back at logged step {back + 1} (step {steps[back]} after {steps[back - 1]}): "

@@ -8,6 +8,7 @@ logged step's record here; this module keeps the latest and appends it to the lo
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -19,7 +20,7 @@ from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
-from hookcli.errors import CheckFailedError, UsageError
+from hookcli.errors import CheckFailedError, StepOrderWarning, UsageError
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
 
@@ -87,6 +88,7 @@ class Watch:
             if self.tensorboard is not None:
                 self.tensorboard.close()
         if exc_type is None:
+            self._warn_misuse()
             self._watcher.raise_error()
 
     def step(self, loss: Any = None) -> None:
@@ -95,6 +97,13 @@ class Watch:
         if not self._open:
             raise UsageError("watch.step() outside its with block", hint="call it inside `with hookcli.watch(...) as w:`")
         self._watcher.user_step(loss)
+        self._warn_misuse()
+
+    def _warn_misuse(self) -> None:
+        """Warn (once, ``StepOrderWarning``, at the user's ``w.step()`` or ``with`` line) when the loop calls
+        ``w.step()`` where it shifts the log's steps: seen in the optimizer's hooks, never warned there."""
+        if (message := self._watcher.take_misuse()) is not None:
+            warnings.warn(message, StepOrderWarning, stacklevel=3)
 
     def _logged(self, record: WatchStep) -> None:
         """A logged step's record, or a flight recorder's (``record.flight``: only its NaN/Inf is looked for).

@@ -747,6 +747,12 @@ class HookSet:
         finally:
             self.end_step()
 
+    @property
+    def backward_reached(self) -> bool:
+        """Whether a backward of the step in progress accumulated into a watched parameter's ``.grad``
+        (counted only while the session is not idle)."""
+        return bool(self._accumulated)
+
     def end_step(self) -> None:
         """The step boundary: empty the per-step state (``HookSession.reset``, the accumulation counts)
         and count the step."""

@@ -510,7 +510,9 @@ HISTOGRAM_BINS = 30
 def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS, bounds: tuple[float, float] | None = None
               ) -> torch.Tensor | None:
     """``[min, max, count, sum, sum of squares, *bucket counts]`` of a dense tensor's values, on its device
-    (no transfer): ``bins`` equal buckets from min to max, the last one closed (``torch.histc``'s). Its
+    (no transfer): ``bins`` equal buckets from min to max, the last one closed (``torch.histc``'s); when
+    min and max are equal (a constant tensor: a norm's weight at init), from min - 1 to max + 1 as
+    ``torch.histc`` widens them, the values in the middle bucket (``records.Histogram`` has the edges). Its
     min or max is not finite when a value is not (the buckets are then meaningless). ``bounds``: the
     buckets' ``(min, max)`` instead of ``t``'s own (a histogram over several ranks' parts, whose
     counts add up: ``engine.distributed.global_histograms``; ``t``'s values lie within them). None for
@@ -524,8 +526,10 @@ def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS, bounds: tuple[float, 
         lo, hi = torch.aminmax(x)
     else:
         lo, hi = (torch.tensor(b, dtype=wide, device=x.device) for b in bounds)
-    span = hi - lo
-    scaled = (x - lo).div_(torch.where(span > 0, span, torch.ones_like(span))).mul_(bins)
+    flat = hi == lo  # torch.histc's widening: the buckets span lo - 1 to hi + 1
+    left = torch.where(flat, lo - 1, lo)
+    span = torch.where(flat, torch.full_like(hi, 2.0), hi - lo)
+    scaled = (x - left).div_(torch.where(span > 0, span, torch.ones_like(span))).mul_(bins)
     index = scaled.nan_to_num_(0.0).clamp_(0, bins - 1).long()  # truncation is floor: scaled >= 0
     ones = torch.ones(1, dtype=wide, device=x.device).expand(x.numel())
     counts = torch.zeros(bins, dtype=wide, device=x.device).index_add_(0, index, ones)

@@ -28,6 +28,22 @@ from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 _Groups = dict[tuple[str, str], list[Any]]
 
 
+#: What the watch tells about a loop that calls ``w.step()`` where its steps come out shifted against
+#: the optimizer's (docs/watch.md "What a step is"). Not told: a ``w.step()`` with no
+#: ``optimizer.step()`` since the last, as a ``GradScaler`` that skips an overflowing step makes it.
+STEP_ORDER = {
+    "before": "optimizer.step() ran right after w.step(), with no forward or backward between: "
+              "w.step() is called before optimizer.step(), so each logged line pairs one step's "
+              "activations with the next step's update",
+    "twice": "optimizer.step() ran twice without a w.step() between: w.step() is called in only "
+             "some steps, so a logged step spans several optimizer steps",
+    "some": "w.step() was called after optimizer.step() had ended the steps without it: w.step() is "
+            "called in only some steps, so the logged steps are shifted",
+}
+#: What to do about any of them.
+STEP_ORDER_FIX = "call w.step() after optimizer.step(), in every step or in none (docs/watch.md#what-a-step-is)"
+
+
 def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
     """The trainable parameters inside the selected modules' subtrees, in ``named_parameters()`` order."""
     roots = {name for name, _ in selection}
@@ -100,6 +116,13 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
+        #: the optimizer stepped before any selected module ran or any backward reached a parameter in
+        #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
+        self._early_step = False
+        #: The first misuse of ``Watch.step()`` seen (``STEP_ORDER``'s message), until ``take_misuse``
+        #: hands it on to be warned about; one per watch.
+        self._misuse: str | None = None
+        self._misuse_seen = False
         #: What hookcli's code raised inside the optimizer's hooks (never raised into optimizer.step):
         #: the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or the block's end.
         self.error: BaseException | None = None
@@ -130,7 +153,7 @@ class StepWatcher:
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
-        self._stepped = False
+        self._stepped = self._early_step = False
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -145,6 +168,8 @@ class StepWatcher:
         return hook
 
     def _pre_step(self) -> None:
+        if self.user_steps and self._stepped:
+            self._misused("twice")
         if self._pending is not None:  # no user_step followed the first step: the optimizer ends steps
             self.user_steps = False
             self._hand_on()
@@ -161,6 +186,10 @@ class StepWatcher:
                              for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self.user_steps:
+            session = self.hooks.session
+            # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
+            self._early_step = (session is not None and not session.idle and not session.calls
+                                and not self.hooks.backward_reached)
             return
         record = self._close(None)
         if self.user_steps is None:
@@ -174,7 +203,11 @@ class StepWatcher:
         self.raise_error()
         check_loss(loss)
         pending, self._pending = self._pending, None
+        if self.user_steps is False:
+            self._misused("some")
         self.user_steps = True
+        if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
+            self._misused("before")  # the step's modules ran after its optimizer step, not before
         if pending is not None:
             if pending.step >= 0:
                 pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
@@ -185,6 +218,16 @@ class StepWatcher:
         record = self._close(loss)
         if record is not None:
             self.on_step(record)
+
+    def _misused(self, kind: str) -> None:
+        """Note the loop's first misuse of ``Watch.step()`` (``STEP_ORDER``'s ``kind``); nothing else changes."""
+        if not self._misuse_seen:
+            self._misuse, self._misuse_seen = f"hookcli.watch: {STEP_ORDER[kind]}; {STEP_ORDER_FIX}", True
+
+    def take_misuse(self) -> str | None:
+        """The message of a misuse of ``Watch.step()`` not handed on yet (once), else None."""
+        message, self._misuse = self._misuse, None
+        return message
 
     def _hand_on(self) -> None:
         pending, self._pending = self._pending, None

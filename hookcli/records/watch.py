@@ -58,7 +58,10 @@ class WatchLayer:
 @dataclass
 class Histogram:
     """The values of one tensor at one logged step in equal buckets from ``min`` to ``max`` (TensorBoard's
-    histogram: ``limits`` are the buckets' right edges, ``counts`` how many values fell in each)."""
+    histogram: ``limits`` are the buckets' right edges, ``counts`` how many values fell in each). The
+    buckets of a constant tensor (``min == max``) span ``min - 1`` to ``max + 1``, as ``torch.histc``'s
+    (``engine.stats.histogram`` counts them so); ``min`` and ``max`` stay the values' own, as TensorBoard's
+    ``add_histogram`` writes them."""
 
     min: float
     max: float
@@ -75,7 +78,9 @@ class Histogram:
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return None
         bins = len(counts)
-        return cls(lo, hi, int(num), total, squares, [lo + (hi - lo) * (k + 1) / bins for k in range(bins)], counts)
+        left, right = (lo - 1.0, hi + 1.0) if lo == hi else (lo, hi)
+        return cls(lo, hi, int(num), total, squares, [left + (right - left) * (k + 1) / bins for k in range(bins)],
+                   counts)
 
 
 @dataclass

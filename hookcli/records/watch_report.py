@@ -28,7 +28,7 @@ class WatchReport:
     """One statistic (``stat``, e.g. ``rms``, ``grad.rms``, ``update_ratio``) of a watch log over its
     logged steps (``steps``, in the log's order), the loss at each, and every finding in the log.
 
-    ``notes`` say what the reader left out (a torn last line). ``ok`` is False when a finding of
+    ``notes`` say what the reader left out (a torn last line, outputs that are not floating point). ``ok`` is False when a finding of
     severity ``error`` is in the log: ``hookcli report`` then exits 1 (a CI gate)."""
 
     path: str
