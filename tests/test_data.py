@@ -254,6 +254,30 @@ def test_a_batch_of_another_shape_is_the_models_failure_naming_the_batch_with_th
     assert math.isclose(fc["stats"]["mean"], ref["fc"]["mean"], rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("command", ["stats", "grads", "check"])
+def test_a_corrupt_image_mid_run_is_exit_2_naming_the_batch_with_the_rows_before_it(cli, tmp_path: Path,
+                                                                                   command: str) -> None:
+    """Bad data met after batches ran is bad input (exit 2), and, as when the model raises, the rows of
+    the batches that ran go to stdout marked partial; the error line names the batch."""
+    spec = write_model(tmp_path)
+    make_images(tmp_path / "imgs", 8)
+    images = sorted((tmp_path / "imgs").iterdir())
+    (tmp_path / "imgs" / "004.png").write_bytes(b"not a png")  # the 5th file: batch 2 at 2 per batch
+    result = cli(command, spec, "--data", tmp_path / "imgs", "--batch-size", "2", "-f", "json")
+    assert result.exit_code == 2, result.stderr
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: batch 2: ") and "004.png" in first and hint.startswith("  hint: ")
+    report = json.loads(result.stdout)
+    assert report["partial"] is True and report["failure"]["phase"] == "data"
+    assert "2 batches, 4 samples" in report["inputs"][0]["source"]
+    assert [row["name"] for row in report["layers"]] == ["conv", "relu", "pool", "fc"]
+    if command != "grads":  # activation statistics of the first 4 images, as plain torch sees them
+        batches = [((torch.stack([preprocess(p) for p in images[i:i + 2]]),), {}) for i in (0, 2)]
+        assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+    table = cli(command, spec, "--data", tmp_path / "imgs", "--batch-size", "2")
+    assert table.exit_code == 2 and "PARTIAL: bad data" in table.stdout and "Traceback" not in table.stderr
+
+
 @pytest.mark.parametrize("source, words", [
     ("batches = []", "gave no batches"),
     ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
@@ -268,7 +292,11 @@ def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words
     assert result.exit_code == 2, result.stderr
     assert words in result.stderr.splitlines()[0]
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
-    assert result.stdout == ""
+    if "batch 1" in words:  # met after batch 0 ran: its rows go to stdout, marked partial
+        report = json.loads(cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches", "-f", "json").stdout)
+        assert report["partial"] is True and "1 batch, 2 samples" in report["inputs"][0]["source"]
+    else:
+        assert result.stdout == ""
 
 
 def test_an_endless_iterable_needs_batches(cli, tmp_path: Path) -> None:
