@@ -116,6 +116,44 @@ def test_stats_over_a_folder_of_50_images_equals_torch_over_all_50(cli, tmp_path
     assert report["inputs"][0]["shape"] == [8, 3, 32, 32]
 
 
+def test_a_tree_of_class_folders_mixed_modes_and_sizes_equals_torch_over_all(cli, tmp_path: Path) -> None:
+    """Class subfolders, PNG and JPEG, grayscale, RGBA and RGB of different sizes, 7 images at 3 a batch
+    (the last batch short); a symlink to the folder itself, a hidden folder and a text file are not
+    read. Plain torch: PIL's RGB conversion (grayscale repeated, alpha dropped), the generic preprocessing."""
+    import torchvision.transforms.v2.functional as F
+
+    spec = write_model(tmp_path)
+    root, rng = tmp_path / "set", np.random.default_rng(3)
+    files = {"cat/a.png": ("RGB", (36, 40)), "cat/b.png": ("L", (50, 33)), "cat/c.jpg": ("RGB", (64, 48)),
+             "dog/d.png": ("RGBA", (40, 40)), "dog/e.PNG": ("RGB", (90, 37)), "dog/small/f.png": ("L", (32, 32)),
+             "g.png": ("RGBA", (45, 70))}
+    for name, (mode, (h, w)) in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shape = (h, w) if mode == "L" else (h, w, len(mode))
+        pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+        if name.endswith(".jpg"):  # one flat colour: JPEG decoders (PIL's, torchvision's) agree to the bit
+            pixels[:] = pixels[0, 0]
+        Image.fromarray(pixels, mode).save(root / name)
+    (root / "dog" / "loop").symlink_to(root, target_is_directory=True)
+    (root / ".hidden").mkdir()
+    Image.fromarray(np.zeros((36, 40, 3), dtype=np.uint8)).save(root / ".hidden" / "copy.png")
+    (root / "labels.txt").write_text("cat\ndog\n")
+    result = cli("stats", spec, "--data", root, "--batch-size", "3", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert "(7 images), 3 batches, 7 samples" in report["inputs"][0]["source"]
+
+    def expected(path: Path) -> torch.Tensor:
+        with Image.open(path) as im:
+            img = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        img = F.center_crop(F.resize(img, [int(32 / 0.875)], antialias=True), [32, 32])
+        return F.normalize(F.to_dtype(img, torch.float32, scale=True), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+    order = sorted(root / name for name in files)
+    batches = [((torch.stack([expected(p) for p in order[i:i + 3]]),), {}) for i in range(0, 7, 3)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+
+
 def _load(tmp_path: Path) -> nn.Module:
     import importlib.util
 

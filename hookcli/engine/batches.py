@@ -102,9 +102,10 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
     """A folder of images, a tensor file, or an import path of an iterable (what ``--data`` takes)."""
     path = Path(text).expanduser()
     if path.is_dir():
-        images = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        images = image_tree(path)
         if not images:
-            raise InputError(f"folder {text!r} has no images", hint="supported images: " + " ".join(IMAGE_SUFFIXES))
+            raise InputError(f"folder {text!r} has no images (nor its subfolders)",
+                             hint="supported images: " + " ".join(IMAGE_SUFFIXES))
         if loaded.family in _UNBATCHED_FAMILIES:
             raise UnsupportedError(f"a {loaded.family} model takes its images as one input, not as a data set "
                                    "of images", hint="give them with --input instead")
@@ -126,6 +127,17 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
     if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Iterable):
         raise InputError(f"--data {text!r} is a {type(obj).__name__}, not an iterable of batches", hint=DATA_HINT)
     return _from_iterable(obj, text)
+
+
+def image_tree(folder: Path) -> list[Path]:
+    """The images in ``folder`` and its subfolders (one per class, as torchvision's ``ImageFolder``
+    lays a data set out), sorted by path. Symlinked folders and hidden ones (``.ipynb_checkpoints``)
+    are not entered: a link to a parent folder would loop, and hidden copies are not the data set."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):  # (followlinks=False)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [p for p in (Path(root, f) for f in files) if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+    return sorted(found)
 
 
 def _images(loaded: LoadedModel, chunks: list[list[Path]]) -> Iterator[ModelInputs]:
