@@ -154,6 +154,55 @@ def test_a_tree_of_class_folders_mixed_modes_and_sizes_equals_torch_over_all(cli
     assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
 
 
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".safetensors"])
+def test_npy_npz_and_safetensors_data_files_equal_torch_over_the_whole_tensor(cli, tmp_path: Path,
+                                                                              suffix: str) -> None:
+    spec = write_model(tmp_path)
+    data = torch.randn(11, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / f"set{suffix}"
+    if suffix == ".npy":
+        np.save(path, data.numpy())
+    elif suffix == ".npz":
+        np.savez(path, x=data.numpy())  # keyed by forward's argument name
+    else:
+        from safetensors.torch import save_file
+        save_file({"0": data}, path)  # key "0": the first positional input
+    result = cli("stats", spec, "--data", path, "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert "3 batches, 11 samples" in report["inputs"][0]["source"]
+    batches = [((data[i:i + 4],), {}) for i in range(0, 11, 4)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+
+
+def test_token_ids_of_a_tiny_language_model_equal_torch_over_all_batches(cli, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "lm")
+    ids = torch.randint(0, 50, (10, 12), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    for command in ("stats", "check"):
+        result = cli(command, f"hf:{tmp_path / 'lm'}", "--data", tmp_path / "ids.safetensors", "--batch-size", "3",
+                     "--eval", "-f", "json")
+        assert result.exit_code == 0, result.stderr
+        report = json.loads(result.stdout)
+        report = report.get("report", report)
+        assert "4 batches, 10 samples" in report["inputs"][0]["source"]
+        model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "lm").eval()
+        logits = []
+        with torch.no_grad():
+            for i in range(0, 10, 3):
+                logits.append(model(input_ids=ids[i:i + 3]).logits)
+        x = torch.cat([t.reshape(-1) for t in logits]).double()
+        row = next(r for r in report["layers"] if r["name"] == "lm_head")
+        assert row["stats"]["min"] == x.min().item() and row["stats"]["max"] == x.max().item()
+        assert math.isclose(row["stats"]["mean"], x.mean().item(), rel_tol=1e-9)
+        assert math.isclose(row["stats"]["std"], x.std(correction=0).item(), rel_tol=1e-9)
+
+
 def _load(tmp_path: Path) -> nn.Module:
     import importlib.util
 
