@@ -386,6 +386,22 @@ def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words
         assert result.stdout == ""
 
 
+def test_a_dataloader_of_inputs_and_labels_is_exit_2_saying_labels_go_to_forward_too(cli, tmp_path: Path) -> None:
+    """The commonest data set, (images, labels) pairs: the labels would be forward's second argument.
+    Exit 2 naming batch 0, and a hint about --data, not about --input-shape."""
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(textwrap.dedent('''
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        loader = DataLoader(TensorDataset(torch.randn(10, 3, 8, 8), torch.zeros(10, dtype=torch.long)), batch_size=4)
+    '''))
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:loader")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: batch 0: Net.forward cannot take the 2 inputs given (4x3x8x8, 4)")
+    assert "(inputs, labels)" in hint and "--input-shape" not in hint
+
+
 def test_an_endless_iterable_needs_batches(cli, tmp_path: Path) -> None:
     spec = write_model(tmp_path)
     (tmp_path / "data.py").write_text("import itertools, torch\nbatches = itertools.repeat(torch.ones(2, 3, 8, 8))\n")

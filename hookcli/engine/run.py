@@ -24,13 +24,13 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import (
-    INTERRUPTS, DataError, HookcliError, InputError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
+    INTERRUPTS, DataError, HookcliError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, sharding
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
-from hookcli.engine.build_inputs import ModelInputs, check_signature, make_inputs, with_note
+from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, Shard, model_is_instance
@@ -135,7 +135,8 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
-    check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
+    check_signature(loaded.model, inputs, how=DATA_SIGNATURE_HOW if data is not None else None,
+                    where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:
@@ -702,7 +703,7 @@ def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
             batch = next(rest, None)
             if batch is None:
                 return
-            check_signature(prep.loaded.model, batch)
+            check_signature(prep.loaded.model, batch, how=DATA_SIGNATURE_HOW, where=f"batch {index}: ")
             placed = place_inputs(prep, batch)
         except UsageError as exc:
             named = exc.message if f"batch {index}" in exc.message else f"batch {index}: {exc.message}"
