@@ -8,7 +8,8 @@ batches (``pkg.mod:attr`` / ``path/file.py:attr``, resolved as MODEL import path
 Python, any iterable, or a tensor / tuple of tensors / dict of tensors to slice. An item of an
 iterable is a tensor (one positional input), a tuple or list (positional inputs) or a dict with
 string keys (keyword inputs), as the inputs of ``--input`` files are. Only one batch is held at a
-time: memory does not grow with the number of batches.
+time (a tensor file is read whole, within ``limits.TENSOR_BYTES``, and sliced): memory does not grow
+with the number of batches.
 """
 
 from __future__ import annotations
