@@ -203,6 +203,29 @@ def test_token_ids_of_a_tiny_language_model_equal_torch_over_all_batches(cli, tm
         assert math.isclose(row["stats"]["std"], x.std(correction=0).item(), rel_tol=1e-9)
 
 
+def test_a_16_bit_tiff_is_scaled_by_65535_and_a_float_one_is_refused(cli, tmp_path: Path) -> None:
+    """PIL's RGB conversion clips: a 16-bit TIFF came out white (255) and a float TIFF black (0), silently.
+    A constant 16-bit grey image of 13107 (0.2 x 65535) is 0.2 in every channel, as a 16-bit PNG is."""
+    import torchvision.transforms.v2.functional as F
+
+    spec = write_model(tmp_path)
+    (tmp_path / "imgs").mkdir()
+    Image.fromarray(np.full((36, 40), 13107, dtype=np.uint16)).save(tmp_path / "imgs" / "grey16.tif")
+    with Image.open(tmp_path / "imgs" / "grey16.tif") as im:
+        assert im.mode.startswith("I;16")  # the case under test: PIL reads it, torchvision does not
+    result = cli("stats", spec, "--data", tmp_path / "imgs", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    x = F.to_dtype(torch.full((1, 3, 32, 32), 13107, dtype=torch.uint16), torch.float32, scale=True)
+    assert x[0, 0, 0, 0].item() == pytest.approx(0.2)
+    x = F.normalize(x, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    assert_rows_match(json.loads(result.stdout)["layers"], reference(_load(tmp_path), [((x,), {})]))
+    Image.fromarray(np.full((36, 40), 0.5, dtype=np.float32)).save(tmp_path / "imgs" / "depth.tif")
+    result = cli("stats", spec, "--data", tmp_path / "imgs")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert "depth.tif" in first and "32-bit float" in first and hint.startswith("  hint: ")
+
+
 def _load(tmp_path: Path) -> nn.Module:
     import importlib.util
 
