@@ -388,6 +388,23 @@ def test_a_corrupt_image_mid_run_is_exit_2_naming_the_batch_with_the_rows_before
     assert table.exit_code == 2 and "PARTIAL: bad data" in table.stdout and "Traceback" not in table.stderr
 
 
+def test_api_a_bad_batch_after_two_raises_data_error_carrying_their_rows() -> None:
+    from hookcli.errors import DataError
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    good = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with pytest.raises(DataError) as err:
+        hookcli.stats(model, data=[good[0], good[1], "not a batch"])
+    assert err.value.exit_code == 2 and err.value.message.startswith("batch 2 is a str")
+    report = err.value.report
+    assert report is not None and report.partial and report.failure.phase == "data"
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in good]).double()
+    row = next(r for r in report.layers if r.name == "1")
+    assert row.stats["max"] == want.max().item() and row.stats["zero_fraction"] == (want == 0).double().mean().item()
+    assert math.isclose(row.stats["mean"], want.mean().item(), rel_tol=1e-9, abs_tol=1e-12)
+
+
 @pytest.mark.parametrize("source, words", [
     ("batches = []", "gave no batches"),
     ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
