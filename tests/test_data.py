@@ -442,6 +442,15 @@ def test_a_dataloader_of_inputs_and_labels_is_exit_2_saying_labels_go_to_forward
     assert "(inputs, labels)" in hint and "--input-shape" not in hint
 
 
+def test_one_image_file_as_data_says_to_give_its_folder(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    make_images(tmp_path / "imgs", 1)
+    result = cli("stats", spec, "--data", tmp_path / "imgs" / "000.png")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert "not one image file" in first and "folder" in hint and "--input" in hint
+
+
 def test_an_endless_iterable_needs_batches(cli, tmp_path: Path) -> None:
     spec = write_model(tmp_path)
     (tmp_path / "data.py").write_text("import itertools, torch\nbatches = itertools.repeat(torch.ones(2, 3, 8, 8))\n")

@@ -119,6 +119,9 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
         n = _leading(whole, f"data file {text}")
         return _sliced(whole, size, text), f"data: {text}", -(-n // size)
+    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+        raise InputError(f"--data takes a folder of images, not one image file ({text!r})",
+                         hint="give the folder that holds the images, or --input FILE for one image")
     if path.exists():
         raise InputError(f"unsupported data file {text!r}", hint=f"{DATA_HINT}; tensor files: {' '.join(TENSOR_SUFFIXES)}")
     if ":" not in text:
