@@ -75,6 +75,15 @@ class InputError(UsageError):
     default_hint = "check --input / --input-shape (see the command's --help)"
 
 
+class DataError(InputError):
+    """A batch of ``--data`` that could not be read or passed to the model (exit 2: bad input), met
+    after earlier batches ran. Carries their partial report (``report``), as ModelRaisedError does."""
+
+    def __init__(self, message: str, *, report: Report | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.report = report
+
+
 class ConfigError(UsageError):
     """A config file is unreadable or has unknown keys / wrong types."""
 

@@ -155,6 +155,63 @@ def test_dead_channels_of_a_1d_convolution_are_dim_1(tmp_path: Path) -> None:
     assert "6 of 8 channels (dim 1) of relu" in rule.violations[0]["message"]
 
 
+class IdentityThenReLU(nn.Module):
+    """``relu(x)`` exactly (an identity Linear over the last dim first: parameters for the gradients)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(width))
+            self.fc.bias.zero_()
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.fc(x))
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(2, 3), min_size=2, max_size=5), dim=st.integers(-7, 7), data=st.data())
+def test_dead_channels_dim_out_of_range_is_refused_and_in_range_is_judged(tmp_path_factory, shape: list[int],
+                                                                          dim: int, data) -> None:
+    """A dim no checked output has would judge nothing and pass: ConfigError (exit 2) naming the rule,
+    the dim and the outputs' dims; a dim they have is judged as plain torch sees it."""
+    tmp_path = tmp_path_factory.mktemp("dims")
+    dead = data.draw(st.integers(0, len(shape) - 1), label="dead dim")
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).abs() + 0.1
+    x.select(dead, 0).neg_()  # the first slice along ``dead`` is negative: zero after the ReLU
+    model = IdentityThenReLU(shape[-1])
+    checks = {"dead_channels": {"dim": dim, "min_values": 1, "value": 1.0}, "params_change": False}
+    if -len(shape) <= dim < len(shape):
+        rule = check_on(model, x, tmp_path, checks=checks).rule("dead_channels")
+        assert rule.status == "PASS" and "out of range" not in rule.message
+        assert rule.value == pytest.approx(dead_fraction(torch.relu(x), dim))
+    else:
+        with pytest.raises(ConfigError) as err:
+            check_on(model, x, tmp_path, checks=checks)
+        assert f"[checks.dead_channels] dim = {dim} is out of range" in err.value.message
+        assert f"({len(shape)}-D)" in err.value.message and err.value.hint
+
+
+def test_dead_channels_dim_some_outputs_lack_skips_them_and_says_so(cli, tmp_path: Path) -> None:
+    gate = tmp_path / "gate.toml"
+    gate.write_text('[checks.dead_channels]\ndim = 3\nseverity = "error"\n')
+    torch.manual_seed(0)
+    model, x = bm.DeadChannels(), torch.randn(2, 3, 8, 8)
+    relu = dict(finished_outputs(model, x))["relu"]
+    assert dead_fraction(relu, 3) == 0  # along the width nothing is dead; fc's output has no dim 3
+    out = cli("check", "broken_models:DeadChannels", "--input-shape", "2x3x8x8", "--config", gate, "-f", "json")
+    assert out.exit_code == 0, out.stderr
+    rule = next(r for r in as_json(out)["rules"] if r["rule"] == "dead_channels")
+    assert rule["status"] == "PASS" and "dim 3 out of range, not judged: fc (2-D)" in rule["message"]
+    gate.write_text("[checks.dead_channels]\ndim = -5\n")  # no output has 5 dims
+    out = cli("check", "broken_models:DeadChannels", "--input-shape", "2x3x8x8", "--config", gate)
+    assert out.exit_code == 2 and out.stdout == ""
+    first, hint = out.stderr.splitlines()
+    assert first.startswith(f"Error: {gate}: [checks.dead_channels] dim = -5 is out of range for every output")
+    assert "(2-D/4-D)" in first and hint.startswith("  hint: ") and "Traceback" not in out.stderr
+
+
 def test_dead_channels_of_a_transformer_are_its_last_dim(cli, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -116,6 +116,116 @@ def test_stats_over_a_folder_of_50_images_equals_torch_over_all_50(cli, tmp_path
     assert report["inputs"][0]["shape"] == [8, 3, 32, 32]
 
 
+def test_a_tree_of_class_folders_mixed_modes_and_sizes_equals_torch_over_all(cli, tmp_path: Path) -> None:
+    """Class subfolders, PNG and JPEG, grayscale, RGBA and RGB of different sizes, 7 images at 3 a batch
+    (the last batch short); a symlink to the folder itself, a hidden folder and a text file are not
+    read. Plain torch: PIL's RGB conversion (grayscale repeated, alpha dropped), the generic preprocessing."""
+    import torchvision.transforms.v2.functional as F
+
+    spec = write_model(tmp_path)
+    root, rng = tmp_path / "set", np.random.default_rng(3)
+    files = {"cat/a.png": ("RGB", (36, 40)), "cat/b.png": ("L", (50, 33)), "cat/c.jpg": ("RGB", (64, 48)),
+             "dog/d.png": ("RGBA", (40, 40)), "dog/e.PNG": ("RGB", (90, 37)), "dog/small/f.png": ("L", (32, 32)),
+             "g.png": ("RGBA", (45, 70))}
+    for name, (mode, (h, w)) in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shape = (h, w) if mode == "L" else (h, w, len(mode))
+        pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+        if name.endswith(".jpg"):  # one flat colour: JPEG decoders (PIL's, torchvision's) agree to the bit
+            pixels[:] = pixels[0, 0]
+        Image.fromarray(pixels, mode).save(root / name)
+    (root / "dog" / "loop").symlink_to(root, target_is_directory=True)
+    (root / ".hidden").mkdir()
+    Image.fromarray(np.zeros((36, 40, 3), dtype=np.uint8)).save(root / ".hidden" / "copy.png")
+    (root / "labels.txt").write_text("cat\ndog\n")
+    result = cli("stats", spec, "--data", root, "--batch-size", "3", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert "(7 images), 3 batches, 7 samples" in report["inputs"][0]["source"]
+
+    def expected(path: Path) -> torch.Tensor:
+        with Image.open(path) as im:
+            img = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        img = F.center_crop(F.resize(img, [int(32 / 0.875)], antialias=True), [32, 32])
+        return F.normalize(F.to_dtype(img, torch.float32, scale=True), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+    order = sorted(root / name for name in files)
+    batches = [((torch.stack([expected(p) for p in order[i:i + 3]]),), {}) for i in range(0, 7, 3)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".safetensors"])
+def test_npy_npz_and_safetensors_data_files_equal_torch_over_the_whole_tensor(cli, tmp_path: Path,
+                                                                              suffix: str) -> None:
+    spec = write_model(tmp_path)
+    data = torch.randn(11, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / f"set{suffix}"
+    if suffix == ".npy":
+        np.save(path, data.numpy())
+    elif suffix == ".npz":
+        np.savez(path, x=data.numpy())  # keyed by forward's argument name
+    else:
+        from safetensors.torch import save_file
+        save_file({"0": data}, path)  # key "0": the first positional input
+    result = cli("stats", spec, "--data", path, "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert "3 batches, 11 samples" in report["inputs"][0]["source"]
+    batches = [((data[i:i + 4],), {}) for i in range(0, 11, 4)]
+    assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+
+
+def test_token_ids_of_a_tiny_language_model_equal_torch_over_all_batches(cli, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "lm")
+    ids = torch.randint(0, 50, (10, 12), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    for command in ("stats", "check"):
+        result = cli(command, f"hf:{tmp_path / 'lm'}", "--data", tmp_path / "ids.safetensors", "--batch-size", "3",
+                     "--eval", "-f", "json")
+        assert result.exit_code == 0, result.stderr
+        report = json.loads(result.stdout)
+        report = report.get("report", report)
+        assert "4 batches, 10 samples" in report["inputs"][0]["source"]
+        model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "lm").eval()
+        logits = []
+        with torch.no_grad():
+            for i in range(0, 10, 3):
+                logits.append(model(input_ids=ids[i:i + 3]).logits)
+        x = torch.cat([t.reshape(-1) for t in logits]).double()
+        row = next(r for r in report["layers"] if r["name"] == "lm_head")
+        assert row["stats"]["min"] == x.min().item() and row["stats"]["max"] == x.max().item()
+        assert math.isclose(row["stats"]["mean"], x.mean().item(), rel_tol=1e-9)
+        assert math.isclose(row["stats"]["std"], x.std(correction=0).item(), rel_tol=1e-9)
+
+
+def test_a_16_bit_tiff_is_scaled_by_65535_and_a_float_one_is_refused(cli, tmp_path: Path) -> None:
+    """PIL's RGB conversion clips: a 16-bit TIFF came out white (255) and a float TIFF black (0), silently.
+    A constant 16-bit grey image of 13107 (0.2 x 65535) is 0.2 in every channel, as a 16-bit PNG is."""
+    import torchvision.transforms.v2.functional as F
+
+    spec = write_model(tmp_path)
+    (tmp_path / "imgs").mkdir()
+    Image.fromarray(np.full((36, 40), 13107, dtype=np.uint16)).save(tmp_path / "imgs" / "grey16.tif")
+    with Image.open(tmp_path / "imgs" / "grey16.tif") as im:
+        assert im.mode.startswith("I;16")  # the case under test: PIL reads it, torchvision does not
+    result = cli("stats", spec, "--data", tmp_path / "imgs", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    x = F.to_dtype(torch.full((1, 3, 32, 32), 13107, dtype=torch.uint16), torch.float32, scale=True)
+    assert x[0, 0, 0, 0].item() == pytest.approx(0.2)
+    x = F.normalize(x, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    assert_rows_match(json.loads(result.stdout)["layers"], reference(_load(tmp_path), [((x,), {})]))
+    Image.fromarray(np.full((36, 40), 0.5, dtype=np.float32)).save(tmp_path / "imgs" / "depth.tif")
+    result = cli("stats", spec, "--data", tmp_path / "imgs")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert "depth.tif" in first and "32-bit float" in first and hint.startswith("  hint: ")
+
+
 def _load(tmp_path: Path) -> nn.Module:
     import importlib.util
 
@@ -254,6 +364,47 @@ def test_a_batch_of_another_shape_is_the_models_failure_naming_the_batch_with_th
     assert math.isclose(fc["stats"]["mean"], ref["fc"]["mean"], rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("command", ["stats", "grads", "check"])
+def test_a_corrupt_image_mid_run_is_exit_2_naming_the_batch_with_the_rows_before_it(cli, tmp_path: Path,
+                                                                                   command: str) -> None:
+    """Bad data met after batches ran is bad input (exit 2), and, as when the model raises, the rows of
+    the batches that ran go to stdout marked partial; the error line names the batch."""
+    spec = write_model(tmp_path)
+    make_images(tmp_path / "imgs", 8)
+    images = sorted((tmp_path / "imgs").iterdir())
+    (tmp_path / "imgs" / "004.png").write_bytes(b"not a png")  # the 5th file: batch 2 at 2 per batch
+    result = cli(command, spec, "--data", tmp_path / "imgs", "--batch-size", "2", "-f", "json")
+    assert result.exit_code == 2, result.stderr
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: batch 2: ") and "004.png" in first and hint.startswith("  hint: ")
+    report = json.loads(result.stdout)
+    assert report["partial"] is True and report["failure"]["phase"] == "data"
+    assert "2 batches, 4 samples" in report["inputs"][0]["source"]
+    assert [row["name"] for row in report["layers"]] == ["conv", "relu", "pool", "fc"]
+    if command != "grads":  # activation statistics of the first 4 images, as plain torch sees them
+        batches = [((torch.stack([preprocess(p) for p in images[i:i + 2]]),), {}) for i in (0, 2)]
+        assert_rows_match(report["layers"], reference(_load(tmp_path), batches))
+    table = cli(command, spec, "--data", tmp_path / "imgs", "--batch-size", "2")
+    assert table.exit_code == 2 and "PARTIAL: bad data" in table.stdout and "Traceback" not in table.stderr
+
+
+def test_api_a_bad_batch_after_two_raises_data_error_carrying_their_rows() -> None:
+    from hookcli.errors import DataError
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    good = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with pytest.raises(DataError) as err:
+        hookcli.stats(model, data=[good[0], good[1], "not a batch"])
+    assert err.value.exit_code == 2 and err.value.message.startswith("batch 2 is a str")
+    report = err.value.report
+    assert report is not None and report.partial and report.failure.phase == "data"
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in good]).double()
+    row = next(r for r in report.layers if r.name == "1")
+    assert row.stats["max"] == want.max().item() and row.stats["zero_fraction"] == (want == 0).double().mean().item()
+    assert math.isclose(row.stats["mean"], want.mean().item(), rel_tol=1e-9, abs_tol=1e-12)
+
+
 @pytest.mark.parametrize("source, words", [
     ("batches = []", "gave no batches"),
     ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
@@ -268,7 +419,36 @@ def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words
     assert result.exit_code == 2, result.stderr
     assert words in result.stderr.splitlines()[0]
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
-    assert result.stdout == ""
+    if "batch 1" in words:  # met after batch 0 ran: its rows go to stdout, marked partial
+        report = json.loads(cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches", "-f", "json").stdout)
+        assert report["partial"] is True and "1 batch, 2 samples" in report["inputs"][0]["source"]
+    else:
+        assert result.stdout == ""
+
+
+def test_a_dataloader_of_inputs_and_labels_is_exit_2_saying_labels_go_to_forward_too(cli, tmp_path: Path) -> None:
+    """The commonest data set, (images, labels) pairs: the labels would be forward's second argument.
+    Exit 2 naming batch 0, and a hint about --data, not about --input-shape."""
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(textwrap.dedent('''
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        loader = DataLoader(TensorDataset(torch.randn(10, 3, 8, 8), torch.zeros(10, dtype=torch.long)), batch_size=4)
+    '''))
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:loader")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: batch 0: Net.forward cannot take the 2 inputs given (4x3x8x8, 4)")
+    assert "(inputs, labels)" in hint and "--input-shape" not in hint
+
+
+def test_one_image_file_as_data_says_to_give_its_folder(cli, tmp_path: Path) -> None:
+    spec = write_model(tmp_path)
+    make_images(tmp_path / "imgs", 1)
+    result = cli("stats", spec, "--data", tmp_path / "imgs" / "000.png")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert "not one image file" in first and "folder" in hint and "--input" in hint
 
 
 def test_an_endless_iterable_needs_batches(cli, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import click
 from hookcli import api
 from hookcli._version import __version__
 from hookcli.errors import (
-    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, INTERRUPTS, CheckFailedError, HookcliError, ModelRaisedError,
+    EXIT_FAILED, EXIT_INTERNAL, INTERNAL_HINT, INTERRUPTS, CheckFailedError, DataError, HookcliError, ModelRaisedError,
     OutputError, RanksFailed, Terminated, UsageError, exit_status, one_line, safe_str,
 )
 
@@ -318,7 +318,7 @@ def _says(ctx: click.Context, exc: HookcliError | None, rank0_own: bool) -> bool
 
 def _report_error(ctx: click.Context, exc: HookcliError) -> None:
     output = ctx.meta.get(META_OUTPUT)
-    if isinstance(exc, ModelRaisedError) and exc.report is not None and output is not None:
+    if isinstance(exc, (ModelRaisedError, DataError)) and exc.report is not None and output is not None:
         _emit_partial(exc.report, **output)  # every row gathered before the failure, marked partial
     if ctx.meta.get(META_DEBUG):
         cause = exc.__cause__ or exc

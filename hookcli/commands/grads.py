@@ -500,7 +500,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, global_rows, new_report, raise_failure,
+    from hookcli.engine.run import (data_batches, data_source, global_rows, keep_rows, new_report, raise_failure,
                                     ranked_records, require_values, run_step, running)
 
     opts = prep.options
@@ -529,7 +529,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
         return made.value, made
 
     bar, advance = progress_bar(command, prep.data.total, "batches")
-    with torch.inference_mode(False), bar, running(prep) as (model, first_args, first_kwargs):
+    with (torch.inference_mode(False), bar, running(prep) as (model, first_args, first_kwargs),
+          keep_rows(prep, report, rows, ranks=ranks, tp=tp)):
         reported = param_scope(prep.index, prep.selection, opts.params)
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,

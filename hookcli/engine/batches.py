@@ -8,7 +8,8 @@ batches (``pkg.mod:attr`` / ``path/file.py:attr``, resolved as MODEL import path
 Python, any iterable, or a tensor / tuple of tensors / dict of tensors to slice. An item of an
 iterable is a tensor (one positional input), a tuple or list (positional inputs) or a dict with
 string keys (keyword inputs), as the inputs of ``--input`` files are. Only one batch is held at a
-time: memory does not grow with the number of batches.
+time (a tensor file is read whole, within ``limits.TENSOR_BYTES``, and sliced): memory does not grow
+with the number of batches.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
     """A folder of images, a tensor file, or an import path of an iterable (what ``--data`` takes)."""
     path = Path(text).expanduser()
     if path.is_dir():
-        images = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        images = image_tree(path)
         if not images:
-            raise InputError(f"folder {text!r} has no images", hint="supported images: " + " ".join(IMAGE_SUFFIXES))
+            raise InputError(f"folder {text!r} has no images (nor its subfolders)",
+                             hint="supported images: " + " ".join(IMAGE_SUFFIXES))
         if loaded.family in _UNBATCHED_FAMILIES:
             raise UnsupportedError(f"a {loaded.family} model takes its images as one input, not as a data set "
                                    "of images", hint="give them with --input instead")
@@ -117,6 +119,9 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
         n = _leading(whole, f"data file {text}")
         return _sliced(whole, size, text), f"data: {text}", -(-n // size)
+    if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+        raise InputError(f"--data takes a folder of images, not one image file ({text!r})",
+                         hint="give the folder that holds the images, or --input FILE for one image")
     if path.exists():
         raise InputError(f"unsupported data file {text!r}", hint=f"{DATA_HINT}; tensor files: {' '.join(TENSOR_SUFFIXES)}")
     if ":" not in text:
@@ -126,6 +131,17 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
     if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Iterable):
         raise InputError(f"--data {text!r} is a {type(obj).__name__}, not an iterable of batches", hint=DATA_HINT)
     return _from_iterable(obj, text)
+
+
+def image_tree(folder: Path) -> list[Path]:
+    """The images in ``folder`` and its subfolders (one per class, as torchvision's ``ImageFolder``
+    lays a data set out), sorted by path. Symlinked folders and hidden ones (``.ipynb_checkpoints``)
+    are not entered: a link to a parent folder would loop, and hidden copies are not the data set."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):  # (followlinks=False)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [p for p in (Path(root, f) for f in files) if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+    return sorted(found)
 
 
 def _images(loaded: LoadedModel, chunks: list[list[Path]]) -> Iterator[ModelInputs]:

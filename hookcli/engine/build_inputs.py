@@ -478,9 +478,17 @@ def _describe_inputs(inputs: ModelInputs) -> str:
     return _short(", ".join(p for p in (positional, named) if p), 200)
 
 
-def check_signature(model: nn.Module, inputs: ModelInputs) -> None:
+#: What to do when a batch of ``--data`` does not fit forward (``check_signature``'s ``how``).
+DATA_SIGNATURE_HOW = ("each batch of --data goes to forward whole: a tensor is one input, a tuple or list positional "
+                      "inputs, a dict keyword inputs; a DataLoader of (inputs, labels) passes the labels too: give "
+                      "one whose batches are the inputs alone")
+
+
+def check_signature(model: nn.Module, inputs: ModelInputs, *, how: str | None = None, where: str = "") -> None:
     """Bind the inputs to ``model.forward``'s signature before running: too many, too few or
     unknown keyword inputs are a usage error (exit 2) with the signature, never "the model raised".
+    ``how``: the hint after the signature (default: one ``--input-shape`` or file tensor per
+    argument); ``where``: the message's prefix (``"batch 3: "``).
 
     Skipped where the signature cannot be read (TorchScript, builtins) or a forward pre-hook may
     rewrite the arguments.
@@ -495,8 +503,9 @@ def check_signature(model: nn.Module, inputs: ModelInputs) -> None:
         signature.bind(*inputs.args, **inputs.kwargs)
     except TypeError as exc:
         count = len(inputs.args) + len(inputs.kwargs)
+        how = how or ("give one --input-shape (or tensor of an --input file) per argument; keyword arguments by "
+                      "name in an .npz/.safetensors/.pt dict")
         raise InputError(
-            f"{type(model).__name__}.forward cannot take the {plural(count, 'input')} given "
+            f"{where}{type(model).__name__}.forward cannot take the {plural(count, 'input')} given "
             f"({_describe_inputs(inputs)}): {exc}",
-            hint=f"forward{_short(str(signature), 160)}: give one --input-shape (or tensor of an --input "
-            "file) per argument; keyword arguments by name in an .npz/.safetensors/.pt dict") from None
+            hint=f"forward{_short(str(signature), 160)}: {how}") from None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookcli.errors import InputError, UsageError, describe_exception
+from hookcli.errors import InputError, UnsupportedError, UsageError, describe_exception
 from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
@@ -165,10 +165,31 @@ def _decode(path: Path) -> torch.Tensor:
         from torchvision.transforms.v2.functional import pil_to_tensor
 
         with Image.open(path) as im:
-            return pil_to_tensor(im.convert("RGB"))
+            return _pil_rgb(im, path, pil_to_tensor)
+    except UnsupportedError:
+        raise
     except Exception as exc:
         raise InputError(f"could not decode image {str(path)!r}: {describe_exception(exc)}",
                          hint="is it a valid, complete image file?") from exc
+
+
+def _pil_rgb(im: Any, path: Path, pil_to_tensor: Any) -> torch.Tensor:
+    """An image PIL opened as an RGB CHW tensor: uint8, or uint16 for 16-bit grey (a 16-bit TIFF, scaled
+    to [0, 1] as a 16-bit PNG is). PIL's RGB conversion clips wider values to 0..255 (a 16-bit image
+    comes out white, a float one black): 32-bit integer and float images, which have no standard scale,
+    are UnsupportedError (exit 2) rather than silently wrong inputs."""
+    import numpy as np
+
+    if im.mode.startswith("I;16"):
+        grey = torch.from_numpy(np.asarray(im).astype(np.uint16))
+        return grey.unsqueeze(0).expand(3, -1, -1).contiguous()
+    if im.mode in ("I", "F"):
+        kind = "32-bit float" if im.mode == "F" else "32-bit integer"
+        raise UnsupportedError(f"image {str(path)!r} holds {kind} pixels (PIL mode {im.mode}), which have no "
+                               "standard scale to the 8-bit RGB a model's preprocessing expects",
+                               hint="save the values the model should see as a tensor file (.npy, .pt), or the "
+                                    "image as 8- or 16-bit")
+    return pil_to_tensor(im.convert("RGB"))
 
 
 def _generic_preprocess(img: torch.Tensor, crop: int | tuple[int, int] = 224, *, crop_pct: float = 224 / 256,

@@ -24,13 +24,13 @@ from torch import nn
 from hookcli._version import __version__
 from hookcli import progress
 from hookcli.errors import (
-    INTERRUPTS, HookcliError, InputError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
+    INTERRUPTS, DataError, HookcliError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, sharding
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
-from hookcli.engine.build_inputs import ModelInputs, check_signature, make_inputs, with_note
+from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.options import RunOptions, Shard, model_is_instance
@@ -135,7 +135,8 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
-    check_signature(loaded.model, inputs)  # too many / too few inputs: exit 2, before running
+    check_signature(loaded.model, inputs, how=DATA_SIGNATURE_HOW if data is not None else None,
+                    where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:
@@ -696,12 +697,35 @@ def data_batches(prep: Prepared, args: tuple[Any, ...], kwargs: dict[str, Any]
     and placed on the run's device in its dtype as it comes: one batch is held at a time."""
     assert prep.data is not None
     yield 0, prep.inputs, args, kwargs
-    for index, batch in enumerate(prep.data.rest, start=1):
-        try:
-            check_signature(prep.loaded.model, batch)
-        except InputError as exc:
-            raise InputError(f"batch {index}: {exc.message}", hint=exc.hint) from None
-        yield index, batch, *place_inputs(prep, batch)
+    rest, index = iter(prep.data.rest), 1
+    while True:
+        try:  # reading, checking and placing a later batch: DataError naming it (``keep_rows`` adds the rows)
+            batch = next(rest, None)
+            if batch is None:
+                return
+            check_signature(prep.loaded.model, batch, how=DATA_SIGNATURE_HOW, where=f"batch {index}: ")
+            placed = place_inputs(prep, batch)
+        except UsageError as exc:
+            named = exc.message if f"batch {index}" in exc.message else f"batch {index}: {exc.message}"
+            raise DataError(named, hint=exc.hint) from exc
+        yield index, batch, *placed
+        index += 1
+
+
+@contextmanager
+def keep_rows(prep: Prepared, report: Report, rows: MergedRows, *, ranks: bool,
+              tp: list[list[int]] | None) -> Iterator[None]:
+    """Around a run over ``data_batches``: a bad batch (DataError, exit 2) carries the report of the
+    batches before it, marked partial (``failure.phase`` "data"), as the model raising carries its rows."""
+    try:
+        yield
+    except DataError as exc:
+        report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
+                         else rows.records())
+        report.failure = FailureInfo("data", None, None, [], type(exc.__cause__ or exc).__name__, exc.message)
+        data_source(prep, report, rows)
+        exc.report = report
+        raise
 
 
 def data_source(prep: Prepared, report: Report, rows: MergedRows, *, done: bool = False) -> None:
@@ -731,7 +755,7 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
     bar, advance = progress.bar(command, prep.data.total, "batches")
-    with bar, running(prep) as (model, first_args, first_kwargs):
+    with bar, running(prep) as (model, first_args, first_kwargs), keep_rows(prep, report, rows, ranks=ranks, tp=tp):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))

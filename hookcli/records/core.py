@@ -236,6 +236,8 @@ class FailureInfo:
         where = f" at {self.module or '(model)'} ({self.module_type})" if self.module_type else ""
         shapes = ", ".join("x".join(map(str, s)) if s is not None else "?" for s in self.input_shapes)
         with_inputs = f" with input shape(s) {shapes}" if self.input_shapes else ""
+        if self.phase == "data":  # a bad batch of --data (message: "batch N: ..."), not the model
+            return f"bad data: {self.message}"
         if self.exception == "SystemExit":  # message: "exited with code N"
             return f"the model {self.message} in {self.phase}{where}{with_inputs} (it called sys.exit)"
         return f"the model raised in {self.phase}{where}{with_inputs}: {self.exception}: {self.message}"

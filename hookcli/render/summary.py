@@ -35,6 +35,8 @@ def partial_mark(report: Renderable) -> str:
     """`` (PARTIAL: ...)`` for a report of a failed run (rows gathered before the failure), else ""."""
     if not isinstance(report, Report) or report.failure is None:
         return ""
+    if report.failure.phase == "data":
+        return " (PARTIAL: bad data; rows of the batches before it)"
     return f" (PARTIAL: the model raised in {report.failure.phase}; rows up to the failure)"
 
 

@@ -38,6 +38,9 @@ class Observations:
     outputs: list[dict[str, Any]] = field(default_factory=list)
     #: (name, call, output path) -> (dead channels, channels, values per channel, the channel dimension).
     channels: dict[TensorKey, tuple[int, int, int, int]] = field(default_factory=dict)
+    #: (name, call, output path) -> (the configured dead_channels dim, the output's number of dims), for outputs
+    #: (2+ dims) that have no such dim: not judged.
+    out_of_range: dict[TensorKey, tuple[int, int]] = field(default_factory=dict)
     #: parameter -> largest absolute change after the SGD step(s); None: it got no gradient.
     changes: dict[str, float | None] | None = None
     change_error: str | None = None
@@ -341,7 +344,45 @@ def max_zero_fraction(rule: RuleConfig, report: Report, obs: Observations) -> Ru
                    ok_message=ok + _explained("all zero", recovered))
 
 
+def _out_of_range(rule: RuleConfig, report: Report, obs: Observations) -> dict[int, list[tuple[str, int]]]:
+    """The configured dims some checked outputs do not have: dim -> [(output label, its rank)]."""
+    labels = {(r.name, r.call, r.output): r.label for r in _layers(report, rule)}
+    missing: dict[int, list[tuple[str, int]]] = {}
+    for key, (dim, rank) in obs.out_of_range.items():
+        if key in labels:
+            missing.setdefault(dim, []).append((labels[key], rank))
+    return missing
+
+
+def _shown(outputs: list[tuple[str, int]]) -> str:
+    ranks = "/".join(f"{r}-D" for r in sorted({rank for _, rank in outputs}))
+    names = ", ".join(label for label, _ in outputs[:3]) + (f", ... ({len(outputs)} in all)" if len(outputs) > 3
+                                                             else "")
+    return f"{names} ({ranks})"
+
+
+def channel_dims_exist(rules: CheckRules, report: Report, obs: Observations) -> None:
+    """ConfigError (exit 2) when a ``dead_channels`` dim (the rule's or an override's) exists in none
+    of the outputs it applies to: the rule would judge nothing and pass. A dim that only some outputs
+    lack skips those (``dead_channels`` says so)."""
+    rule = rules.get("dead_channels")
+    if rule is None or not obs.out_of_range:
+        return
+    missing = _out_of_range(rule, report, obs)
+    labels = {(r.name, r.call, r.output): r.name for r in _layers(report, rule)}
+    judged = {rule.limits(labels[key])["dim"] for key in obs.channels if key in labels}
+    for dim, outputs in missing.items():
+        if dim not in judged:
+            raise ConfigError(
+                f"{rules.source}: [checks.dead_channels] dim = {dim} is out of range for every output it applies "
+                f"to: {_shown(outputs)}; an N-D output has dims -N to N-1",
+                hint='set dim to one those outputs have (1 for [B, C, ...], -1 for the last) or "auto"; '
+                     'overrides = { "name.*" = { dim = N } } sets it for some layers')
+
+
 def dead_channels(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    skipped = "".join(f"; dim {dim} out of range, not judged: {_shown(outputs)}"
+                      for dim, outputs in _out_of_range(rule, report, obs).items())
     rows = _channel_rows(rule, report, obs)
     over, recovered = _live_later(lambda rep, o: _channel_rows(rule, rep, o), obs, [r for r in rows if r[3] > r[4]])
     bad = [_violation(w, f, lim, f"{d} of {c} channels (dim {dim}) of {w} are zero over the whole batch")
@@ -350,8 +391,11 @@ def dead_channels(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
     top = live[0] if live else (rows[0] if rows else (0, 0, None, None, rule["value"], 0, 0, 0))
     msg = (f"at most {top[5]} of {top[6]} channels dead (in {top[2]})" if rows else
            f"no output has {rule['min_values']}+ values per channel to judge")
-    return _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
-                   ok_message=msg + _explained("zero channels", recovered))
+    result = _result(rule, bad, ok_where=top[2], ok_value=top[3], limit=top[4],
+                     ok_message=msg + _explained("zero channels", recovered) + skipped)
+    if bad:
+        result.message += skipped
+    return result
 
 
 def grad_norm(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:

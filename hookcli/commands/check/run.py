@@ -36,7 +36,7 @@ from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
-from hookcli.commands.check.rules import Observations, evaluate, load_baseline, suspects
+from hookcli.commands.check.rules import Observations, channel_dims_exist, evaluate, load_baseline, suspects
 from hookcli.engine.state import exclusive
 from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
 from hookcli.commands.check import ranks as check_ranks
@@ -58,6 +58,8 @@ class Probe(RunObserver):
         self.wants_param_reads = True  # a parameter without a gradient: unused, or cut off (no_gradient)
         self.order: CompletionOrder = {}
         self._channels: list[tuple[tuple[str, int, str], int, int, int, torch.Tensor]] = []
+        #: (name, call, output path) -> (the configured channel dim, the output's number of dims): a dim it lacks.
+        self.out_of_range: dict[tuple[str, int, str], tuple[int, int]] = {}
         self._outputs: list[tuple[str, list[int], str, torch.Tensor | None]] = []
         #: Float outputs that do not require grad in this grad-enabled run, of modules that are not
         #: frozen: constants (masks, zero position biases) computed from no trainable parameter. (The
@@ -80,7 +82,10 @@ class Probe(RunObserver):
             dim = self.auto_dims(name, t)
         assert isinstance(dim, int)
         d = dim + t.dim() if dim < 0 else dim
-        if not 0 <= d < t.dim() or t.shape[d] == 0:
+        if not 0 <= d < t.dim():  # not judged; the rule says so, or refuses a dim no output has
+            self.out_of_range[(name, call, path)] = (dim, t.dim())
+            return
+        if t.shape[d] == 0:
             return
         x = t.detach() if t.layout == torch.strided else t.detach().to_dense()
         others = [i for i in range(x.dim()) if i != d]
@@ -112,6 +117,7 @@ class Probe(RunObserver):
         host = iter(row[0] for row in to_host(vectors))
         obs.order = dict(self.order)
         obs.constant = set(self.constant)
+        obs.out_of_range = dict(self.out_of_range)
         obs.channels = {key: (int(next(host)), channels, per, dim) for key, channels, per, dim, _ in self._channels}
         obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
                         "nonfinite": int(next(host)) if bad is not None else 0}
@@ -369,6 +375,8 @@ def _run_check(options: RunOptions, rules: CheckRules, started: float, training:
     prep = engine.prepare(opts, default_batch=2, batched=True)
     run_started = time.perf_counter()
     report, obs, cause = measure(prep, rules)
+    if report.failure is None:
+        channel_dims_exist(rules, report, obs)  # before anything more runs
     if prep.data is not None and cause is None:
         report, cause = over_data(prep, report)
     if check_ranks.active() and cause is None:  # every rank is here: a failed run on one raised on the others
