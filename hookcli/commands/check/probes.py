@@ -210,8 +210,12 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
         rows.append((name, diff, norm))
     if not rows:
         return {"skip": "no parameter got a gradient"}
+    # the coarsest precision the gradients were computed in: its rounding alone makes the halves differ
+    coarsest = max((g.dtype for g in full.values() if g is not None and g.is_floating_point()),
+                   key=lambda dtype: torch.finfo(dtype).eps, default=torch.float32)
     return {"batch": batch, "norm": total ** 0.5, "diff": diff_total ** 0.5,
-            "params": [{"name": n, "diff": d, "norm": g} for n, d, g in rows]}
+            "params": [{"name": n, "diff": d, "norm": g} for n, d, g in rows],
+            "dtype": str(coarsest).removeprefix("torch."), "eps": torch.finfo(coarsest).eps}
 
 
 # --------------------------------------------------------------------------- batch_independence
