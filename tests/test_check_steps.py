@@ -176,7 +176,30 @@ def test_a_learning_rate_of_zero_fails_params_update_and_overfit_batch(tmp_path:
     got = rows(check(model, tmp_path, optimizer=torch.optim.SGD(model.parameters(), lr=0.0)))
     assert got["params_update"].status == "FAIL" and got["params_update"].offender == "body.weight"
     assert "learning rate of 0" in got["params_update"].message
+    assert "too small for" not in got["params_update"].message  # float32: no rounding to blame
     assert got["overfit_batch"].status == "FAIL" and got["overfit_batch"].value == 0
+
+
+def test_a_bfloat16_weight_whose_updates_round_away_fails_params_update_saying_why(tmp_path: Path) -> None:
+    # Pure bfloat16 training: AdamW's first steps move each weight by about lr = 1e-3, less than half
+    # bfloat16's spacing at 1 (2**-8), so a LayerNorm weight of 1 never changes (plain torch agrees).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters(), lr=1e-3)
+    for _ in range(12):
+        opt.zero_grad()
+        F.cross_entropy(clone(x).float(), torch.zeros(8, dtype=torch.long)).backward()
+        opt.step()
+    assert torch.equal(clone[1].weight, model[1].weight) and clone[1].weight.grad.abs().max() > 0
+    got = rows(hookcli.check(model, inputs=[path], steps=12, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    update = got["params_update"]
+    assert update.status == "FAIL" and update.offender == "1.weight"
+    message = next(v["message"] for v in update.violations if v["where"] == "1.weight")
+    assert "too small for bfloat16" in message and "float32" in message
 
 
 def test_a_parameter_frozen_by_accident_fails_params_update(tmp_path: Path) -> None:

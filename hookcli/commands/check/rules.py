@@ -77,6 +77,8 @@ class ParamTrace:
     grad_max: float = 0.0
     #: Largest absolute change of its values from before the first step to after the last.
     change: float = 0.0
+    #: Its dtype's name ("float32", "bfloat16"): an update too small for a 16-bit float rounds away.
+    dtype: str = "float32"
 
 
 @dataclass
@@ -616,12 +618,27 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
             bad.append(_violation(name, 0.0, None, f"the gradient of {name} is exactly zero in each of {steps}"))
         elif not p.change:
             bad.append(_violation(name, 0.0, None, f"{name} did not change in {steps} of {t.optimiser} although "
-                                  f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"))
+                                  f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"
+                                  + _rounded_away(p.dtype)))
         elif not math.isfinite(p.change):
             bad.append(_violation(name, p.change, None, f"{name} holds NaN/Inf after {steps}"))
     tail = f"; {excused} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
     return _result(rule, bad, ok_message=f"all {trained} trainable parameters got a finite gradient and changed "
                    f"in {steps} of {t.optimiser}" + tail)
+
+
+#: Half the spacing of a 16-bit float's values around 1, relative: a smaller update rounds away.
+_HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def _rounded_away(dtype: str) -> str:
+    """Why a 16-bit weight with a gradient may not move at all: each update below half its float's
+    spacing at the weight's value is lost in the rounding (pure bfloat16 training at a small learning
+    rate: a LayerNorm weight of 1 under AdamW at lr 1e-3)."""
+    if dtype not in _HALF_ULP:
+        return ""
+    return (f" Or updates too small for {dtype}: one below about {_HALF_ULP[dtype]:.2g} x a weight's magnitude "
+            "rounds away (keep the weights in float32, with torch.autocast for the compute)")
 
 
 def determinism(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:

@@ -248,7 +248,8 @@ class _Trainer:
         in_opt = {id(p) for group in made[0].param_groups for p in group["params"]} if made else set()
         changes = host[:len(named)]
         maxima = dict(zip(gmax, (v[0] for v in host[len(named):])))
-        params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0])
+        params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0],
+                                str(p.dtype).removeprefix("torch."))
                   for (n, p), c in zip(named, changes)}
         return _Run([row[0] for row in to_host(losses)] if losses else [], params)
 
