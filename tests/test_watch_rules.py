@@ -616,6 +616,28 @@ def test_a_frozen_parameter_is_told_by_what_its_gradient_was() -> None:
     assert set(messages) == {"head.weight", "head.bias", "unused.weight", "unused.bias"}
     assert "it has a gradient: not in the optimizer?" in messages["head.weight"]
     assert "no gradient reached it" in messages["unused.weight"]
+    assert all("round away" not in message for message in messages.values())  # float32: no rounding to blame
+
+
+def test_a_bfloat16_weight_whose_updates_round_away_is_frozen_saying_why() -> None:
+    """Pure bfloat16 training: AdamW moves each weight by about lr = 1e-3 a step, less than half
+    bfloat16's spacing at 1 (2**-8): the LayerNorm's weight of 1 never changes, plain torch agrees."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Linear(16, 1)).to(torch.bfloat16)
+    before = model[1].weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, optimizer) as w:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            assert model[1].weight.grad.abs().max() > 0
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+    assert torch.equal(model[1].weight, before)
+    messages = {f.layer: f.message for f in w.findings if f.rule == "frozen"}
+    assert "1.weight" in messages
+    assert "round away in bfloat16" in messages["1.weight"] and "float32" in messages["1.weight"]
 
 
 @settings(max_examples=25, deadline=None)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookcli.commands.check.rules import rounded_away
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.records import Finding, WatchParam, WatchStep
@@ -132,7 +133,8 @@ def _frozen_cause(p: WatchParam) -> str:
         return "no gradient reached it: detached, unused, or zero_grad() before the step?"
     if p.grad["abs_max"] == 0:
         return "its gradient is exactly 0: a loss at its minimum, or a dead path?"
-    return "it has a gradient: not in the optimizer? a learning rate of 0?"
+    rounding = rounded_away(p.dtype)
+    return "it has a gradient: not in the optimizer? a learning rate of 0?" + (f" {rounding}" if rounding else "")
 
 
 @dataclass

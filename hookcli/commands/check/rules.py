@@ -619,7 +619,7 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
         elif not p.change:
             bad.append(_violation(name, 0.0, None, f"{name} did not change in {steps} of {t.optimiser} although "
                                   f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"
-                                  + _rounded_away(p.dtype)))
+                                  + (f" Or {rounded_away(p.dtype)}" if rounded_away(p.dtype) else "")))
         elif not math.isfinite(p.change):
             bad.append(_violation(name, p.change, None, f"{name} holds NaN/Inf after {steps}"))
     tail = f"; {excused} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
@@ -631,14 +631,15 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
 _HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 
-def _rounded_away(dtype: str) -> str:
-    """Why a 16-bit weight with a gradient may not move at all: each update below half its float's
-    spacing at the weight's value is lost in the rounding (pure bfloat16 training at a small learning
-    rate: a LayerNorm weight of 1 under AdamW at lr 1e-3)."""
+def rounded_away(dtype: str | None) -> str:
+    """Why a 16-bit weight with a gradient may not move at all (``""`` for other dtypes): each update
+    below half its float's spacing at the weight's value is lost in the rounding (pure bfloat16
+    training at a small learning rate: a LayerNorm weight of 1 under AdamW at lr 1e-3). Told by
+    ``check --steps``'s ``params_update`` and the watch's ``frozen`` rule."""
     if dtype not in _HALF_ULP:
         return ""
-    return (f" Or updates too small for {dtype}: one below about {_HALF_ULP[dtype]:.2g} x a weight's magnitude "
-            "rounds away (keep the weights in float32, with torch.autocast for the compute)")
+    return (f"updates that round away in {dtype}? one below about {_HALF_ULP[dtype]:.2g} x a weight's magnitude "
+            "does; keep the weights in float32, compute under torch.autocast")
 
 
 def determinism(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
