@@ -147,6 +147,43 @@ def test_a_learning_rate_far_too_low_is_flagged() -> None:
     assert found.value < found.limit == 1e-6 and "too low" in found.message
 
 
+def test_a_learning_rate_that_stays_too_low_is_told_once_not_at_every_logged_step() -> None:
+    """Adam at lr 1e-9 for 6 logged steps: plain torch's median update ratio is below 1e-6 at each of
+    them, and the finding is told once, at step 0 (it was repeated at each logged step)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)
+    medians = []
+    data = regression()
+    with hookcli.watch(model, opt, every=1, rules={"frozen": False}) as w:
+        for step in range(6):
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = data(model, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+            ratios = sorted(float((p.detach() - b).norm() / b.norm())
+                            for p, b in zip(model.parameters(), before) if p.dim() >= 2)
+            medians.append(ratios[len(ratios) // 2])
+    assert all(m < 1e-6 for m in medians)
+    assert [(f.rule, f.step) for f in w.findings] == [("update_ratio", 0)]
+
+
+def test_gradients_that_keep_vanishing_are_told_once() -> None:
+    """The twelve-sigmoid MLP (below) for 5 logged steps: one grad_depth finding, at step 0."""
+    torch.manual_seed(0)
+    body = [m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(nn.Linear(4, 16), *body, nn.Linear(16, 1))
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 5, rules={"frozen": False})
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    first = model[0](x)
+    last = model[-1](model[1:-1](first))
+    g_first, g_last = torch.autograd.grad(nn.functional.mse_loss(last, x.sum(1, keepdim=True)), [first, last])
+    assert float(g_first.pow(2).mean().sqrt() / g_last.pow(2).mean().sqrt()) < 1e-6  # still vanishing at the end
+    assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "grad_depth"] == [("grad_depth", 0, "0")]
+
+
 def test_a_layer_left_out_of_the_optimizer_is_frozen() -> None:
     """The head's parameters require grad but were never given to the optimizer: named at the third
     logged step (the rule's 3 steps in a row), and nothing else is."""

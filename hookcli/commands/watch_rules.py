@@ -250,6 +250,8 @@ class Rules:
         if cfg["low"] <= median <= cfg["high"]:
             return []
         high = median > cfg["high"]
+        if not self._new("update_ratio", "(high)" if high else "(low)"):
+            return []  # told once a run: not at each logged step while the learning rate stays off
         limit = cfg["high"] if high else cfg["low"]
         worst, name = ratios[-1] if high else ratios[0]
         return [Finding("update_ratio", "warning", rec.step, name, "update", median, limit,
@@ -305,6 +307,8 @@ class Rules:
         if cfg["low"] <= ratio <= cfg["high"]:
             return []
         low = ratio < cfg["low"]
+        if not self._new("grad_depth", "(low)" if low else "(high)"):
+            return []  # told once a run: not at each logged step while the gradients still vanish
         return [Finding("grad_depth", "warning", rec.step, first, "backward", ratio, cfg["low"] if low else cfg["high"],
                         f"gradients {'vanish' if low else 'explode'} across depth: {first}'s output gradient RMS is "
                         f"{ratio:.3g}x {last}'s")]
