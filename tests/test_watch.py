@@ -433,6 +433,9 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
     ((nn.Linear(2, 2),), {"every": 2.5}, "every"),
     ((nn.Linear(2, 2),), {"every": True}, "every"),
     ((nn.Linear(2, 2),), {"layers": "nope"}, "no module named 'nope'"),
+    ((nn.Linear(2, 2),), {"out": 123}, "out must be a path"),
+    ((nn.Linear(2, 2),), {"out": b"runs/exp.jsonl"}, "out must be a path"),
+    ((nn.Linear(2, 2),), {"tensorboard_dir": 1}, "tensorboard_dir must be a path"),
 ])
 def test_bad_arguments_are_usage_errors(args: tuple[Any, ...], kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(UsageError) as info:
