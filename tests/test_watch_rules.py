@@ -184,6 +184,29 @@ def test_gradients_that_keep_vanishing_are_told_once() -> None:
     assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "grad_depth"] == [("grad_depth", 0, "0")]
 
 
+def test_a_zero_initialised_head_is_not_gradients_vanishing_across_depth() -> None:
+    """timm's MLP-Mixer initialises its head to 0: at step 0 no gradient comes back through it (every
+    output before it gets exactly 0, torch.autograd.grad agrees); grad_depth said "vanish ... 0x head's"."""
+    mlp_mixer = pytest.importorskip("timm.models.mlp_mixer")
+    torch.manual_seed(0)
+    model = mlp_mixer.MlpMixer(num_classes=10, img_size=32, patch_size=8, num_blocks=2, embed_dim=32)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    stem = model.stem(x)
+    logits = model.forward_head(model.norm(model.blocks(stem)))
+    assert torch.equal(logits, model(x))
+    (g_stem,) = torch.autograd.grad(nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.long)), [stem])
+    assert torch.count_nonzero(g_stem) == 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, opt) as w:
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(x), torch.zeros(2, dtype=torch.long))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert [f for f in w.findings if f.rule == "grad_depth"] == []
+
+
 def test_a_layer_left_out_of_the_optimizer_is_frozen() -> None:
     """The head's parameters require grad but were never given to the optimizer: named at the third
     logged step (the rule's 3 steps in a row), and nothing else is."""

@@ -296,10 +296,12 @@ class Rules:
 
     def _grad_depth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The gradient's RMS at the first selected output (in forward order) over the last's out of
-        [low, high]: gradients vanishing (or exploding) across depth; names the first layer."""
+        [low, high]: gradients vanishing (or exploding) across depth; names the first layer. Outputs
+        whose gradient is exactly 0 are not judged: none came back through them (a zero-initialised
+        head at step 0, as timm's Mixer's), which is not a gradient that shrank over depth."""
         rms = [(_layer_name(layer), float(layer.grad["rms"])) for layer in rec.layers
                if layer.grad is not None and not _bad(layer.grad) and layer.grad["count"]
-               and _finite(layer.grad["rms"])]
+               and _finite(layer.grad["rms"]) and layer.grad["rms"] != 0]
         if len(rms) < 2 or rms[-1][1] <= 0:
             return []
         (first, value), last = rms[0], rms[-1][0]
