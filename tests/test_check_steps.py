@@ -180,6 +180,40 @@ def test_a_learning_rate_of_zero_fails_params_update_and_overfit_batch(tmp_path:
     assert got["overfit_batch"].status == "FAIL" and got["overfit_batch"].value == 0
 
 
+def _critic() -> nn.Module:
+    """A GAN critic as the SN-GAN papers write it: spectral_norm (its ``weight`` is a tensor computed
+    with autograd, kept as a plain attribute) and the old weight_norm (the same from the start)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 16)), nn.LeakyReLU(0.2),
+                         nn.utils.weight_norm(nn.Linear(16, 4)))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch deprecates the old weight_norm
+def test_a_spectral_norm_critic_after_a_training_forward_is_copied_and_trained(tmp_path: Path) -> None:
+    # Such a model cannot be copy.deepcopy'd (not a graph leaf): check said "cannot be deep-copied", exit 2.
+    model, twin = _critic(), _critic()
+    path = fixed_input(tmp_path)
+    x = torch.load(path)
+    for m in (model, twin):
+        m(x).sum()  # the user's own forward, as a training loop leaves the model
+    with pytest.raises(RuntimeError):
+        copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = hookcli.check(model, inputs=[path], steps=12, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    got = rows(result)
+    assert got["params_update"].status == "PASS" and got["determinism"].status == "PASS", result
+    opt = torch.optim.Adam(twin.parameters(), lr=1e-2)  # plain torch: the same 12 steps on the twin
+    losses = []
+    for _ in range(12):
+        opt.zero_grad()
+        loss = F.cross_entropy(twin(x), torch.zeros(8, dtype=torch.long))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert got["overfit_batch"].value == pytest.approx((losses[0] - min(losses)) / losses[0], rel=1e-4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_bfloat16_weight_whose_updates_round_away_fails_params_update_saying_why(tmp_path: Path) -> None:
     # Pure bfloat16 training: AdamW's first steps move each weight by about lr = 1e-3, less than half
     # bfloat16's spacing at 1 (2**-8), so a LayerNorm weight of 1 never changes (plain torch agrees).

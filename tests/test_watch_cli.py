@@ -311,6 +311,18 @@ def test_watch_model_from_python_trains_a_copy_and_leaves_the_model_as_it_was() 
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_watch_model_copies_a_spectral_norm_critic_after_a_training_forward() -> None:
+    """spectral_norm keeps its ``weight`` as a tensor computed with autograd, which copy.deepcopy refuses
+    (the watch said "cannot be deep-copied", exit 2); the copy is trained, the model left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 8)), nn.LeakyReLU(0.2), nn.Linear(8, 3))
+    model(torch.randn(2, 4)).sum()  # the user's own forward: the weight is no graph leaf now
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = hookcli.watch_model(model, steps=2, optimizer="adam", input_shapes=["4x4"])
+    assert (run.model, run.steps, run.findings) == ("Sequential", 2, [])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_the_watch_table_of_a_config_sets_every_out_and_rules(cli, script: Path, tmp_path: Path) -> None:
     config = tmp_path / "hookcli.toml"
     config.write_text('[watch]\nevery = 2\nout = "runs/cfg.jsonl"\n[watch.rules.frozen]\nsteps = 2\n')

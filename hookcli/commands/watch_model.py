@@ -9,7 +9,6 @@ copy is trained.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +25,7 @@ from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.engine.session import HookOptions
+from hookcli.engine.state import copy_model
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError
 from hookcli.options import RunOptions
 from hookcli.output import LineLog
@@ -67,7 +67,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
     refuse_torchscript(prep.loaded.model, prep.selection)
     if prep.loaded.kind == "instance":  # the caller's model is read only: a copy is trained
         try:
-            clone = copy.deepcopy(prep.loaded.model)
+            clone = copy_model(prep.loaded.model)
         except Exception as exc:  # noqa: BLE001 - any failure to copy
             raise UnsupportedError(f"watch trains a copy of the model you pass, and it cannot be deep-copied: "
                                    f"{type(exc).__name__}: {exc}",

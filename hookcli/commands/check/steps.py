@@ -20,7 +20,6 @@ Everything measured is handed to the rules as plain values (``rules.Training``).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
 from hookcli.errors import HookcliError, InternalError, UnsupportedError, UsageError, describe_exception, exit_status
 from hookcli.options import Loss
@@ -74,7 +74,7 @@ def step_options(steps: Any = 0, optimizer: Any = None, loss_fn: Any = None) -> 
 
 def _copy(model: nn.Module) -> nn.Module:
     try:
-        clone = copy.deepcopy(model)
+        clone = copy_model(model)
     except Exception as exc:  # noqa: BLE001 - any failure to copy
         raise _no_copy(describe_exception(exc)) from exc
     if type(clone) is not type(model):
