@@ -126,6 +126,12 @@ def check_arguments(model: Any, optimizer: Any, every: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"hookcli.watch takes the nn.Module you train, got {type(model).__name__}",
                          hint="pass the model object itself (hookcli.watch(model, optimizer))")
+    if isinstance(optimizer, (list, tuple)) and optimizer and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        raise UsageError(f"hookcli.watch takes one optimizer, got a {type(optimizer).__name__} of {len(optimizer)}",
+                         hint="for several (a GAN's, Muon with AdamW): optimizer=None and w.step() after they all "
+                              "step, before zero_grad() (norms and gradients are logged, not the updates); or "
+                              "watch each model with its own optimizer")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"hookcli.watch's optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
                          hint="pass the optimizer you call step() on, or None to count steps by watch.step()")
