@@ -45,10 +45,8 @@ class Watch:
         if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
             raise UsageError(f"flight must be a whole number of steps, 1 or more, got {flight!r}",
                              hint="flight=100 keeps every step's statistics of the last 100 steps")
-        for what, path in (("out", out), ("tensorboard_dir", tensorboard_dir)):
-            if path is not None and not isinstance(path, (str, os.PathLike)):
-                raise UsageError(f"{what} must be a path (a str or a pathlib.Path), got {type(path).__name__}",
-                                 hint=f'e.g. {what}="runs/exp.jsonl"' if what == "out" else f'e.g. {what}="runs/tb"')
+        check_path("out", out)
+        check_path("tensorboard_dir", tensorboard_dir)
         if on_finding not in ON_FINDING:
             raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
@@ -118,6 +116,13 @@ class Watch:
             raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,
                                    hint="w.findings and the log's findings say more; "
                                         "rules={...} sets the thresholds, on_finding='warn' only records them")
+
+
+def check_path(what: str, path: Any) -> None:
+    """UsageError for an ``out=``/``tensorboard_dir=`` that is neither None nor a path (an int, bytes)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{what} must be a path (a str or a pathlib.Path), got {type(path).__name__}",
+                         hint=f'e.g. {what}="runs/exp.jsonl"' if what == "out" else f'e.g. {what}="runs/tb"')
 
 
 def check_arguments(model: Any, optimizer: Any, every: Any) -> None:

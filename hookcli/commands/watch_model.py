@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hookcli.commands.grads import loss_for, no_gradients
-from hookcli.commands.watch import Watch, check_arguments
+from hookcli.commands.watch import Watch, check_arguments, check_path
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
@@ -42,7 +42,11 @@ def check_loop(steps: Any, lr: Any, optimizer: Any) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise UsageError(f"steps must be a whole number of training steps, 1 or more, got {steps!r}",
                          hint="e.g. hookcli watch resnet18 --steps 20")
-    if optimizer not in OPTIMIZERS:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"watch_model makes its own optimizer: give its name, got a {type(optimizer).__name__} object",
+                         hint="optimizer='sgd', 'adam' or 'adamw' with lr=...; to train with yours, call "
+                              "hookcli.watch(model, optimizer) around your own loop")
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer {optimizer!r}", hint="one of: " + ", ".join(OPTIMIZERS))
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
                            or lr <= 0):
@@ -59,6 +63,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
     checked before the model is built."""
     check_loop(steps, lr, optimizer)
     check_arguments(nn.Module(), None, every)  # (the model is not built yet)
+    check_path("out", out)
     rule_settings(rules)
     if out is not None:
         LineLog(out)  # the path is checked now
