@@ -214,6 +214,30 @@ def test_a_spectral_norm_critic_after_a_training_forward_is_copied_and_trained(t
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_float16_adam_whose_update_overflows_blames_the_update_not_the_gradient(tmp_path: Path) -> None:
+    # Pure float16 AdamW: eps 1e-8 is 0 in float16, a tiny second moment rounds to 0 and the first step
+    # divides by 0. Plain torch: step 0's gradients are finite, its update makes the weights Inf/NaN. The
+    # rule said "gets a NaN/Inf gradient" (the later gradients are NaN because the weights are).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).half()
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters(), lr=1e-3)
+    F.cross_entropy(clone(x).float(), torch.zeros(8, dtype=torch.long)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in clone.parameters())
+    opt.step()
+    overflowed = [n for n, p in clone.named_parameters() if not torch.isfinite(p).all()]
+    assert overflowed
+    got = rows(hookcli.check(model, inputs=[path], steps=3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    update = got["params_update"]
+    assert update.status == "FAIL" and update.offender == overflowed[0]
+    said = {v["where"]: v["message"] for v in update.violations}
+    assert all("became NaN/Inf in a step of your optimiser (AdamW) while its gradients were finite" in said[n]
+               and "eps" in said[n] for n in overflowed)
+
+
 def test_a_bfloat16_weight_whose_updates_round_away_fails_params_update_saying_why(tmp_path: Path) -> None:
     # Pure bfloat16 training: AdamW's first steps move each weight by about lr = 1e-3, less than half
     # bfloat16's spacing at 1 (2**-8), so a LayerNorm weight of 1 never changes (plain torch agrees).

@@ -79,6 +79,8 @@ class ParamTrace:
     change: float = 0.0
     #: Its dtype's name ("float32", "bfloat16"): an update too small for a 16-bit float rounds away.
     dtype: str = "float32"
+    #: Its values were NaN/Inf at a backward before any of its gradients was: an optimiser step made them.
+    values_first: bool = False
 
 
 @dataclass
@@ -612,6 +614,11 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
                 continue
             bad.append(_violation(name, 0.0, None, f"{name} gets no gradient in {steps}"
                                   + (": " + why.split(": ", 1)[1] if ": " in why else "")))
+        elif p.values_first:
+            bad.append(_violation(name, p.change, None, f"{name} became NaN/Inf in a step of {t.optimiser} while its "
+                                  "gradients were finite: the update overflowed"
+                                  + (" (float16 Adam: its eps 1e-8 is 0 in float16; keep the weights in float32)"
+                                     if p.dtype == "float16" else "")))
         elif not math.isfinite(p.grad_max):
             bad.append(_violation(name, p.grad_max, None, f"{name} gets a NaN/Inf gradient in {steps}"))
         elif p.grad_max == 0:
