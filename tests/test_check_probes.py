@@ -252,6 +252,26 @@ def test_a_mean_loss_accumulates(tmp_path) -> None:
     assert rule(result, "grad_accumulation").value < 1e-5
 
 
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), bug=st.booleans())
+def test_bfloat16_rounding_alone_passes_grad_accumulation_and_a_bug_still_fails(tmp_path_factory, seed: int,
+                                                                                 bug: bool) -> None:
+    # A healthy bfloat16 model's halves differ from the full batch by ~0.002 by rounding alone (above the
+    # default value 1e-3: it failed); the limit is then 2 epsilons of bfloat16. A sum over the batch squared
+    # still fails.
+    tmp = tmp_path_factory.mktemp("bf16")
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    torch.manual_seed(seed)
+    model = (probe_bugs.SumOverBatchSquared if bug else probe_bugs.MeanLoss)().to(torch.bfloat16)
+    expected = _accumulation_error(model, x)
+    result = hookcli.check(model, inputs=[_save(tmp, x)], checks={"grad_accumulation": True})
+    found = rule(result, "grad_accumulation")
+    assert found.value == pytest.approx(expected, rel=1e-6)
+    assert found.limit == 2 * torch.finfo(torch.bfloat16).eps
+    assert found.status == ("FAIL" if bug else "PASS"), str(result)
+    assert "epsilon of the bfloat16 gradients" in found.message
+
+
 def test_grad_accumulation_skips_batchnorm_in_train_mode_and_says_so(cli, tmp_path) -> None:
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

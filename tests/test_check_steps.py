@@ -176,7 +176,88 @@ def test_a_learning_rate_of_zero_fails_params_update_and_overfit_batch(tmp_path:
     got = rows(check(model, tmp_path, optimizer=torch.optim.SGD(model.parameters(), lr=0.0)))
     assert got["params_update"].status == "FAIL" and got["params_update"].offender == "body.weight"
     assert "learning rate of 0" in got["params_update"].message
+    assert "round away" not in got["params_update"].message  # float32: no rounding to blame
     assert got["overfit_batch"].status == "FAIL" and got["overfit_batch"].value == 0
+
+
+def _critic() -> nn.Module:
+    """A GAN critic as the SN-GAN papers write it: spectral_norm (its ``weight`` is a tensor computed
+    with autograd, kept as a plain attribute) and the old weight_norm (the same from the start)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 16)), nn.LeakyReLU(0.2),
+                         nn.utils.weight_norm(nn.Linear(16, 4)))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch deprecates the old weight_norm
+def test_a_spectral_norm_critic_after_a_training_forward_is_copied_and_trained(tmp_path: Path) -> None:
+    # Such a model cannot be copy.deepcopy'd (not a graph leaf): check said "cannot be deep-copied", exit 2.
+    model, twin = _critic(), _critic()
+    path = fixed_input(tmp_path)
+    x = torch.load(path)
+    for m in (model, twin):
+        m(x).sum()  # the user's own forward, as a training loop leaves the model
+    with pytest.raises(RuntimeError):
+        copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = hookcli.check(model, inputs=[path], steps=12, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    got = rows(result)
+    assert got["params_update"].status == "PASS" and got["determinism"].status == "PASS", result
+    opt = torch.optim.Adam(twin.parameters(), lr=1e-2)  # plain torch: the same 12 steps on the twin
+    losses = []
+    for _ in range(12):
+        opt.zero_grad()
+        loss = F.cross_entropy(twin(x), torch.zeros(8, dtype=torch.long))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert got["overfit_batch"].value == pytest.approx((losses[0] - min(losses)) / losses[0], rel=1e-4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_float16_adam_whose_update_overflows_blames_the_update_not_the_gradient(tmp_path: Path) -> None:
+    # Pure float16 AdamW: eps 1e-8 is 0 in float16, a tiny second moment rounds to 0 and the first step
+    # divides by 0. Plain torch: step 0's gradients are finite, its update makes the weights Inf/NaN. The
+    # rule said "gets a NaN/Inf gradient" (the later gradients are NaN because the weights are).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).half()
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters(), lr=1e-3)
+    F.cross_entropy(clone(x).float(), torch.zeros(8, dtype=torch.long)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in clone.parameters())
+    opt.step()
+    overflowed = [n for n, p in clone.named_parameters() if not torch.isfinite(p).all()]
+    assert overflowed
+    got = rows(hookcli.check(model, inputs=[path], steps=3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    update = got["params_update"]
+    assert update.status == "FAIL" and update.offender == overflowed[0]
+    said = {v["where"]: v["message"] for v in update.violations}
+    assert all("became NaN/Inf in a step of your optimiser (AdamW) while its gradients were finite" in said[n]
+               and "eps" in said[n] for n in overflowed)
+
+
+def test_a_bfloat16_weight_whose_updates_round_away_fails_params_update_saying_why(tmp_path: Path) -> None:
+    # Pure bfloat16 training: AdamW's first steps move each weight by about lr = 1e-3, less than half
+    # bfloat16's spacing at 1 (2**-8), so a LayerNorm weight of 1 never changes (plain torch agrees).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    path = tmp_path / "x.pt"
+    torch.save(x, path)
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters(), lr=1e-3)
+    for _ in range(12):
+        opt.zero_grad()
+        F.cross_entropy(clone(x).float(), torch.zeros(8, dtype=torch.long)).backward()
+        opt.step()
+    assert torch.equal(clone[1].weight, model[1].weight) and clone[1].weight.grad.abs().max() > 0
+    got = rows(hookcli.check(model, inputs=[path], steps=12, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    update = got["params_update"]
+    assert update.status == "FAIL" and update.offender == "1.weight"
+    message = next(v["message"] for v in update.violations if v["where"] == "1.weight")
+    assert "round away in bfloat16" in message and "float32" in message
 
 
 def test_a_parameter_frozen_by_accident_fails_params_update(tmp_path: Path) -> None:

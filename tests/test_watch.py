@@ -429,6 +429,9 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
 # -- bad input and the log file ----------------------------------------------------------------------------------
 
 
+LINEAR = nn.Linear(2, 2)
+
+
 @pytest.mark.parametrize(("args", "kwargs", "words"), [
     (("resnet18",), {}, "nn.Module"),
     ((nn.Linear(2, 2), object()), {}, "torch.optim.Optimizer"),
@@ -436,6 +439,11 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
     ((nn.Linear(2, 2),), {"every": 2.5}, "every"),
     ((nn.Linear(2, 2),), {"every": True}, "every"),
     ((nn.Linear(2, 2),), {"layers": "nope"}, "no module named 'nope'"),
+    ((nn.Linear(2, 2),), {"out": 123}, "out must be a path"),
+    ((LINEAR, [torch.optim.SGD(LINEAR.parameters(), 0.1), torch.optim.Adam(LINEAR.parameters())]), {},
+     "takes one optimizer, got a list of 2"),
+    ((nn.Linear(2, 2),), {"out": b"runs/exp.jsonl"}, "out must be a path"),
+    ((nn.Linear(2, 2),), {"tensorboard_dir": 1}, "tensorboard_dir must be a path"),
 ])
 def test_bad_arguments_are_usage_errors(args: tuple[Any, ...], kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(UsageError) as info:

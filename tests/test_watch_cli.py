@@ -22,6 +22,7 @@ from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 
 import hookcli
+from hookcli.errors import UsageError
 
 #: A training script as a user writes it: argparse, a seeded model, SGD, plain optimizer.step() and
 #: zero_grad(), no hookcli. It keeps what the test reads in ``probe`` (a module beside it).
@@ -308,6 +309,36 @@ def test_watch_model_from_python_trains_a_copy_and_leaves_the_model_as_it_was() 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     run = hookcli.watch_model(model, steps=3, optimizer="adam", input_shapes=["4x4"])
     assert (run.model, run.optimizer, run.steps, run.findings) == ("Sequential", "Adam", 3, [])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+_NET = nn.Linear(4, 3)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"optimizer": torch.optim.Adam(_NET.parameters())}, "makes its own optimizer: give its name, got a Adam"),
+    ({"optimizer": ["adam"]}, "unknown optimizer ['adam']"),
+    ({"out": 123}, "out must be a path"),
+])
+def test_watch_model_bad_arguments_are_one_line_usage_errors(kwargs: dict[str, Any], words: str) -> None:
+    """An optimizer object (its multi-line repr was the message), a list (TypeError: unhashable) and an
+    out= that is not a path (TypeError) are UsageErrors of one line with a hint; nothing is trained."""
+    before = _NET.weight.detach().clone()
+    with pytest.raises(UsageError) as info:
+        hookcli.watch_model(_NET, steps=2, input_shapes=["4x4"], **kwargs)
+    assert words in info.value.message and "\n" not in info.value.message and info.value.hint
+    assert info.value.exit_code == 2 and torch.equal(_NET.weight, before)
+
+
+def test_watch_model_copies_a_spectral_norm_critic_after_a_training_forward() -> None:
+    """spectral_norm keeps its ``weight`` as a tensor computed with autograd, which copy.deepcopy refuses
+    (the watch said "cannot be deep-copied", exit 2); the copy is trained, the model left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 8)), nn.LeakyReLU(0.2), nn.Linear(8, 3))
+    model(torch.randn(2, 4)).sum()  # the user's own forward: the weight is no graph leaf now
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = hookcli.watch_model(model, steps=2, optimizer="adam", input_shapes=["4x4"])
+    assert (run.model, run.steps, run.findings) == ("Sequential", 2, [])
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

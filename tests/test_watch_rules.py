@@ -147,6 +147,66 @@ def test_a_learning_rate_far_too_low_is_flagged() -> None:
     assert found.value < found.limit == 1e-6 and "too low" in found.message
 
 
+def test_a_learning_rate_that_stays_too_low_is_told_once_not_at_every_logged_step() -> None:
+    """Adam at lr 1e-9 for 6 logged steps: plain torch's median update ratio is below 1e-6 at each of
+    them, and the finding is told once, at step 0 (it was repeated at each logged step)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)
+    medians = []
+    data = regression()
+    with hookcli.watch(model, opt, every=1, rules={"frozen": False}) as w:
+        for step in range(6):
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = data(model, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+            ratios = sorted(float((p.detach() - b).norm() / b.norm())
+                            for p, b in zip(model.parameters(), before) if p.dim() >= 2)
+            medians.append(ratios[len(ratios) // 2])
+    assert all(m < 1e-6 for m in medians)
+    assert [(f.rule, f.step) for f in w.findings] == [("update_ratio", 0)]
+
+
+def test_gradients_that_keep_vanishing_are_told_once() -> None:
+    """The twelve-sigmoid MLP (below) for 5 logged steps: one grad_depth finding, at step 0."""
+    torch.manual_seed(0)
+    body = [m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(nn.Linear(4, 16), *body, nn.Linear(16, 1))
+    w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 5, rules={"frozen": False})
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    first = model[0](x)
+    last = model[-1](model[1:-1](first))
+    g_first, g_last = torch.autograd.grad(nn.functional.mse_loss(last, x.sum(1, keepdim=True)), [first, last])
+    assert float(g_first.pow(2).mean().sqrt() / g_last.pow(2).mean().sqrt()) < 1e-6  # still vanishing at the end
+    assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "grad_depth"] == [("grad_depth", 0, "0")]
+
+
+def test_a_zero_initialised_head_is_not_gradients_vanishing_across_depth() -> None:
+    """timm's MLP-Mixer initialises its head to 0: at step 0 no gradient comes back through it (every
+    output before it gets exactly 0, torch.autograd.grad agrees); grad_depth said "vanish ... 0x head's"."""
+    mlp_mixer = pytest.importorskip("timm.models.mlp_mixer")
+    torch.manual_seed(0)
+    model = mlp_mixer.MlpMixer(num_classes=10, img_size=32, patch_size=8, num_blocks=2, embed_dim=32)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    stem = model.stem(x)
+    logits = model.forward_head(model.norm(model.blocks(stem)))
+    assert torch.equal(logits, model(x))
+    (g_stem,) = torch.autograd.grad(nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.long)), [stem])
+    assert torch.count_nonzero(g_stem) == 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, opt) as w:
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(x), torch.zeros(2, dtype=torch.long))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert [f for f in w.findings if f.rule == "grad_depth"] == []
+
+
 def test_a_layer_left_out_of_the_optimizer_is_frozen() -> None:
     """The head's parameters require grad but were never given to the optimizer: named at the third
     logged step (the rule's 3 steps in a row), and nothing else is."""
@@ -616,6 +676,28 @@ def test_a_frozen_parameter_is_told_by_what_its_gradient_was() -> None:
     assert set(messages) == {"head.weight", "head.bias", "unused.weight", "unused.bias"}
     assert "it has a gradient: not in the optimizer?" in messages["head.weight"]
     assert "no gradient reached it" in messages["unused.weight"]
+    assert all("round away" not in message for message in messages.values())  # float32: no rounding to blame
+
+
+def test_a_bfloat16_weight_whose_updates_round_away_is_frozen_saying_why() -> None:
+    """Pure bfloat16 training: AdamW moves each weight by about lr = 1e-3 a step, less than half
+    bfloat16's spacing at 1 (2**-8): the LayerNorm's weight of 1 never changes, plain torch agrees."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Linear(16, 1)).to(torch.bfloat16)
+    before = model[1].weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hookcli.watch(model, optimizer) as w:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            assert model[1].weight.grad.abs().max() > 0
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
+    assert torch.equal(model[1].weight, before)
+    messages = {f.layer: f.message for f in w.findings if f.rule == "frozen"}
+    assert "1.weight" in messages
+    assert "round away in bfloat16" in messages["1.weight"] and "float32" in messages["1.weight"]
 
 
 @settings(max_examples=25, deadline=None)

@@ -46,6 +46,8 @@ class Watch:
         if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
             raise UsageError(f"flight must be a whole number of steps, 1 or more, got {flight!r}",
                              hint="flight=100 keeps every step's statistics of the last 100 steps")
+        check_path("out", out)
+        check_path("tensorboard_dir", tensorboard_dir)
         if on_finding not in ON_FINDING:
             raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
@@ -125,12 +127,25 @@ class Watch:
                                         "rules={...} sets the thresholds, on_finding='warn' only records them")
 
 
+def check_path(what: str, path: Any) -> None:
+    """UsageError for an ``out=``/``tensorboard_dir=`` that is neither None nor a path (an int, bytes)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{what} must be a path (a str or a pathlib.Path), got {type(path).__name__}",
+                         hint=f'e.g. {what}="runs/exp.jsonl"' if what == "out" else f'e.g. {what}="runs/tb"')
+
+
 def check_arguments(model: Any, optimizer: Any, every: Any) -> None:
     """UsageError for a model that is not an ``nn.Module``, an optimizer that is not a torch optimizer,
     or an ``every`` that is not a positive whole number."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"hookcli.watch takes the nn.Module you train, got {type(model).__name__}",
                          hint="pass the model object itself (hookcli.watch(model, optimizer))")
+    if isinstance(optimizer, (list, tuple)) and optimizer and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        raise UsageError(f"hookcli.watch takes one optimizer, got a {type(optimizer).__name__} of {len(optimizer)}",
+                         hint="for several (a GAN's, Muon with AdamW): optimizer=None and w.step() after they all "
+                              "step, before zero_grad() (norms and gradients are logged, not the updates); or "
+                              "watch each model with its own optimizer")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"hookcli.watch's optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
                          hint="pass the optimizer you call step() on, or None to count steps by watch.step()")

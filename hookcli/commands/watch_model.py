@@ -9,7 +9,6 @@ copy is trained.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -21,11 +20,12 @@ import torch
 from torch import nn
 
 from hookcli.commands.grads import loss_for, no_gradients
-from hookcli.commands.watch import Watch, check_arguments
+from hookcli.commands.watch import Watch, check_arguments, check_path
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
 from hookcli.engine.session import HookOptions
+from hookcli.engine.state import copy_model
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError
 from hookcli.options import RunOptions
 from hookcli.output import LineLog
@@ -42,7 +42,11 @@ def check_loop(steps: Any, lr: Any, optimizer: Any) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise UsageError(f"steps must be a whole number of training steps, 1 or more, got {steps!r}",
                          hint="e.g. hookcli watch resnet18 --steps 20")
-    if optimizer not in OPTIMIZERS:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"watch_model makes its own optimizer: give its name, got a {type(optimizer).__name__} object",
+                         hint="optimizer='sgd', 'adam' or 'adamw' with lr=...; to train with yours, call "
+                              "hookcli.watch(model, optimizer) around your own loop")
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer {optimizer!r}", hint="one of: " + ", ".join(OPTIMIZERS))
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
                            or lr <= 0):
@@ -59,6 +63,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
     checked before the model is built."""
     check_loop(steps, lr, optimizer)
     check_arguments(nn.Module(), None, every)  # (the model is not built yet)
+    check_path("out", out)
     rule_settings(rules)
     if out is not None:
         LineLog(out)  # the path is checked now
@@ -67,7 +72,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
     refuse_torchscript(prep.loaded.model, prep.selection)
     if prep.loaded.kind == "instance":  # the caller's model is read only: a copy is trained
         try:
-            clone = copy.deepcopy(prep.loaded.model)
+            clone = copy_model(prep.loaded.model)
         except Exception as exc:  # noqa: BLE001 - any failure to copy
             raise UnsupportedError(f"watch trains a copy of the model you pass, and it cannot be deep-copied: "
                                    f"{type(exc).__name__}: {exc}",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookcli.commands.check.rules import rounded_away
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.records import Finding, WatchParam, WatchStep
@@ -132,7 +133,8 @@ def _frozen_cause(p: WatchParam) -> str:
         return "no gradient reached it: detached, unused, or zero_grad() before the step?"
     if p.grad["abs_max"] == 0:
         return "its gradient is exactly 0: a loss at its minimum, or a dead path?"
-    return "it has a gradient: not in the optimizer? a learning rate of 0?"
+    rounding = rounded_away(p.dtype)
+    return "it has a gradient: not in the optimizer? a learning rate of 0?" + (f" {rounding}" if rounding else "")
 
 
 @dataclass
@@ -248,6 +250,8 @@ class Rules:
         if cfg["low"] <= median <= cfg["high"]:
             return []
         high = median > cfg["high"]
+        if not self._new("update_ratio", "(high)" if high else "(low)"):
+            return []  # told once a run: not at each logged step while the learning rate stays off
         limit = cfg["high"] if high else cfg["low"]
         worst, name = ratios[-1] if high else ratios[0]
         return [Finding("update_ratio", "warning", rec.step, name, "update", median, limit,
@@ -292,10 +296,12 @@ class Rules:
 
     def _grad_depth(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The gradient's RMS at the first selected output (in forward order) over the last's out of
-        [low, high]: gradients vanishing (or exploding) across depth; names the first layer."""
+        [low, high]: gradients vanishing (or exploding) across depth; names the first layer. Outputs
+        whose gradient is exactly 0 are not judged: none came back through them (a zero-initialised
+        head at step 0, as timm's Mixer's), which is not a gradient that shrank over depth."""
         rms = [(_layer_name(layer), float(layer.grad["rms"])) for layer in rec.layers
                if layer.grad is not None and not _bad(layer.grad) and layer.grad["count"]
-               and _finite(layer.grad["rms"])]
+               and _finite(layer.grad["rms"]) and layer.grad["rms"] != 0]
         if len(rms) < 2 or rms[-1][1] <= 0:
             return []
         (first, value), last = rms[0], rms[-1][0]
@@ -303,6 +309,8 @@ class Rules:
         if cfg["low"] <= ratio <= cfg["high"]:
             return []
         low = ratio < cfg["low"]
+        if not self._new("grad_depth", "(low)" if low else "(high)"):
+            return []  # told once a run: not at each logged step while the gradients still vanish
         return [Finding("grad_depth", "warning", rec.step, first, "backward", ratio, cfg["low"] if low else cfg["high"],
                         f"gradients {'vanish' if low else 'explode'} across depth: {first}'s output gradient RMS is "
                         f"{ratio:.3g}x {last}'s")]

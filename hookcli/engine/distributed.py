@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, SCALE, Moments, Vector, as_moments, device_float,
+                                  dtype_name,
                                   histogram, reduce_tensor, to_host,
                                   watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
@@ -726,7 +727,8 @@ def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[st
         norm = rows[n][0] if rows[n] is not None else math.nan
         update = rows[u][0] if rows[u] is not None else None
         record.params.append(WatchParam(p.name, list(p.param.shape), norm, stats_of(g), update,
-                                        update / norm if update is not None and norm else None))
+                                        update / norm if update is not None and norm else None,
+                                        dtype_name(p.param.dtype)))
     record.findings = _rank_findings(reduction, step, layers, params, base, result)
     return record
 

@@ -283,6 +283,20 @@ def _in_mode(modules: list[nn.Module], training: list[bool], train: bool) -> boo
         cls.train is nn.Module.train for cls in {type(m) for m in modules})
 
 
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, also of a model that holds a tensor computed with autograd as a plain
+    attribute: ``spectral_norm`` and the old ``weight_norm`` keep their ``weight`` so after a forward (or
+    from the start), and deepcopy refuses a tensor that is not a graph leaf. The copy holds it detached
+    (those hooks recompute it at each forward; a stale graph could not be backpropagated again anyway).
+    The caller's model is only read. Raises what deepcopy raises for anything else it cannot copy."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
 def needs_meta_copy(model: nn.Module) -> bool:
     """True when some parameter or buffer of ``model`` holds values (is not on the meta device)."""
     return any(t.device.type != "meta" for t in model.parameters()) or any(

@@ -20,7 +20,7 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.stats import Transfer, Vector, histogram, l2_norm, merge, to_host
+from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 
@@ -359,7 +359,8 @@ class StepWatcher:
             norm = values[n][0]  # type: ignore[index]
             update = values[u][0] if u is not None else None
             out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
-                                         update / norm if update is not None and norm else None))
+                                         update / norm if update is not None and norm else None,
+                                         dtype_name(p.param.dtype)))
         for entry, (v, g) in zip(out.params, histogram_slots):
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None

@@ -93,6 +93,8 @@ class WatchParam:
     grad: WatchStats | None  # of the accumulated .grad; None when no backward of the step reached it
     update_norm: float | None = None  # ||w_after - w_before|| of the optimizer's step; None without one
     update_ratio: float | None = None  # update_norm / norm; None without an update or when norm is 0
+    #: Its dtype ("float32", "bfloat16"; None: not known): the rules read it, the log does not hold it
+    dtype: str | None = field(default=None, repr=False)
     #: With ``tensorboard_dir=``: the weights' and the gradient's histograms at the logged step, before
     #: the update (None: not asked, empty, or a value not finite); not in the log
     values_histogram: Histogram | None = field(default=None, repr=False)

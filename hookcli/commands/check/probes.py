@@ -9,7 +9,6 @@ model is only run, never stepped; its mode is set and restored by the engine.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -22,6 +21,7 @@ from hookcli.commands.check.schema import CheckRules
 from hookcli.commands.grads import build_loss
 from hookcli.engine import run as engine
 from hookcli.engine.session import HookOptions, RunObserver
+from hookcli.engine.state import copy_model
 from hookcli.engine.stats import iter_tensors, map_tensors
 from hookcli.errors import describe_exception
 from hookcli.records.core import call_label
@@ -79,7 +79,7 @@ def layer_scales(model: nn.Module) -> list[str]:
 def _lifted(prep: engine.Prepared, scales: list[str]) -> engine.Prepared | None:
     """``prep`` with a copy of the model whose ``scales`` are ``LAYER_SCALE_LIFT`` (None: not copyable)."""
     try:
-        clone = copy.deepcopy(prep.loaded.model)
+        clone = copy_model(prep.loaded.model)
     except Exception:  # noqa: BLE001 - any failure to copy: no lifted look
         return None
     params = dict(clone.named_parameters())
@@ -210,8 +210,12 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
         rows.append((name, diff, norm))
     if not rows:
         return {"skip": "no parameter got a gradient"}
+    # the coarsest precision the gradients were computed in: its rounding alone makes the halves differ
+    coarsest = max((g.dtype for g in full.values() if g is not None and g.is_floating_point()),
+                   key=lambda dtype: torch.finfo(dtype).eps, default=torch.float32)
     return {"batch": batch, "norm": total ** 0.5, "diff": diff_total ** 0.5,
-            "params": [{"name": n, "diff": d, "norm": g} for n, d, g in rows]}
+            "params": [{"name": n, "diff": d, "norm": g} for n, d, g in rows],
+            "dtype": str(coarsest).removeprefix("torch."), "eps": torch.finfo(coarsest).eps}
 
 
 # --------------------------------------------------------------------------- batch_independence

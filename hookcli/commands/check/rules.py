@@ -80,6 +80,10 @@ class ParamTrace:
     grad_max: float = 0.0
     #: Largest absolute change of its values from before the first step to after the last.
     change: float = 0.0
+    #: Its dtype's name ("float32", "bfloat16"): an update too small for a 16-bit float rounds away.
+    dtype: str = "float32"
+    #: Its values were NaN/Inf at a backward before any of its gradients was: an optimiser step made them.
+    values_first: bool = False
 
 
 @dataclass
@@ -654,18 +658,39 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
                 continue
             bad.append(_violation(name, 0.0, None, f"{name} gets no gradient in {steps}"
                                   + (": " + why.split(": ", 1)[1] if ": " in why else "")))
+        elif p.values_first:
+            bad.append(_violation(name, p.change, None, f"{name} became NaN/Inf in a step of {t.optimiser} while its "
+                                  "gradients were finite: the update overflowed"
+                                  + (" (float16 Adam: its eps 1e-8 is 0 in float16; keep the weights in float32)"
+                                     if p.dtype == "float16" else "")))
         elif not math.isfinite(p.grad_max):
             bad.append(_violation(name, p.grad_max, None, f"{name} gets a NaN/Inf gradient in {steps}"))
         elif p.grad_max == 0:
             bad.append(_violation(name, 0.0, None, f"the gradient of {name} is exactly zero in each of {steps}"))
         elif not p.change:
             bad.append(_violation(name, 0.0, None, f"{name} did not change in {steps} of {t.optimiser} although "
-                                  f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"))
+                                  f"its gradient is non-zero (largest {_fmt(p.grad_max)}): a learning rate of 0?"
+                                  + (f" Or {rounded_away(p.dtype)}" if rounded_away(p.dtype) else "")))
         elif not math.isfinite(p.change):
             bad.append(_violation(name, p.change, None, f"{name} holds NaN/Inf after {steps}"))
     tail = f"; {excused} without a gradient are never called or unused by the loss (see grad_norm)" if excused else ""
     return _result(rule, bad, ok_message=f"all {trained} trainable parameters got a finite gradient and changed "
                    f"in {steps} of {t.optimiser}" + tail)
+
+
+#: Half the spacing of a 16-bit float's values around 1, relative: a smaller update rounds away.
+_HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def rounded_away(dtype: str | None) -> str:
+    """Why a 16-bit weight with a gradient may not move at all (``""`` for other dtypes): each update
+    below half its float's spacing at the weight's value is lost in the rounding (pure bfloat16
+    training at a small learning rate: a LayerNorm weight of 1 under AdamW at lr 1e-3). Told by
+    ``check --steps``'s ``params_update`` and the watch's ``frozen`` rule."""
+    if dtype not in _HALF_ULP:
+        return ""
+    return (f"updates that round away in {dtype}? one below about {_HALF_ULP[dtype]:.2g} x a weight's magnitude "
+            "does; keep the weights in float32, compute under torch.autocast")
 
 
 def determinism(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:

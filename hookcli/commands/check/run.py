@@ -10,7 +10,6 @@ stepped. Rules themselves are evaluated on plain data in ``hookcli.commands.chec
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +36,7 @@ from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, channel_dims_exist, evaluate, load_baseline, suspects
-from hookcli.engine.state import exclusive
+from hookcli.engine.state import copy_model, exclusive
 from hookcli.commands.check.probes import LAYER_SCALE_LIFT, layer_scales, measure_probes
 from hookcli.commands.check import ranks as check_ranks
 
@@ -151,7 +150,7 @@ class SteppedCopy:
         self.grad_max: dict[str, float] = {}
         model = prep.loaded.model
         try:
-            clone = copy.deepcopy(model)
+            clone = copy_model(model)
         except Exception as exc:  # noqa: BLE001 - any failure to copy
             raise _no_copy(describe_exception(exc)) from exc
         if type(clone) is not type(model):  # a __deepcopy__ (or a catch-all __getattr__) that gave something else

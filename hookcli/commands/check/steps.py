@@ -20,7 +20,6 @@ Everything measured is handed to the rules as plain values (``rules.Training``).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
 from hookcli.errors import HookcliError, InternalError, UnsupportedError, UsageError, describe_exception, exit_status
 from hookcli.options import Loss
@@ -74,7 +74,7 @@ def step_options(steps: Any = 0, optimizer: Any = None, loss_fn: Any = None) -> 
 
 def _copy(model: nn.Module) -> nn.Module:
     try:
-        clone = copy.deepcopy(model)
+        clone = copy_model(model)
     except Exception as exc:  # noqa: BLE001 - any failure to copy
         raise _no_copy(describe_exception(exc)) from exc
     if type(clone) is not type(model):
@@ -192,6 +192,9 @@ class _Trainer:
         build = self.optimiser.make(clone, lr)
         losses: list[torch.Tensor] = []
         gmax: dict[str, torch.Tensor] = {}
+        #: the values were NaN/Inf at a backward before any gradient of theirs was (the update did it)
+        values_first: dict[str, torch.Tensor] = {}
+        grad_bad: dict[str, torch.Tensor] = {}
         grad_steps = {n: 0 for n, _ in named}
         host: list[list[float]] = []
 
@@ -224,12 +227,18 @@ class _Trainer:
                     grad_steps[n] += 1
                     g = p.grad.detach().abs().max().float() if p.grad.numel() else torch.zeros(())
                     gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
+                    with torch.no_grad():  # device flags: no host synchronisation per step
+                        earlier = grad_bad.get(n, torch.zeros((), dtype=torch.bool, device=g.device))
+                        values = ~torch.isfinite(p.detach()).all() if p.numel() else torch.zeros_like(earlier)
+                        values_first[n] = values_first.get(n, torch.zeros_like(earlier)) | (values & ~earlier)
+                        grad_bad[n] = earlier | ~torch.isfinite(g)
 
         def finished() -> None:
             with torch.no_grad():
                 deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) if p.numel() else torch.zeros(1)
                           for (_, p), b in zip(named, before)]
-            host.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]))
+            host.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]
+                                + [values_first[n].float().reshape(1) for n in values_first]))
 
         plan = engine.OptimiserSteps(optimizer, count, after_backward, finished)
         try:
@@ -247,8 +256,10 @@ class _Trainer:
                         + (f" in {where}" if where else ""), where)
         in_opt = {id(p) for group in made[0].param_groups for p in group["params"]} if made else set()
         changes = host[:len(named)]
-        maxima = dict(zip(gmax, (v[0] for v in host[len(named):])))
-        params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0])
+        maxima = dict(zip(gmax, (v[0] for v in host[len(named):len(named) + len(gmax)])))
+        overflowed = {n for n, v in zip(values_first, host[len(named) + len(gmax):]) if v[0]}
+        params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0],
+                                str(p.dtype).removeprefix("torch."), n in overflowed)
                   for (n, p), c in zip(named, changes)}
         return _Run([row[0] for row in to_host(losses)] if losses else [], params)
 
