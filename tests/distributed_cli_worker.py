@@ -17,6 +17,9 @@ from hookcli.options import RunOptions
 
 MODEL = str(Path(__file__).with_name("sharded_models.py")) + ":build"
 TIED = str(Path(__file__).with_name("sharded_models.py")) + ":tied"
+#: Models whose build fails on one rank only: rank 0's host build, rank 1's meta build.
+FAILING = {name: str(Path(__file__).with_name("sharded_models.py")) + ":" + name
+           for name in ("host_fails", "rank1_fails")}
 #: The tied model's input: token ids (the same on every rank).
 TOKENS = [[1, 2, 3, 4], [5, 6, 0, 1]]
 
@@ -47,6 +50,16 @@ def main(out: Path) -> None:
                       "grad": model.emb.weight.grad.tolist()}
     if rank == 0:
         (out / "tied.json").write_text(json.dumps(tied))
+    failures: dict[str, object] = {}  # a build failing on one rank: every rank raises, none waits
+    for name, spec in FAILING.items():
+        for kind in ("fsdp2", "ddp"):
+            try:
+                load(RunOptions(model=spec, shard=kind).validate())
+                failures[f"{name} {kind}"] = None
+            except HookcliError as exc:
+                failures[f"{name} {kind}"] = [type(exc).__name__, exc.exit_code, exc.message]
+    (out / f"failures{rank}.json").write_text(json.dumps(failures))
+    dist.barrier()  # the group still works: the ranks are in step
     dist.destroy_process_group()
 
 

@@ -72,3 +72,28 @@ class Tied(nn.Module):
 
 def tied() -> nn.Module:
     return Tied()
+
+
+class HostFails(nn.Module):
+    """Raises when built on the host, not on the meta device: under ``--shard`` rank 0 alone builds the
+    full model on the host (to fill every rank's part from it), so rank 0 alone fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        if self.fc.weight.device.type != "meta":
+            raise MemoryError("host-fails: out of host memory")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def host_fails() -> nn.Module:
+    return HostFails()
+
+
+def rank1_fails() -> nn.Module:
+    """Raises on rank 1 only (its meta build), rank 0 builds it on the host and on meta alike."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+        raise ValueError("rank1-fails: no model here")
+    return nn.Sequential(nn.Linear(6, 4))

@@ -146,7 +146,8 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     """Every parameter and buffer (BatchNorm's running statistics, a non-persistent buffer) of the model
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
     the same seed, exactly; tied weights stay tied (ddp) or are refused (fsdp2, tp)."""
-    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD)
+    # a hang (a rank left waiting in rank 0's broadcast for the group's 30 minutes) ends in TimeoutExpired
+    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
     net = sharded_models.build()
@@ -166,6 +167,16 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     assert tied["ddp"]["same"] and tied["ddp"]["params"] == 1
     assert torch.allclose(torch.tensor(tied["ddp"]["grad"]), grad, rtol=REL, atol=0)
     assert tied["fsdp2"] == tied["tp"] == ["UnsupportedError", 2]
+    # a build that fails on one rank alone (rank 0's full build on the host; rank 1's on meta): that rank
+    # raises its own error, the other RanksFailed (exit 2), before any rank waits in the broadcast
+    failures = [json.loads((tmp_path / f"failures{rank}.json").read_text()) for rank in range(WORLD)]
+    for name, failing, words in (("host_fails", 0, "host-fails: out of host memory"),
+                                 ("rank1_fails", 1, "rank1-fails: no model here")):
+        for kind in ("fsdp2", "ddp"):
+            own, other = failures[failing][f"{name} {kind}"], failures[1 - failing][f"{name} {kind}"]
+            assert own[1] == 2 and own[0] != "RanksFailed" and words in own[2], own
+            assert other == ["RanksFailed", 2, f"--shard {kind}: building or sharding the model failed on 1 of "
+                                               f"{WORLD} ranks"], other
 
 
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
