@@ -13,7 +13,8 @@ on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Line
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
 0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
 ``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
-``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``): packed into those
+``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
+``sequence_parallel`` under FSDP2 x TP (``OUT/sp_fsdp/``): packed into those
 launches, as each launch costs every rank a torch start-up.
 """
 
@@ -102,6 +103,8 @@ def main(mode: str, out: Path) -> None:
         accelerator_path(out / "accelerator")
     if mode == "tp":
         sequence_parallel(out)
+    if mode == "fsdp_tp":
+        sequence_parallel(out, fsdp=True)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
@@ -277,37 +280,61 @@ def sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SP_ROWS, SP_TOKENS, 4, generator=g), torch.randn(SP_ROWS, SP_TOKENS, 2, generator=g)
 
 
-def sequence_parallel(out: Path) -> None:
+def sequence_parallel(out: Path, fsdp: bool = False) -> None:
     """``sp_model`` under sequence + tensor parallelism over every rank (each rank its slice of the tokens),
     ``STEPS`` logged steps, the loss of the replicated head output: ``OUT/sp/log.jsonl`` and
-    ``OUT/sp/rank<r>.json`` as ``train`` writes them."""
+    ``OUT/sp/rank<r>.json`` as ``train`` writes them. ``fsdp`` (4 ranks): FSDP2 over mesh dimension
+    ``dp`` x the same over ``tp`` (each TP group one row of the batch), in ``OUT/sp_fsdp/``; then one more
+    step whose LayerNorm weight's gradient is made both sharded and ``Partial`` (torch 2.14's FSDP2
+    leaves it summed: ``Replicate`` on ``tp``), which the watch refuses: ``errors`` says how."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     net = sp_model()
-    parallelize_module(net, init_device_mesh("cpu", (world,)), {
+    if fsdp:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh, rows = mesh["tp"], slice(mesh["dp"].get_local_rank(), mesh["dp"].get_local_rank() + 1)
+    else:
+        tp_mesh, rows = init_device_mesh("cpu", (world,)), slice(None)
+    parallelize_module(net, tp_mesh, {
         "0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
         "3": RowwiseParallel(output_layouts=Shard(1)),
         "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    (out / "sp").mkdir(exist_ok=True)
-    records, channels = [], []
-    tokens = SP_TOKENS // world
-    with hookcli.watch(net, optimizer, every=1, out=out / "sp" / "log.jsonl") as w:
-        for step in range(STEPS):
+    wrapped: nn.Module = net
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for index in (0, 1, 3, 4):
+            fully_shard(net[index], mesh=mesh["dp"])
+        wrapped = fully_shard(net, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    folder = out / ("sp_fsdp" if fsdp else "sp")
+    folder.mkdir(exist_ok=True)
+    records, channels, errors = [], [], []
+    tokens = SP_TOKENS // tp_mesh.size()
+    first = tp_mesh.get_local_rank() * tokens
+    with hookcli.watch(wrapped, optimizer, every=1, out=folder / "log.jsonl") as w:
+        for step in range(STEPS + (1 if fsdp else 0)):
             x, y = sp_batch(step)
-            loss = nn.functional.mse_loss(net(x[:, rank * tokens:(rank + 1) * tokens]), y)
+            loss = nn.functional.mse_loss(wrapped(x[rows, first:first + tokens]), y[rows])
             loss.backward()
+            if step == STEPS:  # a gradient both sharded (dp) and Partial (tp): refused at the logged step
+                g = net[0].weight.grad
+                net[0].weight.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Shard(0), Partial()])
             optimizer.step()
             optimizer.zero_grad()
-            w.step(loss=loss)
+            try:
+                w.step(loss=loss)
+            except hookcli.errors.HookcliError as exc:
+                errors.append((type(exc).__name__, exc.exit_code, str(exc), exc.hint))
+                break
             records.append(json.loads(w.last.to_json_line()))
             channels.append(channel_fractions(w.last))
-    (out / "sp" / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels,
-                                                              "findings": [f.to_dict() for f in w.findings]}))
+    (folder / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels, "errors": errors,
+                                                         "findings": [f.to_dict() for f in w.findings]}))
 
 
 if __name__ == "__main__":

@@ -331,6 +331,32 @@ def test_sequence_parallel_equals_plain_torch_over_every_token(launched: Any) ->
     assert ranks[0]["findings"] == ranks[1]["findings"] == []
 
 
+def test_sequence_parallel_under_fsdp2_x_tp_equals_plain_torch_and_refuses_a_sharded_partial_gradient(
+        launched: Any) -> None:
+    """Sequence parallelism under FSDP2 x TP on 2 x 2 ranks (the ``fsdp_tp`` launch's second watch): each
+    TP group one row of the batch, each rank its half of the row's tokens. FSDP2 (torch 2.14) leaves the
+    LayerNorm's gradient summed over the TP ranks (``Replicate`` on ``tp``, sharded on ``dp``): every
+    number is one process's over every row and token; output gradients are those of the TP group's
+    row loss (2x the global mean loss's). A fourth step whose LayerNorm gradient is both sharded and
+    ``Partial`` is refused on every rank at that step, with one clear error (UnsupportedError, exit 2,
+    a hint), and the log keeps the three steps before it."""
+    folder = launched("fsdp_tp", 4) / "sp_fsdp"
+    ranks = ranks_of(folder, 4)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    expected = sp_reference()
+    assert_matches(lines, expected, out_grad_scale=2.0)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
+    assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
+    assert all(rank["records"] == lines and rank["findings"] == [] for rank in ranks)
+    errors = [rank["errors"] for rank in ranks]
+    assert all(found == errors[0] for found in errors) and len(errors[0]) == 1, errors
+    name, code, message, hint = errors[0][0]
+    assert (name, code) == ("UnsupportedError", 2)
+    assert message == "the gradient of parameter 0.weight is both sharded and Partial" and hint, errors
+
+
 @settings(max_examples=40, deadline=None)
 @given(parts=st.lists(st.lists(st.integers(0, 29), max_size=20), min_size=2, max_size=4),
        lo=st.floats(-10, 10), span=st.floats(0.5, 100))
