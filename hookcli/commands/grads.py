@@ -365,6 +365,14 @@ def refuse_sharded_check(prep: Any, command: str) -> None:
                                "model each rank holds, and each rank holds only part of a sharded model",
                                hint="check with --shard ddp, or run stats / grads --shard "
                                     f"{prep.options.shard} for the model's numbers")
+    from hookcli.engine import distributed
+
+    if command == "check" and distributed.runs_collectives(prep.loaded.model):  # every rank decides alike
+        raise UnsupportedError("check is not supported on a model sharded over the ranks (FSDP2, tensor parallel): "
+                               "some of check's rules (the copies it steps and probes, per-channel dead units, "
+                               "parameter norms) work on the model each rank holds, a part of it",
+                               hint="check a plain or DistributedDataParallel copy of the model, or take its "
+                                    "numbers with hookcli.stats / hookcli.grads, which merge the shards")
     if prep.options.shard in (Shard.ddp, Shard.fsdp2):
         world = torch.distributed.get_world_size()
         whole = next((info.shape[0] for info in prep.inputs.infos if info.shape), None)  # the global batch's
