@@ -17,6 +17,8 @@ from hookcli.options import RunOptions
 
 MODEL = str(Path(__file__).with_name("sharded_models.py")) + ":build"
 TIED = str(Path(__file__).with_name("sharded_models.py")) + ":tied"
+#: A model whose code cannot run on the meta device (built on the host, then sharded as fsdp2).
+READS_VALUES = str(Path(__file__).with_name("sharded_models.py")) + ":reads_values"
 #: Models whose build fails on one rank only: rank 0's host build, rank 1's meta build.
 FAILING = {name: str(Path(__file__).with_name("sharded_models.py")) + ":" + name
            for name in ("host_fails", "rank1_fails")}
@@ -27,8 +29,9 @@ TOKENS = [[1, 2, 3, 4], [5, 6, 0, 1]]
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for kind in ("ddp", "fsdp2", "tp"):
-        model = load(RunOptions(model=MODEL, shard=kind).validate()).model
+    for kind, spec in (("ddp", MODEL), ("fsdp2", MODEL), ("tp", MODEL), ("reads_values", READS_VALUES)):
+        shard = "fsdp2" if kind == "reads_values" else kind
+        model = load(RunOptions(model=spec, shard=shard).validate()).model
         whole = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

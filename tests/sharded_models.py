@@ -97,3 +97,22 @@ def rank1_fails() -> nn.Module:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
         raise ValueError("rank1-fails: no model here")
     return nn.Sequential(nn.Linear(6, 4))
+
+
+class ReadsValues(nn.Module):
+    """Reads a value its ``__init__`` computed with torch (``.item()``, as torchvision's RegNet reads its
+    widths with ``.tolist()``): its code cannot run on the meta device. A random buffer too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = int(torch.tensor([2.0]).pow(3).item())  # 8
+        self.fc1 = nn.Linear(6, width)
+        self.fc2 = nn.Linear(width, 3)
+        self.register_buffer("shift", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x) + self.shift))
+
+
+def reads_values() -> nn.Module:
+    return ReadsValues()

@@ -152,10 +152,13 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     torch.manual_seed(0)
     net = sharded_models.build()
     expected = {**dict(net.named_parameters()), **dict(net.named_buffers())}
-    for kind in ("ddp", "fsdp2", "tp"):
+    torch.manual_seed(0)
+    reads = sharded_models.reads_values()  # cannot be built on meta: built on each host, then sharded (fsdp2)
+    for kind, want_from in (("ddp", expected), ("fsdp2", expected), ("tp", expected),
+                            ("reads_values", {**dict(reads.named_parameters()), **dict(reads.named_buffers())})):
         got = torch.load(tmp_path / f"{kind}.pt")
-        assert got.keys() == expected.keys(), kind
-        for name, want in expected.items():
+        assert got.keys() == want_from.keys(), kind
+        for name, want in want_from.items():
             for rank in range(WORLD):
                 assert torch.equal(got[name][rank], want.detach()), (kind, name, rank)
     # tied weights (an embedding and its output head): ddp keeps them one parameter, whose gradient is

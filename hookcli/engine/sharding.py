@@ -23,7 +23,7 @@ from torch import nn
 
 from hookcli.engine.input_types import ModelInputs
 from hookcli.engine.loading import LoadedModel
-from hookcli.errors import RanksFailed, UnsupportedError, UsageError
+from hookcli.errors import HookcliError, ModelImportError, RanksFailed, UnsupportedError, UsageError
 from hookcli.options import Shard, torchrun_env
 
 #: How long a rank waits for the others in one collective before it gives up (a rank that died or
@@ -166,7 +166,7 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
     rank, world = dist.get_rank(), dist.get_world_size()
     try:  # what each rank does alone (no collective: a 1-D mesh of the world is the default group)
         full = build(False) if rank == 0 else None
-        loaded = build(True)
+        loaded = _meta_build(build)
         model = loaded.model
         target = _device(device)
         ties = _ties(model)
@@ -199,6 +199,28 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
         # DDP checks that every rank holds the same parameter shapes and broadcasts rank 0's states; the run
         # calls the module it wraps (its forward is that module's; hookcli averages gradients as DDP does)
         nn.parallel.DistributedDataParallel(model)
+    return loaded
+
+
+def _meta_build(build: Callable[[bool], LoadedModel]) -> LoadedModel:
+    """``build(True)``: the model on the meta device. A model whose code cannot run there (an init that
+    reads values: torchvision's RegNet computes its widths with ``.tolist()``) is built on the host
+    instead and moved to meta (its ties kept), as ``shapes`` falls back to a real run: this rank's host
+    holds one more full copy for a moment. What fails on any device (a usage error, a model not found)
+    is raised as it is."""
+    try:
+        return build(True)
+    except ModelImportError as exc:
+        if exc.__cause__ is None:
+            raise  # not the model's own code: the same on any device
+    except HookcliError:
+        raise
+    except Exception:  # noqa: S110 - the model's code on meta: built for real below, or raises there
+        pass
+    loaded = build(False)
+    ties = _ties(loaded.model)
+    loaded.model.to("meta")
+    _retie(ties)
     return loaded
 
 
