@@ -13,7 +13,7 @@ on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Line
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
 0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
 ``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
-``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
+``dead_units`` (``OUT/dead<r>.json``) and ``unused_branch`` (``OUT/branch/``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
 ``sequence_parallel`` under FSDP2 x TP (``OUT/sp_fsdp/``): packed into those
 launches, as each launch costs every rank a torch start-up.
 """
@@ -101,6 +101,7 @@ def main(mode: str, out: Path) -> None:
     if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
         dead_units(out)
         accelerator_path(out / "accelerator")
+        unused_branch(out)
     if mode == "tp":
         sequence_parallel(out)
     if mode == "fsdp_tp":
@@ -335,6 +336,48 @@ def sequence_parallel(out: Path, fsdp: bool = False) -> None:
             channels.append(channel_fractions(w.last))
     (folder / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels, "errors": errors,
                                                          "findings": [f.to_dict() for f in w.findings]}))
+
+
+class Branchy(nn.Module):
+    """A trunk, then one of two heads, as the caller says (seed 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.trunk = nn.Linear(3, 4)
+        self.left = nn.Linear(4, 2)
+        self.right = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, left: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.left(h) if left else self.right(h)
+
+
+def branch_batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s batch of ``step``; ``right_taken``: whether it takes the right head then."""
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(300 + 10 * step + rank))
+
+
+def right_taken(step: int, rank: int) -> bool:
+    """Rank 1 takes the right head at step 1, every other (rank, step) the left one."""
+    return rank == 1 and step == 1
+
+
+def unused_branch(out: Path) -> None:
+    """``Branchy`` under DDP with ``find_unused_parameters=True``, ``STEPS`` logged steps (SGD, zero_grad
+    setting None): each rank's loss the mean square of its head's output. At step 1 the right head's
+    gradient, which only rank 1's backward makes, is DDP's mean on every rank: ``OUT/branch/log.jsonl``."""
+    rank = dist.get_rank()
+    net = nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    (out / "branch").mkdir(exist_ok=True)
+    with hookcli.watch(net, optimizer, every=1, out=out / "branch" / "log.jsonl") as w:
+        for step in range(STEPS):
+            loss = net(branch_batch(step, rank), not right_taken(step, rank)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step(loss=loss)
 
 
 if __name__ == "__main__":
