@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import hookcli
+
 from hookcli.engine.run import load
 from hookcli.errors import HookcliError
 from hookcli.options import RunOptions
@@ -61,6 +63,13 @@ def main(out: Path) -> None:
                 failures[f"{name} {kind}"] = None
             except HookcliError as exc:
                 failures[f"{name} {kind}"] = [type(exc).__name__, exc.exit_code, exc.message]
+    # grads --shard ddp over --data of 3 samples in batches of 2: batch 1 (1 sample) leaves rank 1 nothing
+    try:
+        data = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+        hookcli.grads(model=MODEL, shard="ddp", data=data, batch_size=2, loss="mean")
+        failures["empty slice"] = None
+    except HookcliError as exc:
+        failures["empty slice"] = [type(exc).__name__, exc.exit_code, exc.message]
     (out / f"failures{rank}.json").write_text(json.dumps(failures))
     dist.barrier()  # the group still works: the ranks are in step
     dist.destroy_process_group()

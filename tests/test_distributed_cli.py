@@ -180,6 +180,12 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
             assert own[1] == 2 and own[0] != "RanksFailed" and words in own[2], own
             assert other == ["RanksFailed", 2, f"--shard {kind}: building or sharding the model failed on 1 of "
                                                f"{WORLD} ranks"], other
+    # grads over --data whose last batch (1 sample) leaves rank 1 an empty slice: refused on every rank
+    # before that batch runs (before: rank 1's loss raised while rank 0 waited in DDP's all-reduce: a hang)
+    for rank in range(WORLD):
+        name, code, message = failures[rank]["empty slice"]
+        assert (name, code) == ("UsageError", 2) and message.startswith("grads --shard ddp: batch 1: a batch of 1 "), \
+            message
 
 
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
