@@ -21,6 +21,8 @@ MODEL = str(Path(__file__).with_name("sharded_models.py")) + ":build"
 TIED = str(Path(__file__).with_name("sharded_models.py")) + ":tied"
 #: A model whose code cannot run on the meta device (built on the host, then sharded as fsdp2).
 READS_VALUES = str(Path(__file__).with_name("sharded_models.py")) + ":reads_values"
+#: A transformer layer, whose attention reads a Linear's weight without calling it (``--shard tp``).
+ATTENTION = str(Path(__file__).with_name("sharded_models.py")) + ":attention"
 #: Models whose build fails on one rank only: rank 0's host build, rank 1's meta build.
 FAILING = {name: str(Path(__file__).with_name("sharded_models.py")) + ":" + name
            for name in ("host_fails", "rank1_fails")}
@@ -63,6 +65,12 @@ def main(out: Path) -> None:
                 failures[f"{name} {kind}"] = None
             except HookcliError as exc:
                 failures[f"{name} {kind}"] = [type(exc).__name__, exc.exit_code, exc.message]
+    # --shard tp of a transformer layer (its attention's out_proj left whole): the forward runs
+    attention = load(RunOptions(model=ATTENTION, shard="tp").validate()).model
+    with torch.no_grad():
+        output = attention(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)))
+    if rank == 0:
+        torch.save(output, out / "attention.pt")
     # grads --shard ddp over --data of 3 samples in batches of 2: batch 1 (1 sample) leaves rank 1 nothing
     try:
         data = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))

@@ -116,3 +116,9 @@ class ReadsValues(nn.Module):
 
 def reads_values() -> nn.Module:
     return ReadsValues()
+
+
+def attention() -> nn.Module:
+    """A transformer encoder layer (no dropout): its ``MultiheadAttention`` reads ``out_proj.weight``
+    without calling ``out_proj``, so ``--shard tp`` must leave that Linear whole."""
+    return nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)

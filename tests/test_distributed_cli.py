@@ -180,6 +180,12 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
             assert own[1] == 2 and own[0] != "RanksFailed" and words in own[2], own
             assert other == ["RanksFailed", 2, f"--shard {kind}: building or sharding the model failed on 1 of "
                                                f"{WORLD} ranks"], other
+    # --shard tp of a transformer layer: the output of one process (before: its attention raised, a
+    # DTensor out_proj weight meeting plain inputs, exit 1, for a model that runs in one process)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = sharded_models.attention()(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)))
+    assert torch.allclose(torch.load(tmp_path / "attention.pt"), want, rtol=REL, atol=1e-6)
     # grads over --data whose last batch (1 sample) leaves rank 1 an empty slice: refused on every rank
     # before that batch runs (before: rank 1's loss raised while rank 0 waited in DDP's all-reduce: a hang)
     for rank in range(WORLD):

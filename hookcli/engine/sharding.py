@@ -140,13 +140,18 @@ def _retie(ties: list[list[tuple[str, nn.Module, str]]]) -> None:
 
 def tp_plan(model: nn.Module, world: int) -> dict[str, object]:
     """A tensor-parallel plan right for any model: every ``nn.Linear`` whose ``out_features`` the world
-    size divides, column-wise, its output gathered back (``Replicate``): each module's output is the
+    size divides (but a ``MultiheadAttention``'s ``out_proj``, which it never calls), column-wise, its
+    output gathered back (``Replicate``): each module's output is the
     one-process output, whatever comes after it. UnsupportedError when no Linear can be split."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
+    # an attention's out_proj is no module call: MultiheadAttention's forward reads its weight (a DTensor
+    # there would meet the plain inputs and raise)
+    unsplit = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     plan: dict[str, object] = {name: ColwiseParallel(output_layouts=Replicate()) for name, m in model.named_modules()
-                               if name and isinstance(m, nn.Linear) and m.out_features % world == 0}
+                               if name and isinstance(m, nn.Linear) and m.out_features % world == 0
+                               and id(m) not in unsplit}
     if not plan:
         raise UnsupportedError(f"--shard tp: the model has no nn.Linear whose out_features divides by {world} ranks",
                                hint="shard it with --shard fsdp2 or --shard ddp, or run on a world size that "
