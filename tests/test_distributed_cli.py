@@ -220,8 +220,12 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
     done = launch(["-m", "hookcli", "grads", f"{MODELS}:picky", "--input-shape", f"{BATCH}x6", "--shard", "fsdp2",
                    "-f", "json"], WORLD, timeout=150)
     assert done.returncode == 1, done.stderr[-3000:]
-    # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial
-    assert done.stdout == "" or json.loads(done.stdout)["partial"] is True, done.stdout
+    # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial,
+    # saying they are its own part's (not "over all 1 ranks")
+    if done.stdout:
+        partial = json.loads(done.stdout)
+        assert partial["partial"] is True and any("this rank's own part only" in n for n in partial["notes"]), \
+            partial["notes"]
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     own = ("Error: rank 1: the model raised in forward at (model) (FSDPPicky) with input shape(s) 2x6: ValueError: "
            "picky: needs 3 samples, got 2")
@@ -231,6 +235,18 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
     assert str(Path(__file__).parents[1] / "hookcli") not in done.stderr  # no traceback through hookcli
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
     assert codes.get("1") == "1" and codes.get("0") in ("1", "143", "-15"), (codes, done.stderr[-3000:])
+
+
+def test_a_rank_that_left_the_group_says_its_rows_are_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose run failed in a model with collectives of its own leaves the group (``desert``): the
+    partial report it shows holds its own rows, unmerged, and its note says so (before: "statistics
+    over all 1 ranks of the process group", as the group it left counts as none)."""
+    from hookcli.engine import distributed
+
+    monkeypatch.setattr(distributed, "_deserted", True)
+    for tp in (None, [[0, 1]]):
+        note = distributed.ranks_note(tp)
+        assert note.startswith("statistics of this rank's own part only") and "all 1 ranks" not in note, note
 
 
 def test_a_batch_that_leaves_a_rank_no_sample_is_refused_by_grads() -> None:
