@@ -81,8 +81,9 @@ def wrapped(case: str, hidden: int) -> tuple[nn.Module, int, int]:
 
 
 def refusals() -> list[tuple[str, int, str]]:
-    """What ``stats`` / ``grads`` refuse, as (error class, exit code, message): a DTensor parameter on a
-    2-D mesh without FSDP2 (two tensor-parallel dimensions), and ``clip`` on an FSDP2 model. (FSDP1,
+    """What ``stats`` / ``grads`` / ``check`` refuse, as (error class, exit code, message): a DTensor
+    parameter on a 2-D mesh without FSDP2 (two tensor-parallel dimensions), ``clip`` on an FSDP2 model,
+    and ``check`` of a tensor-parallel or an FSDP2 model. (FSDP1,
     refused too, cannot be built on CPU: "FSDP needs a non-CPU accelerator device".)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -92,9 +93,11 @@ def refusals() -> list[tuple[str, int, str]]:
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
     two_d[0].weight = nn.Parameter(distribute_tensor(two_d[0].weight.detach(), mesh, [Replicate(), Shard(0)]))
     fsdp, _, _ = wrapped("fsdp", 5)
+    tp, _, _ = wrapped("tp", 6)
     said = []
     for call in (lambda: hookcli.stats(two_d, inputs=x), lambda: hookcli.grads(two_d, inputs=x, loss="mean"),
-                 lambda: hookcli.grads(fsdp, inputs=x, loss="mean", clip=0.1)):
+                 lambda: hookcli.grads(fsdp, inputs=x, loss="mean", clip=0.1),
+                 lambda: hookcli.check(tp, inputs=x, loss="mean"), lambda: hookcli.check(fsdp, inputs=x, loss="mean")):
         try:
             call()
         except hookcli.errors.HookcliError as exc:

@@ -13,7 +13,9 @@ group, several ``hookcli.check`` cases, each rank on its own slice of the global
 - ``raises``: a model whose forward raises on rank 1 only;
 - ``raises_in_copy``: one that raises on rank 1 from its second call (params_change's copy) on;
 - ``data``: ``model()`` on this rank's half as ``data`` in batches of 8;
-- ``steps``: ``check`` with ``steps=3`` (refused under torchrun).
+- ``steps``: ``check`` with ``steps=3`` (refused under torchrun);
+- ``shard_ddp``: ``sharded_models.py:build`` with ``shard="ddp"`` (``check --shard ddp``) on a global
+  batch of 5 (slices of 3 and 2), ``output_shape`` [5, 3].
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ def main(out: Path) -> None:
     cases["raises_in_copy"] = run(model=RaisesOnRank1Later(), inputs=my_slice(batch()))
     cases["data"] = run(model=model(), data=my_slice(batch()), batch_size=8)
     cases["steps"] = run(model=model(), inputs=my_slice(batch()), steps=3)
+    # as ``hookcli check MODEL --shard ddp`` runs: the global batch of 5 cut in slices of 3 and 2
+    cases["shard_ddp"] = run(model=str(Path(__file__).with_name("sharded_models.py")) + ":build", shard="ddp",
+                             input_shapes=["5x6"], checks={"output_shape": [5, 3]})
     (out / f"rank{rank}.json").write_text(json.dumps(cases))
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()

@@ -13,7 +13,8 @@ on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Line
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
 0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
 ``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
-``dead_units`` (``OUT/dead<r>.json``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``): packed into those
+``dead_units`` (``OUT/dead<r>.json``) and ``unused_branch`` (``OUT/branch/``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
+``sequence_parallel`` under FSDP2 x TP (``OUT/sp_fsdp/``): packed into those
 launches, as each launch costs every rank a torch start-up.
 """
 
@@ -100,8 +101,11 @@ def main(mode: str, out: Path) -> None:
     if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
         dead_units(out)
         accelerator_path(out / "accelerator")
+        unused_branch(out)
     if mode == "tp":
         sequence_parallel(out)
+    if mode == "fsdp_tp":
+        sequence_parallel(out, fsdp=True)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed
@@ -277,37 +281,103 @@ def sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SP_ROWS, SP_TOKENS, 4, generator=g), torch.randn(SP_ROWS, SP_TOKENS, 2, generator=g)
 
 
-def sequence_parallel(out: Path) -> None:
+def sequence_parallel(out: Path, fsdp: bool = False) -> None:
     """``sp_model`` under sequence + tensor parallelism over every rank (each rank its slice of the tokens),
     ``STEPS`` logged steps, the loss of the replicated head output: ``OUT/sp/log.jsonl`` and
-    ``OUT/sp/rank<r>.json`` as ``train`` writes them."""
+    ``OUT/sp/rank<r>.json`` as ``train`` writes them. ``fsdp`` (4 ranks): FSDP2 over mesh dimension
+    ``dp`` x the same over ``tp`` (each TP group one row of the batch), in ``OUT/sp_fsdp/``; then one more
+    step whose LayerNorm weight's gradient is made both sharded and ``Partial`` (torch 2.14's FSDP2
+    leaves it summed: ``Replicate`` on ``tp``), which the watch refuses: ``errors`` says how."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     net = sp_model()
-    parallelize_module(net, init_device_mesh("cpu", (world,)), {
+    if fsdp:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh, rows = mesh["tp"], slice(mesh["dp"].get_local_rank(), mesh["dp"].get_local_rank() + 1)
+    else:
+        tp_mesh, rows = init_device_mesh("cpu", (world,)), slice(None)
+    parallelize_module(net, tp_mesh, {
         "0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
         "3": RowwiseParallel(output_layouts=Shard(1)),
         "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    (out / "sp").mkdir(exist_ok=True)
-    records, channels = [], []
-    tokens = SP_TOKENS // world
-    with hookcli.watch(net, optimizer, every=1, out=out / "sp" / "log.jsonl") as w:
-        for step in range(STEPS):
+    wrapped: nn.Module = net
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for index in (0, 1, 3, 4):
+            fully_shard(net[index], mesh=mesh["dp"])
+        wrapped = fully_shard(net, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    folder = out / ("sp_fsdp" if fsdp else "sp")
+    folder.mkdir(exist_ok=True)
+    records, channels, errors = [], [], []
+    tokens = SP_TOKENS // tp_mesh.size()
+    first = tp_mesh.get_local_rank() * tokens
+    with hookcli.watch(wrapped, optimizer, every=1, out=folder / "log.jsonl") as w:
+        for step in range(STEPS + (1 if fsdp else 0)):
             x, y = sp_batch(step)
-            loss = nn.functional.mse_loss(net(x[:, rank * tokens:(rank + 1) * tokens]), y)
+            loss = nn.functional.mse_loss(wrapped(x[rows, first:first + tokens]), y[rows])
+            loss.backward()
+            if step == STEPS:  # a gradient both sharded (dp) and Partial (tp): refused at the logged step
+                g = net[0].weight.grad
+                net[0].weight.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Shard(0), Partial()])
+            optimizer.step()
+            optimizer.zero_grad()
+            try:
+                w.step(loss=loss)
+            except hookcli.errors.HookcliError as exc:
+                errors.append((type(exc).__name__, exc.exit_code, str(exc), exc.hint))
+                break
+            records.append(json.loads(w.last.to_json_line()))
+            channels.append(channel_fractions(w.last))
+    (folder / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels, "errors": errors,
+                                                         "findings": [f.to_dict() for f in w.findings]}))
+
+
+class Branchy(nn.Module):
+    """A trunk, then one of two heads, as the caller says (seed 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.trunk = nn.Linear(3, 4)
+        self.left = nn.Linear(4, 2)
+        self.right = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, left: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.left(h) if left else self.right(h)
+
+
+def branch_batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s batch of ``step``; ``right_taken``: whether it takes the right head then."""
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(300 + 10 * step + rank))
+
+
+def right_taken(step: int, rank: int) -> bool:
+    """Rank 1 takes the right head at step 1, every other (rank, step) the left one."""
+    return rank == 1 and step == 1
+
+
+def unused_branch(out: Path) -> None:
+    """``Branchy`` under DDP with ``find_unused_parameters=True``, ``STEPS`` logged steps (SGD, zero_grad
+    setting None): each rank's loss the mean square of its head's output. At step 1 the right head's
+    gradient, which only rank 1's backward makes, is DDP's mean on every rank: ``OUT/branch/log.jsonl``."""
+    rank = dist.get_rank()
+    net = nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    (out / "branch").mkdir(exist_ok=True)
+    with hookcli.watch(net, optimizer, every=1, out=out / "branch" / "log.jsonl") as w:
+        for step in range(STEPS):
+            loss = net(branch_batch(step, rank), not right_taken(step, rank)).square().mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             w.step(loss=loss)
-            records.append(json.loads(w.last.to_json_line()))
-            channels.append(channel_fractions(w.last))
-    (out / "sp" / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels,
-                                                              "findings": [f.to_dict() for f in w.findings]}))
 
 
 if __name__ == "__main__":

@@ -72,3 +72,53 @@ class Tied(nn.Module):
 
 def tied() -> nn.Module:
     return Tied()
+
+
+class HostFails(nn.Module):
+    """Raises when built on the host, not on the meta device: under ``--shard`` rank 0 alone builds the
+    full model on the host (to fill every rank's part from it), so rank 0 alone fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        if self.fc.weight.device.type != "meta":
+            raise MemoryError("host-fails: out of host memory")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def host_fails() -> nn.Module:
+    return HostFails()
+
+
+def rank1_fails() -> nn.Module:
+    """Raises on rank 1 only (its meta build), rank 0 builds it on the host and on meta alike."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+        raise ValueError("rank1-fails: no model here")
+    return nn.Sequential(nn.Linear(6, 4))
+
+
+class ReadsValues(nn.Module):
+    """Reads a value its ``__init__`` computed with torch (``.item()``, as torchvision's RegNet reads its
+    widths with ``.tolist()``): its code cannot run on the meta device. A random buffer too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = int(torch.tensor([2.0]).pow(3).item())  # 8
+        self.fc1 = nn.Linear(6, width)
+        self.fc2 = nn.Linear(width, 3)
+        self.register_buffer("shift", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x) + self.shift))
+
+
+def reads_values() -> nn.Module:
+    return ReadsValues()
+
+
+def attention() -> nn.Module:
+    """A transformer encoder layer (no dropout): its ``MultiheadAttention`` reads ``out_proj.weight``
+    without calling ``out_proj``, so ``--shard tp`` must leave that Linear whole."""
+    return nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)

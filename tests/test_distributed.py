@@ -286,6 +286,39 @@ def test_dead_channels_are_those_of_the_global_batch(launched: Any) -> None:
     assert found == [("dead_units", 2, "1", float(len(worker.DEAD)))]
 
 
+def test_a_head_only_one_rank_takes_logs_ddps_mean_gradient(launched: Any) -> None:
+    """DDP with ``find_unused_parameters=True`` (the ``ddp`` launch's ``unused_branch``): at step 1 rank 1
+    alone takes the right head; DDP gives every rank the ranks' mean gradient of it, rank 0's without a
+    backward of its own through it. The log has the right head's gradient (before: none, as rank 0's
+    copy is the one logged, though the update moved it) and every parameter's numbers are plain
+    torch's: each step's gradient that of the ranks' mean loss; the right head has none at steps 0
+    and 2, where no rank takes it."""
+    lines = [json.loads(line) for line in (launched("ddp") / "branch" / "log.jsonl").read_text().splitlines()]
+    net = worker.Branchy()
+    params = dict(net.named_parameters())
+    for line in lines:
+        step = line["step"]
+        losses = [net(worker.branch_batch(step, r), not worker.right_taken(step, r)).square().mean()
+                  for r in range(WORLD)]
+        used = {name for name in params if not name.startswith("right")} | (
+            {"right.weight", "right.bias"} if any(worker.right_taken(step, r) for r in range(WORLD)) else set())
+        grads = torch.autograd.grad(sum(losses) / WORLD, [params[name] for name in used])
+        record: dict[str, Any] = {"params": {}}
+        sgd_step({name: params[name] for name in used}, grads, record)
+        logged = {p["name"]: p for p in line["params"]}
+        assert close(line["loss"], (sum(losses) / WORLD).item())
+        for name in params:
+            if name not in used:
+                assert logged[name].get("grad") is None and logged[name]["update_norm"] == 0.0, (step, name)
+                continue
+            norm, grad, update = record["params"][name]
+            assert close(logged[name]["norm"], norm) and close(logged[name]["update_norm"], update), (step, name)
+            assert logged[name]["grad"] is not None, (step, name)
+            for key, value in grad.items():
+                assert close(logged[name]["grad"][key], value, grad["std"] if key == "mean" else 0.0), (step, name, key)
+    assert [line["step"] for line in lines] == list(range(worker.STEPS))
+
+
 def sp_reference() -> list[dict[str, Any]]:
     """``sp_model``'s training in one process in plain torch, every token at once: per step each
     module's output and its gradient w.r.t. the loss (every rank's loss: the replicated head's), each
@@ -327,6 +360,32 @@ def test_sequence_parallel_equals_plain_torch_over_every_token(launched: Any) ->
     assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
     assert ranks[0]["records"] == ranks[1]["records"] == lines
     assert ranks[0]["findings"] == ranks[1]["findings"] == []
+
+
+def test_sequence_parallel_under_fsdp2_x_tp_equals_plain_torch_and_refuses_a_sharded_partial_gradient(
+        launched: Any) -> None:
+    """Sequence parallelism under FSDP2 x TP on 2 x 2 ranks (the ``fsdp_tp`` launch's second watch): each
+    TP group one row of the batch, each rank its half of the row's tokens. FSDP2 (torch 2.14) leaves the
+    LayerNorm's gradient summed over the TP ranks (``Replicate`` on ``tp``, sharded on ``dp``): every
+    number is one process's over every row and token; output gradients are those of the TP group's
+    row loss (2x the global mean loss's). A fourth step whose LayerNorm gradient is both sharded and
+    ``Partial`` is refused on every rank at that step, with one clear error (UnsupportedError, exit 2,
+    a hint), and the log keeps the three steps before it."""
+    folder = launched("fsdp_tp", 4) / "sp_fsdp"
+    ranks = ranks_of(folder, 4)
+    lines = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    expected = sp_reference()
+    assert_matches(lines, expected, out_grad_scale=2.0)
+    for line in lines:
+        assert {layer["name"]: layer["placement"] for layer in line["layers"]} == {
+            "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
+    assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
+    assert all(rank["records"] == lines and rank["findings"] == [] for rank in ranks)
+    errors = [rank["errors"] for rank in ranks]
+    assert all(found == errors[0] for found in errors) and len(errors[0]) == 1, errors
+    name, code, message, hint = errors[0][0]
+    assert (name, code) == ("UnsupportedError", 2)
+    assert message == "the gradient of parameter 0.weight is both sharded and Partial" and hint, errors
 
 
 @settings(max_examples=40, deadline=None)

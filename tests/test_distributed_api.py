@@ -189,12 +189,18 @@ def test_fsdp2_gradients_leave_the_users_grad_as_it_was(results: dict[str, list[
 
 def test_what_hookcli_does_not_reduce_is_refused_on_every_rank(results: dict[str, list[Any]]) -> None:
     """A DTensor parameter on a 2-D mesh without FSDP2 (two TP dimensions), in ``stats`` and ``grads``
-    (as ``hookcli.watch`` refuses it), and ``clip`` on an FSDP2 model (its clipping hooks would never
-    fire): UnsupportedError, exit code 2, on every rank, before anything runs."""
+    (as ``hookcli.watch`` refuses it), ``clip`` on an FSDP2 model (its clipping hooks would never
+    fire), and ``check`` of a TP or FSDP2 model: UnsupportedError, exit code 2, on every rank, before
+    anything runs."""
     ranks = results["refused"]
     assert ranks[0] == ranks[1]
-    [mesh_stats, mesh_grads, clip] = ranks[0]
+    [mesh_stats, mesh_grads, clip, check_tp, check_fsdp] = ranks[0]
     for error, code, message in (mesh_stats, mesh_grads):
         assert (error, code) == ("UnsupportedError", 2)
         assert "parameter 0.weight" in message and "2-D mesh" in message
     assert clip[:2] == ["UnsupportedError", 2] and "--clip" in clip[2]
+    # check on a sharded model (before: an internal error from DTensor, its per-channel dead units of
+    # other channels on each TP rank merged as if the same): refused on every rank
+    for error, code, message in (check_tp, check_fsdp):
+        assert (error, code) == ("UnsupportedError", 2)
+        assert message.startswith("check is not supported on a model sharded over the ranks"), message

@@ -208,3 +208,14 @@ def test_replicas_compare_at_the_given_tolerance() -> None:
     """``_same`` at a tolerance: a copy 1e-6 off is a desync at the default, not at 1e-5."""
     assert not distributed._same([1.0], [1.0 + 1e-6])
     assert distributed._same([1.0], [1.0 + 1e-6], 1e-5)
+
+
+def test_output_shape_under_shard_ddp_is_the_whole_batchs(ranks: list[dict[str, Any]]) -> None:
+    """``check --shard ddp`` (the API's ``shard="ddp"``) on a batch of 5 cut in slices of 3 and 2: the
+    ``output_shape`` rule judges the shape one process over the whole batch has, [5, 3], as the report
+    shows it (before: rank 0's slice, [3, 3], failed a config that passes in one process)."""
+    for rank in ranks:
+        result = rank["shard_ddp"]["result"]
+        assert result["ok"], [(r["rule"], r["status"]) for r in result["rules"]]
+        shape = rule(result, "output_shape")
+        assert (shape["status"], shape["value"]) == ("PASS", [5, 3]), shape

@@ -146,15 +146,19 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     """Every parameter and buffer (BatchNorm's running statistics, a non-persistent buffer) of the model
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
     the same seed, exactly; tied weights stay tied (ddp) or are refused (fsdp2, tp)."""
-    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD)
+    # a hang (a rank left waiting in rank 0's broadcast for the group's 30 minutes) ends in TimeoutExpired
+    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
     net = sharded_models.build()
     expected = {**dict(net.named_parameters()), **dict(net.named_buffers())}
-    for kind in ("ddp", "fsdp2", "tp"):
+    torch.manual_seed(0)
+    reads = sharded_models.reads_values()  # cannot be built on meta: built on each host, then sharded (fsdp2)
+    for kind, want_from in (("ddp", expected), ("fsdp2", expected), ("tp", expected),
+                            ("reads_values", {**dict(reads.named_parameters()), **dict(reads.named_buffers())})):
         got = torch.load(tmp_path / f"{kind}.pt")
-        assert got.keys() == expected.keys(), kind
-        for name, want in expected.items():
+        assert got.keys() == want_from.keys(), kind
+        for name, want in want_from.items():
             for rank in range(WORLD):
                 assert torch.equal(got[name][rank], want.detach()), (kind, name, rank)
     # tied weights (an embedding and its output head): ddp keeps them one parameter, whose gradient is
@@ -166,6 +170,28 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     assert tied["ddp"]["same"] and tied["ddp"]["params"] == 1
     assert torch.allclose(torch.tensor(tied["ddp"]["grad"]), grad, rtol=REL, atol=0)
     assert tied["fsdp2"] == tied["tp"] == ["UnsupportedError", 2]
+    # a build that fails on one rank alone (rank 0's full build on the host; rank 1's on meta): that rank
+    # raises its own error, the other RanksFailed (exit 2), before any rank waits in the broadcast
+    failures = [json.loads((tmp_path / f"failures{rank}.json").read_text()) for rank in range(WORLD)]
+    for name, failing, words in (("host_fails", 0, "host-fails: out of host memory"),
+                                 ("rank1_fails", 1, "rank1-fails: no model here")):
+        for kind in ("fsdp2", "ddp"):
+            own, other = failures[failing][f"{name} {kind}"], failures[1 - failing][f"{name} {kind}"]
+            assert own[1] == 2 and own[0] != "RanksFailed" and words in own[2], own
+            assert other == ["RanksFailed", 2, f"--shard {kind}: building or sharding the model failed on 1 of "
+                                               f"{WORLD} ranks"], other
+    # --shard tp of a transformer layer: the output of one process (before: its attention raised, a
+    # DTensor out_proj weight meeting plain inputs, exit 1, for a model that runs in one process)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = sharded_models.attention()(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)))
+    assert torch.allclose(torch.load(tmp_path / "attention.pt"), want, rtol=REL, atol=1e-6)
+    # grads over --data whose last batch (1 sample) leaves rank 1 an empty slice: refused on every rank
+    # before that batch runs (before: rank 1's loss raised while rank 0 waited in DDP's all-reduce: a hang)
+    for rank in range(WORLD):
+        name, code, message = failures[rank]["empty slice"]
+        assert (name, code) == ("UsageError", 2) and message.startswith("grads --shard ddp: batch 1: a batch of 1 "), \
+            message
 
 
 def test_a_rank_that_fails_stops_every_rank_with_one_exit_code() -> None:
@@ -194,8 +220,12 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
     done = launch(["-m", "hookcli", "grads", f"{MODELS}:picky", "--input-shape", f"{BATCH}x6", "--shard", "fsdp2",
                    "-f", "json"], WORLD, timeout=150)
     assert done.returncode == 1, done.stderr[-3000:]
-    # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial
-    assert done.stdout == "" or json.loads(done.stdout)["partial"] is True, done.stdout
+    # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial,
+    # saying they are its own part's (not "over all 1 ranks")
+    if done.stdout:
+        partial = json.loads(done.stdout)
+        assert partial["partial"] is True and any("this rank's own part only" in n for n in partial["notes"]), \
+            partial["notes"]
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     own = ("Error: rank 1: the model raised in forward at (model) (FSDPPicky) with input shape(s) 2x6: ValueError: "
            "picky: needs 3 samples, got 2")
@@ -205,6 +235,18 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
     assert str(Path(__file__).parents[1] / "hookcli") not in done.stderr  # no traceback through hookcli
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", done.stderr, re.DOTALL))
     assert codes.get("1") == "1" and codes.get("0") in ("1", "143", "-15"), (codes, done.stderr[-3000:])
+
+
+def test_a_rank_that_left_the_group_says_its_rows_are_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose run failed in a model with collectives of its own leaves the group (``desert``): the
+    partial report it shows holds its own rows, unmerged, and its note says so (before: "statistics
+    over all 1 ranks of the process group", as the group it left counts as none)."""
+    from hookcli.engine import distributed
+
+    monkeypatch.setattr(distributed, "_deserted", True)
+    for tp in (None, [[0, 1]]):
+        note = distributed.ranks_note(tp)
+        assert note.startswith("statistics of this rank's own part only") and "all 1 ranks" not in note, note
 
 
 def test_a_batch_that_leaves_a_rank_no_sample_is_refused_by_grads() -> None:

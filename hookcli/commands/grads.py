@@ -365,13 +365,30 @@ def refuse_sharded_check(prep: Any, command: str) -> None:
                                "model each rank holds, and each rank holds only part of a sharded model",
                                hint="check with --shard ddp, or run stats / grads --shard "
                                     f"{prep.options.shard} for the model's numbers")
+    from hookcli.engine import distributed
+
+    if command == "check" and distributed.runs_collectives(prep.loaded.model):  # every rank decides alike
+        raise UnsupportedError("check is not supported on a model sharded over the ranks (FSDP2, tensor parallel): "
+                               "some of check's rules (the copies it steps and probes, per-channel dead units, "
+                               "parameter norms) work on the model each rank holds, a part of it",
+                               hint="check a plain or DistributedDataParallel copy of the model, or take its "
+                                    "numbers with hookcli.stats / hookcli.grads, which merge the shards")
+    refuse_empty_slices(prep, command, prep.inputs)
+
+
+def refuse_empty_slices(prep: Any, command: str, inputs: Any, where: str = "") -> None:
+    """UsageError under ``--shard ddp|fsdp2`` when the global batch of ``inputs`` (its input rows: the
+    whole batch's, before ``rank_slice``) leaves a rank an empty slice: its loss would raise there while
+    the others wait in the backward's collectives. Every rank decides alike, before running the batch
+    (``where``: which batch of ``--data``, whose last one may be smaller than the world)."""
     if prep.options.shard in (Shard.ddp, Shard.fsdp2):
         world = torch.distributed.get_world_size()
-        whole = next((info.shape[0] for info in prep.inputs.infos if info.shape), None)  # the global batch's
+        whole = next((info.shape[0] for info in inputs.infos if info.shape), None)  # the global batch's
         if whole is not None and whole < world:  # every rank decides alike: none is left waiting in a collective
-            raise UsageError(f"{command} --shard {prep.options.shard}: a batch of {whole} sample(s) leaves some of the "
-                             f"{world} ranks an empty slice, and a loss over no values has no gradient",
-                             hint=f"give a batch of at least {world} samples (one a rank), or run on fewer ranks")
+            raise UsageError(f"{command} --shard {prep.options.shard}: {where}a batch of {whole} sample(s) leaves "
+                             f"some of the {world} ranks an empty slice, and a loss over no values has no gradient",
+                             hint=f"give batches of at least {world} samples (one a rank; with --data, a batch size "
+                                  "that leaves a last batch that large, or --batches), or run on fewer ranks")
 
 
 def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
@@ -533,6 +550,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
           keep_rows(prep, report, rows, ranks=ranks, tp=tp)):
         reported = param_scope(prep.index, prep.selection, opts.params)
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
+            refuse_empty_slices(prep, command, batch, where=f"batch {index}: ")
             run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,
                            show_phase=False, merge=True)
             rows.add(run.layers, run.vectors or {}, batch_size_of(batch))

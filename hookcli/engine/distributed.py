@@ -818,7 +818,12 @@ def batch_owners(tp: list[list[int]] | None = None) -> str:
 
 
 def ranks_note(tp: list[list[int]] | None = None) -> str:
-    """What a report merged over the ranks says of it (``tp``: ``supported_tp_groups``)."""
+    """What a report merged over the ranks says of it (``tp``: ``supported_tp_groups``); on a rank that
+    ``desert``-ed the group (its run failed in a model with collectives of its own), that its rows are
+    its own part's only."""
+    if _deserted:
+        return ("statistics of this rank's own part only (torchrun): its run failed before the ranks merged "
+                "them (docs/distributed.md)")
     if tp is None:
         return (f"statistics over all {world_size()} ranks of the process group (torchrun): each rank's own "
                 "batch, merged (docs/distributed.md)")

@@ -355,16 +355,29 @@ def new_report(prep: Prepared, command: str) -> Report:
     return report
 
 
+def _slice_and_batch(prep: Prepared) -> tuple[int, int] | None:
+    """This rank's slice size and the whole batch's under ``--shard ddp|fsdp2``; None otherwise."""
+    if prep.options.shard not in (Shard.ddp, Shard.fsdp2) or not prep.inputs.infos:
+        return None
+    shape = prep.inputs.infos[0].shape
+    return (batch_size_of(prep.inputs), shape[0]) if shape else None
+
+
+def global_shape_of(prep: Prepared, shape: list[int] | None) -> list[int] | None:
+    """A shape this rank saw as one process over the whole batch shows it under ``--shard ddp|fsdp2``
+    (``sharding.global_shape``: check's ``output_shape`` judges it); as it is otherwise."""
+    sizes = _slice_and_batch(prep)
+    return sharding.global_shape(shape, *sizes) if sizes is not None else shape
+
+
 def global_rows(prep: Prepared, layers: list[LayerRecord]) -> list[LayerRecord]:
     """Rows of a ``--shard ddp|fsdp2`` run with the shapes one process over the whole batch shows (a
     leading dimension of this rank's slice size is the batch's: ``sharding.global_shape``); others as
     they are."""
-    if prep.options.shard not in (Shard.ddp, Shard.fsdp2) or not prep.inputs.infos:
+    sizes = _slice_and_batch(prep)
+    if sizes is None:
         return layers
-    shape = prep.inputs.infos[0].shape
-    whole, local = (shape[0] if shape else None), batch_size_of(prep.inputs)
-    if whole is None:
-        return layers
+    local, whole = sizes
     return [dataclasses.replace(
         rec, shape=sharding.global_shape(rec.shape, local, whole),
         input_shapes=[sharding.global_shape(s, local, whole) if isinstance(s, list) and all(isinstance(d, int) for d in s)

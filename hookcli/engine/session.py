@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -629,6 +630,8 @@ class HookSet:
         self._handles: list[RemovableHandle | _ForgetKwargsMark] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._accumulated: dict[str, int] = {}
+        #: under a process group: each parameter's ``.grad`` as the step began (``_mark_grads``)
+        self._marks: dict[str, tuple[weakref.ref[torch.Tensor], int] | None] = {}
         #: The hooks run eagerly under torch.compile (set by ``install``: asked for, or ``is_compiled``).
         self.compiled = False
 
@@ -659,6 +662,7 @@ class HookSet:
                     self._params.append((name, p))
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._accumulate_hook(name)))
+            self._mark_grads()
         except BaseException:
             self.remove()
             raise
@@ -703,6 +707,23 @@ class HookSet:
 
         return hook
 
+    def _mark_grads(self) -> None:
+        """Under a process group, each parameter's ``.grad`` (which tensor, its version) as a step
+        begins: ``_written`` tells a gradient written in the step without this rank's backward from a
+        stale one."""
+        if distributed.process_group() is not None:
+            self._marks = {name: None if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+                           for name, p in self._params}
+
+    def _written(self, name: str, p: nn.Parameter) -> bool:
+        """Whether ``p.grad`` was written in this step though no backward of this rank accumulated into
+        it: DDP (``find_unused_parameters=True``) gives a parameter only other ranks used the ranks'
+        mean gradient. Only under a process group."""
+        if name not in self._marks or p.grad is None:
+            return False
+        mark = self._marks[name]
+        return mark is None or mark[0]() is not p.grad or mark[1] != p.grad._version
+
     def param_vectors(self) -> list[ParamVectors]:
         """Each watched parameter's statistics vectors as they stand now, on its device (no transfer):
         its ``.grad``'s when a backward of this step accumulated into it, and its norm. A watch takes
@@ -713,7 +734,7 @@ class HookSet:
         plan = []
         for name, p in self._params:
             grad = None
-            if self._accumulated.get(name) and p.grad is not None:  # a DTensor's: its local shard's
+            if (self._accumulated.get(name) or self._written(name, p)) and p.grad is not None:  # a DTensor's: its local shard's
                 grad = session.reducer.reduce(distributed.local(p.grad), zeros=session.options.grad_zeros)
             norm = l2_norm(distributed.local(p.detach()))
             plan.append(ParamVectors(name, p, grad, norm))
@@ -759,6 +780,7 @@ class HookSet:
         if self.session is not None:
             self.session.reset()
         self._accumulated.clear()
+        self._mark_grads()
         self.step += 1
 
     def hook_optimizer(self, optimizer: torch.optim.Optimizer, pre: Callable[..., None],

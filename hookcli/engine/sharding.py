@@ -23,7 +23,7 @@ from torch import nn
 
 from hookcli.engine.input_types import ModelInputs
 from hookcli.engine.loading import LoadedModel
-from hookcli.errors import UnsupportedError, UsageError
+from hookcli.errors import HookcliError, ModelImportError, RanksFailed, UnsupportedError, UsageError
 from hookcli.options import Shard, torchrun_env
 
 #: How long a rank waits for the others in one collective before it gives up (a rank that died or
@@ -140,13 +140,18 @@ def _retie(ties: list[list[tuple[str, nn.Module, str]]]) -> None:
 
 def tp_plan(model: nn.Module, world: int) -> dict[str, object]:
     """A tensor-parallel plan right for any model: every ``nn.Linear`` whose ``out_features`` the world
-    size divides, column-wise, its output gathered back (``Replicate``): each module's output is the
+    size divides (but a ``MultiheadAttention``'s ``out_proj``, which it never calls), column-wise, its
+    output gathered back (``Replicate``): each module's output is the
     one-process output, whatever comes after it. UnsupportedError when no Linear can be split."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
+    # an attention's out_proj is no module call: MultiheadAttention's forward reads its weight (a DTensor
+    # there would meet the plain inputs and raise)
+    unsplit = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     plan: dict[str, object] = {name: ColwiseParallel(output_layouts=Replicate()) for name, m in model.named_modules()
-                               if name and isinstance(m, nn.Linear) and m.out_features % world == 0}
+                               if name and isinstance(m, nn.Linear) and m.out_features % world == 0
+                               and id(m) not in unsplit}
     if not plan:
         raise UnsupportedError(f"--shard tp: the model has no nn.Linear whose out_features divides by {world} ranks",
                                hint="shard it with --shard fsdp2 or --shard ddp, or run on a world size that "
@@ -164,23 +169,28 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
 
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
-    full = build(False) if rank == 0 else None
-    loaded = build(True)
-    model = loaded.model
-    target = _device(device)
-    ties = _ties(model)
-    if ties and shard != Shard.ddp:
-        raise UnsupportedError(f"--shard {shard.value}: the model ties parameters between modules "
-                               f"({_tie_names(ties)}), which hookcli's {shard.value} plan would untie or "
-                               "cannot shard", hint="run it with --shard ddp (ties are kept there)")
-    if shard == Shard.fsdp2:
-        _fsdp2(model, init_device_mesh(target.type, (world,)))
-    elif shard == Shard.tp:
-        from torch.distributed.tensor.parallel import parallelize_module
+    try:  # what each rank does alone (no collective: a 1-D mesh of the world is the default group)
+        full = build(False) if rank == 0 else None
+        loaded = _meta_build(build)
+        model = loaded.model
+        target = _device(device)
+        ties = _ties(model)
+        if ties and shard != Shard.ddp:
+            raise UnsupportedError(f"--shard {shard.value}: the model ties parameters between modules "
+                                   f"({_tie_names(ties)}), which hookcli's {shard.value} plan would untie or "
+                                   "cannot shard", hint="run it with --shard ddp (ties are kept there)")
+        if shard == Shard.fsdp2:
+            _fsdp2(model, init_device_mesh(target.type, (world,)))
+        elif shard == Shard.tp:
+            from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, init_device_mesh(target.type, (world,)), tp_plan(model, world))  # type: ignore[arg-type]
-    model.to_empty(device=target)
-    _retie(ties)  # before the state is filled: a tied weight is filled once, as in the full model
+            parallelize_module(model, init_device_mesh(target.type, (world,)), tp_plan(model, world))  # type: ignore[arg-type]
+        model.to_empty(device=target)
+        _retie(ties)  # before the state is filled: a tied weight is filled once, as in the full model
+    except Exception:
+        _vote(True, shard)
+        raise
+    _vote(False, shard)
     state = full.model.state_dict() if full is not None else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     sources = dict(full.model.named_buffers()) if full is not None else {}
@@ -195,6 +205,45 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
         # calls the module it wraps (its forward is that module's; hookcli averages gradients as DDP does)
         nn.parallel.DistributedDataParallel(model)
     return loaded
+
+
+def _meta_build(build: Callable[[bool], LoadedModel]) -> LoadedModel:
+    """``build(True)``: the model on the meta device. A model whose code cannot run there (an init that
+    reads values: torchvision's RegNet computes its widths with ``.tolist()``) is built on the host
+    instead and moved to meta (its ties kept), as ``shapes`` falls back to a real run: this rank's host
+    holds one more full copy for a moment. What fails on any device (a usage error, a model not found)
+    is raised as it is."""
+    try:
+        return build(True)
+    except ModelImportError as exc:
+        if exc.__cause__ is None:
+            raise  # not the model's own code: the same on any device
+    except HookcliError:
+        raise
+    except Exception:  # noqa: S110 - the model's code on meta: built for real below, or raises there
+        pass
+    loaded = build(False)
+    ties = _ties(loaded.model)
+    loaded.model.to("meta")
+    _retie(ties)
+    return loaded
+
+
+def _vote(failed: bool, shard: Shard) -> None:
+    """Every rank's word on its part of ``load_sharded`` before the first collective that waits on the
+    others (the broadcast from rank 0): one ``all_reduce`` SUM of a failure flag. A rank that failed
+    (rank 0's host build, a rank's meta build, sharding, allocating its part) raises its own error
+    after it; the others raise ``RanksFailed`` instead of waiting in the broadcast for the group's
+    timeout. Every rank then meets in the CLI's exit-code agreement."""
+    from hookcli.engine import distributed
+
+    group = torch.distributed.group.WORLD
+    flag = torch.tensor([float(failed)], dtype=torch.float64, device=distributed.StepReduction(group).device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=group)
+    count = int(flag.item())
+    if count and not failed:
+        raise RanksFailed(f"--shard {shard.value}: building or sharding the model failed on {count} of "
+                          f"{torch.distributed.get_world_size()} ranks")
 
 
 def rank_slice(inputs: ModelInputs, shard: Shard | None) -> ModelInputs:

@@ -108,9 +108,12 @@ class Probe(RunObserver):
     def finished(self, order: CompletionOrder) -> None:
         self.order = order
 
-    def fill(self, obs: Observations, ranks: bool = False) -> None:
+    def fill(self, obs: Observations, ranks: bool = False,
+             shape: Callable[[list[int] | None], list[int] | None] | None = None) -> None:
         """Move every measurement to the host in one transfer and store it in ``obs``; ``ranks``: merged
-        over every rank's batch (under ``torchrun``: ``check_ranks.merge_probe``, one collective)."""
+        over every rank's batch (under ``torchrun``: ``check_ranks.merge_probe``, one collective);
+        ``shape``: the outputs' shapes as the report shows them (``engine.global_shape_of``), before
+        rank 0's are taken."""
         vectors = [v.sum().reshape(1) for *_, v in self._channels]
         vectors += [b.reshape(1) for *_, b in self._outputs if b is not None]
         host = iter(row[0] for row in to_host(vectors))
@@ -118,9 +121,9 @@ class Probe(RunObserver):
         obs.constant = set(self.constant)
         obs.out_of_range = dict(self.out_of_range)
         obs.channels = {key: (int(next(host)), channels, per, dim) for key, channels, per, dim, _ in self._channels}
-        obs.outputs = [{"path": path, "shape": shape, "dtype": dtype,
+        obs.outputs = [{"path": path, "shape": shape(seen) if shape is not None else seen, "dtype": dtype,
                         "nonfinite": int(next(host)) if bad is not None else 0}
-                       for path, shape, dtype, bad in self._outputs]
+                       for path, seen, dtype, bad in self._outputs]
         if ranks:
             check_ranks.merge_probe(obs, {key: dead.cpu() for key, *_, dead in self._channels})
 
@@ -230,7 +233,8 @@ def measure(prep: engine.Prepared, rules: CheckRules) -> tuple[Report, Observati
         if exc.report is None:
             raise
         report, cause = exc.report, exc
-    probe.fill(obs, ranks=cause is None and check_ranks.active())  # a failed rank's peers raised RanksFailed
+    # a failed rank's peers raised RanksFailed; under --shard ddp, shapes as one process over the whole batch
+    probe.fill(obs, ranks=cause is None and check_ranks.active(), shape=lambda s: engine.global_shape_of(prep, s))
     return report, obs, cause
 
 
