@@ -218,6 +218,27 @@ def test_an_uncaught_exception_in_the_script_is_its_traceback_and_exit_1(cli, sc
     assert not any(line.startswith("Error:") for line in result.stderr.splitlines())
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_0_alone_says_the_watchs_lines_and_every_rank_its_traceback(
+        cli, script: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """Under torchrun every rank runs the script: hookcli's lines (the model found, findings, the
+    summary) are said once, by rank 0; the script's own output and traceback stay every rank's."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, str(value))
+    result = cli("watch", "--", "python", script, "--steps", "3", "--freeze", "--boom")
+    assert result.exit_code == 1
+    assert result.stdout == "trained 3 steps\n"
+    ours = [line for line in result.stderr.splitlines() if line.startswith("hookcli watch:")]
+    if rank == 0:
+        assert any("watching Sequential" in line for line in ours)
+        assert any("warning frozen (2.weight)" in line for line in ours)
+        assert ours[-1].startswith("hookcli watch: Sequential, SGD: 3 steps")
+    else:
+        assert ours == []
+    assert result.stderr.splitlines()[-1 if rank else -2] == "ValueError: boom at the end"
+
+
 def test_sys_exit_3_in_a_training_script_exits_3(cli, script: Path) -> None:
     result = cli("watch", "--", "python", script, "--steps", "2", "--exit", "3")
     assert result.exit_code == 3

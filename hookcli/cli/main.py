@@ -622,7 +622,8 @@ def watch(**values: Any) -> None:
                              hint="with -- CMD: --every, --out, --layers, --types and --config")
 
     def say(text: str) -> None:
-        click.echo(f"hookcli watch: {escape_control(text)}", err=True)
+        if torchrun_rank() == 0:  # under torchrun the findings are every rank's (global numbers): rank 0 says them
+            click.echo(f"hookcli watch: {escape_control(text)}", err=True)
 
     run = api.watch_script(command, every=values["every"], out=values["out"], layers=layers, types=types,
                            rules=rules, on_found=lambda finding: say(finding_line(finding)), on_note=say)
