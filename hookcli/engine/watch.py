@@ -137,6 +137,8 @@ class StepWatcher:
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
                                                               channel_zeros=self.channels),
                            params=self.params)
+        assert self.hooks.session is not None
+        self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
