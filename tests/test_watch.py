@@ -426,7 +426,7 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
 
 
 
-# -- validation forwards -----------------------------------------------------------------------------------------
+# -- validation forwards and wrapped models ----------------------------------------------------------------------
 
 VALIDATION_GUARDS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -581,6 +581,40 @@ def test_training_forwards_in_eval_mode_or_without_autograd_are_counted(loop: st
         assert_stats(layers[n].stats, seen[n][-1:])
     assert layers["head"].grad is not None
     assert (layers["backbone.0"].grad is None) == (loop == "frozen backbone under no_grad")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel runs the module itself only without GPUs")
+def test_a_data_parallel_model_is_watched_and_measured_under_its_own_names(tmp_path: Path) -> None:
+    """``nn.DataParallel(model)`` (without GPUs it calls the module) is unwrapped as DDP is: the watch's
+    layers and parameters are named ``0``, not ``module.0``, and its log is the bare model's, whose
+    numbers are plain torch's; ``hookcli.stats`` of it names and measures the layers as the bare model's."""
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    inner = copy.deepcopy(bare)
+    wrapped = nn.DataParallel(inner)
+    opt_bare = torch.optim.Adam(bare.parameters(), lr=0.05)
+    opt_wrapped = torch.optim.Adam(wrapped.parameters(), lr=0.05)
+    seen: list[torch.Tensor] = []
+    handle = inner[1].register_forward_hook(lambda _m, _i, out: seen.append(out))
+    with hookcli.watch(bare, opt_bare, out=tmp_path / "bare.jsonl") as w:
+        train(bare, opt_bare, 3, w)
+    with hookcli.watch(wrapped, opt_wrapped, out=tmp_path / "dp.jsonl") as w:
+        train(wrapped, opt_wrapped, 3, w)
+    handle.remove()
+    lines = read_log(tmp_path / "dp.jsonl")
+    assert [entry["name"] for entry in lines[0]["layers"]] == ["0", "1", "2"]
+    assert [entry["name"] for entry in lines[0]["params"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert lines == read_log(tmp_path / "bare.jsonl")
+    assert_stats(lines[-1]["layers"][1]["stats"], seen[-1:])
+    no_hooks_left(wrapped, opt_wrapped)
+
+    x = torch.randn(3, 6)
+    report = hookcli.stats(nn.DataParallel(bare), inputs=x)
+    rows = {row.name: row for row in report.layers}
+    assert "module" not in rows and {"0", "1", "2"} <= set(rows)
+    want = reference([bare[:2](x)])
+    assert rows["1"].stats["mean"] == pytest.approx(want["mean"], rel=1e-6)
+    assert rows["1"].stats["max"] == pytest.approx(want["max"], rel=1e-6)
 
 
 # -- bad input and the log file ----------------------------------------------------------------------------------
