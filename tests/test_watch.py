@@ -530,6 +530,27 @@ def test_validation_forwards_inside_the_loop_are_not_counted(tmp_path: Path, whe
     assert lines == read_log(tmp_path / "bare.jsonl")
 
 
+def test_validation_is_left_out_of_unlogged_steps_and_of_the_flight_recorder(tmp_path: Path) -> None:
+    """``every=3`` with ``flight=2``, the loop raising after 5 steps (the ring is written): the loop that
+    validates every 2 steps writes the very lines the loop without validation writes, the flight
+    recorder's line of the unlogged step 4 (which validated) included."""
+    lines = {}
+    for validate in (None, "after optimizer.step"):
+        torch.manual_seed(0)
+        model = Net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = tmp_path / f"{validate}.jsonl"
+        torch.manual_seed(1)
+        with pytest.raises(RuntimeError, match="the loop's own"), \
+                hookcli.watch(model, opt, every=3, flight=2, out=log) as w:
+            loop_with_validation(model, opt, 5, validate=validate, watch=w)
+            raise RuntimeError("the loop's own")
+        lines[validate] = read_log(log)
+    assert [(line["step"], line.get("flight", False)) for line in lines[None]] == [(0, False), (3, False), (4, True)]
+    assert [layer["calls"] for layer in lines[None][-1]["layers"]] == [1, 1, 1, 2, 1]
+    assert lines["after optimizer.step"] == lines[None]
+
+
 class FrozenBackbone(nn.Module):
     """A backbone, run under ``torch.no_grad()`` inside the forward when ``frozen``, then a head."""
 
