@@ -237,7 +237,8 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     ``model``: the ``nn.Module`` you train; ``optimizer``: its optimizer (steps end at its
     ``step()``; None: only ``w.step()`` ends them); ``layers``/``types``: as elsewhere (default: every
     module that owns parameters directly, and the activation functions). Unlogged steps cost nothing
-    measurable; the run's numbers and RNG are untouched; every hook is gone after the block.
+    measurable; the run's numbers and RNG are untouched; every hook is gone after the block. A forward
+    made with ``model`` in eval mode and autograd off (a validation inside the loop) is not counted.
     ``rules``: the rules' thresholds over their defaults (``{"loss_spike": {"ratio": 3.0}}``, a rule's
     name to False switches it off); their findings are in ``w.findings`` and on the log's lines;
     ``on_finding="raise"`` raises ``CheckFailedError`` at the first (docs/watch.md#rules).

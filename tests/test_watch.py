@@ -426,6 +426,218 @@ def test_unlogged_steps_run_exactly_the_unwatched_ops_and_register_no_tensor_hoo
 
 
 
+# -- validation forwards and wrapped models ----------------------------------------------------------------------
+
+VALIDATION_GUARDS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+def loop_with_validation(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, validate: str | None,
+                         guard: str = "no_grad", watch: Any = None) -> tuple[list[float], list[float]]:
+    """The usual loop; with ``validate``, every 2 steps a validation forward (eval mode, no autograd) at
+    the step's start or right after ``optimizer.step()``. Its losses and its validation losses."""
+    losses: list[float] = []
+    val_losses: list[float] = []
+
+    def validation(step: int) -> None:
+        g = torch.Generator().manual_seed(5000 + step)
+        xv, yv = torch.randn(7, 6, generator=g), torch.randn(7, 2, generator=g)  # a batch size of its own
+        model.eval()
+        with VALIDATION_GUARDS[guard]():
+            val_losses.append(nn.functional.mse_loss(model(xv), yv).item())
+        model.train()
+
+    for step in range(steps):
+        if validate == "at the step's start" and step % 2 == 0:
+            validation(step)
+        (x, y), = batches(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if validate == "after optimizer.step" and step % 2 == 0:
+            validation(step)
+        opt.zero_grad()
+        if watch is not None:
+            watch.step(loss=loss)
+        losses.append(loss.item())
+    return losses, val_losses
+
+
+@pytest.mark.parametrize("guard", list(VALIDATION_GUARDS))
+@pytest.mark.parametrize("where", ["at the step's start", "after optimizer.step"])
+def test_validation_forwards_inside_the_loop_are_not_counted(tmp_path: Path, where: str, guard: str) -> None:
+    """A loop that validates every 2 steps (``model.eval()``, ``torch.no_grad()`` or inference mode,
+    ``model.train()``) logs what the loop without validation logs: each step's calls, outputs and
+    gradients are those of its training forward alone (checked against plain torch, ``calls`` exact), the
+    lines are those of a watch over the loop without validation; and the watched loop computes bit for
+    bit what the unwatched one does (losses, validation losses, weights, buffers, the RNG)."""
+    torch.manual_seed(0)
+    plain = Net().train()
+    ref, watched, bare = copy.deepcopy(plain), copy.deepcopy(plain), copy.deepcopy(plain)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (plain, ref, watched, bare)]
+    names = ["fc1", "bn", "act", "shared", "head"]
+    steps = 4
+
+    # plain torch, no validation: each step's outputs, their gradients and the parameters' gradients
+    torch.manual_seed(1)
+    want_outputs, want_grads, want_pgrads = [], [], []
+    for step in range(steps):
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        handles = [getattr(ref, n).register_forward_hook(lambda _m, _i, out, n=n, seen=seen: seen[n].append(out))
+                   for n in names]
+        (x, y), = batches(step)
+        loss = nn.functional.mse_loss(ref(x), y)
+        for h in handles:
+            h.remove()
+        outs = [(n, out) for n in names for out in seen[n]]
+        grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        for (n, _), g in zip(outs, torch.autograd.grad(loss, [o for _, o in outs], retain_graph=True)):
+            grads[n].append(g)
+        loss.backward()
+        want_pgrads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        opts[1].step()
+        opts[1].zero_grad()
+        want_outputs.append(seen)
+        want_grads.append(grads)
+
+    torch.manual_seed(1)
+    want_losses, want_val = loop_with_validation(plain, opts[0], steps, validate=where, guard=guard)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(1)
+    with hookcli.watch(watched, opts[2], out=tmp_path / "val.jsonl") as w:
+        got_losses, got_val = loop_with_validation(watched, opts[2], steps, validate=where, guard=guard, watch=w)
+    assert (got_losses, got_val) == (want_losses, want_val) and len(got_val) == 2
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name
+    no_hooks_left(watched, opts[2])
+
+    lines = read_log(tmp_path / "val.jsonl")
+    assert [line["step"] for line in lines] == list(range(steps))
+    for step, line in enumerate(lines):
+        layers = {entry["name"]: entry for entry in line["layers"]}
+        assert list(layers) == names, step
+        for n in names:
+            assert layers[n]["calls"] == (2 if n == "shared" else 1), (step, n)
+            assert layers[n]["shape"] == [5, 2 if n == "head" else 8]  # the training batch's, not validation's 7
+            assert_stats(layers[n]["stats"], want_outputs[step][n])
+            assert_stats(layers[n]["grad"], want_grads[step][n])
+        for entry in line["params"]:
+            assert_stats(entry["grad"], [want_pgrads[step][entry["name"]]])
+
+    torch.manual_seed(1)
+    with hookcli.watch(bare, opts[3], out=tmp_path / "bare.jsonl") as w:
+        loop_with_validation(bare, opts[3], steps, validate=None, watch=w)
+    assert lines == read_log(tmp_path / "bare.jsonl")
+
+
+def test_validation_is_left_out_of_unlogged_steps_and_of_the_flight_recorder(tmp_path: Path) -> None:
+    """``every=3`` with ``flight=2``, the loop raising after 5 steps (the ring is written): the loop that
+    validates every 2 steps writes the very lines the loop without validation writes, the flight
+    recorder's line of the unlogged step 4 (which validated) included."""
+    lines = {}
+    for validate in (None, "after optimizer.step"):
+        torch.manual_seed(0)
+        model = Net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = tmp_path / f"{validate}.jsonl"
+        torch.manual_seed(1)
+        with pytest.raises(RuntimeError, match="the loop's own"), \
+                hookcli.watch(model, opt, every=3, flight=2, out=log) as w:
+            loop_with_validation(model, opt, 5, validate=validate, watch=w)
+            raise RuntimeError("the loop's own")
+        lines[validate] = read_log(log)
+    assert [(line["step"], line.get("flight", False)) for line in lines[None]] == [(0, False), (3, False), (4, True)]
+    assert [layer["calls"] for layer in lines[None][-1]["layers"]] == [1, 1, 1, 2, 1]
+    assert lines["after optimizer.step"] == lines[None]
+
+
+class FrozenBackbone(nn.Module):
+    """A backbone, run under ``torch.no_grad()`` inside the forward when ``frozen``, then a head."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if self.frozen else contextlib.nullcontext():
+            h = self.backbone(x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("loop", ["frozen backbone under no_grad", "frozen BatchNorm in eval mode",
+                                  "trains with the model in eval mode"])
+def test_training_forwards_in_eval_mode_or_without_autograd_are_counted(loop: str) -> None:
+    """Only a forward in eval mode *and* without autograd is validation: a frozen backbone run under
+    ``torch.no_grad()`` in a model in train mode, a BatchNorm put in eval mode on purpose, and a loop
+    that trains with the whole model in eval mode (no dropout) are training, every call counted and
+    measured (against the outputs plain forward hooks see)."""
+    torch.manual_seed(0)
+    model = FrozenBackbone(frozen=loop == "frozen backbone under no_grad").train()
+    if loop == "frozen backbone under no_grad":
+        model.backbone.requires_grad_(False)
+    elif loop == "frozen BatchNorm in eval mode":
+        model.backbone[1].eval()
+    else:
+        model.eval()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    names = ["backbone.0", "backbone.1", "backbone.2", "head"]
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    handles = [model.get_submodule(n).register_forward_hook(lambda _m, _i, out, n=n: seen[n].append(out))
+               for n in names]
+    with hookcli.watch(model, opt) as w:
+        for step in range(2):
+            (x, y), = batches(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    for h in handles:
+        h.remove()
+    layers = {entry.name: entry for entry in w.last.layers}
+    assert list(layers) == names
+    for n in names:
+        assert layers[n].calls == 1
+        assert_stats(layers[n].stats, seen[n][-1:])
+    assert layers["head"].grad is not None
+    assert (layers["backbone.0"].grad is None) == (loop == "frozen backbone under no_grad")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel runs the module itself only without GPUs")
+def test_a_data_parallel_model_is_watched_and_measured_under_its_own_names(tmp_path: Path) -> None:
+    """``nn.DataParallel(model)`` (without GPUs it calls the module) is unwrapped as DDP is: the watch's
+    layers and parameters are named ``0``, not ``module.0``, and its log is the bare model's, whose
+    numbers are plain torch's; ``hookcli.stats`` of it names and measures the layers as the bare model's."""
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    inner = copy.deepcopy(bare)
+    wrapped = nn.DataParallel(inner)
+    opt_bare = torch.optim.Adam(bare.parameters(), lr=0.05)
+    opt_wrapped = torch.optim.Adam(wrapped.parameters(), lr=0.05)
+    seen: list[torch.Tensor] = []
+    handle = inner[1].register_forward_hook(lambda _m, _i, out: seen.append(out))
+    with hookcli.watch(bare, opt_bare, out=tmp_path / "bare.jsonl") as w:
+        train(bare, opt_bare, 3, w)
+    with hookcli.watch(wrapped, opt_wrapped, out=tmp_path / "dp.jsonl") as w:
+        train(wrapped, opt_wrapped, 3, w)
+    handle.remove()
+    lines = read_log(tmp_path / "dp.jsonl")
+    assert [entry["name"] for entry in lines[0]["layers"]] == ["0", "1", "2"]
+    assert [entry["name"] for entry in lines[0]["params"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert lines == read_log(tmp_path / "bare.jsonl")
+    assert_stats(lines[-1]["layers"][1]["stats"], seen[-1:])
+    no_hooks_left(wrapped, opt_wrapped)
+
+    x = torch.randn(3, 6)
+    report = hookcli.stats(nn.DataParallel(bare), inputs=x)
+    rows = {row.name: row for row in report.layers}
+    assert "module" not in rows and {"0", "1", "2"} <= set(rows)
+    want = reference([bare[:2](x)])
+    assert rows["1"].stats["mean"] == pytest.approx(want["mean"], rel=1e-6)
+    assert rows["1"].stats["max"] == pytest.approx(want["max"], rel=1e-6)
+
+
 # -- bad input and the log file ----------------------------------------------------------------------------------
 
 

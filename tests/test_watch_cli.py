@@ -41,6 +41,7 @@ parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--freeze", action="store_true", help="the bug: the head is not in the optimizer")
 parser.add_argument("--exit", type=int, default=None)
 parser.add_argument("--boom", action="store_true")
+parser.add_argument("--validate", action="store_true", help="a validation forward every 2 steps")
 args = parser.parse_args()
 probe.argv, probe.path0, probe.name = list(sys.argv), sys.path[0], __name__
 
@@ -55,6 +56,11 @@ for _step in range(args.steps):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+    if args.validate and _step % 2 == 0:
+        model.eval()
+        with torch.no_grad():
+            probe.val_loss = nn.functional.mse_loss(model(x[:7] * 2), y[:7] * 2).item()
+        model.train()
 probe.loss = loss.item()
 print(f"trained {args.steps} steps")
 if args.boom:
@@ -134,6 +140,22 @@ def test_a_script_trained_under_watch_is_logged_as_plain_torch_computes_it(cli, 
     assert layer0["stats"]["count"] == 32 * 8
     assert layer0["stats"]["mean"] == pytest.approx(output2.mean().item(), rel=1e-4, abs=1e-6)
     assert lines[1]["params"][0]["grad"]["rms"] == pytest.approx(grad2.pow(2).mean().sqrt().item(), rel=1e-4)
+
+
+def test_a_script_that_validates_logs_what_it_logs_without(cli, script: Path, tmp_path: Path) -> None:
+    """``hookcli watch -- script``: a validation forward every 2 steps (eval mode, no_grad) adds nothing to
+    the log (the same lines as without it) and changes nothing in the run (the same final loss)."""
+    logs, losses = [], []
+    for flags in ([], ["--validate"]):
+        log = tmp_path / f"exp{len(flags)}.jsonl"
+        result = cli("watch", "--out", log, "--", "python", script, "--steps", "5", *flags)
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == "trained 5 steps\n"
+        logs.append(read_log(log))
+        losses.append(probe().loss)
+    assert [line["step"] for line in logs[0]] == [0, 1, 2, 3, 4]
+    assert [layer["calls"] for layer in logs[0][2]["layers"]] == [1, 1, 1]
+    assert logs[1] == logs[0] and losses[1] == losses[0]
 
 
 def test_argv_path_and_main_are_set_as_python_sets_them_and_put_back(cli, script: Path, tmp_path: Path) -> None:
@@ -314,6 +336,16 @@ def test_watch_model_steps_trains_a_tiny_model_and_logs_it(cli, tmp_path: Path) 
     lines = read_log(log)
     assert [line["step"] for line in lines] == [0, 2]
     assert all(line["loss"] is not None for line in lines) and lines[0]["layers"]
+
+
+def test_watch_model_steps_in_eval_mode_is_training_and_logged(cli, tmp_path: Path) -> None:
+    """``--eval`` trains in eval mode with autograd on: that is training, not validation; every call logged."""
+    log = tmp_path / "eval.jsonl"
+    result = cli("watch", "tiny_models:Scaled", "--steps", "2", "--eval", "--input-shape", "4x4", "--out", log)
+    assert result.exit_code == 0, result.stderr
+    lines = read_log(log)
+    assert [line["step"] for line in lines] == [0, 1]
+    assert all(line["layers"] and all(layer["calls"] == 1 for layer in line["layers"]) for line in lines)
 
 
 def test_watch_model_with_a_nan_exits_1_with_the_finding(cli) -> None:

@@ -53,7 +53,7 @@ class Watch:
                              hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
-        inner = compiled_inner(model)  # torch.compile(model), DDP(model): the modules are named as in the model
+        inner = compiled_inner(model)  # torch.compile(model), (D)DP(model): the modules are named as in the model
         selection = (select_modules(inner, layers=layers, types=types) if layers or types
                      else owners_and_activations(inner))
         # under torchrun only rank 0 writes (every rank gets the same record: docs/distributed.md)

@@ -107,10 +107,11 @@ def rank() -> int:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module a ``DistributedDataParallel`` wraps (so layer and parameter names are the model's own,
-    as in a one-process run); any other module as it is."""
+    """The module a ``DistributedDataParallel`` or an ``nn.DataParallel`` wraps (so layer and parameter
+    names are the model's own, ``0`` not ``module.0``, as in a one-process run); any other module as it is."""
     ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
-    return model.module if ddp is not None and isinstance(model, ddp) else model  # type: ignore[return-value]
+    wrappers = (torch.nn.DataParallel, ddp) if ddp is not None else (torch.nn.DataParallel,)
+    return model.module if isinstance(model, wrappers) else model  # type: ignore[return-value]
 
 
 def type_name(module: nn.Module) -> str:

@@ -657,6 +657,6 @@ def from_instance(model: nn.Module, spec: str | None = None) -> LoadedModel:
                          hint="pass a model instance, or a spec string such as 'resnet18' or 'net.py:Net'")
     from hookcli.engine.distributed import unwrap
 
-    model = unwrap(model)  # a DistributedDataParallel runs as the module it wraps: its layers keep their own names
+    model = unwrap(model)  # a (Distributed)DataParallel runs as the module it wraps: its layers keep their own names
     return LoadedModel(model, spec if spec is not None else type(model).__name__, "instance",
                        _torchvision_family_of(model), None, None, None)

@@ -166,6 +166,13 @@ class HookSession:
         #: only; its flight recorder's unlogged steps are not). Switched only between steps.
         self.count_channels = options.channel_zeros
         self.channel_dims = ChannelDims(dict(self.selection)) if options.channel_zeros else None
+        #: A watch's model (the module it names layers from). A call made while it is in eval mode
+        #: (``training`` False) with autograd off (``torch.no_grad()``, ``torch.inference_mode()``) is a
+        #: validation forward inside the training loop: every hook returns at once, as when idle. Either
+        #: alone is training: a frozen backbone run under ``no_grad`` in a model in train mode, a frozen
+        #: BatchNorm in eval mode, a loop that trains with the model in eval mode (no dropout). None:
+        #: every call is recorded (the commands' one-shot runs).
+        self.training_root: nn.Module | None = None
 
     def reset(self) -> None:
         """Empty the per-step state (a hook set's step boundary): the calls, their counts, the stored
@@ -181,6 +188,11 @@ class HookSession:
         self.error, self.error_where = None, ""
         self._done = 0
         self.reducer.clear()
+
+    def validating(self) -> bool:
+        """Whether the calls made now are a validation forward, left out (``training_root``)."""
+        root = self.training_root
+        return root is not None and not root.training and not torch.is_grad_enabled()
 
     def sizes(self) -> dict[str, int]:
         """How many entries each per-step container holds (the reducer's included): all 0 after ``reset``."""
@@ -221,7 +233,7 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.idle or _graph_task_id() != -1:  # idle, or a recomputation (torch.utils.checkpoint)
+            if self.idle or _graph_task_id() != -1 or self.validating():  # idle, a recomputation, validation
                 return
             try:
                 self._pre(name, module, args, kwargs, type_name_cache)
@@ -244,7 +256,7 @@ class HookSession:
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             name = names.get(id(module))
-            if name is None or self.idle or _graph_task_id() != -1:
+            if name is None or self.idle or _graph_task_id() != -1 or self.validating():
                 return
             try:
                 self._pre(name, module, args, {}, type_names)
@@ -254,7 +266,7 @@ class HookSession:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
             # (kwargs, output); torch passes (output) alone when forward raised
             name = names.get(id(module))
-            if name is None or self.idle or _graph_task_id() != -1:
+            if name is None or self.idle or _graph_task_id() != -1 or self.validating():
                 return
             try:
                 if len(rest) == 2 and rest[0] and (stack := self._open.get(name)):
@@ -294,7 +306,7 @@ class HookSession:
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self.idle or _graph_task_id() != -1:  # paired with the pre-hook's skip
+            if self.idle or _graph_task_id() != -1 or self.validating():  # paired with the pre-hook's skip
                 return
             try:
                 self._post(name, output)

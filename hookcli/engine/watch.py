@@ -58,9 +58,9 @@ def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]])
 
 
 def compiled_inner(model: nn.Module) -> nn.Module:
-    """The module under ``torch.compile(module)`` and ``DistributedDataParallel(module)`` wrappers, in
-    any nesting (its modules and parameters keep their own names, as in a plain one-process run), or
-    ``model`` itself."""
+    """The module under ``torch.compile(module)``, ``DistributedDataParallel(module)`` and
+    ``nn.DataParallel(module)`` wrappers, in any nesting (its modules and parameters keep their own
+    names, as in a plain one-process run), or ``model`` itself."""
     while True:
         inner = getattr(model, "_orig_mod", None)
         inner = inner if isinstance(inner, nn.Module) else distributed.unwrap(model)
@@ -137,6 +137,8 @@ class StepWatcher:
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
                                                               channel_zeros=self.channels),
                            params=self.params)
+        assert self.hooks.session is not None
+        self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
