@@ -485,6 +485,45 @@ def test_a_tensor_file_with_a_leading_batch_dimension_is_sliced(cli, tmp_path: P
     assert "4 batches, 19 samples" in report["inputs"][0]["source"]
 
 
+@pytest.mark.parametrize("dtype, lossy", [(torch.float64, True), (torch.float16, False), (torch.bfloat16, False)])
+def test_a_float_data_or_input_file_of_another_dtype_is_cast_to_the_models(cli, tmp_path: Path,
+                                                                           dtype: torch.dtype, lossy: bool) -> None:
+    """A float64 array (numpy's default) or a float16 file on a float32 model was the model's failure
+    (exit 1, 'mat1 and mat2 must have the same dtype'): hookcli fed it. Now the file's floats are cast
+    to the model's dtype, as images are, with a note in the input's source when the cast can change
+    values (float64 -> float32); the numbers equal torch's on the cast tensor."""
+    spec = write_model(tmp_path)
+    data = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    path = tmp_path / ("set.npy" if dtype == torch.float64 else "set.pt")
+    np.save(path, data.numpy()) if dtype == torch.float64 else torch.save(data, path)
+    note = "float64 cast to float32"
+    result = cli("stats", spec, "--data", path, "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    source = report["inputs"][0]["source"]
+    assert report["inputs"][0]["dtype"] == "float32" and "3 batches, 10 samples" in source
+    assert (note in source) is lossy
+    cast = data.float()
+    assert_rows_match(report["layers"], reference(_load(tmp_path), [((cast[i:i + 4],), {}) for i in range(0, 10, 4)]))
+    result = cli("stats", spec, "--input", path, "-f", "json")  # one batch: the same rule
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (note in report["inputs"][0]["source"]) is lossy
+    assert_rows_match(report["layers"], reference(_load(tmp_path), [((cast,), {})]))
+
+
+def test_a_float64_file_under_dtype_float64_is_not_rounded_through_float32(cli, tmp_path: Path) -> None:
+    """With --dtype the file's floats go to that dtype directly: float64 values stay float64 (no note)."""
+    spec = write_model(tmp_path)
+    data = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * (1 + 1e-12)
+    np.save(tmp_path / "set.npy", data.numpy())
+    result = cli("stats", spec, "--data", tmp_path / "set.npy", "--dtype", "float64", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["inputs"][0]["dtype"] == "float64" and "cast" not in report["inputs"][0]["source"]
+    assert_rows_match(report["layers"], reference(_load(tmp_path).double(), [((data,), {})]))
+
+
 # --------------------------------------------------------------------------- grads over batches
 
 

@@ -67,8 +67,10 @@ def batch_size_of(inputs: ModelInputs) -> int:
 
 
 def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, batches: int | None = None,
-              trust_pickle: bool = False) -> DataBatches:
+              trust_pickle: bool = False, dtype: torch.dtype | None = None) -> DataBatches:
     """The batches of ``data`` (see the module's docstring) for ``loaded.model``, at most ``batches``.
+    ``dtype``: the floating dtype of the run (``--dtype``; None: the model's), which a tensor file's
+    floating tensors are cast to, as ``--input`` files are (``build_inputs.file_floats``).
 
     Raises InputError (exit 2) for a source that cannot be read, gives no batch, or has no length
     while ``batches`` is not given (an endless iterable would never end the run), and, while the run
@@ -76,7 +78,7 @@ def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, 
     """
     size = batch_size or DEFAULT_DATA_BATCH
     if isinstance(data, (str, os.PathLike)):
-        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle)
+        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle, dtype)
     elif isinstance(data, (torch.Tensor, Mapping)) or (
             isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data)):
         whole = _as_inputs(data, "data", copy=False)
@@ -98,8 +100,8 @@ def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, 
     return DataBatches(first, items, label, total)
 
 
-def _from_text(loaded: LoadedModel, text: str, size: int,
-               trust_pickle: bool) -> tuple[Iterator[ModelInputs], str, int | None]:
+def _from_text(loaded: LoadedModel, text: str, size: int, trust_pickle: bool,
+               dtype: torch.dtype | None = None) -> tuple[Iterator[ModelInputs], str, int | None]:
     """A folder of images, a tensor file, or an import path of an iterable (what ``--data`` takes)."""
     path = Path(text).expanduser()
     if path.is_dir():
@@ -114,11 +116,15 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         label = f"data: {text.rstrip('/' + os.sep)}/ ({plural(len(images), 'image')})"
         return _images(loaded, chunks), label, len(chunks)
     if path.is_file() and path.suffix.lower() in TENSOR_SUFFIXES:
+        from hookcli.engine.build_inputs import cast_note, file_floats, model_float_dtype
         from hookcli.engine.read_inputs import tensor_inputs
 
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
         n = _leading(whole, f"data file {text}")
-        return _sliced(whole, size, text), f"data: {text}", -(-n // size)
+        target = dtype or model_float_dtype(loaded.model)  # each batch cast as it is cut: one held at a time
+        casts = sorted({note for _, t in iter_tensors((whole.args, whole.kwargs)) if (note := cast_note(t.dtype, target))})
+        label = f"data: {text}" + (f" ({', '.join(casts)})" if casts else "")
+        return (file_floats(b, target) for b in _sliced(whole, size, text)), label, -(-n // size)
     if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
         raise InputError(f"--data takes a folder of images, not one image file ({text!r})",
                          hint="give the folder that holds the images, or --input FILE for one image")

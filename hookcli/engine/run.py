@@ -120,7 +120,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     if opts.data is not None:
         with seeded_rng(opts.seed):  # a DataLoader draws from torch's RNG (its seed, a shuffle): not the caller's
             data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
-                             trust_pickle=opts.trust_pickle)
+                             trust_pickle=opts.trust_pickle, dtype=opts.torch_dtype())
         inputs = data.first
         if opts.shard is not None:  # each rank its part of every batch
             data = dataclasses.replace(data, rest=(sharding.rank_slice(b, opts.shard) for b in data.rest))
@@ -132,6 +132,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         inputs = make_inputs(
             loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
             trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
+            dtype=opts.torch_dtype(),
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
