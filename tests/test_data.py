@@ -410,7 +410,9 @@ def test_api_a_bad_batch_after_two_raises_data_error_carrying_their_rows() -> No
     ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
     ("batches = [__import__('torch').ones(2, 3, 8, 8), {'y': __import__('torch').ones(2, 3, 8, 8)}]", "batch 1:"),
     ("batches = 7", "not an iterable"),
-    ("def batches():\n    yield 1", "not an iterable"),
+    ("def batches(n):\n    yield n", "takes arguments (n)"),
+    ("def batches():\n    raise ValueError('no data here')", "calling --data"),
+    ("def batches():\n    return 7", "batches' returned a int, not an iterable"),
 ])
 def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words: str) -> None:
     spec = write_model(tmp_path)
@@ -440,6 +442,56 @@ def test_a_dataloader_of_inputs_and_labels_is_exit_2_saying_labels_go_to_forward
     first, hint = result.stderr.splitlines()
     assert first.startswith("Error: batch 0: Net.forward cannot take the 2 inputs given (4x3x8x8, 4)")
     assert "(inputs, labels)" in hint and "--input-shape" not in hint
+
+
+def test_a_generator_function_or_a_loader_factory_is_called_for_its_batches(cli, tmp_path: Path) -> None:
+    """``--data data.py:batches`` naming a generator function, or a ``make_loader()`` returning a
+    DataLoader, was refused ('a function, not an iterable'): a function of no arguments is called
+    (seeded, as a DataLoader is read) and its iterable run; the numbers equal torch's over its batches."""
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(textwrap.dedent('''
+        import torch
+        from torch.utils.data import DataLoader
+
+        DATA = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+
+        def batches():
+            for start in range(0, 10, 4):
+                yield DATA[start:start + 4]
+
+        def make_loader():
+            return DataLoader(DATA, batch_size=3)
+    '''))
+    data = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    for attr, extra, size in (("batches", ("--batches", "9"), 4), ("make_loader", (), 3)):
+        result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:{attr}", *extra, "-f", "json")
+        assert result.exit_code == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert f"{attr}(), {-(-10 // size)} batches, 10 samples" in report["inputs"][0]["source"]
+        assert_rows_match(report["layers"],
+                          reference(_load(tmp_path), [((data[i:i + size],), {}) for i in range(0, 10, size)]))
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches")  # a generator: no length
+    assert result.exit_code == 2 and result.stdout == "" and "--batches" in result.stderr
+
+
+@pytest.mark.parametrize("last", [4, 2])
+def test_a_list_of_batches_in_a_data_file_is_refused_saying_how_to_save_it(cli, tmp_path: Path, last: int) -> None:
+    """A list of batches cannot be told from one batch of positional inputs (a list of tensors with a
+    leading dimension either way): exit 2 whose hint says how to save a data set, and what it says
+    works, equal to torch over those batches."""
+    spec = write_model(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(n, 3, 8, 8, generator=gen) for n in (4, 4, last)]
+    torch.save(batches, tmp_path / "list.pt")
+    result = cli("stats", spec, "--data", tmp_path / "list.pt")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: ") and "Traceback" not in result.stderr
+    assert "torch.save(torch.cat(batches), PATH)" in hint and "--batch-size" in hint
+    torch.save(torch.cat(batches), tmp_path / "set.pt")
+    result = cli("stats", spec, "--data", tmp_path / "set.pt", "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert_rows_match(json.loads(result.stdout)["layers"], reference(_load(tmp_path), [((b,), {}) for b in batches]))
 
 
 def test_one_image_file_as_data_says_to_give_its_folder(cli, tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
-    check_signature(loaded.model, inputs, how=DATA_SIGNATURE_HOW if data is not None else None,
+    check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
                     where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
