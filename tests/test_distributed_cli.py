@@ -226,6 +226,7 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
         partial = json.loads(done.stdout)
         assert partial["partial"] is True and any("this rank's own part only" in n for n in partial["notes"]), \
             partial["notes"]
+        assert not any("one process over the whole batch" in n for n in partial["notes"]), partial["notes"]
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     own = ("Error: rank 1: the model raised in forward at (model) (FSDPPicky) with input shape(s) 2x6: ValueError: "
            "picky: needs 3 samples, got 2")
