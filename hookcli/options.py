@@ -7,6 +7,7 @@ The CLI and the Python API both build a ``RunOptions`` and call ``validate()``: 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import math
 import operator
 import os
@@ -205,6 +206,21 @@ def split_patterns(values: Sequence[str] | str | None) -> list[str]:
     if isinstance(values, str):
         values = [values]
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+#: The names a ``--layers`` pattern gives the model itself (the root module, whose name is "").
+ROOT_LABELS = ("", "(model)")
+
+
+def layer_matches(pattern: str, name: str) -> bool:
+    """Whether the module ``name`` matches one ``--layers`` pattern: its exact name, a glob (``layer1.*``:
+    never the root), or ``(model)`` for the root. The one matcher of module names, for the commands that
+    hook modules and for ``hookcli report`` (torch-free, as this module is)."""
+    if pattern in ROOT_LABELS:
+        return name == ""
+    if any(ch in pattern for ch in "*?["):
+        return bool(name) and fnmatch.fnmatchcase(name, pattern)
+    return pattern == name
 
 
 def values_of(vocabulary: type[Enum]) -> tuple[str, ...]:

@@ -410,7 +410,9 @@ def test_api_a_bad_batch_after_two_raises_data_error_carrying_their_rows() -> No
     ("batches = [__import__('torch').ones(2, 3, 8, 8), 'text']", "batch 1 is a str"),
     ("batches = [__import__('torch').ones(2, 3, 8, 8), {'y': __import__('torch').ones(2, 3, 8, 8)}]", "batch 1:"),
     ("batches = 7", "not an iterable"),
-    ("def batches():\n    yield 1", "not an iterable"),
+    ("def batches(n):\n    yield n", "takes arguments (n)"),
+    ("def batches():\n    raise ValueError('no data here')", "calling --data"),
+    ("def batches():\n    return 7", "batches' returned a int, not an iterable"),
 ])
 def test_bad_data_is_one_line_and_exit_2(cli, tmp_path: Path, source: str, words: str) -> None:
     spec = write_model(tmp_path)
@@ -440,6 +442,56 @@ def test_a_dataloader_of_inputs_and_labels_is_exit_2_saying_labels_go_to_forward
     first, hint = result.stderr.splitlines()
     assert first.startswith("Error: batch 0: Net.forward cannot take the 2 inputs given (4x3x8x8, 4)")
     assert "(inputs, labels)" in hint and "--input-shape" not in hint
+
+
+def test_a_generator_function_or_a_loader_factory_is_called_for_its_batches(cli, tmp_path: Path) -> None:
+    """``--data data.py:batches`` naming a generator function, or a ``make_loader()`` returning a
+    DataLoader, was refused ('a function, not an iterable'): a function of no arguments is called
+    (seeded, as a DataLoader is read) and its iterable run; the numbers equal torch's over its batches."""
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(textwrap.dedent('''
+        import torch
+        from torch.utils.data import DataLoader
+
+        DATA = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+
+        def batches():
+            for start in range(0, 10, 4):
+                yield DATA[start:start + 4]
+
+        def make_loader():
+            return DataLoader(DATA, batch_size=3)
+    '''))
+    data = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    for attr, extra, size in (("batches", ("--batches", "9"), 4), ("make_loader", (), 3)):
+        result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:{attr}", *extra, "-f", "json")
+        assert result.exit_code == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert f"{attr}(), {-(-10 // size)} batches, 10 samples" in report["inputs"][0]["source"]
+        assert_rows_match(report["layers"],
+                          reference(_load(tmp_path), [((data[i:i + size],), {}) for i in range(0, 10, size)]))
+    result = cli("stats", spec, "--data", f"{tmp_path / 'data.py'}:batches")  # a generator: no length
+    assert result.exit_code == 2 and result.stdout == "" and "--batches" in result.stderr
+
+
+@pytest.mark.parametrize("last", [4, 2])
+def test_a_list_of_batches_in_a_data_file_is_refused_saying_how_to_save_it(cli, tmp_path: Path, last: int) -> None:
+    """A list of batches cannot be told from one batch of positional inputs (a list of tensors with a
+    leading dimension either way): exit 2 whose hint says how to save a data set, and what it says
+    works, equal to torch over those batches."""
+    spec = write_model(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(n, 3, 8, 8, generator=gen) for n in (4, 4, last)]
+    torch.save(batches, tmp_path / "list.pt")
+    result = cli("stats", spec, "--data", tmp_path / "list.pt")
+    assert result.exit_code == 2 and result.stdout == ""
+    first, hint = result.stderr.splitlines()
+    assert first.startswith("Error: ") and "Traceback" not in result.stderr
+    assert "torch.save(torch.cat(batches), PATH)" in hint and "--batch-size" in hint
+    torch.save(torch.cat(batches), tmp_path / "set.pt")
+    result = cli("stats", spec, "--data", tmp_path / "set.pt", "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    assert_rows_match(json.loads(result.stdout)["layers"], reference(_load(tmp_path), [((b,), {}) for b in batches]))
 
 
 def test_one_image_file_as_data_says_to_give_its_folder(cli, tmp_path: Path) -> None:
@@ -483,6 +535,45 @@ def test_a_tensor_file_with_a_leading_batch_dimension_is_sliced(cli, tmp_path: P
     assert_rows_match(report["layers"],
                       reference(_load(tmp_path), [((data[i:i + 6],), {}) for i in range(0, 19, 6)]))
     assert "4 batches, 19 samples" in report["inputs"][0]["source"]
+
+
+@pytest.mark.parametrize("dtype, lossy", [(torch.float64, True), (torch.float16, False), (torch.bfloat16, False)])
+def test_a_float_data_or_input_file_of_another_dtype_is_cast_to_the_models(cli, tmp_path: Path,
+                                                                           dtype: torch.dtype, lossy: bool) -> None:
+    """A float64 array (numpy's default) or a float16 file on a float32 model was the model's failure
+    (exit 1, 'mat1 and mat2 must have the same dtype'): hookcli fed it. Now the file's floats are cast
+    to the model's dtype, as images are, with a note in the input's source when the cast can change
+    values (float64 -> float32); the numbers equal torch's on the cast tensor."""
+    spec = write_model(tmp_path)
+    data = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    path = tmp_path / ("set.npy" if dtype == torch.float64 else "set.pt")
+    np.save(path, data.numpy()) if dtype == torch.float64 else torch.save(data, path)
+    note = "float64 cast to float32"
+    result = cli("stats", spec, "--data", path, "--batch-size", "4", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    source = report["inputs"][0]["source"]
+    assert report["inputs"][0]["dtype"] == "float32" and "3 batches, 10 samples" in source
+    assert (note in source) is lossy
+    cast = data.float()
+    assert_rows_match(report["layers"], reference(_load(tmp_path), [((cast[i:i + 4],), {}) for i in range(0, 10, 4)]))
+    result = cli("stats", spec, "--input", path, "-f", "json")  # one batch: the same rule
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (note in report["inputs"][0]["source"]) is lossy
+    assert_rows_match(report["layers"], reference(_load(tmp_path), [((cast,), {})]))
+
+
+def test_a_float64_file_under_dtype_float64_is_not_rounded_through_float32(cli, tmp_path: Path) -> None:
+    """With --dtype the file's floats go to that dtype directly: float64 values stay float64 (no note)."""
+    spec = write_model(tmp_path)
+    data = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * (1 + 1e-12)
+    np.save(tmp_path / "set.npy", data.numpy())
+    result = cli("stats", spec, "--data", tmp_path / "set.npy", "--dtype", "float64", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["inputs"][0]["dtype"] == "float64" and "cast" not in report["inputs"][0]["source"]
+    assert_rows_match(report["layers"], reference(_load(tmp_path).double(), [((data,), {})]))
 
 
 # --------------------------------------------------------------------------- grads over batches

@@ -226,6 +226,7 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
         partial = json.loads(done.stdout)
         assert partial["partial"] is True and any("this rank's own part only" in n for n in partial["notes"]), \
             partial["notes"]
+        assert not any("one process over the whole batch" in n for n in partial["notes"]), partial["notes"]
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     own = ("Error: rank 1: the model raised in forward at (model) (FSDPPicky) with input shape(s) 2x6: ValueError: "
            "picky: needs 3 samples, got 2")
@@ -247,6 +248,32 @@ def test_a_rank_that_left_the_group_says_its_rows_are_its_own(monkeypatch: pytes
     for tp in (None, [[0, 1]]):
         note = distributed.ranks_note(tp)
         assert note.startswith("statistics of this rank's own part only") and "all 1 ranks" not in note, note
+
+
+def test_a_rank_that_left_the_group_keeps_only_the_note_that_is_true(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --shard run's report says "the report is that of one process over the whole batch"; on a rank that
+    left the group its rows are its own part's, and it said both. Now only the own-part note stays there,
+    and a rank still in the group keeps both its notes."""
+    from hookcli.engine import distributed
+    from hookcli.engine.run import SHARD_NOTE, note_ranks
+    from hookcli.records import ModelInfo, Report
+
+    def report() -> Report:
+        made = Report(command="stats", model=ModelInfo(spec="m", source="python", class_name="M", params=0,
+                                                       trainable_params=0, param_bytes=0, buffer_bytes=0))
+        made.notes += ["an earlier note", SHARD_NOTE.format(ranks=2, shard="ddp")]
+        return made
+
+    kept = report()
+    note_ranks(kept, None)
+    assert kept.notes[:2] == report().notes and len(kept.notes) == 3 and "own part only" not in kept.notes[2]
+    monkeypatch.setattr(distributed, "_deserted", True)
+    for tp in (None, [[0, 1]]):
+        left = report()
+        note_ranks(left, tp)
+        assert left.notes[0] == "an earlier note" and len(left.notes) == 2, left.notes
+        assert left.notes[1].startswith("statistics of this rank's own part only"), left.notes
+        assert not any("one process over the whole batch" in note for note in left.notes)
 
 
 def test_a_batch_that_leaves_a_rank_no_sample_is_refused_by_grads() -> None:

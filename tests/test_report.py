@@ -627,6 +627,52 @@ def test_integer_outputs_are_left_out_with_one_note_and_float_ones_kept(cli, tmp
     assert INT_ROWS[0] not in [s["name"] for s in data["series"]] and data["notes"] == report.notes
 
 
+class LstmTagger(nn.Module):
+    """An LSTM (its output a tuple: rows ``lstm[0]``, ``lstm[1][0]``, ``lstm[1][1]``) and a head whose
+    name starts with the LSTM's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.lstm_head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm_head(self.lstm(x)[0])
+
+
+def test_layers_naming_a_module_keeps_its_output_rows_as_every_command_does(cli, tmp_path: Path) -> None:
+    """``report --layers lstm`` matched no row (the rows are ``lstm[0]``, ``lstm[1][0]``...): only the
+    exact row or a glob did. A module's name now keeps its own output rows, as ``--layers`` selects a
+    module in the other commands, and only its own (not ``lstm_head``); the values are plain torch's."""
+    torch.manual_seed(0)
+    model = LstmTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(out[0].detach()))
+    log = tmp_path / "lstm.jsonl"
+    try:
+        with hookcli.watch(model, optimizer, out=log) as w:
+            for step in range(3):
+                loss = model(torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                w.step(loss=loss)
+    finally:
+        handle.remove()
+    result = cli("report", log, "--layers", "lstm", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    series = json.loads(result.stdout)["series"]
+    assert [s["name"] for s in series] == ["lstm[0]", "lstm[1][0]", "lstm[1][1]"]
+    _close(series[0]["values"], [float(t.double().pow(2).mean().sqrt()) for t in seen])
+    assert [s.name for s in hookcli.report(log, layers="lstm_head").series] == ["lstm_head"]
+    assert [s.name for s in hookcli.report(log, layers="lstm[[]1]*").series] == ["lstm[1][0]", "lstm[1][1]"]
+    params = [s.name for s in hookcli.report(log, stat="norm", layers="lstm").series]
+    assert params and all(p.startswith("lstm.") for p in params)
+    result = cli("report", log, "--layers", "lst")  # a module name is matched whole, not as a prefix
+    assert result.exit_code == 2 and result.stdout == "" and "'lst' matches no layer" in result.stderr
+
+
 # --------------------------------------------------------------------------- report - (stdin)
 
 

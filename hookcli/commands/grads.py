@@ -418,7 +418,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import global_rows, new_report, raise_failure, run_step, running
+    from hookcli.engine.run import global_rows, new_report, note_ranks, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` and ``check`` are over every rank's batch (docs/distributed.md)
@@ -465,7 +465,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
     if ranks:
-        report.notes.append(distributed.ranks_note(tp))
+        note_ranks(report, tp)
     if run.flops is not None:
         report.flops = run.flops
     quantized = quantized_modules(model)
@@ -517,8 +517,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, global_rows, keep_rows, new_report, raise_failure,
-                                    ranked_records, require_values, run_step, running)
+    from hookcli.engine.run import (data_batches, data_source, global_rows, keep_rows, new_report, note_ranks,
+                                    raise_failure, ranked_records, require_values, run_step, running)
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -585,7 +585,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
     if ranks:
-        report.notes.append(distributed.ranks_note(tp))
+        note_ranks(report, tp)
     where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")
     report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")

@@ -7,7 +7,6 @@ every finding of the log is kept (the gate counts them all, whatever ``--layers`
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from contextlib import nullcontext
 from typing import IO, Any
 
 from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
-from hookcli.options import split_patterns
+from hookcli.options import layer_matches, split_patterns
 from hookcli.records import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, ReportSeries, WatchReport
 
 #: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
@@ -220,10 +219,12 @@ def _finding(raw: dict[str, Any], step: int) -> Finding:
                    message=str(raw.get("message", "")))
 
 
-def _matches(patterns: list[str], name: str, is_param: bool) -> bool:
-    """Whether a row's name (or, for a parameter, its module's) matches a ``--layers`` name or glob."""
-    names = [name, name.rsplit(".", 1)[0]] if is_param and "." in name else [name]
-    return any(p == n or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+def _matches(patterns: list[str], name: str, module: str) -> bool:
+    """Whether a row matches a ``--layers`` name or glob: its own name (``lstm[0].data``, ``lstm*``), or
+    its module's name as ``--layers`` matches modules in every command (``options.layer_matches``): a
+    module's name keeps all its output rows (``lstm``: ``lstm[0].data``, ``lstm[1][0]``) and a
+    parameter's module its parameters (``head``: ``head.weight``)."""
+    return any(p == name or layer_matches(p, name) or layer_matches(p, module) for p in patterns)
 
 
 def _unmeasured_note(rows: list[str]) -> str:
@@ -253,6 +254,7 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     losses: list[float | None] = []
     findings: list[Finding] = []
     rows: dict[str, ReportSeries] = {}
+    modules: dict[str, str] = {}  # a row's name -> its module's
     unmeasured: dict[str, str] = {}  # a layer row's name -> its dtype, until an entry of it has statistics
     for column, line in enumerate(read_log(path, notes)):
         steps.append(line["step"])
@@ -263,6 +265,7 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
             row = rows.get(name)
             if row is None:
                 row = rows[name] = ReportSeries(name, "parameter" if is_param else str(entry.get("type", "?")), [])
+                modules[name] = (name.rpartition(".")[0] if is_param else str(entry.get("name", "")))
                 if not is_param:
                     unmeasured[name] = str(entry.get("dtype", "?"))
             if isinstance(entry.get("stats"), dict):
@@ -274,13 +277,13 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     series = list(rows.values())
     if patterns:
         for pattern in patterns:
-            if not any(_matches([pattern], s.name, is_param) for s in series):
+            if not any(_matches([pattern], s.name, modules[s.name]) for s in series):
                 near = close_matches(pattern, [s.name for s in series])
                 raise LayerNotFoundError(f"--layers: {pattern!r} matches no {'parameter' if is_param else 'layer'} "
                                          f"in {shown_path(path)}",
                                          hint=(f"did you mean: {', '.join(near)}? " if near else "")
                                          + "names as in the log; globs like 'blocks.*' work")
-        series = [s for s in series if _matches(patterns, s.name, is_param)]
+        series = [s for s in series if _matches(patterns, s.name, modules[s.name])]
     if left_out := [s for s in series if s.name in unmeasured]:
         series = [s for s in series if s.name not in unmeasured]
         notes.append(_unmeasured_note([f"{s.name} ({unmeasured[s.name]})" for s in left_out]))

@@ -53,6 +53,8 @@ class DataBatches:
     rest: Iterator[ModelInputs]
     label: str
     total: int | None
+    #: The hint when a batch does not fit forward's signature (None: ``build_inputs.DATA_SIGNATURE_HOW``).
+    how: str | None = None
 
 
 def batch_size_of(inputs: ModelInputs) -> int:
@@ -67,16 +69,20 @@ def batch_size_of(inputs: ModelInputs) -> int:
 
 
 def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, batches: int | None = None,
-              trust_pickle: bool = False) -> DataBatches:
+              trust_pickle: bool = False, dtype: torch.dtype | None = None) -> DataBatches:
     """The batches of ``data`` (see the module's docstring) for ``loaded.model``, at most ``batches``.
+    ``dtype``: the floating dtype of the run (``--dtype``; None: the model's), which a tensor file's
+    floating tensors are cast to, as ``--input`` files are (``build_inputs.file_floats``).
 
     Raises InputError (exit 2) for a source that cannot be read, gives no batch, or has no length
     while ``batches`` is not given (an endless iterable would never end the run), and, while the run
     reads them, for an item of an unsupported type (naming the batch).
     """
     size = batch_size or DEFAULT_DATA_BATCH
+    tensor_file = False
     if isinstance(data, (str, os.PathLike)):
-        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle)
+        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle, dtype)
+        tensor_file = _is_tensor_file(Path(os.fspath(data)).expanduser())
     elif isinstance(data, (torch.Tensor, Mapping)) or (
             isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data)):
         whole = _as_inputs(data, "data", copy=False)
@@ -95,11 +101,25 @@ def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, 
     first = next(items, None)
     if first is None:
         raise InputError(f"{label.removeprefix('data: ')} gave no batches", hint="give a data set with at least one batch")
-    return DataBatches(first, items, label, total)
+    listed = tensor_file and len(first.args) > 1 and not first.kwargs  # a list in a file: positional inputs
+    return DataBatches(first, items, label, total, LIST_OF_BATCHES_HINT if listed else None)
 
 
-def _from_text(loaded: LoadedModel, text: str, size: int,
-               trust_pickle: bool) -> tuple[Iterator[ModelInputs], str, int | None]:
+#: The hint for a tensor file of several positional tensors whose batch forward cannot take: most
+#: often a list of batches, which cannot be told from one batch of positional inputs (both are a list
+#: of tensors with a leading dimension), so it is refused, saying how to save a data set.
+LIST_OF_BATCHES_HINT = ("a list in a --data file is one batch of positional inputs, cut along their first "
+                        "dimension; save a list of batches as one tensor, torch.save(torch.cat(batches), PATH) "
+                        "(--batch-size cuts it again), or a dict of forward's inputs, torch.save({'x': "
+                        "torch.cat(xs)}, PATH)")
+
+
+def _is_tensor_file(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in TENSOR_SUFFIXES
+
+
+def _from_text(loaded: LoadedModel, text: str, size: int, trust_pickle: bool,
+               dtype: torch.dtype | None = None) -> tuple[Iterator[ModelInputs], str, int | None]:
     """A folder of images, a tensor file, or an import path of an iterable (what ``--data`` takes)."""
     path = Path(text).expanduser()
     if path.is_dir():
@@ -113,12 +133,17 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         chunks = [images[i:i + size] for i in range(0, len(images), size)]
         label = f"data: {text.rstrip('/' + os.sep)}/ ({plural(len(images), 'image')})"
         return _images(loaded, chunks), label, len(chunks)
-    if path.is_file() and path.suffix.lower() in TENSOR_SUFFIXES:
+    if _is_tensor_file(path):
+        from hookcli.engine.build_inputs import cast_note, file_floats, model_float_dtype
         from hookcli.engine.read_inputs import tensor_inputs
 
         whole = tensor_inputs(loaded, [path], trust_pickle=trust_pickle)
-        n = _leading(whole, f"data file {text}")
-        return _sliced(whole, size, text), f"data: {text}", -(-n // size)
+        listed = len(whole.args) > 1 and not whole.kwargs
+        n = _leading(whole, f"data file {text}", hint=LIST_OF_BATCHES_HINT if listed else None)
+        target = dtype or model_float_dtype(loaded.model)  # each batch cast as it is cut: one held at a time
+        casts = sorted({note for _, t in iter_tensors((whole.args, whole.kwargs)) if (note := cast_note(t.dtype, target))})
+        label = f"data: {text}" + (f" ({', '.join(casts)})" if casts else "")
+        return (file_floats(b, target) for b in _sliced(whole, size, text)), label, -(-n // size)
     if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
         raise InputError(f"--data takes a folder of images, not one image file ({text!r})",
                          hint="give the folder that holds the images, or --input FILE for one image")
@@ -128,9 +153,36 @@ def _from_text(loaded: LoadedModel, text: str, size: int,
         raise InputError(f"data not found: {text}", hint=DATA_HINT)
     target, _, attr = text.rpartition(":")
     obj = import_attr(text, target.strip(), attr.strip(), noun="data set")
+    called = callable(obj) and not isinstance(obj, Iterable)
+    if called:
+        obj = _called(obj, text)
     if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Iterable):
-        raise InputError(f"--data {text!r} is a {type(obj).__name__}, not an iterable of batches", hint=DATA_HINT)
+        raise InputError(f"--data {text!r} {'returned' if called else 'is'} a {type(obj).__name__}, not an "
+                         "iterable of batches", hint=DATA_HINT)
+    if called:
+        text += "()"
     return _from_iterable(obj, text)
+
+
+def _called(factory: Any, text: str) -> Any:
+    """What a ``--data`` function gives when called with no arguments: a generator function's
+    generator, a ``make_loader()``'s DataLoader (what people write to build a data set). InputError
+    when it needs arguments (hookcli has none to give) or raises (the data set's code, not the model)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(factory)
+        signature.bind()
+    except TypeError:
+        raise InputError(f"--data {text!r} takes arguments {signature}, which hookcli has none to give",
+                         hint=DATA_HINT) from None
+    except ValueError:  # no signature to read (a builtin): calling it says what it says
+        pass
+    try:
+        return factory()
+    except Exception as exc:
+        raise InputError(f"calling --data {text}() raised {describe_exception(exc)}",
+                         hint="the data set's code raised: run again with --debug for its traceback") from exc
 
 
 def image_tree(folder: Path) -> list[Path]:
@@ -201,14 +253,15 @@ def _as_inputs(item: Any, where: str, *, copy: bool = True) -> ModelInputs:
     return made
 
 
-def _leading(whole: ModelInputs, what: str) -> int:
-    """The batch dimension every tensor of ``whole`` shares; InputError when they do not share one."""
+def _leading(whole: ModelInputs, what: str, *, hint: str | None = None) -> int:
+    """The batch dimension every tensor of ``whole`` shares; InputError (with ``hint`` when given)
+    when they do not share one."""
     sizes = {name: (int(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
              for name, v in zip((i.name for i in whole.infos), (*whole.args, *whole.kwargs.values()))}
     if None in sizes.values() or len(set(sizes.values())) != 1:
         shown = ", ".join(f"{k}: {v if v is not None else 'no batch dimension'}" for k, v in sizes.items())
         raise InputError(f"{what}: its tensors do not share a leading batch dimension ({shown})",
-                         hint="a data set in one tensor file holds tensors of shape (samples, ...), one per input")
+                         hint=hint or "a data set in one tensor file holds tensors of shape (samples, ...), one per input")
     return next(iter(sizes.values()))  # type: ignore[return-value]
 
 

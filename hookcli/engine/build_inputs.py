@@ -340,7 +340,7 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
                 fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False,
-                seq_len: int | None = None, meta: bool = False) -> ModelInputs:
+                seq_len: int | None = None, meta: bool = False, dtype: torch.dtype | None = None) -> ModelInputs:
     """Build CPU inputs for ``loaded.model`` (``meta``: for a run on the meta device).
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
@@ -354,7 +354,9 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     arbitrary objects from .pt/.pth files (it runs code from them); else weights_only loading.
     A spec with a name (``input_ids=1x128:int64``) is a keyword input. ``seq_len``: the sequence
     length of generated token / sequence inputs (default 128; for a transformers model at most the
-    smallest position limit its config declares, see ``position_limit``).
+    smallest position limit its config declares, see ``position_limit``). ``dtype``: the floating
+    dtype the run computes in (``--dtype``), which the floating tensors of tensor files are cast to
+    (``file_floats``); None: the model's own.
     """
     fill = member(Fill, fill, "fill")
     if batch_size is not None and batch_size < 1:
@@ -364,13 +366,14 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                          hint="--input-shape makes random tensors; --input reads files")
     gen = torch.Generator().manual_seed(seed)
     if files:
-        return _file_inputs(loaded, files, trust_pickle)
+        return _file_inputs(loaded, files, trust_pickle, dtype)
     if not shapes:
         return _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta)
     return _shape_inputs(loaded, shapes, batch_size, fill, gen, seed)
 
 
-def _file_inputs(loaded: LoadedModel, files: Sequence[Any], trust_pickle: bool) -> ModelInputs:
+def _file_inputs(loaded: LoadedModel, files: Sequence[Any], trust_pickle: bool,
+                 dtype: torch.dtype | None = None) -> ModelInputs:
     """``make_inputs`` from in-memory inputs, image files or folders, or tensor files (they decide the batch)."""
     if isinstance(files[0], MemoryInputs):
         from hookcli.engine.read_inputs import memory_inputs
@@ -381,7 +384,7 @@ def _file_inputs(loaded: LoadedModel, files: Sequence[Any], trust_pickle: bool) 
     kind, paths, label = expand_files(files)
     if kind == "images":
         return _cast_floats(image_inputs(loaded, paths, label), model_float_dtype(loaded.model))
-    return tensor_inputs(loaded, files, trust_pickle=trust_pickle)
+    return file_floats(tensor_inputs(loaded, files, trust_pickle=trust_pickle), dtype or model_float_dtype(loaded.model))
 
 
 def _shape_inputs(loaded: LoadedModel, shapes: Sequence[InputSpec], batch_size: int | None, fill: Fill,
@@ -461,6 +464,39 @@ def _cast_floats(inputs: ModelInputs, dtype: torch.dtype) -> ModelInputs:
     return pack_inputs([(cast(v), info.source) for v, info in zip(inputs.args, inputs.infos)],
                        [(k, cast(v), info.source) for (k, v), info in
                         zip(inputs.kwargs.items(), inputs.infos[len(inputs.args):])])
+
+
+def cast_note(source: torch.dtype, target: torch.dtype) -> str | None:
+    """``"float64 cast to float32"`` when casting a floating tensor of ``source`` dtype to ``target``
+    can change its values (``target`` cannot hold every ``source`` value); None when it is exact."""
+    if not source.is_floating_point or torch.promote_types(source, target) == target:
+        return None
+    return f"{str(source).removeprefix('torch.')} cast to {str(target).removeprefix('torch.')}"
+
+
+def file_floats(inputs: ModelInputs, dtype: torch.dtype) -> ModelInputs:
+    """The floating tensors of inputs read from tensor files (``--input``, a ``--data`` file) cast to
+    ``dtype``, the one the model computes in, as decoded images are: a file's dtype is how it was saved
+    (numpy saves float64), not a request, and a model cannot take another dtype than its weights'.
+    Integer and bool tensors (token ids, masks) keep theirs. An input whose cast can change values
+    says so in its source (``cast_note``)."""
+    def cast(v: Any) -> tuple[Any, set[str]]:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            note = cast_note(v.dtype, dtype)
+            return v.to(dtype), {note} if note else set()
+        if isinstance(v, list):
+            pairs = [cast(x) for x in v]
+            return [x for x, _ in pairs], set().union(*(n for _, n in pairs))
+        return v, set()
+
+    def entry(v: Any, source: str) -> tuple[Any, str]:
+        value, notes = cast(v)
+        return value, ", ".join([source, *sorted(notes)])
+
+    args = [entry(v, info.source) for v, info in zip(inputs.args, inputs.infos)]
+    kwargs = [(k, *entry(v, info.source)) for (k, v), info in
+              zip(inputs.kwargs.items(), inputs.infos[len(inputs.args):])]
+    return pack_inputs(args, kwargs)
 
 
 def with_note(inputs: ModelInputs, note: str) -> ModelInputs:

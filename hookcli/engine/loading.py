@@ -359,7 +359,8 @@ def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
 
 #: The hint of a refused or unusable ``--data`` import path.
 DATA_HINT = ("--data names a folder of images, a tensor file, or an iterable of batches in your own code "
-             "(package.module:loader or path/to/data.py:loader, e.g. a DataLoader)")
+             "(package.module:loader or path/to/data.py:loader, e.g. a DataLoader), or a function of no "
+             "arguments that returns one (a generator function, a make_loader())")
 
 
 def import_attr(spec: str, target: str, attr: str, *, noun: str = "model") -> Any:

@@ -120,7 +120,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     if opts.data is not None:
         with seeded_rng(opts.seed):  # a DataLoader draws from torch's RNG (its seed, a shuffle): not the caller's
             data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
-                             trust_pickle=opts.trust_pickle)
+                             trust_pickle=opts.trust_pickle, dtype=opts.torch_dtype())
         inputs = data.first
         if opts.shard is not None:  # each rank its part of every batch
             data = dataclasses.replace(data, rest=(sharding.rank_slice(b, opts.shard) for b in data.rest))
@@ -132,10 +132,11 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         inputs = make_inputs(
             loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
             trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
+            dtype=opts.torch_dtype(),
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
-    check_signature(loaded.model, inputs, how=DATA_SIGNATURE_HOW if data is not None else None,
+    check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
                     where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
@@ -350,9 +351,23 @@ def new_report(prep: Prepared, command: str) -> Report:
         version=__version__,
     )
     if opts.shard is not None:
-        report.notes.append(f"the model was sharded over {distributed.world_size()} ranks (--shard {opts.shard}, "
-                            "torchrun): the report is that of one process over the whole batch")
+        report.notes.append(SHARD_NOTE.format(ranks=distributed.world_size(), shard=opts.shard))
     return report
+
+
+#: The note of a ``--shard`` run's report (``new_report``), until this rank leaves the group (``note_ranks``).
+SHARD_NOTE = ("the model was sharded over {ranks} ranks (--shard {shard}, torchrun): the report is that of one "
+              "process over the whole batch")
+
+
+def note_ranks(report: Report, tp: list[list[int]] | None) -> None:
+    """Add to a report merged over the ranks what it is (``distributed.ranks_note``; ``tp``: the model's
+    tensor-parallel groups). On a rank that left the group (``distributed.desert``) its rows are its own
+    part's: ``SHARD_NOTE``'s "one process over the whole batch" is no longer true, and goes."""
+    if distributed.deserted():
+        start = SHARD_NOTE.split("{", 1)[0]
+        report.notes = [note for note in report.notes if not note.startswith(start)]
+    report.notes.append(distributed.ranks_note(tp))
 
 
 def _slice_and_batch(prep: Prepared) -> tuple[int, int] | None:
@@ -676,7 +691,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         rows = MergedRows()
         rows.add(run.layers, run.vectors or {}, batch_size_of(prep.inputs))
         report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
-        report.notes.append(distributed.ranks_note(tp))
+        note_ranks(report, tp)
     report.layers = global_rows(prep, report.layers)
     if run.flops is not None:
         report.flops = run.flops
@@ -781,5 +796,5 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
     data_source(prep, report, rows, done=True)
     if ranks:
-        report.notes.append(distributed.ranks_note(tp))
+        note_ranks(report, tp)
     return report

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Sequence
 
@@ -10,9 +9,7 @@ from torch import nn
 
 from hookcli.engine.distributed import type_name as class_name  # FSDP2's FSDPLinear is a Linear
 from hookcli.errors import LayerNotFoundError, UsageError, close_matches
-from hookcli.options import split_patterns  # torch-free, for hookcli report too
-
-ROOT_LABELS = ("", "(model)")
+from hookcli.options import layer_matches, split_patterns  # torch-free, for hookcli report too
 
 
 def module_depth(name: str) -> int:
@@ -20,16 +17,8 @@ def module_depth(name: str) -> int:
     return 0 if not name else name.count(".") + 1
 
 
-def _is_glob(pattern: str) -> bool:
-    return any(ch in pattern for ch in "*?[")
-
-
 def _match_layer(pattern: str, names: list[str]) -> list[str]:
-    if pattern in ROOT_LABELS:
-        return [""]
-    if _is_glob(pattern):
-        return [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
-    return [pattern] if pattern in names else []
+    return [n for n in dict.fromkeys(names) if layer_matches(pattern, n)]
 
 
 def select_modules(
