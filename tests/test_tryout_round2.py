@@ -205,8 +205,10 @@ def test_wrapped_models_give_torchs_numbers_in_both_hook_modes_and_come_back_unc
             model = torch.ao.quantization.quantize_dynamic(mlp(), {nn.Linear}, dtype=torch.qint8)
     text = "x".join(map(str, shape))
     before = snapshot(model)
-    # plain torch on a copy: spectral norm's u, v move in train mode
-    expected = plain_outputs(copy.deepcopy(model), dummy(*shape))
+    # plain torch on a copy: spectral norm's u, v move in train mode; a DataParallel's layers are
+    # reported under the wrapped module's names (as DDP's), so torch's are taken there
+    wrapped = model.module if isinstance(model, nn.DataParallel) else model
+    expected = plain_outputs(copy.deepcopy(wrapped), dummy(*shape))
 
     everything = hookcli.stats(model, all_modules=True, input_shapes=[text])
     assert_same(before, snapshot(model))
