@@ -5,6 +5,7 @@ the findings on the log's lines, ``on_finding="raise"``, and ``rules={...}`` val
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -723,3 +724,65 @@ def test_channel_counts_merge_the_steps_calls(batches: list[int], tokens: int, k
     assert layer.calls == len(batches) and layer.channels == 8
     assert layer.channel_zero_fraction == pytest.approx(zeros, abs=1e-12)
     assert layer.dead_channels == sum(z == 1.0 for z in zeros) >= len(killed)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_grad_scaler_skipping_overflowed_steps_is_no_nonfinite_finding(every: int, tmp_path: Path) -> None:
+    """torch.amp.GradScaler scales the loss and skips optimizer.step() when the scaled gradients hold an
+    Inf (its scale then halves): a healthy mixed-precision loop at its first steps. Those steps' NaN/Inf
+    gradients are not 'the run's first NaN/Inf' (was: an error finding, exit 1 in report); their lines
+    say ``skipped``. The skips are plain torch's; the loop's losses are bitwise those of a run without
+    the watch."""
+
+    def run(watch: bool) -> tuple[list[float], list[bool], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # float32 overflows at the first steps
+        losses, skipped = [], []
+        with hookcli.watch(model, opt, every=every, out=tmp_path / "log.jsonl") if watch \
+                else contextlib.nullcontext() as w:
+            for _ in range(8):
+                x = torch.randn(16, 8)
+                loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped.append(not grads_finite and scaler.get_scale() < before)
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, skipped, w
+
+    plain, skipped, _ = run(False)
+    watched, skipped_watched, w = run(True)
+    assert watched == plain and skipped_watched == skipped
+    assert skipped[0] and not skipped[-1]  # the first steps overflowed and were skipped, later ones stepped
+    assert [f for f in w.findings if f.rule == "nonfinite"] == []
+    lines = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert any(entry["grad"]["inf_count"] or entry["grad"]["nan_count"]  # what was blamed before
+               for entry in lines[0]["layers"] + lines[0]["params"] if entry["grad"] is not None)
+    assert [line.get("skipped", False) for line in lines] == [skipped[line["step"]] for line in lines]
+
+
+def test_a_nan_gradient_at_a_step_the_optimizer_took_is_still_found() -> None:
+    """The other side: a step that did run optimizer.step() with a NaN gradient (plain SGD applies it) is
+    the run's first NaN/Inf, named at its parameter's layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with hookcli.watch(model, opt) as w:
+        for step in range(3):
+            x = torch.randn(8, 4)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            if step == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert torch.isnan(model[0].weight).any()
+    assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "nonfinite"][:1] == [("nonfinite", 1, "0.weight")]

@@ -185,13 +185,16 @@ class Rules:
 
     def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
         """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
-        backward order (the last output in forward order); else a parameter's gradient; else the loss."""
+        backward order (the last output in forward order); else a parameter's gradient; else the loss.
+        Gradients are not judged at a step the optimizer did not take (``skipped``)."""
         if self.state.nonfinite_seen:
             return []
         where: tuple[str | None, str, Mapping[str, Any] | None] | None = None
         forward = [layer for layer in rec.layers if _bad(layer.stats)]
-        backward = [layer for layer in rec.layers if _bad(layer.grad)]
-        params = [p for p in rec.params if _bad(p.grad)]
+        # a step the optimizer did not take: a GradScaler skips the step when the scaled gradients overflow
+        # (by design: it lowers its scale), so only its outputs and loss are judged
+        backward = [layer for layer in rec.layers if _bad(layer.grad)] if not rec.skipped else []
+        params = [p for p in rec.params if _bad(p.grad)] if not rec.skipped else []
         if forward:
             where = (_layer_name(forward[0]), "forward", forward[0].stats)
         elif backward:

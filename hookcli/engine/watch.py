@@ -215,8 +215,10 @@ class StepWatcher:
                     pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
             return
+        skipped = self.optimizer is not None and not self._stepped  # GradScaler skipped it, or a micro-batch
         record = self._close(loss)
         if record is not None:
+            record.skipped = skipped
             self.on_step(record)
 
     def _misused(self, kind: str) -> None:

@@ -129,7 +129,8 @@ class Finding:
 class WatchStep:
     """One logged step: the loss (None when not given), the selected modules' outputs, the parameters,
     and what the rules found at this step. ``flight``: an unlogged step from the flight recorder's ring
-    (``flight=K``): its outputs and loss only, no parameters."""
+    (``flight=K``): its outputs and loss only, no parameters. ``skipped``: an optimizer was watched but
+    did not step in this step (a GradScaler skipping an overflow, a micro-batch ending at ``w.step()``)."""
 
     step: int
     loss: float | None = None
@@ -137,6 +138,7 @@ class WatchStep:
     params: list[WatchParam] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     flight: bool = False
+    skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
@@ -145,6 +147,8 @@ class WatchStep:
                 "findings": [finding.to_dict() for finding in self.findings]}
         if self.flight:  # only on the flight recorder's lines: a logged step's line is as before
             line["flight"] = True
+        if self.skipped:  # only where the optimizer did not step
+            line["skipped"] = True
         return line
 
     def to_json_line(self) -> str:
