@@ -786,3 +786,66 @@ def test_a_nan_gradient_at_a_step_the_optimizer_took_is_still_found() -> None:
             w.step(loss=loss)
     assert torch.isnan(model[0].weight).any()
     assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "nonfinite"][:1] == [("nonfinite", 1, "0.weight")]
+
+
+@pytest.mark.parametrize("schedule", ["cosine to 0", "one cycle", "linear warmup from 1e-4"])
+def test_a_scheduled_learning_rate_low_by_design_is_not_too_low(schedule: str) -> None:
+    """A scheduler that anneals the learning rate to (near) 0, or warms it up from (near) 0, makes the
+    weights' median update ratio fall below update_ratio's low limit at some steps on purpose (shown in
+    plain torch below); the rule judges 'too low' at the rate the weights were configured with (the
+    groups' initial_lr), so a healthy scheduled run is quiet. The loop's numbers are those without the watch."""
+    steps = 100
+
+    def run(watch: bool) -> tuple[list[float], list[float], Any]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        sched: Any = {
+            "cosine to 0": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            "one cycle": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-4, total_steps=steps),
+            "linear warmup from 1e-4": lambda: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: min(1.0, 1e-4 + s / 30)),
+        }[schedule]()
+        losses, medians = [], []
+        data = regression()
+        with hookcli.watch(model, opt, every=1) if watch else contextlib.nullcontext() as w:
+            for step in range(steps):
+                loss = data(model, step)
+                loss.backward()
+                before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() >= 2}
+                opt.step()
+                opt.zero_grad()
+                ratios = [float((p.detach() - before[n]).norm() / before[n].norm())
+                          for n, p in model.named_parameters() if p.dim() >= 2]
+                medians.append(float(torch.tensor(ratios).median()) if len(ratios) % 2 else
+                               float(torch.tensor(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]).mean()))
+                sched.step()
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, medians, w
+
+    plain, medians, _ = run(False)
+    watched, _, w = run(True)
+    assert watched == plain
+    assert min(m for m in medians if m > 0) < 1e-6  # below the rule's low limit by the schedule's design
+    assert [f for f in w.findings if f.rule == "update_ratio"] == []
+
+
+def test_a_learning_rate_far_too_low_under_a_scheduler_is_still_flagged() -> None:
+    """The other side: lr=1e-9 given to a cosine schedule is far too low at the rate it was configured
+    with, and is flagged at the first step (the scheduler has not lowered it yet)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    data = regression()
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(5):
+            data(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            w.step()
+    (found,) = [f for f in w.findings if f.rule == "update_ratio"]
+    assert found.step == 0 and found.value < found.limit == 1e-6 and "too low" in found.message

@@ -118,6 +118,19 @@ def _norm(stats: Mapping[str, Any] | None) -> float | None:
     return float(stats["rms"]) * math.sqrt(stats["count"])
 
 
+def _median(values: list[float]) -> float:
+    """The median of sorted ``values`` (not empty)."""
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _unscheduled(p: WatchParam) -> float:
+    """``p``'s update ratio at its configured learning rate: divided by ``lr_scale`` where a scheduler
+    has the rate below it (a warmup, an annealed tail)."""
+    ratio = float(p.update_ratio)  # type: ignore[arg-type]
+    return ratio / p.lr_scale if p.lr_scale is not None and 0 < p.lr_scale < 1 else ratio
+
+
 def _ema(values: list[float], window: int) -> float:
     """The exponential moving average of ``values`` (oldest first), alpha = 2 / (window + 1)."""
     alpha = 2.0 / (window + 1)
@@ -244,15 +257,21 @@ class Rules:
         [low, high]: a learning rate far too high or too low. The median, as one weight of a healthy run
         can move a lot (a token initialised near 0, a first convolution at a random init); the finding
         names the weight furthest out."""
-        ratios = sorted((p.update_ratio, p.name) for p in rec.params if len(p.shape) >= 2
-                        and p.update_ratio is not None and math.isfinite(p.update_ratio) and p.update_ratio > 0)
-        if not ratios:
+        weights = [p for p in rec.params if len(p.shape) >= 2
+                   and p.update_ratio is not None and math.isfinite(p.update_ratio) and p.update_ratio > 0]
+        if not weights:
             return []  # no optimizer, or nothing moved (the frozen rule's)
-        middle = len(ratios) // 2
-        median = ratios[middle][0] if len(ratios) % 2 else (ratios[middle - 1][0] + ratios[middle][0]) / 2
-        if cfg["low"] <= median <= cfg["high"]:
+        ratios = sorted((p.update_ratio, p.name) for p in weights)  # type: ignore[misc]
+        median = _median([r for r, _ in ratios])
+        # "too low" at the learning rate the weights were configured with: a scheduler's warmup or annealed
+        # tail (cosine to 0, OneCycle's end) lowers it on purpose, and the update is proportional to it
+        at_configured = sorted((_unscheduled(p), p.name) for p in weights)
+        if median > cfg["high"]:
+            high = True
+        elif (low_median := _median([r for r, _ in at_configured])) < cfg["low"]:
+            high, median, ratios = False, low_median, at_configured
+        else:
             return []
-        high = median > cfg["high"]
         if not self._new("update_ratio", "(high)" if high else "(low)"):
             return []  # told once a run: not at each logged step while the learning rate stays off
         limit = cfg["high"] if high else cfg["low"]

@@ -115,6 +115,7 @@ class StepWatcher:
         self._partial: list[distributed.PartialGrad] | None = None
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
+        self._lr_scales: list[float | None] | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -154,6 +155,7 @@ class StepWatcher:
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._stepped = self._early_step = False
+        self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -174,6 +176,7 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
+            self._lr_scales = lr_scales(self.optimizer, self.params)
             self._param_vectors = self.hooks.param_vectors()
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
             self._histograms = self._param_histograms()
@@ -297,6 +300,8 @@ class StepWatcher:
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms)
+            for entry, scale in zip(record.params, self._lr_scales or ()):
+                entry.lr_scale = scale
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise
@@ -367,6 +372,25 @@ class StepWatcher:
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
         return out
+
+
+def lr_scales(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]]
+              ) -> list[float | None] | None:
+    """Each watched parameter's group's learning rate over its ``initial_lr`` (set by every torch LR
+    scheduler: the rate it was configured with), None where it has none: the update_ratio rule judges
+    "too low" at the configured rate, not at a warmup's start or an annealed tail."""
+    if optimizer is None:
+        return None
+    scale_of: dict[int, float | None] = {}
+    for group in optimizer.param_groups:
+        lr, initial = group.get("lr"), group.get("initial_lr")
+        try:
+            scale = float(lr) / float(initial) if initial is not None and float(initial) > 0 else None
+        except (TypeError, ValueError, RuntimeError):  # a learning rate that is no number: not judged by it
+            scale = None
+        for p in group["params"]:
+            scale_of[id(p)] = scale
+    return [scale_of.get(id(p)) for _, p in params]
 
 
 def merged_outputs(calls: Sequence[Any]) -> _Groups:

@@ -95,6 +95,9 @@ class WatchParam:
     update_ratio: float | None = None  # update_norm / norm; None without an update or when norm is 0
     #: Its dtype ("float32", "bfloat16"; None: not known): the rules read it, the log does not hold it
     dtype: str | None = field(default=None, repr=False)
+    #: Its param group's learning rate over the one a torch LR scheduler started it from (the group's
+    #: ``initial_lr``): below 1 in a warmup or an annealed tail (None: no scheduler); not in the log
+    lr_scale: float | None = field(default=None, repr=False)
     #: With ``tensorboard_dir=``: the weights' and the gradient's histograms at the logged step, before
     #: the update (None: not asked, empty, or a value not finite); not in the log
     values_histogram: Histogram | None = field(default=None, repr=False)
