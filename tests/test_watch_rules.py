@@ -849,3 +849,25 @@ def test_a_learning_rate_far_too_low_under_a_scheduler_is_still_flagged() -> Non
             w.step()
     (found,) = [f for f in w.findings if f.rule == "update_ratio"]
     assert found.step == 0 and found.value < found.limit == 1e-6 and "too low" in found.message
+
+
+def test_a_layer_frozen_mid_run_on_purpose_is_not_told_as_frozen() -> None:
+    """fc1 is frozen after 3 steps (``requires_grad_(False)``, a common fine-tuning schedule): it stops
+    changing on purpose, so the frozen rule (a parameter that requires grad) says nothing of it, where it
+    said 'fc1.weight requires grad but did not change'; the other layers keep training (plain torch)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = regression()
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(8):
+            if step == 3:
+                model.fc1.requires_grad_(False)
+                frozen_at = model.fc1.weight.detach().clone()
+            data(model, step).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            w.step()
+    assert torch.equal(model.fc1.weight, frozen_at)
+    assert w.last is not None and w.last.params[0].name == "fc1.weight" and w.last.params[0].update_norm == 0
+    assert [f for f in w.findings if f.rule == "frozen"] == []

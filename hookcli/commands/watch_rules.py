@@ -236,6 +236,9 @@ class Rules:
         stuck: list[WatchParam] = []
         moved = False
         for p in rec.params:
+            if not p.requires_grad:  # frozen on purpose since (requires_grad_(False) mid-run)
+                runs[p.name] = 0
+                continue
             if p.update_norm is None:
                 continue
             runs[p.name] = runs.get(p.name, 0) + 1 if p.update_norm == 0 else 0

@@ -302,6 +302,8 @@ class StepWatcher:
             record = self._collect(step, groups, params, self._updates, loss, histograms)
             for entry, scale in zip(record.params, self._lr_scales or ()):
                 entry.lr_scale = scale
+            for entry, (_, p) in zip(record.params, self.params):
+                entry.requires_grad = p.requires_grad
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise

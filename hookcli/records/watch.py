@@ -98,6 +98,8 @@ class WatchParam:
     #: Its param group's learning rate over the one a torch LR scheduler started it from (the group's
     #: ``initial_lr``): below 1 in a warmup or an annealed tail (None: no scheduler); not in the log
     lr_scale: float | None = field(default=None, repr=False)
+    #: Whether it required grad when the step ended (a layer frozen mid-run does not); not in the log
+    requires_grad: bool = field(default=True, repr=False)
     #: With ``tensorboard_dir=``: the weights' and the gradient's histograms at the logged step, before
     #: the update (None: not asked, empty, or a value not finite); not in the log
     values_histogram: Histogram | None = field(default=None, repr=False)
