@@ -871,3 +871,44 @@ def test_a_layer_frozen_mid_run_on_purpose_is_not_told_as_frozen() -> None:
     assert torch.equal(model.fc1.weight, frozen_at)
     assert w.last is not None and w.last.params[0].name == "fc1.weight" and w.last.params[0].update_norm == 0
     assert [f for f in w.findings if f.rule == "frozen"] == []
+
+
+def test_a_grad_scaler_skip_merged_into_the_optimizers_step_is_no_nonfinite_finding(tmp_path: Path) -> None:
+    """Without ``w.step()`` (``hookcli watch -- CMD`` watches a script so) the optimizer ends steps: the
+    iterations a GradScaler skips (their scaled output gradients overflow, the loop zeroes them) are part
+    of the step its next ``optimizer.step()`` ends, which applies finite gradients. That step's Inf output
+    gradients never reached the update: no 'first NaN/Inf' (was an error finding, exit 1 in report). The
+    skips are plain torch's; the losses are bitwise those without the watch."""
+
+    def run(watch: bool) -> tuple[list[float], list[float], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+        losses, scales = [], []
+        with hookcli.watch(model, opt, every=1, out=tmp_path / "log.jsonl") if watch \
+                else contextlib.nullcontext() as w:
+            for _ in range(12):
+                x = torch.randn(16, 8)
+                out = model(x)
+                if not watch:
+                    out.retain_grad()
+                loss = nn.functional.mse_loss(out, x.sum(1, keepdim=True), reduction="sum")
+                scaler.scale(loss).backward()
+                if not watch and not scales:
+                    assert not torch.isfinite(out.grad).all()  # the first iteration's output gradient overflows
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+                losses.append(loss.item())
+        return losses, scales, w
+
+    plain, scales, _ = run(False)
+    watched, watched_scales, w = run(True)
+    assert watched == plain and watched_scales == scales
+    assert scales[0] < 2.0**127 and scales[-1] == scales[-2]  # the first iterations skipped, the last stepped
+    first = json.loads(open(tmp_path / "log.jsonl").readline())
+    assert first["layers"][0]["calls"] > 1  # the skipped iterations are in the step the optimizer ended
+    assert any(layer["grad"]["inf_count"] for layer in first["layers"])  # what was blamed before
+    assert [f for f in w.findings if f.rule == "nonfinite"] == []

@@ -124,6 +124,14 @@ def _median(values: list[float]) -> float:
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
+def _applied_finite(rec: WatchStep) -> bool:
+    """The optimizer updated every watched parameter at this step from a finite gradient: a NaN/Inf in an
+    output's gradient of the step did not reach the update (a GradScaler's skipped iteration, whose
+    gradients the loop zeroed, merged into the step that ``optimizer.step()`` ended)."""
+    return bool(rec.params) and all(p.update_norm is not None and p.grad is not None and not _bad(p.grad)
+                                    for p in rec.params)
+
+
 def _unscheduled(p: WatchParam) -> float:
     """``p``'s update ratio at its configured learning rate: divided by ``lr_scale`` where a scheduler
     has the rate below it (a warmup, an annealed tail)."""
@@ -208,6 +216,8 @@ class Rules:
         # (by design: it lowers its scale), so only its outputs and loss are judged
         backward = [layer for layer in rec.layers if _bad(layer.grad)] if not rec.skipped else []
         params = [p for p in rec.params if _bad(p.grad)] if not rec.skipped else []
+        if backward and _applied_finite(rec):
+            backward = []  # an output gradient thrown away before the update (a GradScaler's skipped iteration)
         if forward:
             where = (_layer_name(forward[0]), "forward", forward[0].stats)
         elif backward:
