@@ -116,6 +116,7 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._lr_scales: list[float | None] | None = None
+        self._backward_before = False
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -156,6 +157,7 @@ class StepWatcher:
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
+        self._backward_before = False  # a backward reached the parameters before the logged step's pre-step
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -176,6 +178,7 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
+            self._backward_before = self.hooks.backward_reached
             self._lr_scales = lr_scales(self.optimizer, self.params)
             self._param_vectors = self.hooks.param_vectors()
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
@@ -188,6 +191,12 @@ class StepWatcher:
             self._updates = [l2_norm(before.sub_(distributed.local(p.detach())))
                              for before, (_, p) in zip(self._before, self.params)]
             self._before = None
+        if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
+            # a closure ran the step's backward inside optimizer.step() (LBFGS, Lightning's automatic
+            # optimisation): the gradients it applied are read now (the last closure call's); the norms
+            # stay the pre-step's
+            for entry, now in zip(self._param_vectors, self.hooks.param_vectors()):
+                entry.grad = now.grad
         if self.user_steps:
             session = self.hooks.session
             # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
