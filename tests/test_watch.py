@@ -830,3 +830,36 @@ def test_a_closure_step_logs_the_gradients_it_applied(every: int) -> None:
     frozen = [f for f in w.findings if f.rule == "frozen"]
     assert {f.layer for f in frozen} == {"2.weight", "2.bias"}
     assert all("it has a gradient" in f.message for f in frozen)
+
+
+def test_w_step_at_the_top_of_the_loop_is_warned_once() -> None:
+    """``w.step()`` first in each iteration (before the forward) ends an empty step 0 and makes every
+    logged line hold the step before its number: warned once as a StepOrderWarning at that line (it was
+    silent), the loop's losses and weights bitwise those of a run without the watch."""
+    from hookcli.errors import StepOrderWarning
+
+    def run(watch: bool) -> tuple[list[float], torch.Tensor, Any, list[warnings.WarningMessage]]:
+        torch.manual_seed(0)
+        model = Net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with hookcli.watch(model, opt, every=2) if watch else contextlib.nullcontext() as w:
+                for step in range(5):
+                    if watch:
+                        w.step()
+                    (x, y), = batches(step)
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+        return losses, model.head.weight.detach().clone(), w, [s for s in seen if s.category is StepOrderWarning]
+
+    plain, plain_weight, _, _ = run(False)
+    watched, weight, w, warned = run(True)
+    assert watched == plain and torch.equal(weight, plain_weight)
+    (warning,) = warned
+    assert "w.step() ended step 0 before anything of it ran" in str(warning.message)
+    assert warning.filename == __file__

@@ -39,6 +39,9 @@ STEP_ORDER = {
              "some steps, so a logged step spans several optimizer steps",
     "some": "w.step() was called after optimizer.step() had ended the steps without it: w.step() is "
             "called in only some steps, so the logged steps are shifted",
+    "empty": "w.step() ended step 0 before anything of it ran (no watched forward, no backward, no "
+             "optimizer.step()): w.step() is called at the start of each step, so each logged line holds "
+             "the step before its number",
 }
 #: What to do about any of them.
 STEP_ORDER_FIX = "call w.step() after optimizer.step(), in every step or in none (docs/watch.md#what-a-step-is)"
@@ -217,6 +220,11 @@ class StepWatcher:
         pending, self._pending = self._pending, None
         if self.user_steps is False:
             self._misused("some")
+        session = self.hooks.session
+        if (self.step == 0 and self.optimizer is not None and pending is None and not self._stepped
+                and session is not None and not session.idle and not session.calls
+                and not self.hooks.backward_reached):
+            self._misused("empty")  # w.step() at the top of the loop: the log's steps are one behind
         self.user_steps = True
         if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
             self._misused("before")  # the step's modules ran after its optimizer step, not before
