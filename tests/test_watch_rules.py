@@ -912,3 +912,39 @@ def test_a_grad_scaler_skip_merged_into_the_optimizers_step_is_no_nonfinite_find
     assert first["layers"][0]["calls"] > 1  # the skipped iterations are in the step the optimizer ended
     assert any(layer["grad"]["inf_count"] for layer in first["layers"])  # what was blamed before
     assert [f for f in w.findings if f.rule == "nonfinite"] == []
+
+
+def test_float16_adam_overflowing_the_weights_is_blamed_on_the_update() -> None:
+    """Pure float16 AdamW (eps 1e-8 is 0 in float16): the first step divides by 0 and makes finite weights
+    NaN/Inf from finite gradients, as plain torch shows. The run's first NaN/Inf is that update, at step 0
+    (was: the next step's forward, 'first NaN/Inf ... 0's output', the wrong cause and step)."""
+
+    def run(watch: bool) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        g = torch.Generator().manual_seed(1)
+        with hookcli.watch(model, opt, every=1) if watch else contextlib.nullcontext() as w:
+            for step in range(3):
+                x = torch.randn(16, 8, generator=g).half()
+                loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                loss.backward()
+                if not watch and step == 0:
+                    assert all(torch.isfinite(p.grad).all() and torch.isfinite(p).all() for p in model.parameters())
+                opt.step()
+                if not watch and step == 0:
+                    assert not torch.isfinite(model[0].weight).all()  # the update made it NaN/Inf
+                opt.zero_grad()
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, w
+
+    plain, _ = run(False)
+    watched, w = run(True)
+    assert [math.isnan(v) for v in watched] == [math.isnan(v) for v in plain]
+    assert [v for v in watched if not math.isnan(v)] == [v for v in plain if not math.isnan(v)]
+    (found,) = [f for f in w.findings if f.rule == "nonfinite"]
+    assert (found.step, found.layer, found.direction, found.severity) == (0, "0.weight", "update", "error")
+    assert "eps 1e-8 is 0 in float16" in found.message

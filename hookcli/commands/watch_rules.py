@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookcli.commands.check.rules import rounded_away
+from hookcli.commands.check.rules import overflowed_update, rounded_away
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.records import Finding, WatchParam, WatchStep
@@ -206,8 +206,9 @@ class Rules:
 
     def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
         """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
-        backward order (the last output in forward order); else a parameter's gradient; else the loss.
-        Gradients are not judged at a step the optimizer did not take (``skipped``)."""
+        backward order (the last output in forward order); else a parameter's gradient; else an update
+        that made finite weights NaN/Inf; else the loss. Gradients are not judged at a step the optimizer
+        did not take (``skipped``)."""
         if self.state.nonfinite_seen:
             return []
         where: tuple[str | None, str, Mapping[str, Any] | None] | None = None
@@ -224,6 +225,14 @@ class Rules:
             where = (_layer_name(backward[-1]), "backward", backward[-1].grad)
         elif params:
             where = (params[-1].name, "backward", params[-1].grad)
+        elif updates := [p for p in rec.params if p.update_norm is not None and not _finite(p.update_norm)
+                         and _finite(p.norm) and p.grad is not None]:
+            # finite weights and gradients, yet the optimizer's step made the weights NaN/Inf (float16 Adam)
+            self.state.nonfinite_seen = True
+            p = updates[0]
+            return [Finding("nonfinite", "error", rec.step, p.name, "update", float(p.update_norm), 0.0,  # type: ignore[arg-type]
+                            f"first NaN/Inf of the run at step {rec.step}: {p.name}'s update; the optimizer's step "
+                            f"made it NaN/Inf while its gradient was finite: {overflowed_update(p.dtype)}")]
         elif rec.loss is not None and not math.isfinite(rec.loss):
             where = (None, "loss", None)
         if where is None:
