@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -996,3 +997,81 @@ def test_a_selected_branch_that_does_not_run_in_a_step_is_not_a_misuse() -> None
             opt.zero_grad(set_to_none=False)
             w.step()
     assert w.last is not None and w.last.step == 5 and [layer.name for layer in w.last.layers] == ["aux"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_closure_step_logs_the_gradients_it_applied(every: int) -> None:
+    """optimizer.step(closure) with the forward and backward inside the closure (Lightning's automatic
+    optimisation does so for every optimizer; LBFGS): the parameters' gradients on a logged step are those
+    the closure made and the step applied, as torch.autograd.grad gives them at the pre-step weights
+    (were null: 'no backward of the step reached it'), and a head left out of the optimizer is frozen
+    saying it has a gradient (was: 'no gradient reached it'). The loop's numbers are unchanged."""
+
+    def run(watch: bool) -> tuple[list[float], list[dict[str, float]], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)  # the bug: model[2] is left out
+        losses, norms = [], []
+        with hookcli.watch(model, opt, every=every) if watch else contextlib.nullcontext() as w:
+            for step in range(6):
+                (x, y), = batches(step)
+                expected = torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
+                norms.append({name: float(g.norm()) for (name, _), g in zip(model.named_parameters(), expected)})
+
+                def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                    opt.zero_grad()
+                    model[2].zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+
+                losses.append(float(opt.step(closure).detach()))
+                if watch:
+                    w.step()
+                    if step % every == 0:
+                        assert w.last is not None and w.last.step == step
+                        for p in w.last.params:
+                            assert p.grad is not None
+                            got = p.grad["rms"] * math.sqrt(p.grad["count"])
+                            assert got == pytest.approx(norms[-1][p.name], rel=1e-5, abs=1e-12)
+        return losses, norms, w
+
+    plain, plain_norms, _ = run(False)
+    watched, watched_norms, w = run(True)
+    assert watched == plain and watched_norms == plain_norms
+    frozen = [f for f in w.findings if f.rule == "frozen"]
+    assert {f.layer for f in frozen} == {"2.weight", "2.bias"}
+    assert all("it has a gradient" in f.message for f in frozen)
+
+
+def test_w_step_at_the_top_of_the_loop_is_warned_once() -> None:
+    """``w.step()`` first in each iteration (before the forward) ends an empty step 0 and makes every
+    logged line hold the step before its number: warned once as a StepOrderWarning at that line (it was
+    silent), the loop's losses and weights bitwise those of a run without the watch."""
+    from hookcli.errors import StepOrderWarning
+
+    def run(watch: bool) -> tuple[list[float], torch.Tensor, Any, list[warnings.WarningMessage]]:
+        torch.manual_seed(0)
+        model = Net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with hookcli.watch(model, opt, every=2) if watch else contextlib.nullcontext() as w:
+                for step in range(5):
+                    if watch:
+                        w.step()
+                    (x, y), = batches(step)
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+        return losses, model.head.weight.detach().clone(), w, [s for s in seen if s.category is StepOrderWarning]
+
+    plain, plain_weight, _, _ = run(False)
+    watched, weight, w, warned = run(True)
+    assert watched == plain and torch.equal(weight, plain_weight)
+    (warning,) = warned
+    assert "w.step() ended step 0 before anything of it ran" in str(warning.message)
+    assert warning.filename == __file__

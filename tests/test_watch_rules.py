@@ -5,6 +5,7 @@ the findings on the log's lines, ``on_finding="raise"``, and ``rules={...}`` val
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -723,3 +724,227 @@ def test_channel_counts_merge_the_steps_calls(batches: list[int], tokens: int, k
     assert layer.calls == len(batches) and layer.channels == 8
     assert layer.channel_zero_fraction == pytest.approx(zeros, abs=1e-12)
     assert layer.dead_channels == sum(z == 1.0 for z in zeros) >= len(killed)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_grad_scaler_skipping_overflowed_steps_is_no_nonfinite_finding(every: int, tmp_path: Path) -> None:
+    """torch.amp.GradScaler scales the loss and skips optimizer.step() when the scaled gradients hold an
+    Inf (its scale then halves): a healthy mixed-precision loop at its first steps. Those steps' NaN/Inf
+    gradients are not 'the run's first NaN/Inf' (was: an error finding, exit 1 in report); their lines
+    say ``skipped``. The skips are plain torch's; the loop's losses are bitwise those of a run without
+    the watch."""
+
+    def run(watch: bool) -> tuple[list[float], list[bool], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # float32 overflows at the first steps
+        losses, skipped = [], []
+        with hookcli.watch(model, opt, every=every, out=tmp_path / "log.jsonl") if watch \
+                else contextlib.nullcontext() as w:
+            for _ in range(8):
+                x = torch.randn(16, 8)
+                loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped.append(not grads_finite and scaler.get_scale() < before)
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, skipped, w
+
+    plain, skipped, _ = run(False)
+    watched, skipped_watched, w = run(True)
+    assert watched == plain and skipped_watched == skipped
+    assert skipped[0] and not skipped[-1]  # the first steps overflowed and were skipped, later ones stepped
+    assert [f for f in w.findings if f.rule == "nonfinite"] == []
+    lines = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert any(entry["grad"]["inf_count"] or entry["grad"]["nan_count"]  # what was blamed before
+               for entry in lines[0]["layers"] + lines[0]["params"] if entry["grad"] is not None)
+    assert [line.get("skipped", False) for line in lines] == [skipped[line["step"]] for line in lines]
+
+
+def test_a_nan_gradient_at_a_step_the_optimizer_took_is_still_found() -> None:
+    """The other side: a step that did run optimizer.step() with a NaN gradient (plain SGD applies it) is
+    the run's first NaN/Inf, named at its parameter's layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with hookcli.watch(model, opt) as w:
+        for step in range(3):
+            x = torch.randn(8, 4)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            if step == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    assert torch.isnan(model[0].weight).any()
+    assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "nonfinite"][:1] == [("nonfinite", 1, "0.weight")]
+
+
+@pytest.mark.parametrize("schedule", ["cosine to 0", "one cycle", "linear warmup from 1e-4"])
+def test_a_scheduled_learning_rate_low_by_design_is_not_too_low(schedule: str) -> None:
+    """A scheduler that anneals the learning rate to (near) 0, or warms it up from (near) 0, makes the
+    weights' median update ratio fall below update_ratio's low limit at some steps on purpose (shown in
+    plain torch below); the rule judges 'too low' at the rate the weights were configured with (the
+    groups' initial_lr), so a healthy scheduled run is quiet. The loop's numbers are those without the watch."""
+    steps = 100
+
+    def run(watch: bool) -> tuple[list[float], list[float], Any]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        sched: Any = {
+            "cosine to 0": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            "one cycle": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-4, total_steps=steps),
+            "linear warmup from 1e-4": lambda: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: min(1.0, 1e-4 + s / 30)),
+        }[schedule]()
+        losses, medians = [], []
+        data = regression()
+        with hookcli.watch(model, opt, every=1) if watch else contextlib.nullcontext() as w:
+            for step in range(steps):
+                loss = data(model, step)
+                loss.backward()
+                before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() >= 2}
+                opt.step()
+                opt.zero_grad()
+                ratios = [float((p.detach() - before[n]).norm() / before[n].norm())
+                          for n, p in model.named_parameters() if p.dim() >= 2]
+                medians.append(float(torch.tensor(ratios).median()) if len(ratios) % 2 else
+                               float(torch.tensor(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]).mean()))
+                sched.step()
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, medians, w
+
+    plain, medians, _ = run(False)
+    watched, _, w = run(True)
+    assert watched == plain
+    assert min(m for m in medians if m > 0) < 1e-6  # below the rule's low limit by the schedule's design
+    assert [f for f in w.findings if f.rule == "update_ratio"] == []
+
+
+def test_a_learning_rate_far_too_low_under_a_scheduler_is_still_flagged() -> None:
+    """The other side: lr=1e-9 given to a cosine schedule is far too low at the rate it was configured
+    with, and is flagged at the first step (the scheduler has not lowered it yet)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    data = regression()
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(5):
+            data(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            w.step()
+    (found,) = [f for f in w.findings if f.rule == "update_ratio"]
+    assert found.step == 0 and found.value < found.limit == 1e-6 and "too low" in found.message
+
+
+def test_a_layer_frozen_mid_run_on_purpose_is_not_told_as_frozen() -> None:
+    """fc1 is frozen after 3 steps (``requires_grad_(False)``, a common fine-tuning schedule): it stops
+    changing on purpose, so the frozen rule (a parameter that requires grad) says nothing of it, where it
+    said 'fc1.weight requires grad but did not change'; the other layers keep training (plain torch)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = regression()
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(8):
+            if step == 3:
+                model.fc1.requires_grad_(False)
+                frozen_at = model.fc1.weight.detach().clone()
+            data(model, step).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            w.step()
+    assert torch.equal(model.fc1.weight, frozen_at)
+    assert w.last is not None and w.last.params[0].name == "fc1.weight" and w.last.params[0].update_norm == 0
+    assert [f for f in w.findings if f.rule == "frozen"] == []
+
+
+def test_a_grad_scaler_skip_merged_into_the_optimizers_step_is_no_nonfinite_finding(tmp_path: Path) -> None:
+    """Without ``w.step()`` (``hookcli watch -- CMD`` watches a script so) the optimizer ends steps: the
+    iterations a GradScaler skips (their scaled output gradients overflow, the loop zeroes them) are part
+    of the step its next ``optimizer.step()`` ends, which applies finite gradients. That step's Inf output
+    gradients never reached the update: no 'first NaN/Inf' (was an error finding, exit 1 in report). The
+    skips are plain torch's; the losses are bitwise those without the watch."""
+
+    def run(watch: bool) -> tuple[list[float], list[float], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+        losses, scales = [], []
+        with hookcli.watch(model, opt, every=1, out=tmp_path / "log.jsonl") if watch \
+                else contextlib.nullcontext() as w:
+            for _ in range(12):
+                x = torch.randn(16, 8)
+                out = model(x)
+                if not watch:
+                    out.retain_grad()
+                loss = nn.functional.mse_loss(out, x.sum(1, keepdim=True), reduction="sum")
+                scaler.scale(loss).backward()
+                if not watch and not scales:
+                    assert not torch.isfinite(out.grad).all()  # the first iteration's output gradient overflows
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+                losses.append(loss.item())
+        return losses, scales, w
+
+    plain, scales, _ = run(False)
+    watched, watched_scales, w = run(True)
+    assert watched == plain and watched_scales == scales
+    assert scales[0] < 2.0**127 and scales[-1] == scales[-2]  # the first iterations skipped, the last stepped
+    first = json.loads(open(tmp_path / "log.jsonl").readline())
+    assert first["layers"][0]["calls"] > 1  # the skipped iterations are in the step the optimizer ended
+    assert any(layer["grad"]["inf_count"] for layer in first["layers"])  # what was blamed before
+    assert [f for f in w.findings if f.rule == "nonfinite"] == []
+
+
+def test_float16_adam_overflowing_the_weights_is_blamed_on_the_update() -> None:
+    """Pure float16 AdamW (eps 1e-8 is 0 in float16): the first step divides by 0 and makes finite weights
+    NaN/Inf from finite gradients, as plain torch shows. The run's first NaN/Inf is that update, at step 0
+    (was: the next step's forward, 'first NaN/Inf ... 0's output', the wrong cause and step)."""
+
+    def run(watch: bool) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        g = torch.Generator().manual_seed(1)
+        with hookcli.watch(model, opt, every=1) if watch else contextlib.nullcontext() as w:
+            for step in range(3):
+                x = torch.randn(16, 8, generator=g).half()
+                loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                loss.backward()
+                if not watch and step == 0:
+                    assert all(torch.isfinite(p.grad).all() and torch.isfinite(p).all() for p in model.parameters())
+                opt.step()
+                if not watch and step == 0:
+                    assert not torch.isfinite(model[0].weight).all()  # the update made it NaN/Inf
+                opt.zero_grad()
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, w
+
+    plain, _ = run(False)
+    watched, w = run(True)
+    assert [math.isnan(v) for v in watched] == [math.isnan(v) for v in plain]
+    assert [v for v in watched if not math.isnan(v)] == [v for v in plain if not math.isnan(v)]
+    (found,) = [f for f in w.findings if f.rule == "nonfinite"]
+    assert (found.step, found.layer, found.direction, found.severity) == (0, "0.weight", "update", "error")
+    assert "eps 1e-8 is 0 in float16" in found.message

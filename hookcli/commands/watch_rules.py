@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookcli.commands.check.rules import rounded_away
+from hookcli.commands.check.rules import overflowed_update, rounded_away
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.records import Finding, WatchParam, WatchStep
@@ -118,6 +118,27 @@ def _norm(stats: Mapping[str, Any] | None) -> float | None:
     return float(stats["rms"]) * math.sqrt(stats["count"])
 
 
+def _median(values: list[float]) -> float:
+    """The median of sorted ``values`` (not empty)."""
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _applied_finite(rec: WatchStep) -> bool:
+    """The optimizer updated every watched parameter at this step from a finite gradient: a NaN/Inf in an
+    output's gradient of the step did not reach the update (a GradScaler's skipped iteration, whose
+    gradients the loop zeroed, merged into the step that ``optimizer.step()`` ended)."""
+    return bool(rec.params) and all(p.update_norm is not None and p.grad is not None and not _bad(p.grad)
+                                    for p in rec.params)
+
+
+def _unscheduled(p: WatchParam) -> float:
+    """``p``'s update ratio at its configured learning rate: divided by ``lr_scale`` where a scheduler
+    has the rate below it (a warmup, an annealed tail)."""
+    ratio = float(p.update_ratio)  # type: ignore[arg-type]
+    return ratio / p.lr_scale if p.lr_scale is not None and 0 < p.lr_scale < 1 else ratio
+
+
 def _ema(values: list[float], window: int) -> float:
     """The exponential moving average of ``values`` (oldest first), alpha = 2 / (window + 1)."""
     alpha = 2.0 / (window + 1)
@@ -185,19 +206,33 @@ class Rules:
 
     def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
         """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
-        backward order (the last output in forward order); else a parameter's gradient; else the loss."""
+        backward order (the last output in forward order); else a parameter's gradient; else an update
+        that made finite weights NaN/Inf; else the loss. Gradients are not judged at a step the optimizer
+        did not take (``skipped``)."""
         if self.state.nonfinite_seen:
             return []
         where: tuple[str | None, str, Mapping[str, Any] | None] | None = None
         forward = [layer for layer in rec.layers if _bad(layer.stats)]
-        backward = [layer for layer in rec.layers if _bad(layer.grad)]
-        params = [p for p in rec.params if _bad(p.grad)]
+        # a step the optimizer did not take: a GradScaler skips the step when the scaled gradients overflow
+        # (by design: it lowers its scale), so only its outputs and loss are judged
+        backward = [layer for layer in rec.layers if _bad(layer.grad)] if not rec.skipped else []
+        params = [p for p in rec.params if _bad(p.grad)] if not rec.skipped else []
+        if backward and _applied_finite(rec):
+            backward = []  # an output gradient thrown away before the update (a GradScaler's skipped iteration)
         if forward:
             where = (_layer_name(forward[0]), "forward", forward[0].stats)
         elif backward:
             where = (_layer_name(backward[-1]), "backward", backward[-1].grad)
         elif params:
             where = (params[-1].name, "backward", params[-1].grad)
+        elif updates := [p for p in rec.params if p.update_norm is not None and not _finite(p.update_norm)
+                         and _finite(p.norm) and p.grad is not None]:
+            # finite weights and gradients, yet the optimizer's step made the weights NaN/Inf (float16 Adam)
+            self.state.nonfinite_seen = True
+            p = updates[0]
+            return [Finding("nonfinite", "error", rec.step, p.name, "update", float(p.update_norm), 0.0,  # type: ignore[arg-type]
+                            f"first NaN/Inf of the run at step {rec.step}: {p.name}'s update; the optimizer's step "
+                            f"made it NaN/Inf while its gradient was finite: {overflowed_update(p.dtype)}")]
         elif rec.loss is not None and not math.isfinite(rec.loss):
             where = (None, "loss", None)
         if where is None:
@@ -220,6 +255,9 @@ class Rules:
         stuck: list[WatchParam] = []
         moved = False
         for p in rec.params:
+            if not p.requires_grad:  # frozen on purpose since (requires_grad_(False) mid-run)
+                runs[p.name] = 0
+                continue
             if p.update_norm is None:
                 continue
             runs[p.name] = runs.get(p.name, 0) + 1 if p.update_norm == 0 else 0
@@ -241,15 +279,21 @@ class Rules:
         [low, high]: a learning rate far too high or too low. The median, as one weight of a healthy run
         can move a lot (a token initialised near 0, a first convolution at a random init); the finding
         names the weight furthest out."""
-        ratios = sorted((p.update_ratio, p.name) for p in rec.params if len(p.shape) >= 2
-                        and p.update_ratio is not None and math.isfinite(p.update_ratio) and p.update_ratio > 0)
-        if not ratios:
+        weights = [p for p in rec.params if len(p.shape) >= 2
+                   and p.update_ratio is not None and math.isfinite(p.update_ratio) and p.update_ratio > 0]
+        if not weights:
             return []  # no optimizer, or nothing moved (the frozen rule's)
-        middle = len(ratios) // 2
-        median = ratios[middle][0] if len(ratios) % 2 else (ratios[middle - 1][0] + ratios[middle][0]) / 2
-        if cfg["low"] <= median <= cfg["high"]:
+        ratios = sorted((p.update_ratio, p.name) for p in weights)  # type: ignore[misc]
+        median = _median([r for r, _ in ratios])
+        # "too low" at the learning rate the weights were configured with: a scheduler's warmup or annealed
+        # tail (cosine to 0, OneCycle's end) lowers it on purpose, and the update is proportional to it
+        at_configured = sorted((_unscheduled(p), p.name) for p in weights)
+        if median > cfg["high"]:
+            high = True
+        elif (low_median := _median([r for r, _ in at_configured])) < cfg["low"]:
+            high, median, ratios = False, low_median, at_configured
+        else:
             return []
-        high = median > cfg["high"]
         if not self._new("update_ratio", "(high)" if high else "(low)"):
             return []  # told once a run: not at each logged step while the learning rate stays off
         limit = cfg["high"] if high else cfg["low"]

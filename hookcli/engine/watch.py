@@ -39,6 +39,9 @@ STEP_ORDER = {
              "some steps, so a logged step spans several optimizer steps",
     "some": "w.step() was called after optimizer.step() had ended the steps without it: w.step() is "
             "called in only some steps, so the logged steps are shifted",
+    "empty": "w.step() ended step 0 before anything of it ran (no watched forward, no backward, no "
+             "optimizer.step()): w.step() is called at the start of each step, so each logged line holds "
+             "the step before its number",
 }
 #: What to do about any of them.
 STEP_ORDER_FIX = "call w.step() after optimizer.step(), in every step or in none (docs/watch.md#what-a-step-is)"
@@ -115,6 +118,8 @@ class StepWatcher:
         self._partial: list[distributed.PartialGrad] | None = None
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
+        self._lr_scales: list[float | None] | None = None
+        self._backward_before = False
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -156,6 +161,8 @@ class StepWatcher:
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._stepped = self._early_step = False
+        self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
+        self._backward_before = False  # a backward reached the parameters before the logged step's pre-step
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -176,6 +183,8 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
+            self._backward_before = self.hooks.backward_reached
+            self._lr_scales = lr_scales(self.optimizer, self.params)
             self._param_vectors = self.hooks.param_vectors()
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
             self._histograms = self._param_histograms()
@@ -187,6 +196,12 @@ class StepWatcher:
             self._updates = [l2_norm(before.sub_(distributed.local(p.detach())))
                              for before, (_, p) in zip(self._before, self.params)]
             self._before = None
+        if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
+            # a closure ran the step's backward inside optimizer.step() (LBFGS, Lightning's automatic
+            # optimisation): the gradients it applied are read now (the last closure call's); the norms
+            # stay the pre-step's
+            for entry, now in zip(self._param_vectors, self.hooks.param_vectors()):
+                entry.grad = now.grad
         if self.user_steps:
             session = self.hooks.session
             # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
@@ -207,6 +222,11 @@ class StepWatcher:
         pending, self._pending = self._pending, None
         if self.user_steps is False:
             self._misused("some")
+        session = self.hooks.session
+        if (self.step == 0 and self.optimizer is not None and pending is None and not self._stepped
+                and session is not None and not session.idle and not session.calls
+                and not self.hooks.backward_reached):
+            self._misused("empty")  # w.step() at the top of the loop: the log's steps are one behind
         self.user_steps = True
         if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
             self._misused("before")  # the step's modules ran after its optimizer step, not before
@@ -217,8 +237,10 @@ class StepWatcher:
                     pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
             return
+        skipped = self.optimizer is not None and not self._stepped  # GradScaler skipped it, or a micro-batch
         record = self._close(loss)
         if record is not None:
+            record.skipped = skipped
             self.on_step(record)
 
     def _misused(self, kind: str) -> None:
@@ -297,6 +319,10 @@ class StepWatcher:
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms)
+            for entry, scale in zip(record.params, self._lr_scales or ()):
+                entry.lr_scale = scale
+            for entry, (_, p) in zip(record.params, self.params):
+                entry.requires_grad = p.requires_grad
         except RanksFailed:  # under torchrun: every rank stops at the step, none waits
             session.raise_error()  # this rank's own failure, if it had one
             raise
@@ -367,6 +393,25 @@ class StepWatcher:
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
         return out
+
+
+def lr_scales(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]]
+              ) -> list[float | None] | None:
+    """Each watched parameter's group's learning rate over its ``initial_lr`` (set by every torch LR
+    scheduler: the rate it was configured with), None where it has none: the update_ratio rule judges
+    "too low" at the configured rate, not at a warmup's start or an annealed tail."""
+    if optimizer is None:
+        return None
+    scale_of: dict[int, float | None] = {}
+    for group in optimizer.param_groups:
+        lr, initial = group.get("lr"), group.get("initial_lr")
+        try:
+            scale = float(lr) / float(initial) if initial is not None and float(initial) > 0 else None
+        except (TypeError, ValueError, RuntimeError):  # a learning rate that is no number: not judged by it
+            scale = None
+        for p in group["params"]:
+            scale_of[id(p)] = scale
+    return [scale_of.get(id(p)) for _, p in params]
 
 
 def merged_outputs(calls: Sequence[Any]) -> _Groups:

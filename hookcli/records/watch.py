@@ -95,6 +95,11 @@ class WatchParam:
     update_ratio: float | None = None  # update_norm / norm; None without an update or when norm is 0
     #: Its dtype ("float32", "bfloat16"; None: not known): the rules read it, the log does not hold it
     dtype: str | None = field(default=None, repr=False)
+    #: Its param group's learning rate over the one a torch LR scheduler started it from (the group's
+    #: ``initial_lr``): below 1 in a warmup or an annealed tail (None: no scheduler); not in the log
+    lr_scale: float | None = field(default=None, repr=False)
+    #: Whether it required grad when the step ended (a layer frozen mid-run does not); not in the log
+    requires_grad: bool = field(default=True, repr=False)
     #: With ``tensorboard_dir=``: the weights' and the gradient's histograms at the logged step, before
     #: the update (None: not asked, empty, or a value not finite); not in the log
     values_histogram: Histogram | None = field(default=None, repr=False)
@@ -129,7 +134,8 @@ class Finding:
 class WatchStep:
     """One logged step: the loss (None when not given), the selected modules' outputs, the parameters,
     and what the rules found at this step. ``flight``: an unlogged step from the flight recorder's ring
-    (``flight=K``): its outputs and loss only, no parameters."""
+    (``flight=K``): its outputs and loss only, no parameters. ``skipped``: an optimizer was watched but
+    did not step in this step (a GradScaler skipping an overflow, a micro-batch ending at ``w.step()``)."""
 
     step: int
     loss: float | None = None
@@ -137,6 +143,7 @@ class WatchStep:
     params: list[WatchParam] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     flight: bool = False
+    skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
@@ -145,6 +152,8 @@ class WatchStep:
                 "findings": [finding.to_dict() for finding in self.findings]}
         if self.flight:  # only on the flight recorder's lines: a logged step's line is as before
             line["flight"] = True
+        if self.skipped:  # only where the optimizer did not step
+            line["skipped"] = True
         return line
 
     def to_json_line(self) -> str:

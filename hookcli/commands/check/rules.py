@@ -660,9 +660,7 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
                                   + (": " + why.split(": ", 1)[1] if ": " in why else "")))
         elif p.values_first:
             bad.append(_violation(name, p.change, None, f"{name} became NaN/Inf in a step of {t.optimiser} while its "
-                                  "gradients were finite: the update overflowed"
-                                  + (" (float16 Adam: its eps 1e-8 is 0 in float16; keep the weights in float32)"
-                                     if p.dtype == "float16" else "")))
+                                  "gradients were finite: " + overflowed_update(p.dtype)))
         elif not math.isfinite(p.grad_max):
             bad.append(_violation(name, p.grad_max, None, f"{name} gets a NaN/Inf gradient in {steps}"))
         elif p.grad_max == 0:
@@ -680,6 +678,13 @@ def params_update(rule: RuleConfig, report: Report, obs: Observations) -> RuleRe
 
 #: Half the spacing of a 16-bit float's values around 1, relative: a smaller update rounds away.
 _HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def overflowed_update(dtype: str | None) -> str:
+    """Why an optimiser step made a weight NaN/Inf from a finite gradient, with a float16 weight's likely
+    cause. Told by ``check --steps``'s ``params_update`` and the watch's ``nonfinite`` rule."""
+    return "the update overflowed" + (" (float16 Adam: its eps 1e-8 is 0 in float16; keep the weights in float32)"
+                                      if dtype == "float16" else "")
 
 
 def rounded_away(dtype: str | None) -> str:
