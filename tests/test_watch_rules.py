@@ -788,6 +788,56 @@ def test_a_nan_gradient_at_a_step_the_optimizer_took_is_still_found() -> None:
     assert [(f.rule, f.step, f.layer) for f in w.findings if f.rule == "nonfinite"][:1] == [("nonfinite", 1, "0.weight")]
 
 
+class _SqrtOfZero(nn.Module):
+    """A bug whose forward is finite and whose backward is NaN: d sqrt(u)/du at u = 0 is Inf, times 0."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + 0 * torch.sqrt(h - h)
+
+
+@pytest.mark.parametrize(("every", "rules", "found_at"), [(1, None, 31), (2, {"nonfinite": {"skipped": 3}}, 4)])
+def test_a_nan_gradient_a_grad_scaler_skips_forever_is_found_after_skipped_steps_in_a_row(
+        every: int, rules: dict[str, Any] | None, found_at: int) -> None:
+    """The other side of the GradScaler's skipped steps: a NaN that no scale removes makes the scaler
+    skip every step, so the parameters never change again, silently. After ``skipped`` logged steps in
+    a row (default 32) with NaN/Inf gradients and no optimizer step, it is the run's first NaN/Inf. That
+    the gradient is NaN and that the scaler skipped every step is plain torch's; the loop's losses are
+    bitwise those without the watch."""
+
+    def run(watch: bool) -> tuple[list[float], Any, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), _SqrtOfZero(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        losses = []
+        with hookcli.watch(model, opt, every=every, rules=rules) if watch else contextlib.nullcontext() as w:
+            for _ in range(40):
+                loss = nn.functional.mse_loss(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if watch:
+                    w.step(loss=loss)
+        return losses, w, model
+
+    plain, _, plain_model = run(False)
+    watched, w, _ = run(True)
+    assert watched == plain and len(set(plain)) == 1  # every step skipped: the loss never moved
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 8), _SqrtOfZero(), nn.Linear(8, 1))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), plain_model.parameters()))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)  # (the seed's next draws: the loop's batch)
+    grads = torch.autograd.grad(nn.functional.mse_loss(fresh(x), y), list(fresh.parameters()))
+    assert torch.isnan(grads[0]).any()
+    found = [(f.rule, f.severity, f.step) for f in w.findings if f.rule == "nonfinite"]
+    assert found == [("nonfinite", "error", found_at)]
+    message = next(f.message for f in w.findings if f.rule == "nonfinite")
+    assert "logged steps in a row that the optimizer skipped" in message
+
+
 @pytest.mark.parametrize("schedule", ["cosine to 0", "one cycle", "linear warmup from 1e-4"])
 def test_a_scheduled_learning_rate_low_by_design_is_not_too_low(schedule: str) -> None:
     """A scheduler that anneals the learning rate to (near) 0, or warms it up from (near) 0, makes the

@@ -23,7 +23,7 @@ Settings = dict[str, Any]
 
 #: rule -> {key: (default, validator)}; every rule also takes ``enabled`` (a boolean).
 RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
-    "nonfinite": {},
+    "nonfinite": {"skipped": (32, integer(1))},
     "frozen": {"steps": (3, integer(1))},
     "update_ratio": {"low": (1e-6, number(0)), "high": (1.0, number(0, low_open=True))},
     "loss_spike": {"ratio": (3.0, number(1, low_open=True)), "fast": (1, integer(1)), "slow": (10, integer(2)),
@@ -163,6 +163,8 @@ class _State:
     """What the rules keep of earlier logged steps."""
 
     nonfinite_seen: bool = False
+    #: logged steps in a row that the optimizer skipped with NaN/Inf gradients (since it last stepped)
+    skipped_nonfinite: int = 0
     losses: list[float] = field(default_factory=list)
     grad_norms: deque[float] = field(default_factory=deque)
     frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
@@ -204,19 +206,29 @@ class Rules:
         """The findings at a flight recorder's step (its outputs and loss only): the first NaN/Inf."""
         return self._nonfinite(record, self.settings["nonfinite"]) if "nonfinite" in self.settings else []
 
-    def _nonfinite(self, rec: WatchStep, _cfg: Settings) -> list[Finding]:
+    def _nonfinite(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The first NaN/Inf of the run: the first output in execution order; else the first gradient in
         backward order (the last output in forward order); else a parameter's gradient; else an update
         that made finite weights NaN/Inf; else the loss. Gradients are not judged at a step the optimizer
-        did not take (``skipped``)."""
+        did not take (``skipped``), unless such steps with NaN/Inf gradients go on for ``skipped`` logged
+        steps in a row: a GradScaler's start skips a few while it lowers its scale; a NaN that no scale
+        removes makes it skip every step from then on (the parameters silently stop changing)."""
         if self.state.nonfinite_seen:
             return []
         where: tuple[str | None, str, Mapping[str, Any] | None] | None = None
         forward = [layer for layer in rec.layers if _bad(layer.stats)]
-        # a step the optimizer did not take: a GradScaler skips the step when the scaled gradients overflow
-        # (by design: it lowers its scale), so only its outputs and loss are judged
-        backward = [layer for layer in rec.layers if _bad(layer.grad)] if not rec.skipped else []
-        params = [p for p in rec.params if _bad(p.grad)] if not rec.skipped else []
+        backward = [layer for layer in rec.layers if _bad(layer.grad)]
+        params = [p for p in rec.params if _bad(p.grad)]
+        skipped_in_a_row = 0
+        if not rec.skipped and not rec.flight:  # the optimizer stepped: a run of skipped steps ends
+            self.state.skipped_nonfinite = 0
+        elif backward or params:
+            self.state.skipped_nonfinite += 1
+            skipped_in_a_row = self.state.skipped_nonfinite
+            if skipped_in_a_row < cfg["skipped"]:
+                # a step the optimizer did not take: a GradScaler skips the step when the scaled gradients
+                # overflow (by design: it lowers its scale), so only its outputs and loss are judged
+                backward, params = [], []
         if backward and _applied_finite(rec):
             backward = []  # an output gradient thrown away before the update (a GradScaler's skipped iteration)
         if forward:
@@ -242,9 +254,12 @@ class Rules:
         count = float(stats["nan_count"] + stats["inf_count"]) if stats is not None else None
         what = {"forward": "output", "backward": "gradient", "loss": "loss"}[direction]
         at = f"{name}'s {what}" if name is not None else "the loss"
+        skips = (f", at {skipped_in_a_row} logged steps in a row that the optimizer skipped (a GradScaler skips "
+                 "a few while it lowers its scale at the start; this many means the gradients stay NaN/Inf "
+                 "and the parameters no longer change)") if skipped_in_a_row and direction == "backward" else ""
         return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
                         f"first NaN/Inf of the run at step {rec.step}: {at}"
-                        + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}"))]
+                        + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}") + skips)]
 
     def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row; the message
