@@ -17,7 +17,9 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -580,6 +582,27 @@ class PackedTagger(nn.Module):
         return self.head(out.data)
 
 
+def watch_lstm_steps(model: nn.Module, log: Path, forward: Callable[[torch.Generator], torch.Tensor],
+                     output: Callable[[Any], torch.Tensor]) -> list[torch.Tensor]:
+    """Three SGD steps of ``model`` under a watch logging to ``log`` (step k's batch from a generator
+    seeded k, the loss the output's mean square); ``output`` of ``model.lstm``'s output at each call, as
+    plain torch's hook saw it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(output(out).detach()))
+    try:
+        with hookcli.watch(model, optimizer, out=log) as w:
+            for step in range(3):
+                loss = forward(torch.Generator().manual_seed(step)).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                w.step(loss=loss)
+    finally:
+        handle.remove()
+    return seen
+
+
 INT_ROWS = ["lstm[0].batch_sizes", "lstm[0].sorted_indices", "lstm[0].unsorted_indices"]
 
 
@@ -589,21 +612,9 @@ def test_integer_outputs_are_left_out_with_one_note_and_float_ones_kept(cli, tmp
     outputs of the same module keep their values (plain torch's RMS)."""
     torch.manual_seed(0)
     model = PackedTagger()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen: list[torch.Tensor] = []
-    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(out[0].data.detach()))
     log = tmp_path / "packed.jsonl"
-    try:
-        with hookcli.watch(model, optimizer, out=log) as w:
-            for step in range(3):
-                g = torch.Generator().manual_seed(step)
-                loss = model(torch.randn(3, 5, 4, generator=g), torch.tensor([5, 2, 4])).pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                w.step(loss=loss)
-    finally:
-        handle.remove()
+    seen = watch_lstm_steps(model, log, lambda g: model(torch.randn(3, 5, 4, generator=g), torch.tensor([5, 2, 4])),
+                            lambda out: out[0].data)
     logged = [layer for layer in json.loads(log.read_text().splitlines()[0])["layers"]]
     assert {layer["name"] + layer["output"] for layer in logged if layer["stats"] is None} == set(INT_ROWS)
 
@@ -646,20 +657,8 @@ def test_layers_naming_a_module_keeps_its_output_rows_as_every_command_does(cli,
     module in the other commands, and only its own (not ``lstm_head``); the values are plain torch's."""
     torch.manual_seed(0)
     model = LstmTagger()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen: list[torch.Tensor] = []
-    handle = model.lstm.register_forward_hook(lambda _m, _i, out: seen.append(out[0].detach()))
     log = tmp_path / "lstm.jsonl"
-    try:
-        with hookcli.watch(model, optimizer, out=log) as w:
-            for step in range(3):
-                loss = model(torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                w.step(loss=loss)
-    finally:
-        handle.remove()
+    seen = watch_lstm_steps(model, log, lambda g: model(torch.randn(2, 5, 4, generator=g)), lambda out: out[0])
     result = cli("report", log, "--layers", "lstm", "-f", "json")
     assert result.exit_code == 0, result.stderr
     series = json.loads(result.stdout)["series"]

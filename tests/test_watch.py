@@ -214,15 +214,27 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, watch: Any =
     return losses
 
 
+def twin_runs() -> tuple[Net, Net, torch.optim.SGD, torch.optim.SGD]:
+    """A seeded ``Net`` in train mode and its copy, each with its own SGD (momentum 0.9): the loop run
+    unwatched and the same loop run watched."""
+    torch.manual_seed(0)
+    plain = Net().train()
+    watched = copy.deepcopy(plain)
+    return (plain, watched, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(watched.parameters(), lr=0.1, momentum=0.9))
+
+
+def assert_same_state(plain: nn.Module, watched: nn.Module) -> None:
+    """The two models' weights and buffers are equal bit for bit."""
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("call_step", [True, False], ids=["w.step", "optimizer-only"])
 def test_a_watched_run_is_the_unwatched_run_bit_for_bit(tmp_path: Path, call_step: bool) -> None:
     """20 steps with dropout and BatchNorm, seeded: the same losses, weights and buffers, and the global
     RNG state after the loop is the same (hookcli draws no random numbers); nothing hooked after."""
-    torch.manual_seed(0)
-    plain = Net().train()
-    watched = copy.deepcopy(plain)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    opt_watched = torch.optim.SGD(watched.parameters(), lr=0.1, momentum=0.9)
+    plain, watched, opt_plain, opt_watched = twin_runs()
     torch.manual_seed(1)
     want = train(plain, opt_plain, 20)
     rng_after = torch.get_rng_state()
@@ -232,8 +244,7 @@ def test_a_watched_run_is_the_unwatched_run_bit_for_bit(tmp_path: Path, call_ste
         got = train(watched, opt_watched, 20, w if call_step else None)
     assert got == want
     assert torch.equal(torch.get_rng_state(), rng_after)
-    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_state(plain, watched)
     lines = read_log(tmp_path / "log.jsonl")
     assert [line["step"] for line in lines] == [0, 3, 6, 9, 12, 15, 18]
     assert [line["loss"] for line in lines] == ([want[s] for s in range(0, 20, 3)] if call_step else [None] * 7)
@@ -508,8 +519,7 @@ def test_validation_forwards_inside_the_loop_are_not_counted(tmp_path: Path, whe
         got_losses, got_val = loop_with_validation(watched, opts[2], steps, validate=where, guard=guard, watch=w)
     assert (got_losses, got_val) == (want_losses, want_val) and len(got_val) == 2
     assert torch.equal(torch.get_rng_state(), rng_after)
-    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_state(plain, watched)
     no_hooks_left(watched, opts[2])
 
     lines = read_log(tmp_path / "val.jsonl")
@@ -877,11 +887,7 @@ def test_w_step_in_the_wrong_place_is_warned_once_and_changes_nothing(order: str
     StepOrderWarning, at the user's own line, saying what to do."""
     from hookcli.errors import StepOrderWarning
 
-    torch.manual_seed(0)
-    plain = Net().train()
-    watched = copy.deepcopy(plain)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    opt_watched = torch.optim.SGD(watched.parameters(), lr=0.1, momentum=0.9)
+    plain, watched, opt_plain, opt_watched = twin_runs()
     torch.manual_seed(1)
     want = misused_loop(plain, opt_plain, order, 8)
     rng_after = torch.get_rng_state()
@@ -890,8 +896,7 @@ def test_w_step_in_the_wrong_place_is_warned_once_and_changes_nothing(order: str
         with hookcli.watch(watched, opt_watched, every=every) as w:
             got = misused_loop(watched, opt_watched, order, 8, w)
     assert got == want and torch.equal(torch.get_rng_state(), rng_after)
-    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_state(plain, watched)
     (warning,) = [c for c in caught if c.category is StepOrderWarning]
     message = str(warning.message)
     assert words in message and "call w.step() after optimizer.step(), in every step or in none" in message
