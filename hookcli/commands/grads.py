@@ -514,11 +514,11 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     ``--data`` (exit 2). The model raising on a batch is ModelRaisedError naming the batch, with the rows
     merged so far. ``stats``: activation statistics too, merged the same way (``check``)."""
     from hookcli.progress import bar as progress_bar
-    from hookcli.engine.batches import MergedRows, batch_size_of
+    from hookcli.engine.batches import MergedRows
     from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (data_batches, data_source, global_rows, keep_rows, new_report, note_ranks,
-                                    raise_failure, ranked_records, require_values, run_step, running)
+    from hookcli.engine.run import (add_batch, data_batches, data_source, global_rows, keep_rows, new_report,
+                                    note_ranks, ranked_records, require_values, run_step, running)
 
     opts = prep.options
     given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
@@ -553,12 +553,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
             refuse_empty_slices(prep, command, batch, where=f"batch {index}: ")
             run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,
                            show_phase=False, merge=True)
-            rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
-            if run.failure is not None:
-                report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
-                                 else rows.records())
-                data_source(prep, report, rows)
-                raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+            add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             if not run.reached:
                 raise no_gradients(prep)
             for name, g in (run.gradients or {}).items():

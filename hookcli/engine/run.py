@@ -756,6 +756,18 @@ def keep_rows(prep: Prepared, report: Report, rows: MergedRows, *, ranks: bool,
         raise
 
 
+def add_batch(prep: Prepared, report: Report, rows: MergedRows, run: RunResult, batch: Any, index: int, *,
+              ranks: bool, tp: list[list[int]] | None) -> None:
+    """Merge batch ``index``'s rows into ``rows``; where the model raised on it, raise the failure with
+    the report of the batches so far (that one's included) under ``report``."""
+    rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
+    if run.failure is not None:
+        report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
+                         else rows.records())
+        data_source(prep, report, rows)
+        raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+
+
 def data_source(prep: Prepared, report: Report, rows: MergedRows, *, done: bool = False) -> None:
     """Say in ``report`` where the batches came from and how many batches and samples were seen:
     each input row's source (its shape and dtype are the first batch's), and the merged rows' notes.
@@ -786,12 +798,7 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     with bar, running(prep) as (model, first_args, first_kwargs), keep_rows(prep, report, rows, ranks=ranks, tp=tp):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
-            rows.add(run.layers, run.vectors or {}, batch_size_of(batch))
-            if run.failure is not None:
-                report.layers = (ranked_records(rows, failed=True, tp=tp, model=prep.loaded.model) if ranks
-                                 else rows.records())
-                data_source(prep, report, rows)
-                raise_failure(report, run.failure, run.cause, where=f"batch {index}")
+            add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             advance(1)
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))
     data_source(prep, report, rows, done=True)
