@@ -220,8 +220,9 @@ class Rules:
         backward = [layer for layer in rec.layers if _bad(layer.grad)]
         params = [p for p in rec.params if _bad(p.grad)]
         skipped_in_a_row = 0
-        if not rec.skipped and not rec.flight:  # the optimizer stepped: a run of skipped steps ends
-            self.state.skipped_nonfinite = 0
+        if not rec.skipped:
+            if not rec.flight:  # the optimizer stepped: a run of skipped steps ends
+                self.state.skipped_nonfinite = 0
         elif backward or params:
             self.state.skipped_nonfinite += 1
             skipped_in_a_row = self.state.skipped_nonfinite
