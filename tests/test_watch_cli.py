@@ -261,6 +261,32 @@ def test_under_torchrun_rank_0_alone_says_the_watchs_lines_and_every_rank_its_tr
     assert result.stderr.splitlines()[-1 if rank else -2] == "ValueError: boom at the end"
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_without_a_process_group_rank_0_alone_writes_the_log(
+        cli, script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """A script under torchrun that makes no process group: every rank is its own run, so one --out
+    written by all of them would interleave their lines (each step twice). Rank 0 writes its own run's
+    log and says so; the others write none. The log's numbers are plain torch's run of that script."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, str(value))
+    log = tmp_path / "log.jsonl"
+    result = cli("watch", "--out", log, "--", "python", script, "--lr", "0.1", "--steps", "3")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "trained 3 steps\n"
+    if rank == 1:
+        assert not log.exists() and result.stderr == ""
+        return
+    assert "the log is rank 0's own run" in result.stderr
+    lines = read_log(log)
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    model = reference_model().double()
+    x, y = (t.double() for t in reference_data())
+    grad = torch.autograd.grad(nn.functional.mse_loss(model(x), y), [model[0].weight])[0]
+    first = {p["name"]: p for p in lines[0]["params"]}
+    assert first["0.weight"]["update_norm"] == pytest.approx(0.1 * grad.norm().item(), rel=1e-5)  # SGD's step 0
+
+
 def test_sys_exit_3_in_a_training_script_exits_3(cli, script: Path) -> None:
     result = cli("watch", "--", "python", script, "--steps", "2", "--exit", "3")
     assert result.exit_code == 3

@@ -27,8 +27,10 @@ from torch import nn
 
 from hookcli.commands.watch import Watch, check_arguments
 from hookcli.commands.watch_rules import rule_settings
+from hookcli.engine import distributed
 from hookcli.engine.session import ProcessHooks
 from hookcli.errors import HookcliError, UsageError, internal_error
+from hookcli.options import torchrun_env, torchrun_rank
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchRun
 
@@ -140,7 +142,16 @@ class ScriptWatch:
             return
         owners.sort(key=lambda entry: entry[:2], reverse=True)
         model = owners[0][2]
-        watch = Watch(model, optimizer, **self.watch_args, on_finding="warn")
+        watch_args = self.watch_args
+        if torchrun_env() and distributed.process_group() is None:
+            # ranks that never made a process group are independent runs: one log written by all of them
+            # would interleave their lines; rank 0's is its own run's
+            if torchrun_rank() != 0:
+                watch_args = {**watch_args, "out": None}
+            elif watch_args.get("out") is not None:
+                self.note("under torchrun with no process group at the first optimizer.step(): the log is "
+                          "rank 0's own run (the other ranks' are not written)")
+        watch = Watch(model, optimizer, **watch_args, on_finding="warn")
         self.watch = watch.__enter__()  # (kept only once its hooks are installed)
         self.model, self.optimizer = model, optimizer
         self.note(f"watching {type(model).__name__} ({_params(model):,} parameters) stepped by "
