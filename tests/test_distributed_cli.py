@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sharded_models  # noqa: E402
-from torchrun_launch import launch  # noqa: E402
+from torchrun_launch import launch, torchrun_env  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -317,13 +317,6 @@ def test_shard_from_a_config_is_checked_like_the_flag(cli: Any, tmp_path: Path,
     assert result.exit_code == 2 and "--shard fsdp2 runs under torchrun only" in result.stderr
     result = cli("stats", MODEL, "--input-shape", "2x6", "--config", bad)
     assert result.exit_code == 2 and "shard" in result.stderr.splitlines()[0]
-
-
-def torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
-    """This process made to look like torchrun's rank ``rank`` of 2 (no process group is made)."""
-    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", WORLD), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", "29500")):
-        monkeypatch.setenv(name, str(value))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

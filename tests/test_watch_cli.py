@@ -23,6 +23,7 @@ from torch.optim import optimizer as torch_optimizer
 
 import hookcli
 from hookcli.errors import UsageError
+from torchrun_launch import torchrun_env
 
 #: A training script as a user writes it: argparse, a seeded model, SGD, plain optimizer.step() and
 #: zero_grad(), no hookcli. It keeps what the test reads in ``probe`` (a module beside it).
@@ -245,9 +246,7 @@ def test_under_torchrun_rank_0_alone_says_the_watchs_lines_and_every_rank_its_tr
         cli, script: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     """Under torchrun every rank runs the script: hookcli's lines (the model found, findings, the
     summary) are said once, by rank 0; the script's own output and traceback stay every rank's."""
-    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", "29500")):
-        monkeypatch.setenv(name, str(value))
+    torchrun_env(monkeypatch, rank)
     result = cli("watch", "--", "python", script, "--steps", "3", "--freeze", "--boom")
     assert result.exit_code == 1
     assert result.stdout == "trained 3 steps\n"
@@ -267,9 +266,7 @@ def test_under_torchrun_without_a_process_group_rank_0_alone_writes_the_log(
     """A script under torchrun that makes no process group: every rank is its own run, so one --out
     written by all of them would interleave their lines (each step twice). Rank 0 writes its own run's
     log and says so; the others write none. The log's numbers are plain torch's run of that script."""
-    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", "29500")):
-        monkeypatch.setenv(name, str(value))
+    torchrun_env(monkeypatch, rank)
     log = tmp_path / "log.jsonl"
     result = cli("watch", "--out", log, "--", "python", script, "--lr", "0.1", "--steps", "3")
     assert result.exit_code == 0, result.stderr

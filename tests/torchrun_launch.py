@@ -70,3 +70,10 @@ def launch(args: list[str], world: int = 2, timeout: float = 300) -> subprocess.
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int, world: int = 2) -> None:
+    """This process made to look like torchrun's rank ``rank`` of ``world`` (no process group is made)."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, str(value))
