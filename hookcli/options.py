@@ -399,6 +399,9 @@ class RunOptions:
     #: set when a config named the model: the directories its code must come from (the repository),
     #: see ``hookcli.config.read_roots``; empty when the user named it
     model_roots: tuple[str, ...] = ()
+    #: set when a config named the data: the directories a function it names (called for its batches)
+    #: must come from; empty when the user named it
+    data_roots: tuple[str, ...] = ()
     model_args: Mapping[str, Any] = _flag(
         "--model-arg", default_factory=dict,
         help="Argument for the model class/factory: a Python literal (10, 0.2, True, 'a b', [1, 2]) or a plain word "

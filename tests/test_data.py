@@ -713,6 +713,29 @@ def test_a_configs_data_is_the_repositorys_own(cli, tmp_path: Path) -> None:
         assert result.stdout == ""
 
 
+def test_a_configs_data_function_is_called_only_if_it_is_the_repositorys_own(cli, tmp_path: Path) -> None:
+    """``--data pkg:fn`` calls a function for its batches. From a config, a function the repository's
+    module only re-exports (``from os import getpid``: any zero-argument callable of any library) is
+    refused before it is called, exit 2; the repository's own loader function is still called; and the
+    same re-export named on the command line is the user's choice (called, then refused as no data)."""
+    spec = write_model(tmp_path)
+    (tmp_path / "data.py").write_text(DATA_FILE + "\n\ndef make_loader():\n    return loader\n")
+    (tmp_path / "reexport.py").write_text("from os import getpid as fn\n")
+    config = tmp_path / "hookcli.toml"
+    config.write_text(f'model = "{spec}"\ndata = "data.py:make_loader"\nbatches = 2\nformat = "json"\n')
+    result = cli("stats", "--config", config)
+    assert result.exit_code == 0, result.stderr
+    assert "make_loader()" in json.loads(result.stdout)["inputs"][0]["source"]
+    config.write_text(f'model = "{spec}"\ndata = "reexport.py:fn"\n')
+    result = cli("stats", "--config", config)
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and "refusing data" in lines[0] and "getpid" in lines[0] and "not the repository's own code" in lines[0]
+    assert result.stdout == ""
+    result = cli("stats", spec, "--data", f"{tmp_path / 'reexport.py'}:fn")  # the user's own command line
+    assert result.exit_code == 2 and "returned a int" in result.stderr
+
+
 def test_grads_over_batches_a_batch_the_model_cannot_take_names_it(cli, tmp_path: Path) -> None:
     spec = write_model(tmp_path)
     (tmp_path / "data.py").write_text("import torch\nbatches = [torch.ones(2, 3, 8, 8), torch.ones(2, 3, 8, 8), "

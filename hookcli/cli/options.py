@@ -374,4 +374,6 @@ def run_fields(ctx: click.Context, values: dict[str, Any]) -> dict[str, Any]:
         fields["model_roots"] = config.roots()
     else:
         fields["model_source"] = "argument"
+    if "data" in fields and ctx.get_parameter_source("data") == ParameterSource.DEFAULT_MAP and config is not None:
+        fields["data_roots"] = config.roots()
     return fields

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from hookcli.engine import distributed
-from hookcli.engine.loading import DATA_HINT, LoadedModel, import_attr
+from hookcli.engine.loading import DATA_HINT, LoadedModel, check_own_code, import_attr
 from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
     TENSOR_SUFFIXES,
@@ -69,10 +69,13 @@ def batch_size_of(inputs: ModelInputs) -> int:
 
 
 def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, batches: int | None = None,
-              trust_pickle: bool = False, dtype: torch.dtype | None = None) -> DataBatches:
+              trust_pickle: bool = False, dtype: torch.dtype | None = None,
+              own_code: Sequence[str] = ()) -> DataBatches:
     """The batches of ``data`` (see the module's docstring) for ``loaded.model``, at most ``batches``.
     ``dtype``: the floating dtype of the run (``--dtype``; None: the model's), which a tensor file's
-    floating tensors are cast to, as ``--input`` files are (``build_inputs.file_floats``).
+    floating tensors are cast to, as ``--input`` files are (``build_inputs.file_floats``). ``own_code``:
+    a config named ``data`` (its repository's directories): a function it names is called only if it is
+    that repository's own code.
 
     Raises InputError (exit 2) for a source that cannot be read, gives no batch, or has no length
     while ``batches`` is not given (an endless iterable would never end the run), and, while the run
@@ -81,7 +84,7 @@ def open_data(loaded: LoadedModel, data: Any, *, batch_size: int | None = None, 
     size = batch_size or DEFAULT_DATA_BATCH
     tensor_file = False
     if isinstance(data, (str, os.PathLike)):
-        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle, dtype)
+        items, label, total = _from_text(loaded, os.fspath(data), size, trust_pickle, dtype, own_code)
         tensor_file = _is_tensor_file(Path(os.fspath(data)).expanduser())
     elif isinstance(data, (torch.Tensor, Mapping)) or (
             isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data)):
@@ -118,8 +121,8 @@ def _is_tensor_file(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in TENSOR_SUFFIXES
 
 
-def _from_text(loaded: LoadedModel, text: str, size: int, trust_pickle: bool,
-               dtype: torch.dtype | None = None) -> tuple[Iterator[ModelInputs], str, int | None]:
+def _from_text(loaded: LoadedModel, text: str, size: int, trust_pickle: bool, dtype: torch.dtype | None = None,
+               own_code: Sequence[str] = ()) -> tuple[Iterator[ModelInputs], str, int | None]:
     """A folder of images, a tensor file, or an import path of an iterable (what ``--data`` takes)."""
     path = Path(text).expanduser()
     if path.is_dir():
@@ -155,6 +158,8 @@ def _from_text(loaded: LoadedModel, text: str, size: int, trust_pickle: bool,
     obj = import_attr(text, target.strip(), attr.strip(), noun="data set")
     called = callable(obj) and not isinstance(obj, Iterable)
     if called:
+        if own_code:  # a config's data: never call what its module only re-exports (from os import fork)
+            check_own_code(obj, text, own_code, noun="data")
         obj = _called(obj, text)
     if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Iterable):
         raise InputError(f"--data {text!r} {'returned' if called else 'is'} a {type(obj).__name__}, not an "

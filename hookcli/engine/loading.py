@@ -340,7 +340,7 @@ def _build(obj: Any, label: str, model_args: Mapping[str, Any]) -> nn.Module:
     return result
 
 
-def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
+def check_own_code(obj: Any, label: str, roots: Sequence[str], noun: str = "model") -> None:
     """A model a config names must be the repository's own code (``roots``: its directories).
 
     The config reader has checked the module's location before the import; this checks what the
@@ -352,9 +352,10 @@ def check_own_code(obj: Any, label: str, roots: Sequence[str]) -> None:
     origin, what = _origin(obj)
     where = getattr(sys.modules.get(origin), "__file__", None)
     if where is None or not is_inside(where, roots):
-        raise UsageError(f"refusing model {label!r} from a config: it names {origin}.{what}, which is not the "
+        raise UsageError(f"refusing {noun} {label!r} from a config: it names {origin}.{what}, which is not the "
                          "repository's own code", hint="a config may name only the repository's own code (its "
-                         "model class or factory); name any other code on the command line")
+                         f"{'model class or factory' if noun == 'model' else 'data set or loader function'}); "
+                         "name any other code on the command line")
 
 
 #: The hint of a refused or unusable ``--data`` import path.

@@ -120,7 +120,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
     if opts.data is not None:
         with seeded_rng(opts.seed):  # a DataLoader draws from torch's RNG (its seed, a shuffle): not the caller's
             data = open_data(loaded, opts.data, batch_size=opts.batch_size, batches=opts.batches,
-                             trust_pickle=opts.trust_pickle, dtype=opts.torch_dtype())
+                             trust_pickle=opts.trust_pickle, dtype=opts.torch_dtype(), own_code=opts.data_roots)
         inputs = data.first
         if opts.shard is not None:  # each rank its part of every batch
             data = dataclasses.replace(data, rest=(sharding.rank_slice(b, opts.shard) for b in data.rest))

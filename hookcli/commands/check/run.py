@@ -476,6 +476,8 @@ def api_check(model: Any, *, checks: Mapping[str, Any] | None, config: Config | 
     fields = config_options(cfg) if cfg is not None else {}
     if "model" in fields and cfg is not None:
         fields["model_source"], fields["model_roots"] = cfg.origin, cfg.roots()
+    if "data" in fields and cfg is not None and "data" not in options:
+        fields["data_roots"] = cfg.roots()
     if model is not None:
         fields.pop("model_source", None)
         fields.pop("model_roots", None)
