@@ -642,7 +642,7 @@ class HookSet:
         self._handles: list[RemovableHandle | _ForgetKwargsMark] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._accumulated: dict[str, int] = {}
-        #: under a process group: each parameter's ``.grad`` as the step began (``_mark_grads``)
+        #: under a process group: each parameter's ``.grad`` as the (logged) step began (``mark_grads``)
         self._marks: dict[str, tuple[weakref.ref[torch.Tensor], int] | None] = {}
         #: The hooks run eagerly under torch.compile (set by ``install``: asked for, or ``is_compiled``).
         self.compiled = False
@@ -674,7 +674,6 @@ class HookSet:
                     self._params.append((name, p))
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._accumulate_hook(name)))
-            self._mark_grads()
         except BaseException:
             self.remove()
             raise
@@ -719,10 +718,11 @@ class HookSet:
 
         return hook
 
-    def _mark_grads(self) -> None:
-        """Under a process group, each parameter's ``.grad`` (which tensor, its version) as a step
-        begins: ``_written`` tells a gradient written in the step without this rank's backward from a
-        stale one."""
+    def mark_grads(self) -> None:
+        """Under a process group, each parameter's ``.grad`` (which tensor, its version) as a step whose
+        gradients will be read begins: ``_written`` tells a gradient written in the step without this
+        rank's backward from a stale one. Called by the watch at each logged step's start (not at the
+        unlogged ones': a dict of weak references per step is kept off their path)."""
         if distributed.process_group() is not None:
             self._marks = {name: None if p.grad is None else (weakref.ref(p.grad), p.grad._version)
                            for name, p in self._params}
@@ -792,7 +792,6 @@ class HookSet:
         if self.session is not None:
             self.session.reset()
         self._accumulated.clear()
-        self._mark_grads()
         self.step += 1
 
     def hook_optimizer(self, optimizer: torch.optim.Optimizer, pre: Callable[..., None],

@@ -159,6 +159,8 @@ class StepWatcher:
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        if self.logged:
+            self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
