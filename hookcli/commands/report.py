@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
 from hookcli.options import layer_matches, split_patterns
-from hookcli.records import WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, ReportSeries, WatchReport
+from hookcli.records import WATCH_SCHEMA, Finding, ReportSeries, WatchReport, statistics
 
 #: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
 PARAM_KEYS = ("norm", "update_norm", "update_ratio")
@@ -31,8 +31,13 @@ LAYER_KEYS = ("dead_channels",)
 #: Every name ``--stat`` takes: a layer output's statistic (``rms``), its gradient's (``grad.rms``),
 #: the layer's own count (``dead_channels``), a parameter's own (``update_ratio``) or its gradient's
 #: (``param.grad.rms``).
-STATS: tuple[str, ...] = (*WATCH_STAT_KEYS, *(f"grad.{k}" for k in WATCH_STAT_KEYS), *LAYER_KEYS, *PARAM_KEYS,
-                          *(f"param.grad.{k}" for k in WATCH_STAT_KEYS))
+def stat_names() -> tuple[str, ...]:
+    """Every name ``--stat`` takes, from the table of statistics (``records.statistics``, ``WATCH``)."""
+    keys = statistics.keys(statistics.WATCH)
+    return (*keys, *(f"grad.{k}" for k in keys), *LAYER_KEYS, *PARAM_KEYS, *(f"param.grad.{k}" for k in keys))
+
+
+STATS: tuple[str, ...] = stat_names()  # the built-in ones
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -56,12 +61,12 @@ def _number(value: Any) -> float | None:
 
 def check_stat(stat: str) -> str:
     """``stat`` when it is one ``--stat`` takes, else a UsageError naming close ones."""
-    if isinstance(stat, str) and stat in STATS:
+    if isinstance(stat, str) and stat in stat_names():
         return stat
     if not isinstance(stat, str):
         raise UsageError(f"stat must be a name such as 'rms', got {type(stat).__name__}",
                          hint="e.g. hookcli.report(path, stat='grad.rms')")
-    near = close_matches(stat, STATS)
+    near = close_matches(stat, stat_names())
     raise UsageError(f"--stat: unknown statistic {stat!r}",
                      hint=(f"did you mean: {', '.join(near)}? " if near else "")
                      + "e.g. rms, grad.rms, zero_fraction, update_ratio (hookcli report --help lists them)")

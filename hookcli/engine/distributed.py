@@ -39,12 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, SCALE, Moments, Vector, as_moments, device_float,
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, device_float, extras,
                                   dtype_name,
                                   histogram, reduce_tensor, to_host,
                                   watch_stats)
 from hookcli.errors import RanksFailed, UnsupportedError
-from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep, statistics
 
 #: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
 #: reported, the others are compared with it), norms of shards (root of the summed squares), and
@@ -214,6 +214,48 @@ def tp_groups(model: nn.Module, params: Sequence[tuple[str, torch.Tensor]]) -> l
     return found
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Where a step's rows sit in a reduction (``StepResult.rows``), by name: each layer's ``LAYER`` rows,
+    then each parameter's ``PARAM`` rows, then the loss. Every rank packs them in this order."""
+
+    layers: int
+    LAYER = ("stats", "grad")
+    PARAM = ("grad", "norm", "update")
+
+    @classmethod
+    def of_layer(cls, index: int, what: str) -> int:
+        return len(cls.LAYER) * index + cls.LAYER.index(what)
+
+    @classmethod
+    def in_params(cls, index: int, what: str) -> int:
+        """A parameter's row in the parameters' own ``Plan``."""
+        return len(cls.PARAM) * index + cls.PARAM.index(what)
+
+    def of_param(self, index: int, what: str) -> int:
+        return len(self.LAYER) * self.layers + self.in_params(index, what)
+
+    def which(self, slot: int) -> tuple[str, int, str]:
+        """``("layer" or "param", index, what)`` of a slot."""
+        base = len(self.LAYER) * self.layers
+        if slot < base:
+            index, part = divmod(slot, len(self.LAYER))
+            return "layer", index, self.LAYER[part]
+        index, part = divmod(slot - base, len(self.PARAM))
+        return "param", index, self.PARAM[part]
+
+
+def additive_fields() -> tuple[str, ...]:
+    """The accumulators a merged slot sums over the ranks in the first SUM, after its presence, count and
+    sum: the counts, then the declared extra accumulators (``records.statistics``)."""
+    return ("zeros", "nans", "infs", *(a.name for a in statistics.extra_accumulators()))
+
+
+def row_width() -> int:
+    """The values of a statistics row in host form: ``Moments``, then the extra accumulators."""
+    return len(Moments._fields) + len(statistics.extra_accumulators())
+
+
 @dataclass
 class Plan:
     """The slots of one reduction: kind and local row (None: this rank holds nothing there)."""
@@ -230,7 +272,7 @@ def host_row(row: Sequence[float] | None) -> Sequence[float] | None:
     """A statistics row in host ``Moments`` form: ``to_host``'s copy of an accelerator's vector carries
     ``SCALE`` (one value more, its moments in units of it), a host row does not; every rank must pack
     the same number of values for a slot whatever its device. Other rows (norms) as they are."""
-    return list(as_moments(row)) if row is not None and len(row) == SCALE + 1 else row
+    return [*as_moments(row), *extras(row)] if row is not None and len(row) == row_width() + 1 else row
 
 
 @dataclass
@@ -402,7 +444,9 @@ class StepReduction:
             present = row is not None
             if kind == MERGED:
                 m = as_moments(row) if present else EMPTY
-                sum1 += [float(present), m.count, m.count * m.mean if m.count else 0.0, m.zeros, m.nans, m.infs]
+                added = {**m._asdict(), **dict(zip(additive_fields()[3:], extras(row) if present else []))}
+                sum1 += [float(present), m.count, m.count * m.mean if m.count else 0.0]
+                sum1 += [added.get(name, 0.0) for name in additive_fields()]
             elif kind == SHARDED_NORM:
                 value = row[0] if present else 0.0
                 sum1 += [float(present), value * value]
@@ -413,8 +457,7 @@ class StepReduction:
             else:  # REPLICATED: rank 0's row (its length first), zeros from the others
                 mine = self.rank == 0 and present
                 sum1 += [float(mine), float(len(row)) if mine else 0.0]
-                sum1 += [float(v) for v in row] + [0.0] * (len(Moments._fields) - len(row)) if mine \
-                    else [0.0] * len(Moments._fields)
+                sum1 += [float(v) for v in row] + [0.0] * (row_width() - len(row)) if mine else [0.0] * row_width()
         sum1 += tail
         total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
         if total1[1] > 0:
@@ -458,14 +501,17 @@ class StepReduction:
         at, at2, at3 = 2, 0, 0
         for slot, kind in enumerate(plan.kinds):
             if kind == MERGED:
-                present, n, _, zeros, nans, infs = total1[at:at + 6]
+                width = _width(kind, None)
+                present, n = total1[at:at + 2]
+                added = dict(zip(additive_fields(), total1[at + 3:at + width]))
                 top, neg_low, first_bad = extremes[at3:at3 + 3]
                 m2, m3, m4 = total2[at2:at2 + 3]
                 mean = means[at2 // 3]
-                rows.append(list(Moments(mean, -neg_low, top, n, m2, m3, m4, zeros, nans, infs)) if present else None)
+                merged = Moments(mean, -neg_low, top, n, m2, m3, m4, added["zeros"], added["nans"], added["infs"])
+                rows.append([*merged, *(added[a.name] for a in statistics.extra_accumulators())] if present else None)
                 if first_bad != -math.inf:
                     nonfinite_rank[slot] = int(-first_bad)
-                at, at2, at3 = at + 6, at2 + 3, at3 + 3
+                at, at2, at3 = at + width, at2 + 3, at3 + 3
             elif kind == SHARDED_NORM:
                 present, squares = total1[at:at + 2]
                 rows.append([math.sqrt(squares)] if present else None)
@@ -477,7 +523,7 @@ class StepReduction:
             elif kind == SUMMED:
                 size = len(plan.rows[slot])  # type: ignore[arg-type]
                 values = total1[at + 1:at + size]
-                rows.append(list(as_moments(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0]))
+                rows.append(host_row(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0])
                             if total1[at] and values else None)
                 if rows[-1] is not None:
                     summed[slot] = values
@@ -487,7 +533,7 @@ class StepReduction:
                 rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
                 if extremes[at3] >= 0:
                     desync_rank[slot] = int(extremes[at3])
-                at, at3 = at + 2 + len(Moments._fields), at3 + 1
+                at, at3 = at + 2 + row_width(), at3 + 1
         return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
                           summed=summed), max_calls, False
 
@@ -496,12 +542,12 @@ class StepReduction:
 def _width(kind: str, row: Sequence[float] | None) -> int:
     """How many values a slot of ``kind`` takes in the first SUM (``StepReduction._reduce`` packs them)."""
     if kind == MERGED:
-        return 6
+        return 3 + len(additive_fields())  # presence, count, sum, then the additive accumulators
     if kind in (SHARDED_NORM, RANK_MEAN):
         return 2
     if kind == SUMMED:
         return len(row)  # type: ignore[arg-type]
-    return 2 + len(Moments._fields)  # REPLICATED: presence, length, the row padded
+    return 2 + row_width()  # REPLICATED: presence, length, the row padded
 
 
 def centred_about(m: Moments, mean: float) -> list[float]:
@@ -598,7 +644,7 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
     if histograms is not None:
         _add_histograms(record, histograms, result.extra)
         for i, found in enumerate(partial or ()):  # a Partial gradient's histogram: of its summed values
-            values = result.summed.get(2 * len(layers) + 3 * i)
+            values = result.summed.get(Slots(len(layers)).of_param(i, "grad"))
             if found is not None and values is not None:
                 record.params[i].grad_histogram = Histogram.from_values(
                     to_host([histogram(torch.tensor(values, dtype=torch.float64))])[0])  # type: ignore[list-item]
@@ -701,7 +747,8 @@ def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any],
         if found is not None:  # the gradient's slot: its values, summed (a REPLICATED row would see a desync)
             adds, values = found
             values = next(host)
-            plan.rows[3 * i], plan.kinds[3 * i] = [float(adds), *(values if adds else [0.0] * len(values))], SUMMED
+            slot = Slots.in_params(i, "grad")
+            plan.rows[slot], plan.kinds[slot] = [float(adds), *(values if adds else [0.0] * len(values))], SUMMED
     return layer_rows, plan, loss_row[0] if loss_row is not None else None, channel_rows, extra
 
 
@@ -716,47 +763,49 @@ def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[st
     record = WatchStep(step, rows[-1][0] if rows[-1] is not None else None)
     for i, ((name, path), (typ, shape, dtype, calls)) in enumerate(layers):
         placement = reduction.placement.get((name, path)) if reduction.tp is not None else None
-        layer = WatchLayer(name, typ, path, calls, shape, dtype, stats_of(2 * i), stats_of(2 * i + 1), placement)
+        layer = WatchLayer(name, typ, path, calls, shape, dtype, stats_of(Slots.of_layer(i, "stats")),
+                           stats_of(Slots.of_layer(i, "grad")), placement)
         if (counts := result.channels.get((name, path))) is not None:  # as StepWatcher._collect makes them
             per, nonzeros = counts
             layer.channels, layer.channel_zero_fraction = len(nonzeros), [1.0 - n / per for n in nonzeros]
             layer.dead_channels = sum(n == 0 for n in nonzeros)
         record.layers.append(layer)
-    base = 2 * len(layers)
+    slots = Slots(len(layers))
     for i, p in enumerate(params):
-        g, n, u = base + 3 * i, base + 3 * i + 1, base + 3 * i + 2
+        g, n, u = (slots.of_param(i, what) for what in Slots.PARAM)
         norm = rows[n][0] if rows[n] is not None else math.nan
         update = rows[u][0] if rows[u] is not None else None
         record.params.append(WatchParam(p.name, list(p.param.shape), norm, stats_of(g), update,
                                         update / norm if update is not None and norm else None,
                                         dtype_name(p.param.dtype)))
-    record.findings = _rank_findings(reduction, step, layers, params, base, result)
+    record.findings = _rank_findings(reduction, step, layers, params, slots, result)
     return record
 
 
 def _rank_findings(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[str, str], Any]],
-                   params: Sequence[Any], base: int, result: StepResult) -> list[Finding]:
+                   params: Sequence[Any], slots: Slots, result: StepResult) -> list[Finding]:
     """``replica_desync`` for each replicated parameter (or its gradient) whose copies differ, and
     ``nonfinite_rank``, once per run, for the first slot where a rank saw a NaN/Inf."""
     found: list[Finding] = []
     for slot, bad_rank in sorted(result.desync_rank.items()):
-        index, part = divmod(slot - base, 3)
-        what = ("gradient", "value", "update")[part]
+        _, index, part = slots.which(slot)
+        what = {"grad": "gradient", "norm": "value", "update": "update"}[part]
         name = params[index].name
-        found.append(Finding("replica_desync", "error", step, name, "update" if part == 2 else
-                             "backward" if part == 0 else "forward", float(bad_rank), None,
+        found.append(Finding("replica_desync", "error", step, name, "update" if part == "update" else
+                             "backward" if part == "grad" else "forward", float(bad_rank), None,
                              f"the {what} of parameter {name} on rank {bad_rank} differs from rank 0's: "
                              "data-parallel replicas are out of sync"))
     if result.nonfinite_rank and not reduction.nonfinite_seen:
         reduction.nonfinite_seen = True
         slot = min(result.nonfinite_rank)
         bad_rank = result.nonfinite_rank[slot]
-        if slot < base:
-            (name, path), _ = layers[slot // 2]
-            where, direction = f"{name}{path}" + ("'s output" if slot % 2 == 0 else "'s gradient"), \
-                ("forward" if slot % 2 == 0 else "backward")
+        kind, index, part = slots.which(slot)
+        if kind == "layer":
+            (name, path), _ = layers[index]
+            where, direction = f"{name}{path}" + ("'s output" if part == "stats" else "'s gradient"), \
+                ("forward" if part == "stats" else "backward")
         else:
-            name = params[(slot - base) // 3].name
+            name = params[index].name
             where, direction = f"parameter {name}'s gradient", "backward"
         found.append(Finding("nonfinite_rank", "error", step, name, direction, float(bad_rank), None,
                              f"NaN/Inf first seen on rank {bad_rank}, in {where}"))
@@ -798,7 +847,8 @@ def global_rows(stats: Rows, grads: Rows, *, failed: bool = False, tp: list[list
     out_stats: Rows = {}
     out_grads: Rows = {}
     for index, (key, _) in enumerate(layers):
-        for out, row in ((out_stats, result.rows[2 * index]), (out_grads, result.rows[2 * index + 1])):
+        for out, row in ((out_stats, result.rows[Slots.of_layer(index, "stats")]),
+                         (out_grads, result.rows[Slots.of_layer(index, "grad")])):
             if row is not None:
                 out[key] = row
     placement = {key: reduction.placement[key] for key, _ in layers} if tp is not None else {}

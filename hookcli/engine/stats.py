@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hookcli.engine import kernel
-from hookcli.records import GRAD_KEYS, STAT_EXTRA_KEYS, STAT_KEYS, WATCH_STAT_KEYS
+from hookcli.records import statistics as table
 
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
 _fastreduce = kernel.load()
@@ -53,6 +53,7 @@ class Moments(NamedTuple):
     infs: float
 
 
+assert Moments._fields == table.ACCUMULATORS  # the table of statistics names them; this is their layout
 #: Index of each field in a ``Vector`` (host ``Moments`` or device tensor): the one place the layout lives.
 MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS, NANS, INFS = range(len(Moments._fields))
 #: The fields that add up (and scale with repeats); the others are means and extremes.
@@ -476,12 +477,27 @@ def empty_vector(device: torch.device) -> torch.Tensor:
 
 def as_moments(values: Sequence[float]) -> Moments:
     """Host ``Moments`` from a host copy of any ``Vector`` (``to_host``'s row of a device vector carries
-    ``SCALE``: its moments are brought back to the data's units here, in float64)."""
-    if len(values) == SCALE:
-        return values if isinstance(values, Moments) else Moments(*values)
+    ``SCALE``: its moments are brought back to the data's units here, in float64). The declared extra
+    accumulators a row carries after those (``extras``) are left out."""
+    width = len(values) - len(table.extra_accumulators())
+    if width == SCALE:
+        return values if isinstance(values, Moments) else Moments(*values[:SCALE])
     s = values[SCALE]
     m2, m3, m4 = values[M2] * s * s, values[M3] * s * s * s, values[M4] * (s * s) * (s * s)
     return Moments(*values[:M2], m2, m3, m4, *values[M4 + 1:SCALE])
+
+
+def extras(values: Sequence[float]) -> list[float]:
+    """The declared extra accumulators' values of a host row (``records.statistics.extra_accumulators``,
+    in that order; empty when none is declared)."""
+    count = len(table.extra_accumulators())
+    return [float(v) for v in values[len(values) - count:]] if count else []
+
+
+def host_row(values: Sequence[float]) -> list[float]:
+    """A host copy of any ``Vector`` as the accumulators, by ``records.statistics``' order: ``Moments`` in
+    the data's units, then the extra accumulators."""
+    return [*as_moments(values), *extras(values)]
 
 
 def l2_norm(t: torch.Tensor) -> Vector:
@@ -592,87 +608,26 @@ def reduce_tensor(t: torch.Tensor, *, zeros: bool = True) -> Vector:
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float, float, float]:
-    """``(mean, std, min, max, kurtosis)`` of a host vector (``Moments`` layout), as reports show them.
-
-    The same numbers as torch on the whole tensor: a NaN makes all five NaN; an Inf (and no NaN) makes
-    std and kurtosis NaN and the mean +-inf (NaN when both signs are present); an empty tensor gives NaN.
-    Otherwise the moments of the values: std is the population one (correction=0) and kurtosis
-    Pearson's, ``n * m4 / m2^2`` (3 for normal data, 1.8 for uniform; NaN for constant data).
-    """
-    mean, lo, hi, count, m2, _m3, m4, _zeros, nans, infs = as_moments(values)
-    if nans or not (count or infs):
-        return math.nan, math.nan, math.nan, math.nan, math.nan
-    if infs:
-        mean = math.nan if lo == -math.inf and hi == math.inf else (math.inf if hi == math.inf else -math.inf)
-        return mean, math.nan, lo, hi, math.nan
-    kurtosis = count * m4 / (m2 * m2) if m2 > 0.0 and m4 > 0.0 else math.nan
-    return mean, math.sqrt(max(m2, 0.0) / count), lo, hi, kurtosis
-
-
-def _norm_of(mean: float, std: float, nan_count: float, inf_count: float, numel: float) -> float:
-    """L2 norm from population mean and std: sqrt(n * (std^2 + mean^2)), in float64 (as sqrt(n) *
-    hypot(std, mean): squares of float64 data above ~1e154 would overflow, the norm itself does not)."""
-    if nan_count:
-        return math.nan
-    if inf_count:
-        return math.inf
-    if not numel:
-        return 0.0  # an empty sum of squares, as torch.linalg.vector_norm of an empty tensor
-    return math.sqrt(numel) * math.hypot(std, mean)
+    """``(mean, std, min, max, kurtosis)`` of a host vector (``Moments`` layout), as reports show them
+    (``records.statistics.Summary`` says what they are)."""
+    return table.summary(as_moments(values)._asdict())
 
 
 def activation_stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """Turn a host copy of ``Reducer.reduce``'s vector into the activation stats dict (``STAT_KEYS``, then
-    ``STAT_EXTRA_KEYS``: JSON and the Python API only)."""
-    mean, std, lo, hi, kurtosis = summary(values)
-    nans, infs = values[NANS], values[INFS]
-    numel = int(values[COUNT] + nans + infs)
-    return {
-        "mean": float(mean),
-        "std": float(std),
-        "min": float(lo),
-        "max": float(hi),
-        "norm": _norm_of(mean, std, nans, infs, numel),
-        "zero_fraction": (values[ZEROS] / numel) if numel else None,
-        "nan_count": int(nans),
-        "inf_count": int(infs),
-        "kurtosis": float(kurtosis),
-    }
-
-
-assert tuple(activation_stats(EMPTY)) == STAT_KEYS + STAT_EXTRA_KEYS  # one order
+    """Turn a host copy of ``Reducer.reduce``'s vector into the activation stats dict (the table's
+    ``ACTIVATION`` statistics: the table's columns, then JSON-only extras)."""
+    return table.stats_dict(host_row(values), table.ACTIVATION)
 
 
 def gradient_stats(values: Sequence[float], *, abs_max: bool = False) -> dict[str, float | int | None]:
-    """Turn a host copy of ``Reducer.reduce``'s vector into the gradient stats dict (``GRAD_KEYS``)."""
-    mean, std, lo, hi, _kurtosis = summary(values)
-    nans, infs = values[NANS], values[INFS]
-    numel = int(values[COUNT] + nans + infs)
-    stats: dict[str, float | int | None] = {"mean": float(mean), "std": float(std), "min": float(lo),
-                                            "max": float(hi), "norm": _norm_of(mean, std, nans, infs, numel),
-                                            "nan_count": int(nans), "inf_count": int(infs)}
-    assert tuple(stats) == GRAD_KEYS
-    if abs_max:
-        stats["abs_max"] = max(abs(lo), abs(hi)) if numel else None
-    return stats
+    """Turn a host copy of ``Reducer.reduce``'s vector into the gradient stats dict: a layer output's
+    (``GRADIENT``), or with ``abs_max`` a parameter's (``PARAM_GRADIENT``)."""
+    return table.stats_dict(host_row(values), table.PARAM_GRADIENT if abs_max else table.GRADIENT)
 
 
 def watch_stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """A host vector as ``hookcli.watch`` logs it, activations and gradients alike (``WATCH_STAT_KEYS``):
-    mean, std, rms, min, max, abs_max, zero_fraction (None: zeros not counted or no values), NaN/Inf
-    counts, kurtosis and the number of values."""
-    mean, std, lo, hi, kurtosis = summary(values)
-    nans, infs = values[NANS], values[INFS]
-    numel = int(values[COUNT] + nans + infs)
-    norm = _norm_of(mean, std, nans, infs, numel)
-    stats: dict[str, float | int | None] = {
-        "mean": float(mean), "std": float(std), "rms": norm / math.sqrt(numel) if numel else math.nan,
-        "min": float(lo), "max": float(hi), "abs_max": max(abs(lo), abs(hi)) if numel else math.nan,
-        "zero_fraction": values[ZEROS] / numel if numel else None,
-        "nan_count": int(nans), "inf_count": int(infs), "kurtosis": float(kurtosis), "count": numel,
-    }
-    assert tuple(stats) == WATCH_STAT_KEYS
-    return stats
+    """A host vector as ``hookcli.watch`` logs it, activations and gradients alike (``WATCH``)."""
+    return table.stats_dict(host_row(values), table.WATCH, missing=math.nan)
 
 
 class Transfer:

@@ -5,6 +5,7 @@
 here, so ``from hookcli.records import Report`` works for all of them.
 """
 
+from hookcli.records import statistics
 from hookcli.records.checks import CheckResult, RuleResult
 from hookcli.records.core import (
     GRAD_KEYS,
@@ -36,5 +37,5 @@ __all__ = [
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",
     "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "Histogram", "WatchLayer", "WatchParam", "WatchRun", "WatchStep",
-    "ReportSeries", "WatchReport",
+    "ReportSeries", "WatchReport", "statistics",
 ]

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookcli.records import statistics
+
 SCHEMA = 1
 
 Shape = list[int]
@@ -19,12 +21,12 @@ Stats = dict[str, float | int | None]
 #: Gradient statistics of one tensor: mean, std, min, max, norm, nan_count, inf_count (+ abs_max for params).
 GradStats = dict[str, float | int | None]
 
-STAT_KEYS: tuple[str, ...] = (
-    "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
-)
+#: The built-in statistics' keys, from ``records.statistics`` (the table: statistics added there at run time
+#: are in the dicts and tables too; these names are what hookcli itself declares).
+STAT_KEYS: tuple[str, ...] = statistics.keys(statistics.ACTIVATION, extra=False)
 #: Activation statistics beyond the table's columns: in JSON and the Python API only (docs/json-format.md).
-STAT_EXTRA_KEYS: tuple[str, ...] = ("kurtosis",)
-GRAD_KEYS: tuple[str, ...] = ("mean", "std", "min", "max", "norm", "nan_count", "inf_count")
+STAT_EXTRA_KEYS: tuple[str, ...] = statistics.keys(statistics.ACTIVATION)[len(STAT_KEYS):]
+GRAD_KEYS: tuple[str, ...] = statistics.keys(statistics.GRADIENT)
 
 
 def envelope(version: str, command: str, model: ModelInfo, inputs: list[InputInfo], device: str,

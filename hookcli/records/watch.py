@@ -10,14 +10,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookcli.records import statistics
 from hookcli.records.core import sanitize
 
 WATCH_SCHEMA = 1
 
-#: The statistics of one tensor (activation or gradient) in the log, in this order.
-WATCH_STAT_KEYS: tuple[str, ...] = (
-    "mean", "std", "rms", "min", "max", "abs_max", "zero_fraction", "nan_count", "inf_count", "kurtosis", "count",
-)
+#: The statistics of one tensor (activation or gradient) in the log, in this order (``records.statistics``'
+#: built-in ``WATCH`` ones).
+WATCH_STAT_KEYS: tuple[str, ...] = statistics.keys(statistics.WATCH)
 
 WatchStats = dict[str, float | int | None]
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-from hookcli.records import GRAD_KEYS, STAT_KEYS, LayerRecord, ModuleRow, ParamRecord, Report
+from hookcli.records import LayerRecord, ModuleRow, ParamRecord, Report, statistics
 from hookcli.render.formats import (
     format_count,
     format_number,
@@ -109,14 +109,13 @@ def _shape_cell(rec: LayerRecord) -> Cell:
     return Cell(format_shape(rec.shape))
 
 
-def _grad_cell(key: str, first: bool) -> Callable[[LayerRecord], Cell]:
+def _grad_cell(stat: statistics.Statistic, first: bool) -> Callable[[LayerRecord], Cell]:
     def display(rec: LayerRecord) -> Cell:
         if rec.grad is None:
             if first and rec.called and not rec.raised:
                 return Cell("no grad", DIM)
             return Cell("-", DIM)
-        value = rec.grad.get(key)
-        return _count(value) if key.endswith("_count") else _num(value)
+        return _cell(rec.grad.get(stat.name), stat.format)
 
     return display
 
@@ -127,22 +126,16 @@ def _input_grad_norms(rec: LayerRecord, sep: str, fmt: Callable[[Any], str]) -> 
     return sep.join(fmt(_get(g, "norm")) for g in rec.grad_input)
 
 
-_STAT_HEADERS = {
-    "mean": "Mean", "std": "Std", "min": "Min", "max": "Max", "norm": "Norm",
-    "zero_fraction": "Zero %", "nan_count": "NaN", "inf_count": "Inf",
-}
-_GRAD_HEADERS = {
-    "mean": "Grad mean", "std": "Grad std", "min": "Grad min", "max": "Grad max",
-    "norm": "Grad norm", "abs_max": "Abs max", "nan_count": "NaN", "inf_count": "Inf",
-}
+def _cell(value: Any, fmt: str) -> Cell:
+    """A statistic's value as its table format shows it (``records.statistics.Statistic.format``)."""
+    if fmt == "percent":
+        return Cell(format_percent(value))
+    return _count(value) if fmt == "count" else _num(value)
 
 
-def _stat_display(key: str) -> Callable[[LayerRecord], Cell]:
+def _stat_display(stat: statistics.Statistic) -> Callable[[LayerRecord], Cell]:
     def display(rec: LayerRecord) -> Cell:
-        value = _get(rec.stats, key)
-        if key == "zero_fraction":
-            return Cell(format_percent(value))
-        return _count(value) if key.endswith("_count") else _num(value)
+        return _cell(_get(rec.stats, stat.name), stat.format)
 
     return display
 
@@ -184,15 +177,15 @@ def layer_columns(report: Report) -> list[Column[LayerRecord]]:
         cols.append(Column("flops", "FLOPs", lambda r: _count(r.flops), lambda r: r.flops,
                            justify="right", table=shapes))
     if any_stats:
-        for key in STAT_KEYS:
-            cols.append(Column(f"stat_{key}", _STAT_HEADERS.get(key, key), _stat_display(key),
-                               _field("stats", key), justify="right", table=stats,
-                               drop={"norm": 1, "std": 2}.get(key, 0)))
+        for stat in statistics.statistics_for(statistics.ACTIVATION, extra=False):
+            cols.append(Column(f"stat_{stat.name}", stat.header_in(statistics.ACTIVATION), _stat_display(stat),
+                               _field("stats", stat.name), justify="right", table=stats,
+                               drop={"norm": 1, "std": 2}.get(stat.name, 0)))
     if any_grad:
-        for i, key in enumerate(GRAD_KEYS):
-            cols.append(Column(f"grad_{key}", _GRAD_HEADERS.get(key, key), _grad_cell(key, i == 0),
-                               _field("grad", key), justify="right", table=grads,
-                               drop={"std": 1, "mean": 2}.get(key, 0)))
+        for i, stat in enumerate(statistics.statistics_for(statistics.GRADIENT, extra=False)):
+            cols.append(Column(f"grad_{stat.name}", stat.header_in(statistics.GRADIENT), _grad_cell(stat, i == 0),
+                               _field("grad", stat.name), justify="right", table=grads,
+                               drop={"std": 1, "mean": 2}.get(stat.name, 0)))
     if any_grad_input:
         cols.append(Column(
             "grad_input_norm", "Input grad norm",
@@ -229,19 +222,22 @@ def grad_ratio(p: ParamRecord) -> float | None:
     return float(grad_norm) / float(p.norm)
 
 
-def _param_grad_cell(key: str, first: bool) -> Callable[[ParamRecord], Cell]:
+def _param_grad_cell(stat: statistics.Statistic, first: bool) -> Callable[[ParamRecord], Cell]:
     def display(p: ParamRecord) -> Cell:
         if p.grad is None:
             if first:
                 return Cell("no grad" if p.requires_grad else "frozen", DIM)
             return Cell("-", DIM)
-        value = p.grad.get(key)
-        return _count(value) if key.endswith("_count") else _num(value)
+        return _cell(p.grad.get(stat.name), stat.format)
 
     return display
 
 
-_PARAM_GRAD_KEYS = ("mean", "std", "min", "max", "abs_max", "norm")
+def _param_grad_statistics() -> list[statistics.Statistic]:
+    """The parameter table's gradient columns before the weight's: its statistics in table order but the
+    counts (NaN, Inf: columns after the ratio)."""
+    return [s for s in statistics.statistics() if s.format != "count"
+            and statistics.PARAM_GRADIENT in s.directions | s.extra_in]
 
 
 def param_columns(report: Report) -> list[Column[ParamRecord]]:
@@ -256,19 +252,18 @@ def param_columns(report: Report) -> list[Column[ParamRecord]]:
         Column("shape", "Shape", lambda p: _text(format_shape(p.shape)),
                lambda p: csv_shape(p.shape), no_wrap=True, squeeze=1, min_width=8),
     ]
-    for i, key in enumerate(_PARAM_GRAD_KEYS):
-        cols.append(Column(f"grad_{key}", _GRAD_HEADERS[key], _param_grad_cell(key, i == 0),
-                           _field("grad", key), justify="right",
-                           drop={"std": 1, "mean": 2, "min": 3, "max": 4}.get(key, 0)))
+    for i, stat in enumerate(_param_grad_statistics()):
+        cols.append(Column(f"grad_{stat.name}", stat.header_in(statistics.PARAM_GRADIENT),
+                           _param_grad_cell(stat, i == 0), _field("grad", stat.name), justify="right",
+                           drop={"std": 1, "mean": 2, "min": 3, "max": 4}.get(stat.name, 0)))
     cols += [
         Column("norm", "Weight norm", lambda p: _num(p.norm), lambda p: p.norm, justify="right"),
         Column("ratio", "Ratio", lambda p: _num(grad_ratio(p)), grad_ratio, justify="right",
                csv=False),
-        Column("grad_nan_count", "NaN", _param_grad_cell("nan_count", False),
-               lambda p: _get(p.grad, "nan_count"), justify="right"),
-        Column("grad_inf_count", "Inf", _param_grad_cell("inf_count", False),
-               lambda p: _get(p.grad, "inf_count"), justify="right"),
     ]
+    cols += [Column(f"grad_{stat.name}", stat.header_in(statistics.PARAM_GRADIENT), _param_grad_cell(stat, False),
+                    _field("grad", stat.name), justify="right")
+             for stat in statistics.statistics_for(statistics.PARAM_GRADIENT) if stat.format == "count"]
     if any(p.clipped is not None for p in report.params or []):
         cols.append(Column("clipped", "Clipped", lambda p: _count(p.clipped), lambda p: p.clipped,
                            justify="right"))
