@@ -114,23 +114,20 @@ def main(mode: str, out: Path) -> None:
 
 
 def accelerator_path(out: Path) -> None:
-    """The ddp run again with every statistic taken as on an accelerator (``Reducer._reduce_accelerator``:
+    """The ddp run again with every statistic taken as on an accelerator (``HOOKCLI_REDUCTION=device``:
     vectors as tensors, ``SCALE`` included, read by ``to_host``), here on CPU tensors: the ranks must pack
     the same slots as on the host path (on a GPU they did not: one more value per replicated row on
     rank 0, and gloo aborted)."""
     import os
 
-    from hookcli.engine.kernel import NO_KERNEL_ENV
-    from hookcli.engine.stats import Reducer
+    from hookcli.engine.reduction import REDUCTION_ENV
 
     out.mkdir(exist_ok=True)
-    host_path, os.environ[NO_KERNEL_ENV] = Reducer._reduce_host, "1"
-    Reducer._reduce_host = lambda self, x, zeros: self._reduce_accelerator(x, zeros)  # type: ignore[method-assign]
+    os.environ[REDUCTION_ENV] = "device"
     try:
         train("ddp", out, 0)
     finally:
-        Reducer._reduce_host = host_path  # type: ignore[method-assign]
-        del os.environ[NO_KERNEL_ENV]
+        del os.environ[REDUCTION_ENV]
 
 
 def stats(out: Path) -> None:

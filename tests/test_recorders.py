@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from hookcli.engine import reduction
 from hookcli.engine.kernel import NO_KERNEL_ENV
 from hookcli.engine.stats import (
     Reducer,
     _fastreduce,
     activation_stats,
     device_float,
+    device_vector,
     flat_view,
     gradient_stats,
     iter_tensors,
@@ -39,10 +41,12 @@ needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli.engine._f
 def stats_of(t: torch.Tensor, path: str = "torch") -> dict:
     if path == "kernel" and _fastreduce is None:
         pytest.skip("hookcli.engine._fastreduce was not built here")
-    if path.startswith("device"):  # the branch-free accelerator path, exercised on CPU tensors
-        acc = torch.float32 if path == "device-float32" else None
-        vec = Reducer(kernel=False)._reduce_device(t.detach().float().reshape(-1), True, acc)
-        assert vec.dtype == (acc or torch.float64)
+    if path == "device":  # the branch-free accelerator path, exercised on CPU tensors
+        vec = reduction.reduce(t, reducer=Reducer(backend="device"))
+        assert isinstance(vec, torch.Tensor) and vec.dtype == torch.float64
+    elif path == "device-float32":  # as on Apple's MPS, which has no float64
+        vec = device_vector(t.detach().float().reshape(-1), True, torch.float32)
+        assert vec.dtype == torch.float32
     else:
         vec = Reducer(kernel=path == "kernel").reduce(t)
     return activation_stats(to_host([vec])[0])

@@ -44,13 +44,14 @@ def reducer_for(path: str, monkeypatch: pytest.MonkeyPatch) -> Reducer:
         if _fastreduce is None:
             pytest.skip("hookcli.engine._fastreduce was not built here")
         monkeypatch.delenv(NO_KERNEL_ENV, raising=False)
-        reducer = Reducer()
+        reducer = Reducer(backend="kernel")
         assert reducer.kernel
         return reducer
     if path == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setenv(NO_KERNEL_ENV, "1")  # what an install without a C compiler gets
-    reducer = Reducer()
+    # the device backend on CPU tensors: the accelerator path, branch-free, vectors as tensors
+    reducer = Reducer(backend={"torch": "torch", "device": "device"}.get(path))
     assert not reducer.kernel
     return reducer
 
@@ -168,11 +169,9 @@ def test_every_statistic_matches_float64_torch_on_any_layout(path: str, data: st
     t = data.draw(tensors())
     if path == "cuda":
         t = t.cuda()  # dense layouts keep their strides; the transforms above ran on CPU
-    if path == "device" and t.numel():
-        vector = reducer._reduce_accelerator(t.detach(), True)
+    vector = reducer.reduce(t)
+    if path == "device":
         assert isinstance(vector, torch.Tensor) and vector.dtype == torch.float64
-    else:
-        vector = reducer.reduce(t)
     got = activation_stats(to_host([vector])[0])
     assert_matches(got, float64_stats(t), t)
 
@@ -226,12 +225,9 @@ def test_merged_statistics_of_random_chunks_equal_float64_torch_over_their_conca
     parts = data.draw(pieces())
     if path == "cuda":
         parts = [p.cuda() for p in parts]
-    if path in ("device", "cuda"):
-        device = torch.device("cuda" if path == "cuda" else "cpu")
-        vectors = [reducer._reduce_accelerator(p.detach(), True) if p.numel() else empty_vector(device)
-                   for p in parts]
-    else:
-        vectors = [reducer.reduce(p) for p in parts]
+    vectors = [reducer.reduce(p) for p in parts]
+    if path == "device":
+        assert all(isinstance(v, torch.Tensor) for v in vectors)
     while len(vectors) > 1:  # a random merge tree: any two neighbours, either side first
         i = data.draw(st.integers(0, len(vectors) - 2))
         a, b = vectors[i], vectors[i + 1]

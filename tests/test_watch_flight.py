@@ -18,6 +18,7 @@ from torch import nn
 
 import hookcli
 from hookcli.engine.flight import FlightRecorder
+from hookcli.engine import reduction
 from hookcli.engine.stats import Reducer
 from hookcli.errors import CheckFailedError, UsageError
 from test_watch import assert_stats, no_hooks_left, read_log
@@ -202,29 +203,35 @@ def test_a_bad_flight_is_a_usage_error(flight: Any) -> None:
         hookcli.watch(nn.Linear(2, 2), flight=flight)
 
 
+def device_vector(t: torch.Tensor, zeros: bool = True) -> torch.Tensor:
+    """``t``'s vector by the device backend (the accelerator path), here on a CPU tensor."""
+    vector = reduction.reduce(t, zeros=zeros, reducer=Reducer(backend="device"))
+    assert isinstance(vector, torch.Tensor)
+    return vector
+
+
 def test_the_device_flag_names_the_first_bad_step_without_reading_every_step() -> None:
     """Device vectors (the accelerator path, here on CPU tensors): the flag is read every K steps
     and by ``read``; the first bad step is exact, later bad steps do not move it."""
-    reducer = Reducer()
     recorder = FlightRecorder(5)
     good, bad = torch.ones(6), torch.tensor([1.0, float("inf"), 2.0])
     for step in range(4):
-        recorder.push(step, {("a", ""): ["Linear", [6], "float32", 1, reducer._reduce_device(good, True), None]}, None)
+        recorder.push(step, {("a", ""): ["Linear", [6], "float32", 1, device_vector(good), None]}, None)
     assert recorder.first_bad is None and recorder._unread == 4
-    recorder.push(4, {("a", ""): ["Linear", [3], "float32", 1, reducer._reduce_device(bad, True), None]}, None)
+    recorder.push(4, {("a", ""): ["Linear", [3], "float32", 1, device_vector(bad), None]}, None)
     assert recorder.first_bad == 4 and recorder._unread == 0  # the 5th unread step: read now
     recorder = FlightRecorder(50)
     for step in range(6):
-        vector = reducer._reduce_device(bad if step >= 2 else good, True)
+        vector = device_vector(bad if step >= 2 else good)
         recorder.push(step, {("a", ""): ["Linear", [3], "float32", 1, None, vector]}, None)
     assert recorder.first_bad is None
     assert recorder.read() == 2
-    two = {("a", ""): ["Linear", [6], "float32", 1, reducer._reduce_device(good, True),
-                       reducer._reduce_device(good * 2, False)]}
+    two = {("a", ""): ["Linear", [6], "float32", 1, device_vector(good),
+                       device_vector(good * 2, zeros=False)]}
     recorder.push(6, two, None)
     stats, grad = two[("a", "")][4:]  # one tensor per step in the ring, its rows the vectors
     assert stats.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
-    assert stats.tolist() == reducer._reduce_device(good, True).tolist()
+    assert stats.tolist() == device_vector(good).tolist()
 
 
 @settings(max_examples=20, deadline=None)
@@ -232,12 +239,11 @@ def test_the_device_flag_names_the_first_bad_step_without_reading_every_step() -
 def test_device_flags_read_late_still_write_the_k_steps_up_to_the_first_bad_one(size: int, bad: int) -> None:
     """On an accelerator the flag is read up to K - 1 steps after the bad step: the ring (2K - 1 steps)
     still holds the K steps up to it, and exactly those are written, as on CPU."""
-    reducer = Reducer()
     recorder = FlightRecorder(size)
     good, inf = torch.ones(4), torch.tensor([1.0, float("inf")])
     step = 0
     while recorder.first_bad is None:
-        vector = reducer._reduce_device(inf if step >= bad else good, True)
+        vector = device_vector(inf if step >= bad else good)
         recorder.push(step, {("a", ""): ["Linear", [4], "float32", 1, vector, None]}, None)
         step += 1
     assert recorder.first_bad == bad and step - 1 - bad < size

@@ -27,7 +27,7 @@ from hookcli.errors import (
     INTERRUPTS, DataError, HookcliError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
-from hookcli.engine import distributed, sharding
+from hookcli.engine import distributed, reduction, sharding
 from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
@@ -349,6 +349,7 @@ def new_report(prep: Prepared, command: str) -> Report:
         device=device,
         mode="train" if opts.train else "eval",
         version=__version__,
+        reduction=reduction.name_for(device) if device != "meta" else None,
     )
     if opts.shard is not None:
         report.notes.append(SHARD_NOTE.format(ranks=distributed.world_size(), shard=opts.shard))

@@ -30,14 +30,13 @@ from hookcli.engine.stats import (
     gradient_stats,
     is_float,
     iter_tensors,
-    l2_norm,
     Reducer,
     Vector,
     shape_of,
     to_host,
 )
-from hookcli.engine import distributed
-from hookcli.engine.channels import ChannelDims, channel_nonzeros, has_channels
+from hookcli.engine import distributed, reduction
+from hookcli.engine.channels import ChannelDims, has_channels
 from hookcli.engine.selection import module_depth
 from hookcli.engine.state import run_lock
 
@@ -342,7 +341,7 @@ class HookSession:
                 entry.stats = self.reducer.reduce(distributed.local(tensor))  # a DTensor: this rank's part
             if self.count_channels and self.channel_dims is not None and has_channels(tensor):
                 part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
-                entry.nonzeros = channel_nonzeros(part, self.channel_dims(call.name, part))
+                entry.nonzeros = reduction.channel_counts([(part, self.channel_dims(call.name, part))])[0]
             if options.grads and floating and tensor.requires_grad:
                 entry.wants_grad = True
                 self._hook_grad(tensor, self._output_grad_hook(call, entry))
@@ -743,14 +742,13 @@ class HookSet:
         session = self.session
         if session is None:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
-        plan = []
-        for name, p in self._params:
-            grad = None
-            if (self._accumulated.get(name) or self._written(name, p)) and p.grad is not None:  # a DTensor's: its local shard's
-                grad = session.reducer.reduce(distributed.local(p.grad), zeros=session.options.grad_zeros)
-            norm = l2_norm(distributed.local(p.detach()))
-            plan.append(ParamVectors(name, p, grad, norm))
-        return plan
+        reached = [(self._accumulated.get(name) or self._written(name, p)) and p.grad is not None
+                   for name, p in self._params]
+        grads = iter(reduction.reduce_many([distributed.local(p.grad) for (_, p), r in zip(self._params, reached) if r],
+                                           zeros=session.options.grad_zeros, reducer=session.reducer))  # a DTensor's: its local shard's
+        norms = reduction.norms([distributed.local(p.detach()) for _, p in self._params])
+        return [ParamVectors(name, p, next(grads) if r else None, norm)
+                for (name, p), r, norm in zip(self._params, reached, norms)]
 
     def step_records(self, params_by_name: dict[str, int] | None = None,
                      extra: Sequence[Vector] = ()) -> StepRecords:

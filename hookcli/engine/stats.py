@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hookcli.engine import kernel
+from hookcli.engine import backends, kernel
 from hookcli.records import statistics as table
 
 #: The optional one-pass C kernel, or None (imported here, after torch, to share torch's OpenMP).
@@ -129,9 +129,16 @@ class Reducer:
     OFFSET_RATIO_FLOAT64 = 1e3
     OFFSET_RATIO_FLOAT32 = 4.0
 
-    def __init__(self, *, kernel: bool | None = None) -> None:
-        """``kernel``: use the C kernel on CPU (default: where it is built and not switched off)."""
-        self.kernel = kernel_available() if kernel is None else kernel
+    def __init__(self, *, kernel: bool | None = None, backend: str | None = None) -> None:
+        """``backend``: a name of ``engine.backends.BACKENDS`` (default: ``engine.backends.choose``'s, by
+        ``HOOKCLI_REDUCTION``); ``kernel``: the host ``kernel`` (True) or ``torch`` (False) backend."""
+        if kernel is not None:
+            backend = "kernel" if kernel else "torch"
+        #: the backend of CPU tensors, and of the others (an accelerator's, or a forced device backend)
+        self.host_backend = backends.choose(torch.device("cpu"), backend)
+        self.device_backend = backends.choose(torch.device("meta"), backend)
+        self._device_vector = self.device_backend.vector_fn()
+        self.kernel = self.host_backend.name == "kernel"
         if self.kernel and _fastreduce is None:
             raise RuntimeError("hookcli.engine._fastreduce is not built (a C compiler was missing at install time)")
         self.threads = torch.get_num_threads()
@@ -169,6 +176,14 @@ class Reducer:
         if hit is not None and hit[0]() is t:
             return hit[1]
         x = t.detach() if t.requires_grad else t
+        vector = self._reduce(x, zeros)
+        if table.extra_accumulators():
+            vector = with_extras(vector, x)
+        self._remember(key, t, vector)
+        return vector
+
+    def _reduce(self, x: torch.Tensor, zeros: bool) -> Vector:
+        """``x``'s vector by this reducer's backend (``reduce`` without the reuse and the extras)."""
         kernel_dtype = self._kernel_dtypes.get(x.dtype)
         vector: Vector
         if (kernel_dtype is not None and type(x) is torch.Tensor and x.is_cpu and x.layout == torch.strided
@@ -193,23 +208,15 @@ class Reducer:
                 moments = self._from_power_sums(flat, sums[:4], lo, hi, zero_count if zeros else 0,
                                                 self.OFFSET_RATIO_FLOAT64)
                 vector = self._nonfinite(flat, zeros) if moments is None else moments
-            self._remember(key, t, vector)
             return vector
         if x.is_nested:  # a nested (ragged) tensor: statistics of its components' values
             x = nested_values(x)
         if x.layout != torch.strided:
             x = x.to_dense()  # a sparse output: statistics of its dense values, zeros included
-        n = x.numel()
-        if n == 0 and x.device.type == "cpu":
-            vector = EMPTY
-        elif n == 0:
-            vector = empty_vector(x.device)
-        elif x.device.type == "cpu":
-            vector = self._reduce_host(x, zeros)
-        else:
-            vector = self._reduce_accelerator(x, zeros)
-        self._remember(key, t, vector)
-        return vector
+        host = x.device.type == "cpu" and self.host_backend.host
+        if x.numel() == 0:
+            return EMPTY if host else empty_vector(x.device)
+        return self._reduce_host(x, zeros) if host else self._reduce_accelerator(x, zeros)
 
     def _remember(self, key: tuple[int, int, bool] | None, t: torch.Tensor, vector: Vector) -> None:
         """Keep ``t``'s vector for its next sighting unchanged (same object and version)."""
@@ -237,7 +244,7 @@ class Reducer:
         x, repeats = unbroadcast(x)
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
-        vector = self._reduce_device(flat_view(x), zeros)
+        vector = self._device_vector(flat_view(x), zeros)
         if repeats != 1:
             vector[ADDITIVE] *= repeats  # a Python scalar: no host synchronisation
         return vector
@@ -340,7 +347,7 @@ class Reducer:
             moments = self._from_power_sums(chunk, sums, lo, hi, zero_count, ratio)
             if moments is None:
                 return self._nonfinite(flat, zeros)
-            total = merge(total, moments)
+            total = merge_moments(total, moments)
         return total
 
     @staticmethod
@@ -373,40 +380,42 @@ class Reducer:
         return base._replace(min=-math.inf if neg else base.min, max=math.inf if pos else base.max,
                              nans=float(nans), infs=float(pos + neg))
 
-    # -- accelerators: branch-free, no host synchronisation ---------------------------------------
-    def _reduce_device(self, flat: torch.Tensor, zeros: bool, acc: torch.dtype | None = None) -> torch.Tensor:
-        """The vector in ``acc`` (default: ``device_float`` of the device), with no host synchronisation.
+# -- accelerators: branch-free, no host synchronisation ------------------------------------------
+def device_vector(flat: torch.Tensor, zeros: bool, acc: torch.dtype | None = None) -> torch.Tensor:
+    """The vector of a non-empty 1-D float32/float64 tensor on any device (the ``device`` backend of
+    ``engine.reduction``), in ``acc`` (default: ``device_float`` of the device), with no host
+    synchronisation.
 
-        Moments are of the finite values, centred on their mean (summed in ``acc``: its error would bias
-        them; what is left of it is removed by ``central_moments``) and divided by their largest
-        magnitude, so the powers lie in [-16, 16] and cannot overflow float32 whatever the data's scale.
-        """
-        n = flat.numel()
-        device = flat.device
-        acc = acc or device_float(device)
-        finite = torch.isfinite(flat)
-        nan = torch.isnan(flat)
-        count = finite.sum(dtype=torch.int64)
-        nans = nan.sum(dtype=torch.int64)
-        values = torch.where(finite, flat, 0)
-        mean = values.sum(dtype=acc) / count.clamp(min=1)
-        lo = torch.where(nan, math.inf, flat).amin()  # min/max ignore NaN and see +-Inf
-        hi = torch.where(nan, -math.inf, flat).amax()
-        scale = torch.clamp(values.abs().amax(), min=torch.finfo(flat.dtype).tiny)
-        shift = mean.to(flat.dtype)
-        d = values.sub_(shift).div_(scale).masked_fill_(~finite, 0)
-        d2 = d * d
-        s1, s2 = d.sum(dtype=acc), d2.sum(dtype=acc)  # sums in acc: float32 ones lose digits over many values
-        s3 = d.mul_(d2).sum(dtype=acc)
-        s4 = d2.square_().sum(dtype=acc)
-        count_acc = count.to(acc)
-        s = scale.to(acc)
-        # about the mean (the offset of the rounded shift is removed here; the mean is the sum's)
-        _offset, m2, m3, m4 = central_moments(count_acc.clamp(min=1), 0.0, s1, s2, s3, s4)  # in units of scale
-        zero_count = torch.eq(flat, 0).sum(dtype=torch.int64) if zeros else torch.zeros((), device=device)
-        parts = (mean, lo, hi, count_acc, m2.clamp(min=0), m3, m4.clamp(min=0), zero_count, nans,
-                 n - count - nans, s)
-        return torch.stack([p.to(acc) for p in parts])
+    Moments are of the finite values, centred on their mean (summed in ``acc``: its error would bias
+    them; what is left of it is removed by ``central_moments``) and divided by their largest
+    magnitude, so the powers lie in [-16, 16] and cannot overflow float32 whatever the data's scale.
+    """
+    n = flat.numel()
+    device = flat.device
+    acc = acc or device_float(device)
+    finite = torch.isfinite(flat)
+    nan = torch.isnan(flat)
+    count = finite.sum(dtype=torch.int64)
+    nans = nan.sum(dtype=torch.int64)
+    values = torch.where(finite, flat, 0)
+    mean = values.sum(dtype=acc) / count.clamp(min=1)
+    lo = torch.where(nan, math.inf, flat).amin()  # min/max ignore NaN and see +-Inf
+    hi = torch.where(nan, -math.inf, flat).amax()
+    scale = torch.clamp(values.abs().amax(), min=torch.finfo(flat.dtype).tiny)
+    shift = mean.to(flat.dtype)
+    d = values.sub_(shift).div_(scale).masked_fill_(~finite, 0)
+    d2 = d * d
+    s1, s2 = d.sum(dtype=acc), d2.sum(dtype=acc)  # sums in acc: float32 ones lose digits over many values
+    s3 = d.mul_(d2).sum(dtype=acc)
+    s4 = d2.square_().sum(dtype=acc)
+    count_acc = count.to(acc)
+    s = scale.to(acc)
+    # about the mean (the offset of the rounded shift is removed here; the mean is the sum's)
+    _offset, m2, m3, m4 = central_moments(count_acc.clamp(min=1), 0.0, s1, s2, s3, s4)  # in units of scale
+    zero_count = torch.eq(flat, 0).sum(dtype=torch.int64) if zeros else torch.zeros((), device=device)
+    parts = (mean, lo, hi, count_acc, m2.clamp(min=0), m3, m4.clamp(min=0), zero_count, nans,
+             n - count - nans, s)
+    return torch.stack([p.to(acc) for p in parts])
 
 
 def central_moments(n: Any, shift: Any, s1: Any, s2: Any, s3: Any, s4: Any) -> tuple[Any, Any, Any, Any]:
@@ -425,7 +434,49 @@ def central_moments(n: Any, shift: Any, s1: Any, s2: Any, s3: Any, s4: Any) -> t
 
 
 def merge(a: Vector, b: Vector) -> Vector:
-    """The statistics of the values of both ``a`` and ``b`` (two calls, batches, steps or ranks).
+    """The statistics of the values of both ``a`` and ``b`` (two calls, batches, steps or ranks): their
+    ``Moments`` (``merge_moments``) and the sums of their extra accumulators (``with_extras``; a vector
+    without them, ``EMPTY``, adds none)."""
+    count = len(table.extra_accumulators())
+    if not count:
+        return merge_moments(a, b)
+    (core_a, extra_a), (core_b, extra_b) = _split(a, count), _split(b, count)
+    core = merge_moments(core_a, core_b)
+    if isinstance(core, torch.Tensor):
+        return torch.cat([core, torch.as_tensor(extra_a, dtype=core.dtype, device=core.device)
+                          + torch.as_tensor(extra_b, dtype=core.dtype, device=core.device)])
+    return (*core, *(x + y for x, y in zip(extra_a, extra_b)))  # type: ignore[return-value]
+
+
+def _split(vector: Vector, count: int) -> tuple[Vector, Any]:
+    """A vector's ``Moments`` (device: with ``SCALE``) and its ``count`` extra accumulators (zeros where it
+    has none)."""
+    if isinstance(vector, torch.Tensor):
+        extra = vector[SCALE + 1:] if vector.numel() > SCALE + 1 else torch.zeros(count, dtype=vector.dtype,
+                                                                                    device=vector.device)
+        return vector[:SCALE + 1], extra
+    return Moments(*vector[:SCALE]), list(vector[SCALE:]) if len(vector) > SCALE else [0.0] * count
+
+
+def with_extras(vector: Vector, x: torch.Tensor) -> Vector:
+    """``vector`` with the declared extra accumulators of ``x`` after it (``records.statistics``): each a
+    float64 sum (``device_float``) of its term over the finite values, a host float for a host vector,
+    else on ``x``'s device. Torch ops on a widened copy, a tensor at a time: the first implementation,
+    for every backend (the C kernel computes none)."""
+    if x.is_nested:
+        x = nested_values(x)
+    if x.layout != torch.strided:
+        x = x.to_dense()
+    values = x.to(device_float(x.device))
+    finite = torch.isfinite(values)
+    sums = [torch.where(finite, a.term(values), 0).sum() for a in table.extra_accumulators()]
+    if isinstance(vector, tuple):
+        return (*vector, *(float(v) for v in sums))  # type: ignore[return-value]
+    return torch.cat([vector, torch.stack(sums).to(vector.dtype)])
+
+
+def merge_moments(a: Vector, b: Vector) -> Vector:
+    """The ``Moments`` of the values of both ``a`` and ``b``.
 
     Counts and extremes are exact; the mean and moment sums follow Pebay (2008), "Formulas for robust,
     one-pass parallel computation of covariances and arbitrary-order statistical moments", eq. 2.1-2.2.
@@ -500,17 +551,19 @@ def host_row(values: Sequence[float]) -> list[float]:
     return [*as_moments(values), *extras(values)]
 
 
-def l2_norm(t: torch.Tensor) -> Vector:
+def l2_norm(t: torch.Tensor, *, use_kernel: bool | None = None) -> Vector:
     """``t``'s L2 norm as a one-element vector, summed in ``device_float``, with no host synchronisation.
 
     A dense CPU tensor the C kernel reads (float32, bfloat16, float16) gives the square root of the
     kernel's float64 sum of squares, a host tuple: one read of ``t``. ``torch.linalg.vector_norm(t,
     dtype=float64)`` would first write a float64 copy of it (a watch takes the norm of every parameter
     and every update at each logged step: that copy was ~9% of a GPT-style training step). Anything
-    else, and a tensor holding NaN/Inf, goes to ``vector_norm`` on its device.
+    else, and a tensor holding NaN/Inf, goes to ``vector_norm`` on its device. ``use_kernel``: whether the
+    kernel may be used (default: where it is built and not switched off; ``engine.reduction.norms``
+    passes its backend's choice).
     """
     x = t.detach()
-    name = _KERNEL_DTYPES.get(x.dtype) if kernel_available() else None
+    name = _KERNEL_DTYPES.get(x.dtype) if (kernel_available() if use_kernel is None else use_kernel) else None
     if (name is not None and type(x) is torch.Tensor and x.is_cpu and x.layout == torch.strided
             and x.is_contiguous() and not x.is_neg() and x.numel()):
         sum_of_squares = _fastreduce.reduce(kernel_buffer(x), name, torch.get_num_threads())[1]

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine import distributed
+from hookcli.engine import distributed, reduction
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
+from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 
@@ -91,9 +91,16 @@ class StepWatcher:
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
         self.flight = FlightRecorder(flight) if flight else None
         self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
-        self.every, self.on_step = every, on_step
+        self.every = every
         self.hooks = HookSet()
         self.params = watched_params(compiled_inner(model), self.selection)
+        backend = reduction.name_for(self.params[0][1].device if self.params else "cpu")
+
+        def named(record: WatchStep) -> None:  # every line says which reduction backend computed it
+            record.reduction = backend
+            on_step(record)
+
+        self.on_step = named
         #: under torchrun: the step's rows merged over the ranks (docs/distributed.md), else None
         group = distributed.process_group()
         if group is not None:
@@ -195,8 +202,8 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [l2_norm(before.sub_(distributed.local(p.detach())))
-                             for before, (_, p) in zip(self._before, self.params)]
+            self._updates = reduction.norms([before.sub_(distributed.local(p.detach()))
+                                             for before, (_, p) in zip(self._before, self.params)])
             self._before = None
         if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
             # a closure ran the step's backward inside optimizer.step() (LBFGS, Lightning's automatic
@@ -355,7 +362,9 @@ class StepWatcher:
             return distributed.global_histograms(self.reduction, [  # type: ignore[return-value]
                 (distributed.local(p.detach()), distributed.local(p.grad) if p.grad is not None and found is None
                  else None) for (_, p), found in zip(self.params, partial)], adds)
-        return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
+        values = reduction.histograms([p.detach() for _, p in self.params])
+        grads = reduction.histograms([p.grad for _, p in self.params])
+        return list(zip(values, grads))
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None

@@ -272,6 +272,8 @@ class Report:
     version: str = ""
     #: {"forward": int, "backward": int | None, "partial": bool, "missing_ops": [...]} with --flops
     flops: dict[str, Any] | None = None
+    #: the reduction backend that computed the statistics (``engine.reduction``: kernel, torch, device)
+    reduction: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -285,6 +287,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         data = envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode,
                         self.partial)
+        if self.reduction is not None:
+            data["reduction"] = self.reduction
         data["layers"] = [r.to_dict() for r in self.layers]
         if self.params is not None:
             data["params"] = [p.to_dict() for p in self.params]

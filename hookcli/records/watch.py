@@ -144,6 +144,8 @@ class WatchStep:
     findings: list[Finding] = field(default_factory=list)
     flight: bool = False
     skipped: bool = False
+    #: the reduction backend that computed the statistics (``engine.reduction``: kernel, torch, device)
+    reduction: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
@@ -154,6 +156,8 @@ class WatchStep:
             line["flight"] = True
         if self.skipped:  # only where the optimizer did not step
             line["skipped"] = True
+        if self.reduction is not None:
+            line["reduction"] = self.reduction
         return line
 
     def to_json_line(self) -> str:

@@ -1,0 +1,75 @@
+"""The reduction backends by name, and the one place one is chosen (``choose``); ``engine.reduction``
+is their public face and says what each is. Imports no statistics code: ``engine.stats`` asks here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hookcli.engine import kernel
+from hookcli.errors import UsageError
+
+#: The environment variable that forces a backend.
+REDUCTION_ENV = "HOOKCLI_REDUCTION"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to reduce tensors: ``host`` backends reduce CPU tensors to host ``Moments``
+    (``engine.stats.Reducer``); the others any tensor to a vector on its device with the function
+    ``vector`` names (``"module:function"``, imported when first used: ``fn(flat, zeros)``).
+    ``unavailable`` says why it cannot run here (None: it can)."""
+
+    name: str
+    host: bool
+    vector: str | None = None
+    unavailable: Callable[[], str | None] = lambda: None
+
+    def vector_fn(self) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+        """The function ``vector`` names."""
+        module, _, function = (self.vector or "").partition(":")
+        return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+
+
+def _kernel_unavailable() -> str | None:
+    if kernel.load() is None:
+        return f"the C statistics kernel is {kernel.status()}"
+    return f"the C statistics kernel is switched off by {kernel.NO_KERNEL_ENV}" if kernel.switched_off() else None
+
+
+BACKENDS: dict[str, Backend] = {
+    "kernel": Backend("kernel", host=True, unavailable=_kernel_unavailable),
+    "torch": Backend("torch", host=True),
+    "device": Backend("device", host=False, vector="hookcli.engine.stats:device_vector"),
+}
+
+
+def choose(device: torch.device | str = "cpu", name: str | None = None) -> Backend:
+    """The backend that reduces tensors on ``device``: ``name``'s, else ``HOOKCLI_REDUCTION``'s, else the
+    best one there (the one place it is chosen). A forced host backend leaves an accelerator's tensors
+    to ``device``. Raises ``UsageError`` for an unknown name or one that cannot run here."""
+    wanted = name or os.environ.get(REDUCTION_ENV, "").strip() or "auto"
+    on_cpu = torch.device(device).type == "cpu"
+    if wanted == "auto":
+        if not on_cpu:
+            return BACKENDS["device"]
+        return BACKENDS["kernel" if _kernel_unavailable() is None else "torch"]
+    backend = BACKENDS.get(wanted)
+    if backend is None:
+        raise UsageError(f"{REDUCTION_ENV}={wanted}: no such reduction backend",
+                         hint=f"use one of auto, {', '.join(BACKENDS)}")
+    why = backend.unavailable()
+    if why is not None:
+        raise UsageError(f"{REDUCTION_ENV}={wanted}: {why}",
+                         hint=f"unset {REDUCTION_ENV} (auto picks what runs here), or set it to torch")
+    return backend if on_cpu or not backend.host else BACKENDS["device"]
+
+
+def name_for(device: torch.device | str) -> str:
+    """The name of the backend a run on ``device`` reduces with (reports' ``reduction``)."""
+    return choose(device).name

@@ -1,0 +1,70 @@
+"""The reduction backend: how tensors become statistics vectors, chosen in one place (``choose``).
+
+A backend reduces a tensor to the accumulators of ``records.statistics`` (``engine.stats.Moments``, then
+any declared extra one). ``BACKENDS`` holds them by name:
+
+* ``kernel``: CPU tensors, the one-pass C kernel (``engine/_fastreduce.c``) where it reads the dtype,
+  else cache-sized torch chunks or numpy (``engine.stats.Reducer``); host ``Moments``, no tensor kept.
+* ``torch``: CPU tensors, the same without the kernel (``HOOKCLI_NO_KERNEL=1``, or no C compiler).
+* ``device``: any tensor, branch-free torch ops on its own device, no host synchronisation
+  (``engine.stats.device_vector``): a vector tensor in the layout ``MEAN .. INFS, SCALE``, read once at
+  the end of a run (``engine.stats.to_host``). Accelerators take it; on CPU it is there for tests and
+  debugging.
+
+Another device implementation of that layout is one more entry of ``engine.backends.BACKENDS``:
+``Backend(name, host=False, vector="module:fn")`` with ``fn(flat, zeros) -> vector`` for a non-empty 1-D
+float32/float64 tensor, and a line in ``choose`` if ``auto`` should pick it.
+``HOOKCLI_REDUCTION=auto|kernel|torch|device`` forces one (``auto``, the default: ``kernel`` on CPU where it is built and not switched off, else ``torch``;
+``device`` on accelerators). A host backend reads CPU memory only: with it forced, an accelerator's
+tensors still take ``device``; ``name_for`` says which one a run's device used, the ``reduction`` of
+every JSON report and watch log line.
+
+The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
+``histograms`` and ``channel_counts`` (many at once; they loop today).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hookcli.engine import stats
+from hookcli.engine.backends import BACKENDS, REDUCTION_ENV, Backend, choose, name_for
+from hookcli.engine.channels import channel_nonzeros
+
+__all__ = ["BACKENDS", "REDUCTION_ENV", "Backend", "channel_counts", "choose", "histograms", "name_for", "norms",
+           "reduce", "reduce_many"]
+
+
+def reduce(t: torch.Tensor, *, zeros: bool = True, reducer: stats.Reducer | None = None) -> stats.Vector:
+    """``t``'s statistics vector: host ``Moments`` (then extra accumulators) from a host backend, else a
+    tensor on ``t``'s device; ``zeros=False`` leaves the zero count at 0. ``reducer``: one that reuses
+    what it saw and its scratch buffers over a run (default: a one-off)."""
+    return (reducer or stats.Reducer()).reduce(t, zeros=zeros)
+
+
+def reduce_many(tensors: Sequence[torch.Tensor], *, zeros: bool = True, reducer: stats.Reducer | None = None
+                ) -> list[stats.Vector]:
+    """Each tensor's vector (``reduce``), e.g. a step's gradients; read them with one ``to_host``."""
+    reducer = reducer or stats.Reducer()
+    return [reducer.reduce(t, zeros=zeros) for t in tensors]
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
+    """Each tensor's L2 norm as a one-element vector (``engine.stats.l2_norm``: the C kernel's float64 sum
+    of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device)."""
+    use_kernel = choose("cpu").name == "kernel"
+    return [stats.l2_norm(t, use_kernel=use_kernel) for t in tensors]
+
+
+def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS
+               ) -> list[torch.Tensor | None]:
+    """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
+    non-float tensor)."""
+    return [stats.histogram(t, bins) if t is not None else None for t in tensors]
+
+
+def channel_counts(tensors: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The nonzero values in each channel of each ``(tensor, channel dimension)`` (``channel_nonzeros``)."""
+    return [channel_nonzeros(t, dim) for t, dim in tensors]

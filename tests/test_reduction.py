@@ -1,0 +1,126 @@
+"""The reduction backend's public face (hookcli.engine.reduction): the backend chosen in one place,
+forced by HOOKCLI_REDUCTION, named in every JSON report and watch log line; many tensors at once;
+against float64 torch."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hookcli
+from hookcli.engine import reduction
+from hookcli.engine.kernel import NO_KERNEL_ENV
+from hookcli.engine.stats import Reducer, _fastreduce, activation_stats, gradient_stats, to_host
+from hookcli.errors import UsageError
+
+needs_kernel = pytest.mark.skipif(_fastreduce is None, reason="hookcli.engine._fastreduce was not built here")
+
+
+def seeded(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 1.5 + 0.25
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv(reduction.REDUCTION_ENV, raising=False)
+    monkeypatch.delenv(NO_KERNEL_ENV, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("name", ["auto", "kernel", "torch", "device"])
+def test_stats_json_names_the_backend(cli, env: pytest.MonkeyPatch, name: str) -> None:
+    if name == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli.engine._fastreduce was not built here")
+    env.setenv(reduction.REDUCTION_ENV, name)
+    result = cli("stats", "tiny_models:Reused", "--input-shape", "3x4", "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    auto = "kernel" if _fastreduce is not None else "torch"
+    assert report["reduction"] == (auto if name == "auto" else name)
+    # (each backend's numbers against float64 torch: tests/test_stats_properties.py, and the reference
+    # outputs under HOOKCLI_REDUCTION=device in .ci/run)
+
+
+def test_kernel_forced_where_it_is_off_is_one_line_exit_2(cli, env: pytest.MonkeyPatch) -> None:
+    env.setenv(reduction.REDUCTION_ENV, "kernel")
+    env.setenv(NO_KERNEL_ENV, "1")
+    result = cli("stats", "tiny_models:Reused", "--input-shape", "3x4")
+    assert result.exit_code == 2
+    assert "HOOKCLI_REDUCTION=kernel: the C statistics kernel is switched off by HOOKCLI_NO_KERNEL" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_an_unknown_backend_is_exit_2_naming_the_choices(cli, env: pytest.MonkeyPatch) -> None:
+    env.setenv(reduction.REDUCTION_ENV, "gpu")
+    result = cli("stats", "tiny_models:Reused", "--input-shape", "3x4")
+    assert result.exit_code == 2 and "use one of auto, kernel, torch, device" in result.stderr
+
+
+def test_no_kernel_env_makes_auto_torch(env: pytest.MonkeyPatch) -> None:
+    env.setenv(NO_KERNEL_ENV, "1")
+    assert reduction.choose("cpu").name == "torch"
+    assert reduction.choose("cuda").name == "device"
+    env.setenv(reduction.REDUCTION_ENV, "torch")
+    assert reduction.choose("cuda").name == "device"  # a host backend reads CPU memory only
+    with pytest.raises(UsageError):
+        reduction.choose("cpu", "kernel")
+
+
+def test_device_backend_runs_on_cpu_tensors(env: pytest.MonkeyPatch) -> None:
+    t = seeded(40, 30)
+    vector = reduction.reduce(t, reducer=Reducer(backend="device"))
+    assert isinstance(vector, torch.Tensor) and vector.device.type == "cpu"
+    got = activation_stats(to_host([vector])[0])
+    want = t.double()
+    assert math.isclose(got["mean"], float(want.mean()), rel_tol=1e-9)
+    assert math.isclose(got["std"], float(want.std(correction=0)), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["kernel", "torch", "device"])
+def test_many_tensors_at_once_equal_float64_torch(env: pytest.MonkeyPatch, name: str) -> None:
+    if name == "kernel" and _fastreduce is None:
+        pytest.skip("hookcli.engine._fastreduce was not built here")
+    env.setenv(reduction.REDUCTION_ENV, name)
+    tensors = [seeded(7, 5), seeded(300), seeded(2, 3, 4).bfloat16(), seeded(1)]
+    rows = to_host(reduction.reduce_many(tensors, zeros=False))
+    for t, row in zip(tensors, rows):
+        got, want = gradient_stats(row, abs_max=True), t.double()
+        assert math.isclose(got["norm"], float(want.norm()), rel_tol=1e-7)  # float32 data: the device path sums d^2 of scaled values
+        assert got["abs_max"] == float(want.abs().max())
+    for t, norm in zip(tensors, to_host(reduction.norms(tensors))):
+        assert math.isclose(norm[0], float(t.double().norm()), rel_tol=1e-12)
+    for t, hist in zip(tensors, to_host(reduction.histograms(tensors))):
+        want = torch.histc(t.double(), bins=30, min=float(t.min()), max=float(t.max())) if t.numel() > 1 else None
+        if want is not None:
+            assert hist[5:] == want.tolist()
+    x = seeded(4, 6, 5).relu()
+    counts = to_host(reduction.channel_counts([(x, 1)]))[0]
+    assert counts == [float((x[:, c] != 0).sum()) for c in range(6)]
+
+
+def test_every_watch_line_names_the_backend(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    env.setenv(reduction.REDUCTION_ENV, "device")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+    log = tmp_path / "w.jsonl"
+    with hookcli.watch(model, opt, out=log) as w:
+        for _ in range(3):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss=loss)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 3 and {line["reduction"] for line in lines} == {"device"}
+
+
+@needs_kernel
+def test_the_kernel_backend_is_the_default_on_cpu(env: pytest.MonkeyPatch) -> None:
+    assert reduction.choose("cpu").name == "kernel" and reduction.name_for("cpu") == "kernel"
