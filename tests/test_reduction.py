@@ -124,3 +124,24 @@ def test_every_watch_line_names_the_backend(env: pytest.MonkeyPatch, tmp_path: P
 @needs_kernel
 def test_the_kernel_backend_is_the_default_on_cpu(env: pytest.MonkeyPatch) -> None:
     assert reduction.choose("cpu").name == "kernel" and reduction.name_for("cpu") == "kernel"
+
+
+#: The torch ops the device backend runs per reduced tensor, counted with a TorchDispatchMode
+#: (benchmarks/README.md): a count, not a timing, so it holds on any machine. Lower it when the path gets
+#: leaner; never raise it without saying why there.
+DEVICE_OPS_PER_TENSOR = 71
+
+
+@pytest.mark.parametrize("shape", [(1000,), (4, 64, 30, 30), (300, 70)])
+def test_the_device_backend_runs_at_most_its_measured_op_count_per_tensor(env: pytest.MonkeyPatch,
+                                                                         shape: tuple[int, ...]) -> None:
+    from reference import aten_op_counts
+
+    x = seeded(*shape)
+    reducer = Reducer(backend="device")
+    counts = aten_op_counts(lambda: reduction.reduce(x, reducer=reducer))
+    assert 0 < sum(counts.values()) <= DEVICE_OPS_PER_TENSOR, counts
+    # zeros=False (gradients): one op less, and never more
+    y = x * 1  # another tensor: not the one the reducer saw
+    again = aten_op_counts(lambda: reduction.reduce(y, zeros=False, reducer=reducer))
+    assert sum(again.values()) <= DEVICE_OPS_PER_TENSOR, again

@@ -349,7 +349,7 @@ def new_report(prep: Prepared, command: str) -> Report:
         device=device,
         mode="train" if opts.train else "eval",
         version=__version__,
-        reduction=reduction.name_for(device) if device != "meta" else None,
+        reduction=reduction.name_for(device) if command != "shapes" and device != "meta" else None,  # shapes: none
     )
     if opts.shard is not None:
         report.notes.append(SHARD_NOTE.format(ranks=distributed.world_size(), shard=opts.shard))
