@@ -9,7 +9,7 @@ from torch import nn
 
 from hookcli.records import statistics
 
-ACCUMULATOR = statistics.Accumulator("abs_sum", torch.abs)
+ACCUMULATOR = statistics.Accumulator("abs_sum", "abs")  # torch.abs, by name
 STATISTIC = statistics.Statistic(
     "mean_abs", lambda s: s.acc["abs_sum"] / s.acc["count"] if s.acc["count"] else s.missing, "Mean |x|",
     frozenset({statistics.ACTIVATION, statistics.GRADIENT, statistics.WATCH}))

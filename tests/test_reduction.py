@@ -67,8 +67,11 @@ def test_no_kernel_env_makes_auto_torch(env: pytest.MonkeyPatch) -> None:
     assert reduction.choose("cuda").name == "device"
     env.setenv(reduction.REDUCTION_ENV, "torch")
     assert reduction.choose("cuda").name == "device"  # a host backend reads CPU memory only
-    with pytest.raises(UsageError):
-        reduction.choose("cpu", "kernel")
+    env.setenv(reduction.REDUCTION_ENV, "kernel")
+    with pytest.raises(UsageError, match="switched off by HOOKCLI_NO_KERNEL"):
+        reduction.choose("cpu")
+    if _fastreduce is not None:  # a caller's own choice takes the built kernel (as Reducer(kernel=True))
+        assert reduction.choose("cpu", "kernel").name == "kernel"
 
 
 def test_device_backend_runs_on_cpu_tensors(env: pytest.MonkeyPatch) -> None:

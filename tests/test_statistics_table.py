@@ -30,8 +30,9 @@ def test_a_declared_statistic_is_in_the_dicts_and_equals_float64_torch(mean_squa
     got = activation_stats(row)
     assert list(got) == ["mean", "std", "min", "max", "norm", "mean_square", "zero_fraction", "nan_count",
                          "inf_count", "kurtosis"]
-    assert math.isclose(got["mean_square"], want, rel_tol=1e-12)
-    assert math.isclose(watch_stats(row)["mean_square"], want, rel_tol=1e-12)
+    # 1e-7: under HOOKCLI_REDUCTION=device the moments are float32 data's, scaled, summed in float64
+    assert math.isclose(got["mean_square"], want, rel_tol=1e-7)
+    assert math.isclose(watch_stats(row)["mean_square"], want, rel_tol=1e-7)
 
 
 def test_a_declared_statistic_is_a_column_and_a_report_stat(mean_square: statistics.Statistic) -> None:

@@ -37,9 +37,7 @@ class Backend:
 
 
 def _kernel_unavailable() -> str | None:
-    if kernel.load() is None:
-        return f"the C statistics kernel is {kernel.status()}"
-    return f"the C statistics kernel is switched off by {kernel.NO_KERNEL_ENV}" if kernel.switched_off() else None
+    return f"the C statistics kernel is {kernel.status()}" if kernel.load() is None else None
 
 
 BACKENDS: dict[str, Backend] = {
@@ -52,18 +50,22 @@ BACKENDS: dict[str, Backend] = {
 def choose(device: torch.device | str = "cpu", name: str | None = None) -> Backend:
     """The backend that reduces tensors on ``device``: ``name``'s, else ``HOOKCLI_REDUCTION``'s, else the
     best one there (the one place it is chosen). A forced host backend leaves an accelerator's tensors
-    to ``device``. Raises ``UsageError`` for an unknown name or one that cannot run here."""
+    to ``device``. Raises ``UsageError`` for an unknown name or one that cannot run here (the kernel
+    not built; or switched off by ``HOOKCLI_NO_KERNEL`` while ``HOOKCLI_REDUCTION`` asks for it: a caller's
+    own ``name="kernel"`` takes it where it is built, as ``Reducer(kernel=True)`` did)."""
     wanted = name or os.environ.get(REDUCTION_ENV, "").strip() or "auto"
     on_cpu = torch.device(device).type == "cpu"
     if wanted == "auto":
         if not on_cpu:
             return BACKENDS["device"]
-        return BACKENDS["kernel" if _kernel_unavailable() is None else "torch"]
+        return BACKENDS["kernel" if kernel.enabled() else "torch"]
     backend = BACKENDS.get(wanted)
     if backend is None:
         raise UsageError(f"{REDUCTION_ENV}={wanted}: no such reduction backend",
                          hint=f"use one of auto, {', '.join(BACKENDS)}")
     why = backend.unavailable()
+    if why is None and name is None and wanted == "kernel" and kernel.switched_off():  # the two variables disagree
+        why = f"the C statistics kernel is switched off by {kernel.NO_KERNEL_ENV}"
     if why is not None:
         raise UsageError(f"{REDUCTION_ENV}={wanted}: {why}",
                          hint=f"unset {REDUCTION_ENV} (auto picks what runs here), or set it to torch")

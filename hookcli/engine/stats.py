@@ -469,7 +469,8 @@ def with_extras(vector: Vector, x: torch.Tensor) -> Vector:
         x = x.to_dense()
     values = x.to(device_float(x.device))
     finite = torch.isfinite(values)
-    sums = [torch.where(finite, a.term(values), 0).sum() for a in table.extra_accumulators()]
+    terms = [getattr(torch, a.term) if isinstance(a.term, str) else a.term for a in table.extra_accumulators()]
+    sums = [torch.where(finite, term(values), 0).sum() for term in terms]
     if isinstance(vector, tuple):
         return (*vector, *(float(v) for v in sums))  # type: ignore[return-value]
     return torch.cat([vector, torch.stack(sums).to(vector.dtype)])

@@ -41,11 +41,12 @@ Value = float | int | None
 @dataclass(frozen=True)
 class Accumulator:
     """An extra accumulator: ``sum(term(x))`` over a tensor's finite values, in float64. ``term`` is an
-    elementwise function of a float tensor (``torch.abs``), given by whoever declares it (this module
-    never imports torch). Sums add up over calls, batches, steps and ranks, and scale with repeats."""
+    elementwise function of a float tensor: a torch function's name (``"abs"``: this module never imports
+    torch) or the function (``torch.abs``). Sums add up over calls, batches, steps and ranks, and scale
+    with repeats."""
 
     name: str
-    term: Callable[[Any], Any]
+    term: str | Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
