@@ -502,15 +502,10 @@ class StepReduction:
         for slot, kind in enumerate(plan.kinds):
             if kind == MERGED:
                 width = _width(kind, None)
-                present, n = total1[at:at + 2]
-                added = dict(zip(additive_fields(), total1[at + 3:at + width]))
-                top, neg_low, first_bad = extremes[at3:at3 + 3]
-                m2, m3, m4 = total2[at2:at2 + 3]
-                mean = means[at2 // 3]
-                merged = Moments(mean, -neg_low, top, n, m2, m3, m4, added["zeros"], added["nans"], added["infs"])
-                rows.append([*merged, *(added[a.name] for a in statistics.extra_accumulators())] if present else None)
-                if first_bad != -math.inf:
-                    nonfinite_rank[slot] = int(-first_bad)
+                rows.append(_merged_row(total1[at:at + width], extremes[at3:at3 + 2], means[at2 // 3],
+                                        total2[at2:at2 + 3]))
+                if extremes[at3 + 2] != -math.inf:  # the lowest rank with a NaN/Inf there, negated
+                    nonfinite_rank[slot] = int(-extremes[at3 + 2])
                 at, at2, at3 = at + width, at2 + 3, at3 + 3
             elif kind == SHARDED_NORM:
                 present, squares = total1[at:at + 2]
@@ -537,6 +532,19 @@ class StepReduction:
         return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
                           summed=summed), max_calls, False
 
+
+
+def _merged_row(sums: Sequence[float], extremes: Sequence[float], mean: float, central: Sequence[float]
+                ) -> list[float] | None:
+    """A merged slot's global row (``Moments``, then the extra accumulators) from its first SUM's values
+    (presence, count, sum, the ``additive_fields``), its MAX's ``(max, -min)``, the global mean and the
+    second SUM's central sums; None where no rank had it."""
+    present, n = sums[0], sums[1]
+    if not present:
+        return None
+    added = dict(zip(additive_fields(), sums[3:]))
+    merged = Moments(mean, -extremes[1], extremes[0], n, *central, added["zeros"], added["nans"], added["infs"])
+    return [*merged, *(added[a.name] for a in statistics.extra_accumulators())]
 
 
 def _width(kind: str, row: Sequence[float] | None) -> int:
