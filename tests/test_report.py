@@ -221,12 +221,13 @@ def _log_text(path: Path) -> list[str]:
     (None, "no such log file"),
     ("", "no logged steps"),
     ("\n\n", "no logged steps"),
-    ("{line1}not json\n{line2}", "line 2 is not JSON"),
-    ("{line1}[1, 2]\n", "line 2 is not a JSON object"),
-    ('{line1}{{"schema": 2, "step": 1}}\n', "line 2 has schema 2, not 1"),
+    ("not json\n", "line 1 is not JSON"),  # a log with no good line at all (one bad line is left out)
+    ("[1, 2]\n", "line 1 is not a JSON object"),
+    ('{{"schema": 2, "step": 1}}\n', "line 1 has schema 2, not 1"),
     ('{{"schema": 1, "step": "one"}}\n', "line 1 has no whole-number 'step'"),
     ('{{"schema": 1, "step": 1, "layers": 3}}\n', "line 1 has a 'layers' that is not a list"),
-    ("{line1}{torn} ]\n{line2}", "line 2 is not JSON"),  # not a line cut short: the log is damaged
+    ("{torn} ]\n", "line 1 is not JSON"),  # not a line cut short: the log is damaged
+    ("x\n" * 3, "line 1 is not JSON (and 2 more"),
     pytest.param("[" * 100_000 + "]" * 100_000 + "\n", "line 1 is not JSON", id="too-deep"),  # not exit 3
 ])
 def test_a_bad_log_is_exit_2_with_one_line_naming_it(cli, healthy, tmp_path: Path, content: str | None,
@@ -243,7 +244,7 @@ def test_a_bad_log_is_exit_2_with_one_line_naming_it(cli, healthy, tmp_path: Pat
 
 
 def test_a_directory_and_a_binary_file_are_exit_2(cli, tmp_path: Path) -> None:
-    (tmp_path / "bin.jsonl").write_bytes(b'{"schema": 1, "step": 0}\n\xff\xfe\n')
+    (tmp_path / "bin.jsonl").write_bytes(b'\n\xff\xfe\n')
     for path, needle in ((tmp_path, "is a directory"), (tmp_path / "bin.jsonl", "line 2 is not UTF-8")):
         result = cli("report", path)
         assert result.exit_code == 2 and needle in result.stderr.splitlines()[0]
