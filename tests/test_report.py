@@ -32,6 +32,7 @@ import hookcli
 from hookcli.errors import InputError, LayerNotFoundError, UsageError
 from hookcli.render import render
 from hookcli.render.report import LEVELS, Scale, bucket_value, buckets, scale
+from timeouts import scaled_timeout
 
 WATCH_LOGS = Path(__file__).resolve().parent / "golden" / "watch"
 LAYERS = ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
@@ -737,14 +738,14 @@ def test_dash_without_a_pipe_is_exit_2_not_a_wait(stdin: str) -> None:
 
         leader, follower = pty.openpty()
         try:
-            out = subprocess.run(command, stdin=follower, capture_output=True, text=True, env=env, timeout=120,
+            out = subprocess.run(command, stdin=follower, capture_output=True, text=True, env=env, timeout=scaled_timeout(120),
                                  check=False)
         finally:
             os.close(leader)
             os.close(follower)
     else:
         out = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *command], capture_output=True, text=True,
-                             env=env, timeout=120, check=False)
+                             env=env, timeout=scaled_timeout(120), check=False)
     err = out.stderr.splitlines()
     assert out.returncode == 2 and out.stdout == "" and len(err) == 2, out.stderr
     why = "a terminal, not a log" if stdin == "terminal" else "closed, there is no log to read"

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import hookcli
+from timeouts import scaled_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What a hostile log puts in every text field: it closes a quoted or unquoted attribute, adds event
@@ -116,7 +117,7 @@ def test_a_browser_runs_no_script_of_a_hostile_log(tmp_path: Path) -> None:
     page = tmp_path / "page.html"
     page.write_text(render_html(hookcli.report(_write(tmp_path / "h.jsonl", [_line(0), _line(1)]))))
     done = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=scaled_timeout(120), check=False)
     assert done.returncode == 0 and "</html>" in done.stdout, done.stderr[-2000:]
     assert _injected(done.stdout) == []
 
@@ -174,7 +175,7 @@ def test_a_device_as_the_log_is_exit_2_at_once(cli) -> None:
     started = time.monotonic()
     result = cli("report", "/dev/zero")
     assert result.exit_code == 2 and "is a device, not a log file" in result.stderr.splitlines()[0]
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < scaled_timeout(30)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
@@ -187,7 +188,7 @@ def test_a_fifo_is_read_as_a_pipe(tmp_path: Path) -> None:
     try:
         assert hookcli.report(fifo).steps == [0, 1]
     finally:
-        writer.wait(timeout=60)
+        writer.wait(timeout=scaled_timeout(60))
 
 
 def test_a_megabyte_name_is_shown_in_seconds_not_minutes(cli, tmp_path: Path) -> None:
@@ -198,7 +199,7 @@ def test_a_megabyte_name_is_shown_in_seconds_not_minutes(cli, tmp_path: Path) ->
     started = time.monotonic()
     result = cli("report", log, "--width", "100")
     assert result.exit_code == 0 and "nnnnnnnnnn…nnnn" in result.stdout and len(result.stdout) < 10_000
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < scaled_timeout(60)
 
 
 BERT = [f"bert.encoder.layer.{i}.attention.self.query" for i in (0, 1, 10, 11)]
@@ -266,7 +267,7 @@ def test_a_reader_of_stdout_that_left_ends_the_report_quietly(tmp_path: Path, ar
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run([sys.executable, "-m", "hookcli", "report", str(path), *args], stdout=write,
-                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, timeout=scaled_timeout(300), check=False)
     finally:
         os.close(write)
     assert done.returncode == 141, done.stderr
