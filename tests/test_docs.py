@@ -27,8 +27,8 @@ import click
 import pytest
 
 from timeouts import scaled_timeout
-from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_thread, parse_command, parse_transcript,
-                         run, same_output)
+from transcripts import (EXACT, ROOT, Fence, Sandbox, Tolerance, fences, format_transcript, one_thread, parse_command,
+                         parse_transcript, run, same_output, tolerance)
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
@@ -49,7 +49,7 @@ def update(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
-                    errors: list[str]) -> tuple[list[str], list[str]]:
+                    errors: list[str], within: Tolerance = EXACT) -> tuple[list[str], list[str]]:
     """Run a transcript; returns (its regenerated lines, a diff per command whose output changed).
 
     A command that lets an exception escape (a bug, not an error message) keeps the text shown and is
@@ -64,8 +64,8 @@ def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
             except Exception:  # noqa: BLE001 - reported below with its traceback
                 errors.append(f"{where}: $ {command.line}\n{traceback.format_exc()}")
                 actual = command.expected
-            if same_output(command.expected, actual):
-                actual = command.expected  # within the last printed digit: keep what is shown
+            if same_output(command.expected, actual, within):
+                actual = command.expected  # within the last printed digit (or rel): keep what is shown
             outputs.append(actual)
             if actual != command.expected:
                 diffs.append(f"{where}: $ {command.line}\n" + "\n".join(
@@ -105,7 +105,7 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
     for fence in fences(lines):
         where = f"{rel(path)}:{fence.line_no}"
         if fence.lang == "console":
-            body, found = _run_transcript(fence.body, sandbox, where, errors)
+            body, found = _run_transcript(fence.body, sandbox, where, errors, fence.tolerance)
             diffs += found
             regenerated.append((fence, body))
         elif fence.lang == "python" and snippets_ok:
@@ -222,6 +222,44 @@ def _parse_cli(line: str, where: str) -> None:
         pass  # --version, --help
     except click.UsageError as exc:
         pytest.fail(f"{where}: {line!r}: {exc.format_message()}")
+
+
+@pytest.mark.parametrize(("shown", "actual", "info", "same"), [
+    ("loss 0.01144 at step 8", "loss 0.01093 at step 8", "rel=0.1", True),   # a training run's block
+    ("loss 0.01144 at step 8", "loss 0.01093 at step 8", "", False),         # any other block
+    ("loss 0.01144 at step 8", "loss 0.01293 at step 8", "rel=0.1", False),  # beyond 10%
+    ("loss 0.01144 at step 8", "loss 0.01144 at step 9", "rel=0.1", True),   # (9 vs 8: see below)
+    ("value 6.143e-08 limit 0.001", "value 1.2e-07 limit 0.001", "abs=1e-6", True),  # rounding noise
+    ("value 6.143e-08 limit 0.001", "value 1.2e-07 limit 0.001", "rel=0.1", False),
+    ("12 rules · 11 passed", "12 rules · 10 passed", "rel=0.5 abs=5", False),  # counts exactly, always
+])
+def test_a_training_runs_block_declares_its_tolerance(shown: str, actual: str, info: str, same: bool) -> None:
+    """``rel=`` / ``abs=`` on a console fence's line: its decimals may differ by that much; integers never."""
+    within = tolerance(info)
+    if "step 9" in actual:
+        assert same_output([shown], [actual], within) is False  # a step is an integer: exact
+        return
+    assert same_output([shown], [actual], within) is same
+
+
+@pytest.mark.parametrize("info", ["tol=0.1", "rel", "rel=1.5", "abs=-1"])
+def test_an_unknown_or_bad_block_tolerance_is_an_error(info: str) -> None:
+    with pytest.raises(ValueError):
+        tolerance(info)
+
+
+def test_only_training_runs_declare_a_tolerance() -> None:
+    """A tolerance hides real changes: only blocks that train (``--steps``) or report on a trained
+    log have one, and they say so in the text shown before them."""
+    declared = 0
+    for path in DOCS:
+        for fence in fences(path.read_text().splitlines()):
+            if fence.lang == "console" and fence.tolerance != EXACT:
+                commands = [c.line for c in parse_transcript(fence.body)[1]]
+                assert any("--steps" in c or c.startswith("hookcli report") for c in commands), \
+                    f"{rel(path)}:{fence.line_no}: a tolerance on a block that trains nothing"
+                declared += 1
+    assert declared >= 1
 
 
 @pytest.mark.parametrize(("shown", "actual", "same"), [
