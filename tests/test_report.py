@@ -751,3 +751,40 @@ def test_dash_without_a_pipe_is_exit_2_not_a_wait(stdin: str) -> None:
     why = "a terminal, not a log" if stdin == "terminal" else "closed, there is no log to read"
     assert err[0] == f"Error: report -: stdin is {why}"
     assert err[1].startswith("  hint: pipe a log in (cat runs/exp.jsonl | hookcli report -)")
+
+
+class TiedHead(nn.Module):
+    """One Linear reached by two names (``decoder`` first, ``lm_head`` the tied one), called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.decoder = nn.Linear(8, 4)
+        self.lm_head = self.decoder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.relu(self.body(x)))
+
+
+def test_a_tied_module_is_found_by_any_of_its_names(tmp_path: Path) -> None:
+    """The watch records a module under its first name (``decoder``) and its other names in the log
+    (``aliases``); ``--layers lm_head`` finds its rows, and its parameters', as ``--layers decoder`` does."""
+    torch.manual_seed(0)
+    model = TiedHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "tied.jsonl"
+    outputs: list[torch.Tensor] = []
+    model.decoder.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().double()))
+    with hookcli.watch(model, optimizer, every=1, out=log) as w:
+        for _ in range(2):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step()
+    entry = next(e for e in json.loads(log.read_text().splitlines()[0])["layers"] if e["name"] == "decoder")
+    assert entry["aliases"] == ["lm_head"]
+    report = hookcli.report(log, layers="lm_head")
+    assert [s.name for s in report.series] == ["decoder"]
+    _close(report.series[0].values, [float(o.pow(2).mean().sqrt()) for o in outputs])
+    assert [s.name for s in hookcli.report(log, layers="lm_head", stat="norm").series] == \
+        ["decoder.weight", "decoder.bias"]

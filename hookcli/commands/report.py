@@ -278,12 +278,13 @@ def _finding(raw: dict[str, Any], step: int) -> Finding:
                    message=str(raw.get("message", "")))
 
 
-def _matches(patterns: list[str], name: str, module: str) -> bool:
+def _matches(patterns: list[str], name: str, modules: Sequence[str]) -> bool:
     """Whether a row matches a ``--layers`` name or glob: its own name (``lstm[0].data``, ``lstm*``), or
-    its module's name as ``--layers`` matches modules in every command (``options.layer_matches``): a
+    its module's names (``modules``: its name, and the others of a module reached along two paths, a
+    tied ``lm_head``) as ``--layers`` matches modules in every command (``options.layer_matches``): a
     module's name keeps all its output rows (``lstm``: ``lstm[0].data``, ``lstm[1][0]``) and a
     parameter's module its parameters (``head``: ``head.weight``)."""
-    return any(p == name or layer_matches(p, name) or layer_matches(p, module) for p in patterns)
+    return any(p == name or layer_matches(p, name) or any(layer_matches(p, m) for m in modules) for p in patterns)
 
 
 def _unmeasured_note(rows: list[str]) -> str:
@@ -298,7 +299,15 @@ def _unmeasured_note(rows: list[str]) -> str:
 _NOTE_ROWS = 4
 
 
-def _select(series: list[ReportSeries], patterns: list[str], modules: dict[str, str], noun: str, shown: str,
+def _add_aliases(line: dict[str, Any], aliases: dict[str, set[str]]) -> None:
+    """The other names of the modules a line's layer entries name (``aliases``: a tied ``lm_head``)."""
+    for entry in line.get("layers", []):
+        names = entry.get("aliases")
+        if isinstance(names, list):
+            aliases.setdefault(str(entry.get("name", "")), set()).update(str(n) for n in names)
+
+
+def _select(series: list[ReportSeries], patterns: list[str], modules: dict[str, list[str]], noun: str, shown: str,
             notes: list[str]) -> list[ReportSeries]:
     """The rows ``--layers`` matches. A pattern that matches no row gets a note (a log holds the rows
     its run logged: another run's names are not a typo of this one's); a LayerNotFoundError (exit 2)
@@ -333,7 +342,9 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     rows: dict[str, ReportSeries] = {}
     modules: dict[str, str] = {}  # a row's name -> its module's
     unmeasured: dict[str, str] = {}  # a layer row's name -> its dtype, until an entry of it has statistics
+    aliases: dict[str, set[str]] = {}  # a module's name -> its other names
     for column, line in enumerate(read_log(path, notes)):
+        _add_aliases(line, aliases)
         steps.append(line["step"])
         losses.append(_number(line.get("loss")))
         findings += [_finding(f, line["step"]) for f in line.get("findings", [])]
@@ -353,7 +364,8 @@ def watch_report(path: str | os.PathLike[str], stat: str = "rms",
     patterns = split_patterns(layers)
     series = list(rows.values())
     if patterns:
-        series = _select(series, patterns, modules, f"{'parameter' if is_param else 'layer'}", shown_path(path), notes)
+        names = {row: [module, *sorted(aliases.get(module, ()))] for row, module in modules.items()}
+        series = _select(series, patterns, names, f"{'parameter' if is_param else 'layer'}", shown_path(path), notes)
     if left_out := [s for s in series if s.name in unmeasured]:
         series = [s for s in series if s.name not in unmeasured]
         notes.append(_unmeasured_note([f"{s.name} ({unmeasured[s.name]})" for s in left_out]))
