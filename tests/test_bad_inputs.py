@@ -31,6 +31,7 @@ from hookcli.engine.build_inputs import make_inputs
 from hookcli.options import parse_input_shape
 from hookcli.engine.loading import from_instance
 from hookcli.options import parse_model_args
+from timeouts import scaled_timeout
 
 MODEL_FILE = '''
 import torch
@@ -661,7 +662,7 @@ def _hookcli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, **kw
     root = Path(hookcli.__file__).resolve().parent.parent
     full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     full.pop("HOOKCLI_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "hookcli", *args], cwd=tmp_path, env=full, timeout=300,
+    return subprocess.run([sys.executable, "-m", "hookcli", *args], cwd=tmp_path, env=full, timeout=scaled_timeout(300),
                           **kwargs)
 
 
@@ -800,7 +801,7 @@ def test_an_endless_device_stops_at_the_limit(cli, workdir: Path, monkeypatch: p
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     result = cli(*argv)
-    writer.join(timeout=60)
+    writer.join(timeout=scaled_timeout(60))
     assert result.exit_code == 2, result.stderr
     assert f"more than {limit} bytes" in result.stderr.splitlines()[0]
     assert sent[0] < 80 << 20  # the reader stopped: the writer's pipe broke before it was done

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timeouts import scaled_timeout
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -27,7 +29,7 @@ print("ROWS " + json.dumps(rows))
 def test_watch_section_runs_at_a_tiny_size(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}  # wandb, when installed, writes under HOME
     out = subprocess.run([sys.executable, "-c", TINY], cwd=BENCHMARKS, env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=scaled_timeout(600))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("ROWS "))[5:])
     by_variant = {r["variant"]: r for r in rows}

@@ -26,6 +26,7 @@ from hookcli.render.ci import annotations, escape_data, escape_property
 from hookcli.commands.check.schema import DEFAULTS, OVERRIDE_KEYS, parse_checks
 from hookcli.errors import ConfigError
 from reference import finished_outputs
+from timeouts import scaled_timeout
 
 DEFAULT_RULES = ["runs", "finite", "max_abs_activation", "max_zero_fraction", "dead_channels", "grad_norm",
                  "params_change"]
@@ -553,7 +554,7 @@ def test_check_renders_in_every_format_without_torch() -> None:
         assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=scaled_timeout(60))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 

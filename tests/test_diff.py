@@ -26,6 +26,7 @@ from torch import nn
 import hookcli
 from hookcli.commands.diff_numbers import DiskStore, compare, errors_from, pieces
 from reference import outputs_by_call
+from timeouts import scaled_timeout
 
 # --------------------------------------------------------------------------- plain-torch references
 
@@ -666,7 +667,7 @@ def test_no_room_for_run_a_is_a_clear_error_exit_2(tmp_path: Path) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     result = subprocess.run([sys.executable, "-m", "hookcli", "diff", "resnet18", "--all", "--input-shape", "1x3x64x64"],
-                            capture_output=True, text=True, preexec_fn=small_files, cwd=tmp_path, timeout=300)
+                            capture_output=True, text=True, preexec_fn=small_files, cwd=tmp_path, timeout=scaled_timeout(300))
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     lines = result.stderr.splitlines()

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import sharded_models  # noqa: E402
 from torchrun_launch import launch, torchrun_env  # noqa: E402
+from timeouts import scaled_timeout
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -147,7 +148,7 @@ def test_materialised_weights_equal_a_one_process_build(tmp_path: Path) -> None:
     ``--shard ddp|fsdp2|tp`` materialises, gathered from every rank, equals the one-process build with
     the same seed, exactly; tied weights stay tied (ddp) or are refused (fsdp2, tp)."""
     # a hang (a rank left waiting in rank 0's broadcast for the group's 30 minutes) ends in TimeoutExpired
-    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD, timeout=150)
+    done = launch([str(Path(__file__).with_name("distributed_cli_worker.py")), str(tmp_path)], WORLD, timeout=scaled_timeout(150))
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
     net = sharded_models.build()
@@ -218,7 +219,7 @@ def test_a_rank_that_fails_in_a_sharded_model_leaves_no_rank_hanging() -> None:
     ends the run (torchrun stops rank 0, or rank 0's all-gather fails as rank 1's connection closes).
     Before, every rank hung until the process group's timeout."""
     done = launch(["-m", "hookcli", "grads", f"{MODELS}:picky", "--input-shape", f"{BATCH}x6", "--shard", "fsdp2",
-                   "-f", "json"], WORLD, timeout=150)
+                   "-f", "json"], WORLD, timeout=scaled_timeout(150))
     assert done.returncode == 1, done.stderr[-3000:]
     # rank 0, when its all-gather failed first (the model raised there), shows its rows so far, as partial,
     # saying they are its own part's (not "over all 1 ranks")
@@ -280,7 +281,7 @@ def test_a_batch_that_leaves_a_rank_no_sample_is_refused_by_grads() -> None:
     """``grads --shard ddp`` with a batch of 1 on 2 ranks: rank 1's slice is empty, its loss would raise
     while rank 0 waits in a collective (before: every rank hung). Every rank refuses it before running:
     exit 2, one message from rank 0 with its hint."""
-    done = launch(["-m", "hookcli", "grads", MODEL, "--input-shape", "1x6", "--shard", "ddp"], WORLD, timeout=150)
+    done = launch(["-m", "hookcli", "grads", MODEL, "--input-shape", "1x6", "--shard", "ddp"], WORLD, timeout=scaled_timeout(150))
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if line.startswith(("Error:", "  hint:"))]

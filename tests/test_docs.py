@@ -12,9 +12,12 @@ what a documented command may be.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import tomllib
 import traceback
 from collections.abc import Iterator
@@ -23,8 +26,9 @@ from pathlib import Path
 import click
 import pytest
 
-from transcripts import (ROOT, Fence, Sandbox, fences, format_transcript, one_thread, parse_command, parse_transcript,
-                         run, same_output)
+from timeouts import scaled_timeout
+from transcripts import (EXACT, ROOT, Fence, Sandbox, Tolerance, fences, format_transcript, one_thread, parse_command,
+                         parse_transcript, run, same_output, tolerance)
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.txt"))
@@ -45,7 +49,7 @@ def update(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
-                    errors: list[str]) -> tuple[list[str], list[str]]:
+                    errors: list[str], within: Tolerance = EXACT) -> tuple[list[str], list[str]]:
     """Run a transcript; returns (its regenerated lines, a diff per command whose output changed).
 
     A command that lets an exception escape (a bug, not an error message) keeps the text shown and is
@@ -60,8 +64,8 @@ def _run_transcript(body: list[str], sandbox: Sandbox, where: str,
             except Exception:  # noqa: BLE001 - reported below with its traceback
                 errors.append(f"{where}: $ {command.line}\n{traceback.format_exc()}")
                 actual = command.expected
-            if same_output(command.expected, actual):
-                actual = command.expected  # within the last printed digit: keep what is shown
+            if same_output(command.expected, actual, within):
+                actual = command.expected  # within the last printed digit (or rel): keep what is shown
             outputs.append(actual)
             if actual != command.expected:
                 diffs.append(f"{where}: $ {command.line}\n" + "\n".join(
@@ -101,7 +105,7 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
     for fence in fences(lines):
         where = f"{rel(path)}:{fence.line_no}"
         if fence.lang == "console":
-            body, found = _run_transcript(fence.body, sandbox, where, errors)
+            body, found = _run_transcript(fence.body, sandbox, where, errors, fence.tolerance)
             diffs += found
             regenerated.append((fence, body))
         elif fence.lang == "python" and snippets_ok:
@@ -112,6 +116,8 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
                 errors.append(f"{where}: python snippet\n{traceback.format_exc()}")
                 snippets_ok = False
     written = sandbox.changed_files()  # e.g. the feature-map PNG a command draws for the docs
+    if not update:
+        errors += [f"{rel(path)}: {m}" for m in _dirtying(sandbox)]
     if update:
         new = list(lines)
         for fence, body in reversed(regenerated):  # bottom-up: line indexes stay valid
@@ -123,6 +129,33 @@ def test_page_runs_and_shows_what_hookcli_prints(path: Path, tmp_path: Path, upd
     else:
         diffs += [f"{name}: the file a documented command writes differs from the repository's" for name in written]
     _report(diffs, update, "documented outputs", errors)
+
+
+def _dirtying(sandbox: Sandbox) -> list[str]:
+    """What the page's commands and snippets wrote that would leave ``git status --porcelain`` unclean
+    in a clone where a reader ran them: a file git neither tracks nor ignores (``runs/``,
+    ``feats.safetensors``: .gitignore must cover it), or a tracked file written otherwise."""
+    import subprocess
+
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.splitlines())
+    found: list[str] = []
+    new: list[str] = []
+    for file in sorted(sandbox.path.rglob("*")):
+        name = file.relative_to(sandbox.path).as_posix()
+        if name.split("/")[0] in Sandbox.LINKED or not file.is_file() or file.is_symlink():
+            continue
+        if name in tracked:
+            if name not in sandbox.changed_files() and (ROOT / name).read_bytes() != file.read_bytes():
+                found.append(f"{name} is tracked, and the documented commands change it")
+        else:
+            new.append(name)
+    if new:
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], input="\n".join(new), cwd=ROOT,
+                                 capture_output=True, text=True, check=False).stdout.splitlines()
+        found += [f"{name}: written by the documented commands, and .gitignore does not cover it"
+                  for name in new if name not in ignored]
+    return found
 
 
 def _exec_snippet(body: list[str], where: str, namespace: dict[str, object]) -> None:
@@ -191,6 +224,44 @@ def _parse_cli(line: str, where: str) -> None:
         pytest.fail(f"{where}: {line!r}: {exc.format_message()}")
 
 
+@pytest.mark.parametrize(("shown", "actual", "info", "same"), [
+    ("loss 0.01144 at step 8", "loss 0.01093 at step 8", "rel=0.1", True),   # a training run's block
+    ("loss 0.01144 at step 8", "loss 0.01093 at step 8", "", False),         # any other block
+    ("loss 0.01144 at step 8", "loss 0.01293 at step 8", "rel=0.1", False),  # beyond 10%
+    ("loss 0.01144 at step 8", "loss 0.01144 at step 9", "rel=0.1", True),   # (9 vs 8: see below)
+    ("value 6.143e-08 limit 0.001", "value 1.2e-07 limit 0.001", "abs=1e-6", True),  # rounding noise
+    ("value 6.143e-08 limit 0.001", "value 1.2e-07 limit 0.001", "rel=0.1", False),
+    ("12 rules · 11 passed", "12 rules · 10 passed", "rel=0.5 abs=5", False),  # counts exactly, always
+])
+def test_a_training_runs_block_declares_its_tolerance(shown: str, actual: str, info: str, same: bool) -> None:
+    """``rel=`` / ``abs=`` on a console fence's line: its decimals may differ by that much; integers never."""
+    within = tolerance(info)
+    if "step 9" in actual:
+        assert same_output([shown], [actual], within) is False  # a step is an integer: exact
+        return
+    assert same_output([shown], [actual], within) is same
+
+
+@pytest.mark.parametrize("info", ["tol=0.1", "rel", "rel=1.5", "abs=-1"])
+def test_an_unknown_or_bad_block_tolerance_is_an_error(info: str) -> None:
+    with pytest.raises(ValueError):
+        tolerance(info)
+
+
+def test_only_training_runs_declare_a_tolerance() -> None:
+    """A tolerance hides real changes: only blocks that train (``--steps``) or report on a trained
+    log have one, and they say so in the text shown before them."""
+    declared = 0
+    for path in DOCS:
+        for fence in fences(path.read_text().splitlines()):
+            if fence.lang == "console" and fence.tolerance != EXACT:
+                commands = [c.line for c in parse_transcript(fence.body)[1]]
+                assert any("--steps" in c or c.startswith("hookcli report") for c in commands), \
+                    f"{rel(path)}:{fence.line_no}: a tolerance on a block that trains nothing"
+                declared += 1
+    assert declared >= 1
+
+
 @pytest.mark.parametrize(("shown", "actual", "same"), [
     ("fc  Linear  0.008655  42.8 ok", "fc  Linear  0.008656  42.8 ok", True),   # one unit in the last digit
     ("fc  Linear  0.008655  42.8 ok", "fc  Linear  0.008654  42.8 ok", True),
@@ -228,6 +299,44 @@ def test_commands_without_output_parse() -> None:
                 _parse_cli(comment, rel(config))
                 checked += 1
     assert checked >= 10
+
+
+#: A MODEL (or a config's ``model``) named by import path: ``pkg.mod:attr``.
+IMPORT_PATH = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):[A-Za-z_]\w*$")
+
+
+def _run_commands() -> Iterator[tuple[str, str]]:
+    """Every ``$ hookcli ...`` line of the docs' console blocks (the commands that are run), and where."""
+    for path in DOCS:
+        for fence in fences(path.read_text().splitlines()):
+            if fence.lang == "console":
+                yield from ((c.line, f"{rel(path)}:{fence.line_no}") for c in parse_transcript(fence.body)[1])
+
+
+def test_every_model_the_docs_run_resolves_from_the_repository_root() -> None:
+    """A documented command that is run must run as a user types it, in a clone's root (shown-only
+    commands in bash blocks name the user's own ``mypkg.models:Net``): a MODEL import path must
+    resolve from there (hookcli puts the working folder on sys.path), not only with tests/ on sys.path
+    as under pytest (``tiny_models:MakesNaN`` did; ``tests/tiny_models.py:MakesNaN`` is the form)."""
+    from hookcli.options import FILE, IMPORT, source_of
+
+    modules: dict[str, str] = {}
+    files: dict[str, str] = {}
+    for line, where in _run_commands():
+        for token in shlex.split(line, comments=True):
+            if (m := IMPORT_PATH.match(token)) and source_of(token) is IMPORT:
+                modules.setdefault(m["module"], f"{where}: {token}")
+            elif ":" in token and source_of(token) is FILE:
+                files.setdefault(token.rpartition(":")[0], f"{where}: {token}")
+    assert files, "the docs run no model file: this test checks nothing"
+    missing = [shown for name, shown in files.items() if not (ROOT / name).is_file()]
+    code = ("import importlib.util, sys\n"
+            "print('\\n'.join(m for m in sys.argv[1:] if importlib.util.find_spec(m.split('.')[0]) is None))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=scaled_timeout(60), check=True)
+    missing += [modules[m] for m in done.stdout.split()]
+    assert not missing, f"models named in the docs that do not resolve from the repository root: {missing}"
 
 
 def _all_option_names() -> set[str]:

@@ -16,6 +16,7 @@ from torch import nn
 
 import hookcli
 from hookcli.errors import LayerNotFoundError, ModelRaisedError, OutputError
+from timeouts import scaled_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -309,7 +310,7 @@ for result in (fe, fm):
         print(text)
 assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=scaled_timeout(60),
                             check=False)
     assert result.returncode == 0, result.stderr
     out = result.stdout

@@ -25,6 +25,7 @@ from hookcli.engine.session import HookOptions, HookSet
 from hookcli.engine.state import run_lock
 from hookcli.errors import UsageError
 from tiny_models import Checkpointed
+from timeouts import scaled_timeout
 
 
 class ConvMLP(nn.Module):
@@ -103,7 +104,7 @@ def _thousand_steps() -> None:
                 baseline, _ = tracemalloc.get_traced_memory()
             if step in (100, 999):
                 # between steps: no lock held (another thread takes it at once) and the collector runs
-                t = threading.Thread(target=lambda: lock_free.append(run_lock().acquire(timeout=5) and
+                t = threading.Thread(target=lambda: lock_free.append(run_lock().acquire(timeout=scaled_timeout(5)) and
                                                                      (run_lock().release() or True)))
                 t.start()
                 t.join()

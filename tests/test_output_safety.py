@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 import hookcli
 from hookcli.errors import OutputError
 from hookcli.output import atomic_path, ensure_writable, open_output, resolve_target, write_atomic
+from timeouts import scaled_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -103,7 +104,7 @@ class PipeReader:
             self.data = fh.read()
 
     def result(self, timeout: float = 120) -> bytes:
-        self._thread.join(timeout)
+        self._thread.join(scaled_timeout(timeout))
         assert not self._thread.is_alive(), "nothing was written into the FIFO"
         assert self.data is not None
         return self.data
@@ -116,7 +117,7 @@ class PipeReader:
             except OSError:
                 return
             os.close(fd)
-            self._thread.join(5)
+            self._thread.join(scaled_timeout(5))
 
 
 @pytest.fixture
@@ -182,7 +183,7 @@ def test_reader_closing_the_fifo_early_is_exit_2(tmp_path: Path) -> None:
     thread.start()
     with pytest.raises(OutputError, match="the reader closed the pipe") as info:
         write_atomic(path, b"x" * 10_000_000)
-    thread.join(10)
+    thread.join(scaled_timeout(10))
     assert info.value.exit_code == 2 and info.value.hint
     assert_fifo(path) and leftovers(tmp_path) == []
 
@@ -628,7 +629,7 @@ def run_and_signal(tmp_path: Path, args: list[str], sig: int, pause: str = "",
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + scaled_timeout(300)
         while not marker.exists():
             if proc.poll() is not None:
                 out, err = proc.communicate()
@@ -638,7 +639,7 @@ def run_and_signal(tmp_path: Path, args: list[str], sig: int, pause: str = "",
             time.sleep(0.05)
         at_pause()
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=scaled_timeout(300))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -22,6 +22,7 @@ from hookcli.render import RENDERERS, OutputFormat, render
 from hookcli.render import columns as cols
 from hookcli.render import formats as fm
 from hookcli.render.jsonfmt import sanitize
+from timeouts import scaled_timeout
 
 ANSI = re.compile(r"\x1b\[")
 NAN, INF = float("nan"), float("inf")
@@ -375,6 +376,6 @@ def test_rendering_does_not_import_torch() -> None:
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, timeout=60)
+                            cwd=ROOT, timeout=scaled_timeout(60))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

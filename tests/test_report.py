@@ -32,6 +32,7 @@ import hookcli
 from hookcli.errors import InputError, LayerNotFoundError, UsageError
 from hookcli.render import render
 from hookcli.render.report import LEVELS, Scale, bucket_value, buckets, scale
+from timeouts import scaled_timeout
 
 WATCH_LOGS = Path(__file__).resolve().parent / "golden" / "watch"
 LAYERS = ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
@@ -221,12 +222,13 @@ def _log_text(path: Path) -> list[str]:
     (None, "no such log file"),
     ("", "no logged steps"),
     ("\n\n", "no logged steps"),
-    ("{line1}not json\n{line2}", "line 2 is not JSON"),
-    ("{line1}[1, 2]\n", "line 2 is not a JSON object"),
-    ('{line1}{{"schema": 2, "step": 1}}\n', "line 2 has schema 2, not 1"),
+    ("not json\n", "line 1 is not JSON"),  # a log with no good line at all (one bad line is left out)
+    ("[1, 2]\n", "line 1 is not a JSON object"),
+    ('{{"schema": 2, "step": 1}}\n', "line 1 has schema 2, not 1"),
     ('{{"schema": 1, "step": "one"}}\n', "line 1 has no whole-number 'step'"),
     ('{{"schema": 1, "step": 1, "layers": 3}}\n', "line 1 has a 'layers' that is not a list"),
-    ("{line1}{torn} ]\n{line2}", "line 2 is not JSON"),  # not a line cut short: the log is damaged
+    ("{torn} ]\n", "line 1 is not JSON"),  # not a line cut short: the log is damaged
+    ("x\n" * 3, "line 1 is not JSON (and 2 more"),
     pytest.param("[" * 100_000 + "]" * 100_000 + "\n", "line 1 is not JSON", id="too-deep"),  # not exit 3
 ])
 def test_a_bad_log_is_exit_2_with_one_line_naming_it(cli, healthy, tmp_path: Path, content: str | None,
@@ -243,7 +245,7 @@ def test_a_bad_log_is_exit_2_with_one_line_naming_it(cli, healthy, tmp_path: Pat
 
 
 def test_a_directory_and_a_binary_file_are_exit_2(cli, tmp_path: Path) -> None:
-    (tmp_path / "bin.jsonl").write_bytes(b'{"schema": 1, "step": 0}\n\xff\xfe\n')
+    (tmp_path / "bin.jsonl").write_bytes(b'\n\xff\xfe\n')
     for path, needle in ((tmp_path, "is a directory"), (tmp_path / "bin.jsonl", "line 2 is not UTF-8")):
         result = cli("report", path)
         assert result.exit_code == 2 and needle in result.stderr.splitlines()[0]
@@ -736,16 +738,53 @@ def test_dash_without_a_pipe_is_exit_2_not_a_wait(stdin: str) -> None:
 
         leader, follower = pty.openpty()
         try:
-            out = subprocess.run(command, stdin=follower, capture_output=True, text=True, env=env, timeout=120,
+            out = subprocess.run(command, stdin=follower, capture_output=True, text=True, env=env, timeout=scaled_timeout(120),
                                  check=False)
         finally:
             os.close(leader)
             os.close(follower)
     else:
         out = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *command], capture_output=True, text=True,
-                             env=env, timeout=120, check=False)
+                             env=env, timeout=scaled_timeout(120), check=False)
     err = out.stderr.splitlines()
     assert out.returncode == 2 and out.stdout == "" and len(err) == 2, out.stderr
     why = "a terminal, not a log" if stdin == "terminal" else "closed, there is no log to read"
     assert err[0] == f"Error: report -: stdin is {why}"
     assert err[1].startswith("  hint: pipe a log in (cat runs/exp.jsonl | hookcli report -)")
+
+
+class TiedHead(nn.Module):
+    """One Linear reached by two names (``decoder`` first, ``lm_head`` the tied one), called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.decoder = nn.Linear(8, 4)
+        self.lm_head = self.decoder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.relu(self.body(x)))
+
+
+def test_a_tied_module_is_found_by_any_of_its_names(tmp_path: Path) -> None:
+    """The watch records a module under its first name (``decoder``) and its other names in the log
+    (``aliases``); ``--layers lm_head`` finds its rows, and its parameters', as ``--layers decoder`` does."""
+    torch.manual_seed(0)
+    model = TiedHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "tied.jsonl"
+    outputs: list[torch.Tensor] = []
+    model.decoder.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().double()))
+    with hookcli.watch(model, optimizer, every=1, out=log) as w:
+        for _ in range(2):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step()
+    entry = next(e for e in json.loads(log.read_text().splitlines()[0])["layers"] if e["name"] == "decoder")
+    assert entry["aliases"] == ["lm_head"]
+    report = hookcli.report(log, layers="lm_head")
+    assert [s.name for s in report.series] == ["decoder"]
+    _close(report.series[0].values, [float(o.pow(2).mean().sqrt()) for o in outputs])
+    assert [s.name for s in hookcli.report(log, layers="lm_head", stat="norm").series] == \
+        ["decoder.weight", "decoder.bias"]

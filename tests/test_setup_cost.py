@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import hookcli
+from timeouts import scaled_timeout
 
 
 class Block(nn.Module):
@@ -122,6 +123,6 @@ def test_a_run_imports_neither_dynamo_nor_the_flop_counter_it_does_not_use() -> 
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", HEAVY_IMPORTS], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", HEAVY_IMPORTS], capture_output=True, text=True, timeout=scaled_timeout(300))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[]", "True"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeouts import scaled_timeout
 
 ROOT = Path(__file__).parents[1]
 
@@ -60,7 +61,7 @@ def launch(args: list[str], world: int = 2, timeout: float = 300) -> subprocess.
     # on a timeout the ranks go too (killing torchrun alone left them running, holding the pipes)
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
+            stdout, stderr = process.communicate(timeout=scaled_timeout(timeout))
         except subprocess.TimeoutExpired:
             for pid in [*descendants(process.pid), process.pid]:  # its ranks run in sessions of their own
                 try:

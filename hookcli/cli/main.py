@@ -719,12 +719,12 @@ def report(log: str, stat: str, row_patterns: tuple[str, ...], html: str | None,
     result = api.report(log, stat=stat, layers=row_patterns or None)
     for note in result.notes if torchrun_rank() == 0 else ():
         click.echo(f"note: {note}", err=True)
-    _emit(result, fmt=values["format"], output=values["output"])
-    if html is not None:
+    if html is not None:  # first: a reader of stdout that leaves early (| head -1) does not cost the page
         from hookcli.output import write_atomic
         from hookcli.render.report_html import render_html
 
         click.echo(f"wrote {write_atomic(html, render_html(result))}", err=True)
+    _emit(result, fmt=values["format"], output=values["output"])
     if not result.ok:
         first = result.errors[0]
         raise CheckFailedError(f"report: {len(result.errors)} error finding(s) in {log}: step {first.step}: "

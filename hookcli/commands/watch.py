@@ -56,6 +56,7 @@ class Watch:
         inner = compiled_inner(model)  # torch.compile(model), (D)DP(model): the modules are named as in the model
         selection = (select_modules(inner, layers=layers, types=types) if layers or types
                      else owners_and_activations(inner))
+        self._aliases = module_aliases(inner, selection)
         # under torchrun only rank 0 writes (every rank gets the same record: docs/distributed.md)
         self.log = LineLog(out) if out is not None and distributed.rank() == 0 else None  # the path is checked now
         self.tensorboard = (TensorBoardLog(tensorboard_dir) if tensorboard_dir is not None and distributed.rank() == 0
@@ -115,6 +116,8 @@ class Watch:
         else:
             record.findings = record.findings + self._rules.observe(record)
             self.last = record
+        for layer in record.layers:
+            layer.aliases = self._aliases.get(layer.name)
         if self.log is not None:
             self.log.write_line(record.to_json_line())
         if self.tensorboard is not None and not record.flight:
@@ -125,6 +128,18 @@ class Watch:
             raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,
                                    hint="w.findings and the log's findings say more; "
                                         "rules={...} sets the thresholds, on_finding='warn' only records them")
+
+
+def module_aliases(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> dict[str, list[str]]:
+    """Each selected module's other names (``lm_head`` of a module tied to ``embed``, recorded under the
+    name ``named_modules()`` gives it first), for the log: ``hookcli report --layers`` matches any of them."""
+    chosen = {id(module): name for name, module in selection}
+    found: dict[str, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        first = chosen.get(id(module))
+        if first is not None and name != first and name not in found.get(first, []):
+            found.setdefault(first, []).append(name)
+    return found
 
 
 def check_path(what: str, path: Any) -> None:

@@ -44,6 +44,8 @@ class WatchLayer:
     dead_channels: int | None = None
     #: Each channel's zero fraction over the step's calls (for the dead_units rule; not in the log)
     channel_zero_fraction: list[float] | None = field(default=None, repr=False)
+    #: The module's other names (a module reached along two paths: a tied ``lm_head``); None: it has one
+    aliases: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
@@ -52,6 +54,8 @@ class WatchLayer:
             out["placement"] = self.placement
         if self.channels is not None:
             out["dead_channels"], out["channels"] = self.dead_channels, self.channels
+        if self.aliases:
+            out["aliases"] = self.aliases
         return out
 
 

@@ -30,6 +30,9 @@ NON_FINITE = "!"  # a NaN or Inf among the values
 LOG_SPAN = 100.0
 SPARK_WIDTH = 12
 LAST_WIDTH = 10
+#: The names' column: this wide at most at 100 columns, and wider by every column a wider view adds.
+NAME_WIDTH = 32
+OTHER_WIDTH = 100 - NAME_WIDTH
 
 
 def scale(values: Sequence[float | None]) -> str:
@@ -111,19 +114,22 @@ def _last(values: Sequence[float | None]) -> str:
     return format_number(known[-1]) if known else "-"
 
 
-def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[str, int], str]) -> list[Text]:
+def heatmap_lines(report: WatchReport, width: int, color: bool,
+                  fit: Callable[[Sequence[str], int, Sequence[object]], list[str]]) -> list[Text]:
     """The heatmap block: a header, the loss row, a row per series (heatmap, sparkline, last value), an
-    axis line and the legend; ``width`` cells wide. ``crop`` shortens a name to a width (the table's
-    ``crop_middle``: a name's start and end say the most)."""
+    axis line and the legend; ``width`` cells wide. ``fit`` shortens names to a width, two different
+    names never alike (the table's ``distinct_crops``: a name's start and end say the most). Names get
+    up to ``NAME_WIDTH`` cells, and every cell of ``width`` past ``NAME_WIDTH + OTHER_WIDTH``
+    (``--width``; ``--no-truncate``: all they need)."""
     from hookcli.escape import escape_control
 
     def _fit(text: str, width: int) -> str:
-        return crop(text, width).ljust(width) if width > 0 else ""
+        return fit([text], width, [None])[0].ljust(width) if width > 0 else ""
 
     names = [escape_control(s.name) for s in report.series]
     types = [escape_control(s.type) for s in report.series]
     params = bool(report.series) and report.series[0].type == "parameter"
-    name_w = min(max([cell_len(n) for n in names] + [9 if params else 5]), 32)
+    name_w = min(max([cell_len(n) for n in names] + [9 if params else 5]), max(NAME_WIDTH, width - OTHER_WIDTH))
     type_w = 0 if params else min(max([cell_len(t) for t in types] + [4]), 14)
     spark_w = SPARK_WIDTH
 
@@ -166,7 +172,8 @@ def heatmap_lines(report: WatchReport, width: int, color: bool, crop: Callable[[
     loss_scale = Scale(report.losses)
     lines.append(row("loss", "", _strip(report.losses, groups, loss_scale, color),
                      _strip(report.losses, sparks, Scale(report.losses), False), _last(report.losses)))
-    for name, kind, series in zip(names, types, report.series):
+    shown = fit(["loss", *names], name_w, [None, *(s.name for s in report.series)])[1:]
+    for name, kind, series in zip(shown, types, report.series):
         lines.append(row(name, kind, _strip(series.values, groups, heat, color),
                          _strip(series.values, sparks, Scale(series.values, heat.kind), False), _last(series.values)))
     first, last = str(report.steps[0]), str(report.steps[-1])

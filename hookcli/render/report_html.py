@@ -19,6 +19,7 @@ from hookcli.errors import UnsupportedError
 from hookcli.escape import escape_control
 from hookcli.records import WatchReport
 from hookcli.render.report import LOG_SPAN, finding_parts, header, scale, summary_columns, verdict, what
+from hookcli.render.table import distinct_crops
 
 INSTALL_HINT = "pip install 'hookcli[report]' (matplotlib draws the HTML report)"
 #: Small multiples of the per-row curves: this many per line.
@@ -36,6 +37,17 @@ def check_matplotlib() -> None:
 def _label(text: str) -> str:
     """A name as matplotlib text: control characters escaped, ``$`` not read as mathtext."""
     return escape_control(text).replace("$", r"\$")
+
+
+#: A name in a figure is at most this long (the table below the figures has every name whole).
+FIGURE_NAME_WIDTH = 60
+
+
+def figure_names(report: WatchReport) -> list[str]:
+    """The rows' names as the figures label them: shortened in the middle, two names never alike
+    (matplotlib lays a megabyte-long label out for minutes)."""
+    return distinct_crops([escape_control(s.name) for s in report.series], FIGURE_NAME_WIDTH,
+                          [s.name for s in report.series])
 
 
 def _svg(figure: Any) -> str:
@@ -71,7 +83,7 @@ def heatmap_svg(report: WatchReport) -> str:
     bad = [[1.0 if v is not None and not math.isfinite(v) else math.nan for v in s.values] for s in report.series]
     if any(v == 1.0 for row in bad for v in row):  # NaN/Inf in red over the blank of "not logged"
         axes.imshow(bad, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#d62728"]))
-    axes.set_yticks(range(len(report.series)), [_label(s.name) for s in report.series])
+    axes.set_yticks(range(len(report.series)), [_label(n) for n in figure_names(report)])
     ticks = sorted({round(i * (len(report.steps) - 1) / 5) for i in range(6)}) if len(report.steps) > 1 else [0]
     axes.set_xticks(ticks, [str(report.steps[i]) for i in ticks])
     axes.set_xlabel("step")
@@ -84,7 +96,7 @@ def curves_svg(report: WatchReport) -> str:
     """The loss and one curve per row, small multiples (each with its own y axis)."""
     from matplotlib.figure import Figure
 
-    panels = [("loss", report.losses), *((s.name, s.values) for s in report.series)]
+    panels = [("loss", report.losses), *zip(figure_names(report), (s.values for s in report.series))]
     lines = math.ceil(len(panels) / CURVES_PER_LINE)
     figure = Figure(figsize=(3 * CURVES_PER_LINE, 2.2 * lines), layout="constrained")
     for i, (name, values) in enumerate(panels):
@@ -97,18 +109,26 @@ def curves_svg(report: WatchReport) -> str:
     return _svg(figure)
 
 
+def esc(text: object) -> str:
+    """Any text as HTML, in an element or a quoted attribute alike: control characters escaped, then
+    ``& < > " '`` as entities. Every value the page shows goes through here (text from the log is data)."""
+    return html.escape(escape_control(text), quote=True)
+
+
+#: The class a finding's line gets, by its severity (a severity from the log is text, never a class name).
+SEVERITY_CLASS = {"error": "error", "warning": "warning"}
+
+
 def render_html(report: WatchReport) -> str:
     """The report as one HTML page: header, verdict, findings, heatmap, curves, and a table of each
-    row's first, last, smallest and largest values. Text from the log is HTML-escaped."""
+    row's first, last, smallest and largest values. Every value goes through ``esc``; attributes are quoted."""
     check_matplotlib()
-
-    def esc(text: str) -> str:
-        return html.escape(escape_control(text))
-
     columns = summary_columns()
-    rows = ["<tr>" + "".join(f"<td{' class=n' if c.justify == 'right' else ''}>{esc(c.display(s).text)}</td>"
+    number = ' class="n"'
+    rows = ["<tr>" + "".join(f"<td{number if c.justify == 'right' else ''}>{esc(c.display(s).text)}</td>"
                              for c in columns) + "</tr>" for s in report.series]
-    findings = "".join(f"<li class={esc(f.severity)}>{esc(' · '.join(finding_parts(f)))}</li>" for f in report.findings)
+    findings = "".join(f'<li class="{esc(SEVERITY_CLASS.get(f.severity, "other"))}">'
+                       f"{esc(' · '.join(finding_parts(f)))}</li>" for f in report.findings)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>{esc(f"hookcli report {report.path}")}</title>
@@ -120,17 +140,17 @@ td.n {{ text-align: right; font-family: monospace; }} svg {{ max-width: 100%; he
 </style></head><body>
 <h1>hookcli report</h1>
 <p>{esc(' · '.join(header(report)))}</p>
-<p class="{'ok' if report.ok else 'error'}"><b>{esc(verdict(report))}</b></p>
+<p class="{esc('ok' if report.ok else 'error')}"><b>{esc(verdict(report))}</b></p>
 {"".join(f"<p>note: {esc(n)}</p>" for n in report.notes)}
 <h2>Findings</h2>
 {f"<ul>{findings}</ul>" if findings else "<p>none</p>"}
 <h2>Heatmap: {esc(report.stat)}</h2>
-<p>Log colour scale when every value is above 0 and they span {LOG_SPAN:g}x or more; red: NaN/Inf; blank: not logged.</p>
+<p>Log colour scale when every value is above 0 and they span {esc(f"{LOG_SPAN:g}")}x or more; red: NaN/Inf; blank: not logged.</p>
 <figure id="heatmap">{heatmap_svg(report)}</figure>
 <h2>Curves</h2>
 <figure id="curves">{curves_svg(report)}</figure>
 <h2>Values</h2>
-<table><tr>{"".join(f"<th>{c.header}</th>" for c in columns)}</tr>
+<table><tr>{"".join(f"<th>{esc(c.header)}</th>" for c in columns)}</tr>
 {"".join(rows)}
 </table>
 </body></html>

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from rich import box
-from rich.cells import cell_len, set_cell_size
+from rich.cells import cell_len, get_character_cell_size, set_cell_size
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -71,10 +72,69 @@ def crop(text: str, width: int, *, keep_end: bool = False) -> str:
     lead = text[: len(text) - len(body)]
     if len(lead) + 2 > width:
         lead = ""
-    tail = body
-    while cell_len(tail) > width - len(lead) - 1:
-        tail = tail[1:]
-    return lead + "…" + tail
+    return lead + "…" + last_cells(body, width - len(lead) - 1)
+
+
+def distinct_crops(texts: Sequence[str], width: int, keys: Sequence[object] | None = None) -> list[str]:
+    """Each of ``texts`` shortened to ``width`` cells (``crop_middle``), two different texts never shown
+    the same: where two crops would read alike (``bert.enc…attention.self.query`` for layer 0 and
+    layer 1), each shows the part around where it departs from the others (``bert…layer.1.atte…query``);
+    texts that still read alike (``a\\nb`` escaped as ``a\nb``, a width too small) get ``~2``, ``~3``
+    after the first. ``keys``: what makes two texts different (default the texts; the raw names when
+    ``texts`` are their escapes). The first of a clash keeps its crop."""
+    keys = list(texts) if keys is None else list(keys)
+    shown = [crop_middle(t, width) for t in texts]
+    for clash in _clashes(keys, shown):
+        for i in clash:
+            shown[i] = _around_difference(texts[i], [texts[j] for j in clash if j != i], width)
+    for _ in range(len(texts)):
+        clashes = _clashes(keys, shown)
+        if not clashes:
+            break
+        taken = set(shown)
+        for clash in clashes:
+            for k, i in enumerate(clash[1:], start=2):
+                candidate = crop(texts[i], max(0, width - len(f"~{k}"))) + f"~{k}"
+                while candidate in taken:
+                    k += len(clash)
+                    candidate = crop(texts[i], max(0, width - len(f"~{k}"))) + f"~{k}"
+                shown[i] = candidate
+                taken.add(candidate)
+    return shown
+
+
+def _clashes(keys: Sequence[object], shown: Sequence[str]) -> list[list[int]]:
+    """Groups of indexes whose different keys are shown alike."""
+    groups: dict[str, list[int]] = {}
+    for i, text in enumerate(shown):
+        groups.setdefault(text, []).append(i)
+    return [g for g in groups.values() if len({keys[i] for i in g}) > 1]
+
+
+def _around_difference(text: str, others: Sequence[str], width: int) -> str:
+    """``text`` in ``width`` cells as its start, the part around where it first departs from the
+    nearest of ``others``, and its end, with ``…`` between them."""
+    if cell_len(text) <= width:
+        return text
+    depart = max(len(os.path.commonprefix([text, other])) for other in others)
+    room = width - 2
+    if room < 6:
+        return crop_middle(text, width)
+    head_len, tail_len = room // 4, room // 4
+    mid_len = room - head_len - tail_len
+    start = max(head_len, min(depart - mid_len // 2, len(text) - tail_len - mid_len))
+    parts = (text[:head_len], text[start:start + mid_len], text[len(text) - tail_len:])
+    shown = "…".join(parts)
+    return shown if cell_len(shown) <= width else crop_middle(text, width)
+
+
+def last_cells(text: str, width: int) -> str:
+    """The longest end of ``text`` that fits ``width`` cells (one pass: a name may be megabytes long)."""
+    start, used = len(text), 0
+    while start > 0 and used + (size := get_character_cell_size(text[start - 1])) <= width:
+        used += size
+        start -= 1
+    return text[start:]
 
 
 def crop_middle(text: str, width: int) -> str:
@@ -91,10 +151,7 @@ def crop_middle(text: str, width: int) -> str:
         return crop(text, width, keep_end=True)
     head_len = room // 3
     head = set_cell_size(body, head_len) if head_len else ""
-    tail = body
-    while cell_len(tail) > room - cell_len(head):
-        tail = tail[1:]
-    return lead + head + "…" + tail
+    return lead + head + "…" + last_cells(body, room - cell_len(head))
 
 
 def fold(text: str, width: int) -> tuple[str, bool]:
@@ -399,7 +456,7 @@ def report_table(report: WatchReport, *, width: int | None = None, color: bool =
     console = make_console(width, color, colors="256")
     print_lines(console, [watch_report.header(report)])  # report.notes go to stderr (hookcli.cli)
     console.print()
-    for line in watch_report.heatmap_lines(report, console.width, color, crop_middle):
+    for line in watch_report.heatmap_lines(report, console.width, color, distinct_crops):
         console.print(line)
     console.print()
     if report.findings:
