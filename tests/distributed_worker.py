@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,6 +134,14 @@ def accelerator_path(out: Path) -> None:
         del os.environ[NO_KERNEL_ENV]
 
 
+def watch_stopped(w: hookcli.commands.watch.Watch, loss: torch.Tensor) -> list[str]:
+    """``w.step(loss=loss)``; what the watch said stopped it (``WatchWarning``s: it never raises into the loop)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", hookcli.errors.WatchWarning)
+        w.step(loss=loss)
+    return [str(s.message) for s in said if s.category is hookcli.errors.WatchWarning]
+
+
 def stats(out: Path) -> None:
     """``hookcli.stats``, then ``hookcli.grads`` (loss: the output's mean) of ``model()`` on this rank's
     slice of ``batch(0)``: as one input tensor and as ``data`` in batches of 2 (the reports' dicts in
@@ -199,11 +208,9 @@ def train(mode: str, out: Path, layers: int) -> None:
             in_step = group._get_sequence_number_for_group() - in_step
             optimizer.zero_grad()
             before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
-            try:
-                w.step(loss=loss)
-            except hookcli.errors.HookcliError as exc:  # faults: every rank stops at step 2
-                errors.append((type(exc).__name__, exc.exit_code, str(exc)))
-                break
+            if stopped := watch_stopped(w, loss):  # faults: every rank's watch stops at step 2, the loop goes on
+                errors.extend(stopped)
+                continue
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1],
                                 "optimizer_step": in_step})
@@ -327,11 +334,9 @@ def sequence_parallel(out: Path, fsdp: bool = False) -> None:
                 net[0].weight.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Shard(0), Partial()])
             optimizer.step()
             optimizer.zero_grad()
-            try:
-                w.step(loss=loss)
-            except hookcli.errors.HookcliError as exc:
-                errors.append((type(exc).__name__, exc.exit_code, str(exc), exc.hint))
-                break
+            if stopped := watch_stopped(w, loss):
+                errors.extend(stopped)
+                continue
             records.append(json.loads(w.last.to_json_line()))
             channels.append(channel_fractions(w.last))
     (folder / f"rank{rank}.json").write_text(json.dumps({"records": records, "channels": channels, "errors": errors,
