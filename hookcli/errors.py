@@ -183,9 +183,10 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-#: What stops a run from outside (Ctrl-C, SIGTERM, a generator closed): never the model's failure,
-#: always passed on. Any other BaseException raised by the model's code is the model's failure.
-INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, Terminated, GeneratorExit)
+#: What stops a run from outside (Ctrl-C, SIGTERM): never the model's failure, always passed on. Any
+#: other BaseException raised by the model's code is the model's failure (a forward that raises
+#: GeneratorExit too: hookcli's runs are no generators that could be closed there).
+INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, Terminated)
 
 
 def safe_str(value: object) -> str:
