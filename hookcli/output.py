@@ -467,7 +467,11 @@ class LineLog:
                 self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
                 if self._regular and _ends_mid_line(self.target.path):  # a run that died mid-write
                     line = "\n" + line  # its torn line stays alone
-            size = os.fstat(self._fd).st_size if self._regular else None
+            st = os.fstat(self._fd) if self._regular else None
+            if st is not None and st.st_nlink == 0:  # its lines would go nowhere
+                raise OutputError(f"cannot write {_shown(self.target.given, self.target.path)}: the file (or its "
+                                  "folder) was removed during the run", hint="keep the log's folder until the run ends")
+            size = st.st_size if st is not None else None
             # (a pipe's reader may stall a write: SIGINT and SIGTERM are held for files only)
             with _signals_held() if self._regular else contextlib.nullcontext():
                 try:

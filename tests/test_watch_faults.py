@@ -161,6 +161,28 @@ def test_a_file_size_limit_leaves_whole_lines_and_the_loop_alone(tmp_path: Path)
     assert 0 < len(lines) < 60 and (tmp_path / "exp.jsonl").stat().st_size <= 20000
 
 
+@pytest.mark.parametrize("writer", ["out", "tensorboard_dir"])
+def test_a_log_folder_removed_mid_run_is_said_not_raised(tmp_path: Path, writer: str) -> None:
+    """The folder of the log (or of the TensorBoard scalars) is removed after step 3: the lines would go
+    to a file no one can read. The loop runs its 8 steps with the unwatched run's numbers, and one
+    WatchWarning says that writing stopped at step 4 and why."""
+    import shutil
+
+    want, state = unwatched(8)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    folder = tmp_path / "runs"
+    target = folder / ("exp.jsonl" if writer == "out" else "tb")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hookcli.watch(model, opt, **{writer: target}) as w:
+            got = train(model, opt, 8, w, between=lambda step: step == 3 and shutil.rmtree(folder))
+    assert got == want and w.last.step == 7
+    assert_same(state, model)
+    (said,) = watch_warnings(caught)
+    assert " at step 4: " in said and "removed during the run" in said, said
+
+
 # -- 2. hookcli's own failure inside the loop ------------------------------------------------------------------
 
 

@@ -43,7 +43,11 @@ class TensorBoardLog:
         self._file = _GuardedFile.around(self.writer)
 
     def write(self, record: WatchStep) -> None:
-        """The scalars of one logged step (a value that is None, such as no loss given, is left out)."""
+        """The scalars of one logged step (a value that is None, such as no loss given, is left out).
+        OutputError when the folder was removed (the event file's lines would go nowhere)."""
+        if not self.path.is_dir():
+            raise OutputError(f"cannot write {self.path}: the folder was removed during the run",
+                              hint="keep the TensorBoard folder until the run ends")
         step, add = record.step, self.writer.add_scalar
         if record.loss is not None:
             add("loss", record.loss, step)
