@@ -167,6 +167,12 @@ class StepOrderWarning(UserWarning):
     watch: the loop's numbers are never changed."""
 
 
+class WatchWarning(UserWarning):
+    """``hookcli.watch``: part of the watch stopped (writing its log or TensorBoard scalars: no space
+    left, its folder gone; recording: hookcli's own failure inside a hook), said once, with why. The
+    loop goes on, its numbers unchanged: a monitor never takes down the run it watches."""
+
+
 class Terminated(BaseException):
     """SIGTERM turned into an exception (like KeyboardInterrupt for SIGINT), so that it unwinds
     through every ``finally``: temporary files are removed, the user's model is handed back, an
@@ -177,9 +183,10 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-#: What stops a run from outside (Ctrl-C, SIGTERM, a generator closed): never the model's failure,
-#: always passed on. Any other BaseException raised by the model's code is the model's failure.
-INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, Terminated, GeneratorExit)
+#: What stops a run from outside (Ctrl-C, SIGTERM): never the model's failure, always passed on. Any
+#: other BaseException raised by the model's code is the model's failure (a forward that raises
+#: GeneratorExit too: hookcli's runs are no generators that could be closed there).
+INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, Terminated)
 
 
 def safe_str(value: object) -> str:

@@ -444,13 +444,17 @@ class LineLog:
     The path is checked when the log is made (OutputError, before any training step); the file is
     created at the first line (with missing directories), and opened ``O_APPEND``: an existing log
     keeps its lines and the new ones follow (on a line of their own when its last line was torn by a
-    crash). Each line goes to the file in one unbuffered write, so a process that dies leaves every
-    line written before complete. An OSError is OutputError.
+    crash). Each line goes to the file in one unbuffered write (into a regular file with SIGINT and
+    SIGTERM held), so a process that dies leaves every line written before complete; a write that fails
+    part way (no space left) is cut back off a regular file, which then ends with its last whole line.
+    Only a regular file is read (its last byte) or cut: a FIFO or ``/dev/stdout`` is written as a stream,
+    never sought. An OSError is OutputError.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.target = resolve_target(path)
         self._fd: int | None = None
+        self._regular = False
 
     def write_line(self, line: str) -> None:
         """Append ``line`` (one line ending with a newline) to the file."""
@@ -460,21 +464,40 @@ class LineLog:
                     _make_parents(self.target)
                 flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
                 self._fd = os.open(self.target.path, flags | (0 if self.target.in_place else os.O_CREAT), 0o666)
-                if _ends_mid_line(self.target.path):  # a run that died mid-write: its torn line stays alone
-                    line = "\n" + line
-            OutputStream(self._fd).write(line.encode())
+                self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+                if self._regular and _ends_mid_line(self.target.path):  # a run that died mid-write
+                    line = "\n" + line  # its torn line stays alone
+            st = os.fstat(self._fd) if self._regular else None
+            if st is not None and st.st_nlink == 0:  # its lines would go nowhere
+                raise OutputError(f"cannot write {_shown(self.target.given, self.target.path)}: the file (or its "
+                                  "folder) was removed during the run", hint="keep the log's folder until the run ends")
+            size = st.st_size if st is not None else None
+            # (a pipe's reader may stall a write: SIGINT and SIGTERM are held for files only)
+            with _signals_held() if self._regular else contextlib.nullcontext():
+                try:
+                    OutputStream(self._fd).write(line.encode())
+                except OSError:
+                    if size is not None:  # the part written is cut off: the file ends with a whole line
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(self._fd, size)
+                    raise
 
     def close(self) -> None:
         """Close the file (the lines are written already). Safe to call twice."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _ends_mid_line(path: str | os.PathLike[str]) -> bool:
-    """Whether the file holds bytes after its last newline (a line torn by a crash mid-write)."""
-    with open(path, "rb") as file:
-        if file.seek(0, os.SEEK_END) == 0:
-            return False
-        file.seek(-1, os.SEEK_END)
-        return file.read(1) != b"\n"
+    """Whether the regular file holds bytes after its last newline (a line torn by a crash mid-write);
+    False when it cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            if file.seek(0, os.SEEK_END) == 0:
+                return False
+            file.seek(-1, os.SEEK_END)
+            return file.read(1) != b"\n"
+    except OSError:
+        return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -130,6 +131,12 @@ def accelerator_path(out: Path) -> None:
         del os.environ[REDUCTION_ENV]
 
 
+def watch_stopped(said: list[warnings.WarningMessage]) -> list[str]:
+    """What the watch said stopped it (``WatchWarning``s, in ``optimizer.step()`` or ``w.step()``: it never
+    raises into the loop)."""
+    return [str(s.message) for s in said if s.category is hookcli.errors.WatchWarning]
+
+
 def stats(out: Path) -> None:
     """``hookcli.stats``, then ``hookcli.grads`` (loss: the output's mean) of ``model()`` on this rank's
     slice of ``batch(0)``: as one input tensor and as ``data`` in batches of 2 (the reports' dicts in
@@ -180,7 +187,9 @@ def train(mode: str, out: Path, layers: int) -> None:
     per_rank = GLOBAL_BATCH // data_world
     # histograms over the shards (FSDP2, TP): rank 0 alone asks for them, every rank takes part
     tensorboard = out / "tb" if mode in ("fsdp", "tp") and rank == 0 else None
-    with hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl", tensorboard_dir=tensorboard) as w:
+    with warnings.catch_warnings(record=True) as said, \
+            hookcli.watch(wrapped, optimizer, every=1, out=out / "log.jsonl", tensorboard_dir=tensorboard) as w:
+        warnings.simplefilter("always", hookcli.errors.WatchWarning)
         for step in range(STEPS):
             x, y = batch(step, 4 if layers else 3)
             x, y = x[data_rank * per_rank:(data_rank + 1) * per_rank], y[data_rank * per_rank:(data_rank + 1) * per_rank]
@@ -196,10 +205,9 @@ def train(mode: str, out: Path, layers: int) -> None:
             in_step = group._get_sequence_number_for_group() - in_step
             optimizer.zero_grad()
             before = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
-            try:
-                w.step(loss=loss)
-            except hookcli.errors.HookcliError as exc:  # faults: every rank stops at step 2
-                errors.append((type(exc).__name__, exc.exit_code, str(exc)))
+            w.step(loss=loss)
+            if stopped := watch_stopped(said):  # faults: every rank's watch stops at step 2 (the loop would go on)
+                errors.extend(stopped)
                 break
             after = (group._get_sequence_number_for_group(), w._watcher.reduction.collectives)
             collectives.append({"process_group": after[0] - before[0], "hookcli": after[1] - before[1],
@@ -314,7 +322,9 @@ def sequence_parallel(out: Path, fsdp: bool = False) -> None:
     records, channels, errors = [], [], []
     tokens = SP_TOKENS // tp_mesh.size()
     first = tp_mesh.get_local_rank() * tokens
-    with hookcli.watch(wrapped, optimizer, every=1, out=folder / "log.jsonl") as w:
+    with warnings.catch_warnings(record=True) as said, \
+            hookcli.watch(wrapped, optimizer, every=1, out=folder / "log.jsonl") as w:
+        warnings.simplefilter("always", hookcli.errors.WatchWarning)
         for step in range(STEPS + (1 if fsdp else 0)):
             x, y = sp_batch(step)
             loss = nn.functional.mse_loss(wrapped(x[rows, first:first + tokens]), y[rows])
@@ -324,10 +334,9 @@ def sequence_parallel(out: Path, fsdp: bool = False) -> None:
                 net[0].weight.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Shard(0), Partial()])
             optimizer.step()
             optimizer.zero_grad()
-            try:
-                w.step(loss=loss)
-            except hookcli.errors.HookcliError as exc:
-                errors.append((type(exc).__name__, exc.exit_code, str(exc), exc.hint))
+            w.step(loss=loss)
+            if stopped := watch_stopped(said):  # refused in optimizer.step(): the watch stops, said once
+                errors.extend(stopped)
                 break
             records.append(json.loads(w.last.to_json_line()))
             channels.append(channel_fractions(w.last))

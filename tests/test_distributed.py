@@ -381,11 +381,10 @@ def test_sequence_parallel_under_fsdp2_x_tp_equals_plain_torch_and_refuses_a_sha
             "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
     assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
     assert all(rank["records"] == lines and rank["findings"] == [] for rank in ranks)
-    errors = [rank["errors"] for rank in ranks]
+    errors = [rank["errors"] for rank in ranks]  # the watch stops, said once; the loop goes on
     assert all(found == errors[0] for found in errors) and len(errors[0]) == 1, errors
-    name, code, message, hint = errors[0][0]
-    assert (name, code) == ("UnsupportedError", 2)
-    assert message == "the gradient of parameter 0.weight is both sharded and Partial" and hint, errors
+    assert errors[0][0].startswith(f"hookcli.watch stopped at step {worker.STEPS}: the gradient of parameter 0.weight is "
+                                   "both sharded and Partial ("), errors
 
 
 @settings(max_examples=40, deadline=None)
@@ -528,9 +527,10 @@ def test_nan_on_rank_1_and_a_nudged_replica_are_named_by_rank(tmp_path: Path) ->
     assert lines[1]["layers"][0]["stats"]["nan_count"] == 5  # one NaN input value x 5 outputs
     assert ranks[0]["records"] == ranks[1]["records"] == lines and len(lines) == 2
     assert ranks[0]["findings"] == ranks[1]["findings"]
-    [(error0, code0, message0)], [(error1, code1, message1)] = ranks[0]["errors"], ranks[1]["errors"]
-    assert (error0, code0) == ("RanksFailed", 2) and "1 of 2 ranks" in message0
-    assert (error1, code1) == ("InternalError", 3) and "cannot be detached" in message1
+    # at step 2 every rank's watch stops, said once (never raised into the loop): rank 1 with its own error
+    [message0], [message1] = ranks[0]["errors"], ranks[1]["errors"]
+    assert message0.startswith("hookcli.watch stopped at step 2: the run failed on 1 of 2 ranks"), message0
+    assert message1.startswith("hookcli.watch stopped at step 2: internal error: ") and "cannot be detached" in message1
     # what this step does not reduce is refused when the watch is made, with exit code 2
     refused = [json.loads((tmp_path / f"refused{r}.json").read_text()) for r in range(WORLD)]
     assert refused[0] == refused[1]

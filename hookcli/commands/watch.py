@@ -7,7 +7,9 @@ logged step's record here; this module keeps the latest and appends it to the lo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
@@ -20,7 +22,8 @@ from hookcli.engine.selection import owners_and_activations, select_modules
 from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
-from hookcli.errors import CheckFailedError, StepOrderWarning, UsageError
+from hookcli.errors import (CheckFailedError, OutputError, StepOrderWarning, UsageError, WatchWarning,
+                            describe_exception)
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
 
@@ -63,9 +66,13 @@ class Watch:
                             else None)
         self.last: WatchStep | None = None
         self.findings: list[Finding] = []
+        self._untold: list[str] = []  # WatchWarnings not issued yet (``_tell``)
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight,
                                     histograms=tensorboard_dir is not None,  # under torchrun: on every rank
-                                    channels="dead_units" in self._rules.settings)
+                                    channels="dead_units" in self._rules.settings,
+                                    on_failure=lambda why, step: self._tell(
+                                        f"hookcli.watch stopped at step {step}: {why}; nothing from step {step} "
+                                        "on is logged, and the loop runs on unchanged"))
         self._open = self._used = False
 
     def __enter__(self) -> Self:
@@ -89,9 +96,13 @@ class Watch:
             if self.log is not None:
                 self.log.close()
             if self.tensorboard is not None:
-                self.tensorboard.close()
+                try:
+                    self.tensorboard.close()
+                except Exception as exc:
+                    self._tell(f"hookcli.watch could not finish its TensorBoard scalars: {_why(exc)}")
         if exc_type is None:
             self._warn_misuse()
+            self._tell(raising=True)
             self._watcher.raise_error()
 
     def step(self, loss: Any = None) -> None:
@@ -101,6 +112,23 @@ class Watch:
             raise UsageError("watch.step() outside its with block", hint="call it inside `with hookcli.watch(...) as w:`")
         self._watcher.user_step(loss)
         self._warn_misuse()
+        self._tell(raising=True)
+
+    def _tell(self, message: str | None = None, *, raising: bool = False) -> None:
+        """Warn (``WatchWarning``) that part of the watch stopped (``message``), and any message not told
+        yet. Never raises into the loop's forward or ``optimizer.step()``: a warning turned into an
+        error there waits for ``raising``, at the user's ``w.step()`` or the ``with`` block's end."""
+        if message is not None:
+            self._untold.append(message)
+        while self._untold:
+            try:
+                warnings.warn(self._untold[0], WatchWarning, stacklevel=_user_frame())
+            except Exception:
+                if raising:
+                    self._untold.pop(0)
+                    raise
+                return
+            self._untold.pop(0)
 
     def _warn_misuse(self) -> None:
         """Warn (once, ``StepOrderWarning``, at the user's ``w.step()`` or ``with`` line) when the loop calls
@@ -118,16 +146,51 @@ class Watch:
             self.last = record
         for layer in record.layers:
             layer.aliases = self._aliases.get(layer.name)
-        if self.log is not None:
-            self.log.write_line(record.to_json_line())
-        if self.tensorboard is not None and not record.flight:
-            self.tensorboard.write(record)
+        self._write(record)
         self.findings.extend(record.findings)
         if record.findings and self.on_finding == "raise":
             first = record.findings[0]
             raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,
                                    hint="w.findings and the log's findings say more; "
                                         "rules={...} sets the thresholds, on_finding='warn' only records them")
+
+    def _write(self, record: WatchStep) -> None:
+        """The record's log line and TensorBoard scalars. A writer that fails (no space left, its folder
+        removed or read-only) stops, said once; the loop, the rules and the other writer go on."""
+        if self.log is not None:
+            try:
+                self.log.write_line(record.to_json_line())
+            except Exception as exc:
+                log, self.log = self.log, None
+                log.close()
+                self._tell(f"hookcli.watch stopped writing its log at step {record.step}: {_why(exc)}; "
+                           "the loop runs on unchanged (w.last and w.findings still follow it)")
+        if self.tensorboard is not None and not record.flight:
+            try:
+                self.tensorboard.write(record)
+            except Exception as exc:
+                board, self.tensorboard = self.tensorboard, None
+                with contextlib.suppress(Exception):  # (what failed again)
+                    board.close()
+                self._tell(f"hookcli.watch stopped writing TensorBoard scalars at step {record.step}: "
+                           f"{_why(exc)}; the loop runs on unchanged")
+
+
+_HOOKCLI = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the first frame outside hookcli and torch: the user's line that was running
+    (``w.step()``, ``optimizer.step()``, a forward) when the watch had something to say."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((_HOOKCLI, _TORCH)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _why(exc: Exception) -> str:
+    return exc.message if isinstance(exc, OutputError) else describe_exception(exc)
 
 
 def module_aliases(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> dict[str, list[str]]:

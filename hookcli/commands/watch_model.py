@@ -24,7 +24,7 @@ from hookcli.commands.watch import Watch, check_arguments, check_path
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
-from hookcli.engine.session import HookOptions
+from hookcli.engine.session import HookOptions, training_runs
 from hookcli.engine.state import copy_model
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError
 from hookcli.options import RunOptions
@@ -95,7 +95,8 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
                          + (f" ({choice.targets})" if choice.targets else ""))
         return choice.value, None
 
-    with torch.inference_mode(False), engine.running(prep) as (model, first_args, first_kwargs), ExitStack() as stack:
+    with torch.inference_mode(False), engine.running(prep) as (model, first_args, first_kwargs), ExitStack() as stack, \
+            training_runs():
         made: list[tuple[torch.optim.Optimizer, Watch]] = []
 
         def make() -> torch.optim.Optimizer:

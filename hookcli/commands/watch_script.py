@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import runpy
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -29,13 +30,15 @@ from hookcli.commands.watch import Watch, check_arguments
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import distributed
 from hookcli.engine.session import ProcessHooks
-from hookcli.errors import HookcliError, UsageError, internal_error
+from hookcli.errors import HookcliError, Terminated, UsageError, internal_error
 from hookcli.options import torchrun_env, torchrun_rank
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchRun
 
 #: ``python``, ``python3``, ``python3.11``: the interpreter named before the script (this one runs it).
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+#: The exit status of a script stopped by a signal (128 + its number, as shells give it), and its name.
+_SIGNALLED = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 COMMAND_HINT = "e.g. hookcli watch --every 50 -- python train.py --lr 3e-4 (or -- python -m pkg.train ...)"
 
@@ -234,6 +237,8 @@ def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike
         spy.hooks.install()
         try:
             run.exit_code, run.traceback = _run(script)
+            if run.exit_code in _SIGNALLED:
+                spy.note(f"the script was stopped by {_SIGNALLED[run.exit_code]} after {spy.steps} steps")
         finally:
             sys.argv = saved_argv
             sys.path[:] = saved_path
@@ -281,8 +286,12 @@ def _run(script: Script) -> tuple[int, str | None]:
     except SystemExit as exc:
         code, text = _exit_code(exc)
         return code, None if text is None else text + "\n"
-    except (_Stop, KeyboardInterrupt):
+    except _Stop:
         raise
+    except KeyboardInterrupt as exc:  # Ctrl-C: python prints the script's traceback, and the shell sees 130
+        return 128 + signal.SIGINT, _script_traceback(exc)
+    except Terminated as exc:  # SIGTERM: python dies of it without a word, and the shell sees 143
+        return 128 + exc.signum, None
     except BaseException as exc:  # the script's own failure: its traceback, exit status 1
         return 1, _script_traceback(exc)
     finally:

@@ -9,8 +9,10 @@ gradients through tensor hooks registered on output (and input) tensors, never m
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -133,6 +135,10 @@ class _Call:
 #: that rerun early by raising an exception through them. Counting those would add calls the forward
 #: never made, marked as raised.
 _graph_task_id = torch._C._current_graph_task_id
+#: Not None inside a ``torch.func`` transform (vmap, grad, jacrev, ...).
+_functorch_level = torch._C._functorch.maybe_current_level
+#: ``runs``: how many one-shot runs (``attach``) this thread is inside; a watch leaves their calls out.
+_one_shot = threading.local()
 
 
 class HookSession:
@@ -189,9 +195,13 @@ class HookSession:
         self.reducer.clear()
 
     def validating(self) -> bool:
-        """Whether the calls made now are a validation forward, left out (``training_root``)."""
+        """Whether the calls made now are left out of a watch's step (``training_root``): a validation
+        forward, a forward of a one-shot hookcli run inside the loop (``hookcli.stats(model)``: not
+        training), or one inside a ``torch.func`` transform (``vmap(grad(...))``'s per-sample gradients:
+        batched tensors without storage, not the step's forward)."""
         root = self.training_root
-        return root is not None and not root.training and not torch.is_grad_enabled()
+        return root is not None and ((not root.training and not torch.is_grad_enabled())
+                                     or getattr(_one_shot, "runs", 0) > 0 or _functorch_level() is not None)
 
     def sizes(self) -> dict[str, int]:
         """How many entries each per-step container holds (the reducer's included): all 0 after ``reset``."""
@@ -570,6 +580,62 @@ def _as_is(fn: Callable[..., None]) -> Callable[..., None]:
     return fn
 
 
+def _ours(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark ``hook`` as hookcli's: a copy of its module leaves it out (``_NotCopied``)."""
+    hook._hookcli_hook = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _is_ours(hook: Any) -> bool:
+    return getattr(hook, "_hookcli_hook", False) is True
+
+
+#: A module's hook tables and the tables of marks keyed by the same hook ids.
+_HOOK_TABLES = (("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+                ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")))
+
+
+def _state_without_hooks(module: nn.Module) -> Any:
+    """``module.__getstate__()`` (what pickle, ``torch.save`` and ``copy.deepcopy`` copy) without
+    hookcli's hooks: a checkpoint saved during a run holds none (and loads without hookcli), and a
+    copy (an EMA, a ``deepcopy(model).half()``) is never recorded. The user's own hooks are copied as
+    torch copies them."""
+    state = type(module).__getstate__(module)
+    if not isinstance(state, dict):
+        return state
+    state.pop("__getstate__", None)
+    for key, marks in _HOOK_TABLES:
+        hooks = state.get(key)
+        gone = {hook_id for hook_id, hook in hooks.items() if _is_ours(hook)} if hooks else set()
+        for table in (key, *marks) if gone else ():
+            if isinstance(state.get(table), dict):
+                state[table] = type(state[table])((k, v) for k, v in state[table].items() if k not in gone)
+    return state
+
+
+class _NotCopied:
+    """Copies of a hooked module leave hookcli's hooks out while they are on it: the module's own
+    ``__getstate__`` (an instance attribute, which pickle and deepcopy look up before the class's) is
+    ``_state_without_hooks``. ``remove`` takes it away once no hook of hookcli's is left on the module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @classmethod
+    def on(cls, module: nn.Module) -> _NotCopied:
+        if "__getstate__" not in vars(module):
+            vars(module)["__getstate__"] = functools.partial(_state_without_hooks, module)
+        return cls(module)
+
+    def remove(self) -> None:
+        module, state = self.module, vars(self.module)
+        getstate = state.get("__getstate__")
+        if not (isinstance(getstate, functools.partial) and getstate.func is _state_without_hooks):
+            return
+        if not any(_is_ours(hook) for key, _ in _HOOK_TABLES for hook in getattr(module, key, {}).values()):
+            del state["__getstate__"]
+
+
 class _ForgetKwargsMark:
     """Removes what ``register_module_forward_hook(with_kwargs=True)`` leaves after its handle's
     ``remove()``: the hook's entry in torch's process-wide with-kwargs table."""
@@ -638,7 +704,7 @@ class HookSet:
     def __init__(self) -> None:
         self.session: HookSession | None = None
         self.step = 0
-        self._handles: list[RemovableHandle | _ForgetKwargsMark] = []
+        self._handles: list[RemovableHandle | _ForgetKwargsMark | _NotCopied] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._accumulated: dict[str, int] = {}
         #: under a process group: each parameter's ``.grad`` as the (logged) step began (``mark_grads``)
@@ -705,14 +771,15 @@ class HookSet:
         for name, module in per_module:
             if names[id(module)] != name:
                 continue
-            handles.append(module.register_forward_pre_hook(eager(session.pre_hook(name)), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(_ours(eager(session.pre_hook(name))), with_kwargs=True))
             handles.append(module.register_forward_hook(
-                eager(session.forward_hook(name)), with_kwargs=True, always_call=True,
+                _ours(eager(session.forward_hook(name))), with_kwargs=True, always_call=True,
             ))
+            handles.append(_NotCopied.on(module))
 
     def _accumulate_hook(self, name: str) -> Callable[[nn.Parameter], None]:
         def hook(_param: nn.Parameter) -> None:  # after each accumulation into .grad (one per backward)
-            if self.session is not None and not self.session.idle:
+            if self.session is not None and not self.session.idle and not getattr(_one_shot, "runs", 0):
                 self._accumulated[name] = self._accumulated.get(name, 0) + 1
 
         return hook
@@ -795,9 +862,11 @@ class HookSet:
     def hook_optimizer(self, optimizer: torch.optim.Optimizer, pre: Callable[..., None],
                        post: Callable[..., None]) -> None:
         """Call ``pre`` and ``post`` (with torch's ``(optimizer, args, kwargs)``) around each
-        ``optimizer.step()`` until ``remove``: the optimizer's own step hooks, on that optimizer only."""
-        self._handles.append(optimizer.register_step_pre_hook(pre))
-        self._handles.append(optimizer.register_step_post_hook(post))
+        ``optimizer.step()`` until ``remove``: the optimizer's own step hooks, on that optimizer only;
+        once a step, however deep its ``super().step()`` chain (``OuterStep``)."""
+        outer = OuterStep(pre, post)
+        self._handles.append(optimizer.register_step_pre_hook(outer.pre))
+        self._handles.append(optimizer.register_step_post_hook(outer.post))
 
     def remove(self) -> None:
         """Take every hook of the set away (module, process-wide, parameter and leaf-tensor hooks);
@@ -842,10 +911,15 @@ def attach(
     are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
     hooks = HookSet()
-    with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
-                                                compiled=compiled):
-        assert hooks.session is not None
-        yield hooks.session
+    counted = 0 if getattr(_one_shot, "training", False) else 1
+    _one_shot.runs = getattr(_one_shot, "runs", 0) + counted  # a watch around it leaves its calls out
+    try:
+        with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
+                                                    compiled=compiled):
+            assert hooks.session is not None
+            yield hooks.session
+    finally:
+        _one_shot.runs -= counted
     session = hooks.session
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
@@ -853,6 +927,18 @@ def attach(
     must_run = {name for name, module in selection if module is model or module is inner}
     if hooks.compiled and must_run and not must_run & set(session._counts) and session.error is None:
         raise stale_graph_error()
+
+
+@contextmanager
+def training_runs() -> Iterator[None]:
+    """The runs (``attach``) inside the block are the training a watch records (``hookcli watch MODEL``'s
+    own loop), not one-shot runs made inside a watched loop, whose calls a watch leaves out."""
+    saved = getattr(_one_shot, "training", False)
+    _one_shot.training = True
+    try:
+        yield
+    finally:
+        _one_shot.training = saved
 
 
 def stale_graph_error() -> UnsupportedError:
@@ -908,6 +994,36 @@ class ParamReads:
         self._mode.__exit__(*exc)
 
 
+class OuterStep:
+    """Optimizer step hooks ``pre`` and ``post`` called for the outermost ``optimizer.step()`` only.
+
+    torch wraps each optimizer class's ``step`` in its hook runner, so a subclass whose ``step`` calls
+    ``super().step()`` runs the step hooks once per class in the chain: one step would count as two.
+    The runner's frame of the outermost call is kept from its pre-step to its post-step; a pre-step
+    while that frame is still on the stack is a nested one, skipped, as is a post-step from any other
+    frame. A step that raised (no post-step) is not on the stack at the next one, which counts."""
+
+    def __init__(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
+        self._pre, self._post = pre, post
+        self._frame: Any = None  # torch's hook runner of the outermost step in progress
+
+    def pre(self, *args: Any) -> None:
+        runner = sys._getframe(1)
+        outer, frame = self._frame, runner.f_back
+        while outer is not None and frame is not None:
+            if frame is outer:
+                return  # a super().step() inside the step in progress
+            frame = frame.f_back
+        self._frame = runner
+        self._pre(*args)
+
+    def post(self, *args: Any) -> None:
+        if sys._getframe(1) is not self._frame:
+            return
+        self._frame = None
+        self._post(*args)
+
+
 class ProcessHooks:
     """Process-wide hooks for a script hookcli runs as it is (``hookcli watch -- CMD``), which hands
     hookcli neither its model nor its optimizer.
@@ -935,8 +1051,9 @@ class ProcessHooks:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         try:
-            self._handles.append(register_optimizer_step_pre_hook(lambda opt, _a, _k: self._pre(opt)))
-            self._handles.append(register_optimizer_step_post_hook(lambda opt, _a, _k: self._post(opt)))
+            outer = OuterStep(lambda opt, _a, _k: self._pre(opt), lambda opt, _a, _k: self._post(opt))
+            self._handles.append(register_optimizer_step_pre_hook(outer.pre))
+            self._handles.append(register_optimizer_step_post_hook(outer.post))
             self._module_handles.append(register_module_forward_pre_hook(self._enter))
             self._module_handles.append(register_module_forward_hook(self._leave, always_call=True))
         except BaseException:

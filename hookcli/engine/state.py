@@ -191,8 +191,8 @@ def preserved(
     removed, one it replaced or removed is put back), the parameter and buffer objects in each module
     (``.to`` may replace them), each parameter's storage
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
-    buffers the run changed in place (BatchNorm statistics in train mode, a counter or moving average a
-    forward updates in any mode). With ``seed`` the RNGs are seeded for the block and restored after
+    buffers and parameters the run changed in place (BatchNorm statistics in train mode, a counter or
+    moving average a forward updates in any mode, a weight a forward changes under ``no_grad``). With ``seed`` the RNGs are seeded for the block and restored after
     (``seeded_rng``). Reads the model through ``index`` (one traversal, made here when not given);
     the run lock is held and the model is marked as running in this thread (see ``exclusive``).
 
@@ -216,6 +216,10 @@ def preserved(
         # without bumping the version counter, so every buffer's values are kept and copied back
         with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
             buffer_values = [(b, b.clone()) for b in index.buffers]
+            # so may it a parameter (an update under no_grad, through .data, which no version counter
+            # sees): the values are kept and copied back (converted ones get their own storage back)
+            param_values = [] if convert else [(p, p.clone()) for p in params
+                                               if type(p.detach()) is torch.Tensor and not p.is_meta]
         devices = {p.device for p in params}
         if device is not None:
             devices.add(torch.device(device))
@@ -246,6 +250,9 @@ def preserved(
                         if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
                             p.requires_grad_(requires_grad)
                     _copy_back(buffer_values)
+                    with torch.no_grad():
+                        for p, value in param_values:
+                            p.copy_(value)
                     for m, was_training in zip(modules, training):
                         if m.training != was_training:
                             m.training = was_training

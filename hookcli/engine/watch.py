@@ -21,7 +21,7 @@ from hookcli.engine import distributed, reduction
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
-from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
+from hookcli.errors import CheckFailedError, HookcliError, InternalError, RanksFailed, UsageError, internal_error
 from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
@@ -85,7 +85,7 @@ class StepWatcher:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
                  on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
-                 channels: bool = True) -> None:
+                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -135,9 +135,14 @@ class StepWatcher:
         #: hands it on to be warned about; one per watch.
         self._misuse: str | None = None
         self._misuse_seen = False
-        #: What hookcli's code raised inside the optimizer's hooks (never raised into optimizer.step):
-        #: the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or the block's end.
+        #: A finding raised inside the optimizer's hooks (``on_finding="raise"``; never raised into
+        #: optimizer.step): the watch stops and ``raise_error`` raises it at the next ``Watch.step()`` or
+        #: the block's end.
         self.error: BaseException | None = None
+        #: Why the watch stopped: hookcli's own failure inside the loop (a hook, a statistic, a step's
+        #: record), said once through ``on_failure(why, step)``; never raised into the loop (``_fail``).
+        self.stopped: str | None = None
+        self.on_failure = on_failure or (lambda _why, _step: None)
 
     @property
     def step(self) -> int:
@@ -163,8 +168,9 @@ class StepWatcher:
     def _begin(self) -> None:
         """A step begins: the hooks record it when it is logged (or with ``flight``) and are idle otherwise."""
         assert self.hooks.session is not None
-        self.logged = self.error is None and self.step % self.every == 0
-        self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
+        halted = self.error is not None or self.stopped is not None
+        self.logged = not halted and self.step % self.every == 0
+        self.hooks.session.idle = not self.logged and (halted or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
@@ -175,15 +181,32 @@ class StepWatcher:
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-            if self.error is not None:
+            if self.error is not None or self.stopped is not None:
                 return
             try:
                 fn()
-            except Exception as exc:  # hookcli's failure, or the log's (disk full): never the optimizer's
+            except CheckFailedError as exc:  # on_finding="raise": raised at the next w.step() or the block's end
                 self.error = exc
                 self._begin()  # idle from now on
+            except Exception as exc:  # hookcli's failure: never the optimizer's
+                self._fail(exc, "hookcli.watch's optimizer step hook")
 
         return hook
+
+    def _fail(self, exc: Exception, where: str, step: int | None = None) -> None:
+        """hookcli's own failure inside the user's loop (at ``step``, by default the one in progress): the
+        watch stops (idle from now on: the loop runs on as unwatched, its numbers unchanged) and says why
+        once, through ``on_failure``."""
+        if self.stopped is not None:
+            return
+        if not isinstance(exc, HookcliError):
+            exc = internal_error(exc, where)
+        # (an internal error's hint, --debug, is the command line's)
+        self.stopped = exc.message if isinstance(exc, InternalError) else f"{exc.message} ({exc.hint})"
+        self.logged = False
+        if self.hooks.session is not None:
+            self.hooks.session.idle = True
+        self.on_failure(self.stopped, self.step if step is None else step)
 
     def _pre_step(self) -> None:
         if self.user_steps and self._stepped:
@@ -225,9 +248,18 @@ class StepWatcher:
 
     def user_step(self, loss: Any = None) -> None:
         """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
-        optimizer's post-step closed already) and hand its record on when it is logged."""
+        optimizer's post-step closed already) and hand its record on when it is logged. Raises a finding
+        (``on_finding="raise"``) and a bad ``loss`` only: hookcli's own failure stops the watch (``_fail``)."""
         self.raise_error()
         check_loss(loss)
+        try:
+            self._end_by_user(loss)
+        except CheckFailedError:
+            raise
+        except Exception as exc:
+            self._fail(exc, "hookcli.watch's w.step()")
+
+    def _end_by_user(self, loss: Any) -> None:
         pending, self._pending = self._pending, None
         if self.user_steps is False:
             self._misused("some")
@@ -273,7 +305,7 @@ class StepWatcher:
         ``raised``: the ring's steps not written yet, the step in progress included, are written;
         else they are when a NaN/Inf appeared."""
         try:
-            if self.error is None:
+            if self.error is None and self.stopped is None:
                 self._hand_on()
                 if self.user_steps and self._stepped and (record := self._close(None)) is not None:
                     self.on_step(record)
@@ -284,18 +316,19 @@ class StepWatcher:
                     if not raised:
                         self.flight.read()
                     self._write_flight(everything=raised)
+        except CheckFailedError:
+            raise
+        except Exception as exc:
+            self._fail(exc, "hookcli.watch's end")
         finally:
             self.hooks.remove()
             self._before = self._param_vectors = self._updates = None
 
     def raise_error(self) -> None:
-        """Raise what hookcli's code raised inside the optimizer's hooks (once)."""
+        """Raise the finding raised inside the optimizer's hooks (``on_finding="raise"``), once."""
         exc, self.error = self.error, None
-        if exc is None:
-            return
-        if isinstance(exc, HookcliError):
+        if exc is not None:
             raise exc
-        raise internal_error(exc, "hookcli.watch's optimizer step hook") from exc
 
     def _close(self, loss: Any) -> WatchStep | None:
         """End the step in progress; its record when it is logged (one host transfer). The next step begins."""
@@ -332,9 +365,18 @@ class StepWatcher:
                 entry.lr_scale = scale
             for entry, (_, p) in zip(record.params, self.params):
                 entry.requires_grad = p.requires_grad
-        except RanksFailed:  # under torchrun: every rank stops at the step, none waits
-            session.raise_error()  # this rank's own failure, if it had one
+        except RanksFailed as failed:  # under torchrun: every rank stops at the step, none waits
+            try:
+                session.raise_error()  # this rank's own failure, if it had one
+            except Exception as own:
+                self._fail(own, "hookcli.watch's step record", step)
+            self._fail(failed, "hookcli.watch's step record", step)
+            return None
+        except CheckFailedError:  # on_finding="raise" at a flight recorder's line
             raise
+        except Exception as exc:  # hookcli's own failure: this step is not logged, the watch stops
+            self._fail(exc, "hookcli.watch's step record", step)
+            return None
         finally:
             self.hooks.end_step()
             self._begin()
