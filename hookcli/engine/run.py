@@ -326,8 +326,10 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     """
     opts = prep.options
     model = prep.loaded.model
+    # a caller's own model keeps its weights' values whatever the forward does to them; one hookcli built
+    # is seen by no one after the run (its copy would cost the weights' memory again)
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
-                   index=prep.index), quiet():
+                   index=prep.index, keep_params=prep.loaded.kind == "instance"), quiet():
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 

@@ -183,6 +183,7 @@ def preserved(
     train: bool = False,
     seed: int | None = None,
     index: ModelIndex | None = None,
+    keep_params: bool = True,
 ) -> Iterator[nn.Module]:
     """Put ``model`` on ``device``/``dtype`` in train or eval mode for the block, then restore it.
 
@@ -192,7 +193,8 @@ def preserved(
     (``.to`` may replace them), each parameter's storage
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
     buffers and parameters the run changed in place (BatchNorm statistics in train mode, a counter or
-    moving average a forward updates in any mode, a weight a forward changes under ``no_grad``). With ``seed`` the RNGs are seeded for the block and restored after
+    moving average a forward updates in any mode, a weight a forward changes under ``no_grad``; ``keep_params=False``
+    leaves the weights' values out: a model hookcli built itself, which no caller sees again). With ``seed`` the RNGs are seeded for the block and restored after
     (``seeded_rng``). Reads the model through ``index`` (one traversal, made here when not given);
     the run lock is held and the model is marked as running in this thread (see ``exclusive``).
 
@@ -217,9 +219,11 @@ def preserved(
         with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
             buffer_values = [(b, b.clone()) for b in index.buffers]
             # so may it a parameter (an update under no_grad, through .data, which no version counter
-            # sees): the values are kept and copied back (converted ones get their own storage back)
-            param_values = [] if convert else [(p, p.clone()) for p in params
-                                               if type(p.detach()) is torch.Tensor and not p.is_meta]
+            # sees): the values are kept and copied back (converted ones get their own storage back).
+            # An accelerator's weights are kept in host memory: the run's device memory stays its own
+            param_values = [] if convert or not keep_params else [
+                (p, p.clone() if p.is_cpu else p.detach().to("cpu", copy=True)) for p in params
+                if type(p.detach()) is torch.Tensor and not p.is_meta]
         devices = {p.device for p in params}
         if device is not None:
             devices.add(torch.device(device))
