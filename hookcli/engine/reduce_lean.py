@@ -7,16 +7,19 @@ compute ops for a float32/float64 tensor (20 for bfloat16/float16, which are wid
 views, where ``_reduce_device`` takes 71 ops. Each op does several things at once: one comparison with a
 column of bounds flags every count (finite, not NaN, +-Inf, zero) and one sum counts them all; one
 ``amax`` over ``[x, -x]`` gives both extremes; one ``pow`` with a column of exponents and one ``nansum``
-give the three power sums; the vector is put together by one ``cat``, one ``addcmul`` and one ``fmax``
-with constants cached per device and size.
+give the three power sums; the vector is put together by one ``cat`` and one ``addcmul`` with
+constants cached per device and size.
 
 The numbers: the mean is the float64 (``device_float``) sum of the finite values over their count; the
 moments are about that mean rounded to the working dtype (float32, or float64 for float64 data),
-in units of ``SCALE^k`` (the largest finite magnitude, clamped to the smallest normal number) so that they
-cannot overflow; a value that is not finite is replaced by the mean before centring, so it adds nothing.
-Unlike ``_reduce_device`` the rounding of the centre is not corrected afterwards (that correction alone
-costs ten ops): ``M3`` can differ from float64 torch by ``3 |mean - centre| * M2`` (about
-``1e-7 * |mean| / std`` of ``M3``'s own size in float32), ``M2`` and ``M4`` by far less.
+in units of ``SCALE^k`` (the largest finite magnitude, clamped to the smallest normal number) so that
+their powers cannot overflow; a value that is not finite is replaced by the mean before centring, so it
+adds nothing. Two differences from the Triton kernel, both shared with ``_reduce_device``'s float32
+arithmetic or smaller: the rounding of the centre is not corrected afterwards (that correction alone
+costs about six ops), so moments are about ``centre = mean + c`` with ``|c|`` at most half a float32 unit
+of the mean: ``M3`` moves by about ``3 c M2`` (``1e-7 * |mean| / std`` of its own size), ``M4`` by
+``4 c M3``, ``M2`` by ``count * c^2``; and values whose span exceeds the working dtype's range (both
+signs near float32's limit) overflow ``x - centre``, giving infinite moments (``_reduce_device`` gives NaN).
 """
 
 from __future__ import annotations
@@ -71,12 +74,12 @@ def reduce_lean(t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:
     finite = torch.ne(flags[0], flags[1])  # x <= max but not x <= -inf
     mean = torch.where(finite, x, k.zero).sum(dtype=acc) / counts[0]
     centred = torch.where(finite, x, mean)  # the mean where a value is not finite: adds nothing below
-    scale = torch.linalg.vector_norm(centred, math.inf)  # the largest finite magnitude (0 when none)
+    # the largest finite magnitude, at least the smallest normal number (as the scale it is reported as)
+    scale = torch.linalg.vector_norm(centred, math.inf).clamp_(min=k.tiny)
     ends = (x * k.signs).nan_to_num_(-math.inf, math.inf, -math.inf).amax(dims)  # [-min, max]: NaN ignored, +-Inf seen
-    # 0 / 0 (every finite value 0, or none) is NaN, which nansum skips: the moments are then 0
     powers = torch.pow((centred - mean) / scale, k.exponents).nansum(dims, dtype=acc)
     parts = torch.cat([mean.view(1), ends, counts[:1], powers, counts[1:], scale.view(1)])
-    return torch.fmax(torch.addcmul(k.offset, parts, k.factor), k.floor)
+    return torch.addcmul(k.offset, parts, k.factor)
 
 
 class _Constants:
@@ -106,12 +109,10 @@ class _Constants:
         offset = [0.0] * (SCALE + 1)
         offset[NANS] = float(numel * repeats)  # NaN = all - not NaN
         offset[COUNT] = -EPSILON * repeats
-        floor = [-math.inf] * (SCALE + 1)
-        floor[SCALE] = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
+        self.tiny = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
         assert (MEAN, MIN, MAX, COUNT, M2, M4, ZEROS, NANS, INFS) == (0, 1, 2, 3, 4, 6, 7, 8, 9)
         self.factor = torch.tensor(factor, dtype=acc).to(device)
         self.offset = torch.tensor(offset, dtype=acc).to(device)
-        self.floor = torch.tensor(floor, dtype=acc).to(device)
 
 
 @functools.lru_cache(maxsize=256)
