@@ -54,6 +54,9 @@ def test_available_says_which_tensors_it_takes() -> None:
     assert not available(torch.zeros(3, dtype=torch.int64, device=DEVICE))
     assert not available(torch.zeros(3).to_sparse())
     assert available(torch.zeros(3)) == reduce_triton.INTERPRETED
+    assert reduce_triton.unavailable(DEVICE) is None
+    assert reduce_triton.unavailable("mps") == "Triton does not run on mps tensors"
+    assert (reduce_triton.unavailable("cuda") is None) == (DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("n", [1, 5, BLOCK, BLOCK + 1, BLOCK * SINGLE_BLOCKS + 1, 60_000])
@@ -197,13 +200,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from hookcli.engine import reduce_triton as rt
 
-arch = int(sys.argv[1])
+arch, dtype = int(sys.argv[1]), sys.argv[2]
 tl = triton.language
 partials = rt._kernel(rt._partials_kernel, False)
-signature = {"x_ptr": "*bf16", "table_ptr": "*i64", "out_ptr": "*fp64", "n_arg": "i32", "repeats_arg": "i32",
+signature = {"x_ptr": "*" + dtype, "table_ptr": "*i64", "out_ptr": "*fp64", "n_arg": "i32", "repeats_arg": "i32",
              "G": "i32"}
-constants = {"TINY": 1e-38, "TABLE": arch == 90, "DTYPE": tl.bfloat16, "WIDE": tl.float32, "BLOCK": rt.BLOCK,
-             "ZEROS": True, "FINAL": arch == 80}
+element = {"bf16": tl.bfloat16, "fp64": tl.float64, "fp32": tl.float32}[dtype]
+constants = {"TINY": 1e-38, "TABLE": arch == 90, "DTYPE": element,
+             "WIDE": tl.float64 if dtype == "fp64" else tl.float32, "BLOCK": rt.BLOCK, "ZEROS": True,
+             "FINAL": arch == 80}
 signature.update({name: "constexpr" for name in constants})
 target = GPUTarget("cuda", arch, 32)
 kernel = triton.compile(triton.compiler.ASTSource(partials, signature, constants), target=target,
@@ -219,10 +224,11 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_the_kernels_compile_for_cuda_without_a_gpu(arch: int) -> None:
-    """The interpreter runs Python; this compiles the real thing (Triton's front end, LLVM, ptxas)."""
+@pytest.mark.parametrize(("arch", "dtype"), [(80, "bf16"), (90, "bf16"), (90, "fp64")])
+def test_the_kernels_compile_for_cuda_without_a_gpu(arch: int, dtype: str) -> None:
+    """The interpreter runs Python; this compiles the real thing (Triton's front end, LLVM, ptxas): one
+    program per tensor and a single tensor (sm_80), the table of many tensors and partials (sm_90)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", COMPILE, str(arch)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", COMPILE, str(arch), dtype], capture_output=True, text=True, env=env,
                           timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]

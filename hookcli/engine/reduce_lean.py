@@ -52,7 +52,7 @@ EPSILON = 2.0 ** -100
 _BOUNDS = ("neg_inf", "max", "inf", "zero", "neg_sub")
 
 
-def reduce_lean(t: torch.Tensor, *, zeros: bool = True) -> torch.Tensor:
+def reduce_lean(t: torch.Tensor, zeros: bool = True) -> torch.Tensor:
     """``t``'s statistics vector on its device (``device_float``), with no host synchronisation, in 19
     compute ops (20 for 16-bit floats); ``zeros=False`` leaves the zero count at 0."""
     x = t.detach() if t.requires_grad else t

@@ -73,6 +73,20 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == ("cpu" if INTERPRETED else "cuda")
 
 
+def unavailable(device_type: str = "cuda") -> str | None:
+    """Why tensors of ``device_type`` cannot take this path here (None: they can), for a backend's
+    ``unavailable``."""
+    if triton is None:
+        return "Triton is not installed"
+    if device_type == "cuda":
+        if INTERPRETED:
+            return "Triton was imported for its interpreter (TRITON_INTERPRET=1): CPU tensors only"
+        return None if torch.cuda.is_available() else "no CUDA device"
+    if device_type == "cpu":
+        return None if INTERPRETED else "CPU tensors need Triton's interpreter: TRITON_INTERPRET=1 before importing it"
+    return f"Triton does not run on {device_type} tensors"
+
+
 def _tl_dtype(dtype: torch.dtype) -> Any:
     return {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16,
             torch.float16: tl.float16}[dtype]
