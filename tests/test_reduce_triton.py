@@ -57,6 +57,13 @@ def test_available_says_which_tensors_it_takes() -> None:
     assert reduce_triton.unavailable(DEVICE) is None
     assert reduce_triton.unavailable("mps") == "Triton does not run on mps tensors"
     assert (reduce_triton.unavailable("cuda") is None) == (DEVICE == "cuda")
+    other = "cuda" if DEVICE == "cpu" else "cpu"  # the kernels run on one of the two per process
+    if other == "cpu" or torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            reduce_moments(torch.zeros(3, device=other))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            reduce_moments_many([torch.zeros(2, device="cuda"), torch.zeros(2)])
 
 
 @pytest.mark.parametrize("n", [1, 5, BLOCK, BLOCK + 1, BLOCK * SINGLE_BLOCKS + 1, 60_000])

@@ -73,6 +73,7 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == ("cpu" if INTERPRETED else "cuda")
 
 
+@functools.cache
 def unavailable(device_type: str = "cuda") -> str | None:
     """Why tensors of ``device_type`` cannot take this path here (None: they can), for a backend's
     ``unavailable``."""
@@ -292,6 +293,13 @@ def _readable(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, repeats
 
 
+def _require(device: torch.device) -> None:
+    """Raise (a clear ``RuntimeError``) where the kernels cannot run on ``device``'s tensors."""
+    why = unavailable(device.type)
+    if why is not None:
+        raise RuntimeError(f"hookcli's Triton reduction cannot run here: {why}")
+
+
 def _launch_one(flat: torch.Tensor, repeats: int, zeros: bool) -> torch.Tensor:
     """The vector of a stride-1 tensor: one ``_partials`` launch, and a ``_merge`` launch when it took
     several programs."""
@@ -314,6 +322,7 @@ def _launch_one(flat: torch.Tensor, repeats: int, zeros: bool) -> torch.Tensor:
 def reduce_moments(x: torch.Tensor, zeros: bool = True) -> torch.Tensor:
     """``x``'s statistics vector (``stats`` layout, float64, on ``x``'s device) in one or two kernel
     launches and no host synchronisation; ``zeros=False`` leaves the zero count at 0."""
+    _require(x.device)
     flat, repeats = _readable(x)
     if flat.numel() == 0:
         out = torch.zeros(WIDTH, dtype=torch.float64, device=x.device)
@@ -343,6 +352,9 @@ def reduce_moments_many(xs: Sequence[torch.Tensor], zeros: bool = False) -> torc
     if not xs:
         raise ValueError("reduce_moments_many takes at least one tensor")
     device = xs[0].device
+    _require(device)
+    if any(x.device != device for x in xs):
+        raise ValueError(f"reduce_moments_many takes tensors of one device: {sorted({str(x.device) for x in xs})}")
     out = torch.empty(len(xs), WIDTH, dtype=torch.float64, device=device)
     groups: dict[torch.dtype, list[tuple[int, torch.Tensor, int]]] = {}
     keep = []  # the flat tensors (copies among them) live until the kernels are queued
