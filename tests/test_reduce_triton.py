@@ -227,6 +227,12 @@ signature = {"part_ptr": "*fp64", "out_ptr": "*fp64", "table_ptr": "*i64", "G": 
 kernel = triton.compile(triton.compiler.ASTSource(merge, signature, {"TABLE": arch == 90, "PARTS": 512}),
                         target=target)
 assert "cubin" in kernel.asm
+histogram = rt._kernel(rt._histogram_kernel, False)
+signature = {"table_ptr": "*i64", "bounds_ptr": "*fp64", "out_ptr": "*i32", "G": "i32", "DTYPE": "constexpr",
+             "BLOCK": "constexpr", "BINS": "constexpr", "SLOTS": "constexpr"}
+kernel = triton.compile(triton.compiler.ASTSource(histogram, signature, {"DTYPE": element, "BLOCK": rt.BLOCK,
+                                                                         "BINS": 30, "SLOTS": 32}), target=target)
+assert "cubin" in kernel.asm
 print("compiled")
 """
 
@@ -239,3 +245,29 @@ def test_the_kernels_compile_for_cuda_without_a_gpu(arch: int, dtype: str) -> No
     done = subprocess.run([sys.executable, "-c", COMPILE, str(arch), dtype], capture_output=True, text=True, env=env,
                           timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy: inf / inf
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_histograms_of_many_tensors_equal_stats_histogram_of_each(data: st.DataObject) -> None:
+    """The bucket counts exactly as ``stats.histogram`` (the per-tensor function, tested against torch.histc
+    in tests/test_watch_tensorboard.py) computes them, NaN/Inf cases included; min, max and the count
+    exactly; the sum and the sum of squares to float32 accuracy of the data (float64 torch here)."""
+    from hypothesis import assume
+
+    ts = [data.draw(tensors()) for _ in range(data.draw(st.integers(1, 3)))]
+    ts = [t.to(DEVICE) for t in ts if t.numel() and t.dtype != torch.float64]
+    assume(ts)
+    got = reduce_triton.histograms(ts)
+    assert got.shape == (len(ts), 5 + stats.HISTOGRAM_BINS)
+    for t, row in zip(ts, got.cpu()):
+        ref = stats.histogram(t).cpu()
+        assert torch.equal(row[5:], ref[5:]), (row[5:], ref[5:])
+        assert torch.equal(row[:3], ref[:3]) or (row[:2].isnan().all() and ref[:2].isnan().all()), (row, ref)
+        values = t.detach().to("cpu", torch.float64).reshape(-1)
+        finite = values[torch.isfinite(values)]
+        for got_value, exact, size in ((float(row[3]), float(values.sum()), float(finite.abs().sum())),
+                                       (float(row[4]), float(values.square().sum()), float(finite.square().sum()))):
+            assert (got_value == exact or (math.isnan(got_value) and math.isnan(exact))
+                    or abs(got_value - exact) <= 1e-6 * size), (got_value, exact)

@@ -24,7 +24,9 @@ How (``_partials`` and ``_merge``, one kernel each):
 ``reduce_moments_many(tensors)`` does the same for a list (a step's parameters, gradients or updates):
 one ``_partials`` launch over a 2-D grid (program, tensor) that reads each tensor's address from a
 table, and one ``_merge`` launch with one program per tensor, per dtype present; its result has one
-row per tensor. ``norms`` is ``torch._foreach_norm``: one op for all L2 norms.
+row per tensor. ``norms`` is ``torch._foreach_norm``: one op for all L2 norms. ``histograms`` gives
+``stats.histogram``'s rows for many tensors in a fixed number of launches (the moments, a few column
+ops, and one counting launch per dtype).
 
 Both are ``torch.library`` custom ops (``hookcli::reduce_moments``, ``hookcli::reduce_moments_many``)
 with fake implementations, so ``torch.compile`` traces a call as one node instead of breaking the
@@ -250,6 +252,34 @@ def _merge_kernel(part_ptr, out_ptr, table_ptr, G, repeats_arg, TABLE: tl.conste
     tl.store(out + 10, tl.where(numel == 0, 1.0, scale))
 
 
+def _histogram_kernel(table_ptr, bounds_ptr, out_ptr, G, DTYPE: tl.constexpr, BLOCK: tl.constexpr,  # noqa: ANN001
+                      BINS: tl.constexpr, SLOTS: tl.constexpr):
+    """Program ``(g, t)``: blocks ``g, g + G, ...`` of tensor ``t`` counted into ``BINS`` buckets from
+    ``bounds[t] = (left, span)`` as ``stats.histogram`` computes them (``(x - left) / span * BINS`` in
+    float32, NaN to bucket 0, clamped, truncated), added to row ``t`` of ``out`` (``SLOTS`` wide)."""
+    g = tl.program_id(0)
+    t = tl.program_id(1)
+    base = tl.load(table_ptr + t * 3).to(tl.pointer_type(tl.uint16 if DTYPE == tl.bfloat16 else DTYPE))
+    n = tl.load(table_ptr + t * 3 + 1)
+    repeats = tl.load(table_ptr + t * 3 + 2).to(tl.int32)
+    left = tl.load(bounds_ptr + t * 2).to(tl.float32)
+    span = tl.load(bounds_ptr + t * 2 + 1).to(tl.float32)
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros([SLOTS], tl.int32)
+    for b in range(g, tl.cdiv(n, BLOCK), G):
+        offs = b * BLOCK + lanes
+        inside = offs < n
+        if DTYPE == tl.bfloat16:
+            x = (tl.load(base + offs, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(base + offs, mask=inside, other=0.0).to(tl.float32)
+        scaled = (x - left) / span * BINS
+        scaled = tl.where(scaled != scaled, 0.0, scaled)
+        bucket = tl.minimum(tl.maximum(scaled, 0.0), BINS - 1).to(tl.int32)
+        total += tl.histogram(tl.where(inside, bucket, BINS), SLOTS)
+    tl.atomic_add(out_ptr + t * SLOTS + tl.arange(0, SLOTS), total * repeats)
+
+
 @functools.cache
 def _kernel(fn: Callable[..., Any], interpret: bool) -> Any:
     """``fn`` as a Triton kernel: compiled for CUDA, or Triton's interpreter for CPU tensors (chosen by
@@ -429,3 +459,45 @@ def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return []
     wide = torch.float32 if tensors[0].device.type == "mps" else torch.float64
     return list(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=wide))
+
+
+def histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
+    """``stats.histogram`` of each non-empty float tensor of ``tensors`` (one device), as the rows of a
+    ``(len, 5 + bins)`` float64 tensor: ``[min, max, count, sum, sum of squares, *bucket counts]``, in a
+    fixed number of launches whatever the number of tensors: ``reduce_moments_many`` (min, max and the
+    moments give the head), about fifteen ops on the ``(len,)`` columns for the head and the buckets'
+    bounds, one zero fill, and one counting launch per dtype (each program counts its blocks with
+    ``tl.histogram`` in registers and adds them to its tensor's row atomically)."""
+    rows = reduce_moments_many(tensors, zeros=False)
+    mean, lo, hi, count = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+    nans, infs, scale = rows[:, 8], rows[:, 9], rows[:, SCALE]
+    nan = nans > 0  # stats.histogram's aminmax, sum and norm propagate NaN; its sum sees +-Inf
+    both = (lo == -math.inf) & (hi == math.inf)
+    total = torch.where(infs > 0, torch.where(both, math.nan, torch.where(hi == math.inf, math.inf, -math.inf)),
+                        mean * count)
+    squares = torch.where(infs > 0, math.inf, rows[:, 4] * scale * scale + count * mean * mean)
+    lo, hi = torch.where(nan, math.nan, lo), torch.where(nan, math.nan, hi)
+    head = torch.stack([lo, hi, count + nans + infs, torch.where(nan, math.nan, total),
+                        torch.where(nan, math.nan, squares)], dim=1)
+    flat = hi == lo  # torch.histc's widening, as stats.histogram
+    bounds = torch.stack([torch.where(flat, lo - 1, lo), torch.where(flat, 2.0, hi - lo)], dim=1)
+    bounds[:, 1] = torch.where(bounds[:, 1] > 0, bounds[:, 1], 1.0)
+    slots = triton.next_power_of_2(bins + 1)  # one more: the lanes past a tensor's end
+    counts = torch.zeros(len(tensors), slots, dtype=torch.int32, device=rows.device)
+    groups: dict[torch.dtype, list[tuple[int, torch.Tensor, int]]] = {}
+    keep = []
+    for index, x in enumerate(tensors):
+        flat_x, repeats = _readable(x)
+        keep.append(flat_x)
+        groups.setdefault(flat_x.dtype, []).append((index, flat_x, repeats))
+    interpret = rows.device.type == "cpu"
+    for dtype, members in groups.items():
+        index = torch.tensor([i for i, _, _ in members], device=rows.device)
+        table = _table(tuple((f.data_ptr(), f.numel(), r) for _, f, r in members), rows.device)
+        part = torch.zeros(len(members), slots, dtype=torch.int32, device=rows.device)
+        blocks = max(-(-f.numel() // BLOCK) for _, f, _ in members)
+        g = max(1, min(blocks, programs(rows.device)))
+        _kernel(_histogram_kernel, interpret)[(g, len(members))](
+            table, bounds[index].contiguous(), part, g, DTYPE=_tl_dtype(dtype), BLOCK=BLOCK, BINS=bins, SLOTS=slots)
+        counts[index] = part
+    return torch.cat([head, counts[:, :bins].to(torch.float64)], dim=1)
