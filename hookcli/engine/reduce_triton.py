@@ -108,16 +108,77 @@ def _tiny(dtype: torch.dtype) -> float:
 
 # -- the kernels (plain functions: compiled with triton.jit for CUDA, interpreted for CPU) -----------
 
+def _jit(fn: Callable[..., Any]) -> Any:
+    """A device function the kernels call: ``triton.jit``, which gives the interpreted kind when Triton was
+    imported for its interpreter (the only kind an interpreted kernel can call) and the compiled one else."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
+def _read(base, offs, inside, DTYPE: tl.constexpr, WIDE: tl.constexpr):  # noqa: ANN001, ANN202
+    """A block of values widened to ``WIDE``; bfloat16 is read as its 16-bit patterns and shifted (exact,
+    subnormals included)."""
+    if DTYPE == tl.bfloat16:
+        x = (tl.load(base + offs, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(base + offs, mask=inside, other=0.0).to(WIDE)
+    return x
+
+
+@_jit
+def _block(x, fin, TINY: tl.constexpr, WIDE: tl.constexpr):  # noqa: ANN001, ANN202
+    """``(count, mean, m2, m3, m4, s)`` of a block's finite values: centred on their mean and scaled by
+    their largest magnitude ``s`` in registers, the central sums (units of ``s^k``) about the exact mean
+    (the rounding of the centre removed, as ``stats.central_moments``)."""
+    c = tl.sum(fin.to(WIDE), axis=0)
+    s = tl.maximum(tl.max(tl.where(fin, tl.abs(x), 0.0), axis=0), TINY)
+    shift = s * (tl.sum(tl.where(fin, x / s, 0.0), axis=0) / tl.maximum(c, 1.0))
+    diff = x - shift  # overflows only for values near the dtype's limit of both signs: halves then
+    d = tl.where(tl.abs(diff) < float("inf"), diff / s, (x * 0.5 - shift * 0.5) / (s * 0.5))
+    d = tl.where(fin, d, 0.0)
+    d2 = d * d
+    n = c.to(tl.float64)
+    q1 = tl.sum(d, axis=0).to(tl.float64)
+    q2 = tl.sum(d2, axis=0).to(tl.float64)
+    q3 = tl.sum(d2 * d, axis=0).to(tl.float64)
+    q4 = tl.sum(d2 * d2, axis=0).to(tl.float64)
+    delta = q1 / tl.maximum(n, 1.0)
+    m2 = q2 - q1 * delta
+    m3 = q3 - 3.0 * delta * q2 + 2.0 * n * delta * delta * delta
+    m4 = q4 - 4.0 * delta * q3 + 6.0 * delta * delta * q2 - 3.0 * n * delta * delta * delta * delta
+    return n, shift.to(tl.float64) + delta * s.to(tl.float64), m2, m3, m4, s.to(tl.float64)
+
+
+@_jit
+def _pebay(cnt, mean, m2, m3, m4, scale, c, bmean, b2, b3, b4, s):  # noqa: ANN001, ANN202
+    """Pebay's pairwise merge of ``(cnt, mean, m2..m4 in units of scale)`` with a block's ``(c, bmean,
+    b2..b4 in units of s)``, in the larger scale (``stats.merge``, in float64 registers)."""
+    new_scale = tl.maximum(scale, s)
+    ra = scale / new_scale
+    rb = s / new_scale
+    total = cnt + c
+    wa = cnt / tl.maximum(total, 1.0)
+    wb = c / tl.maximum(total, 1.0)
+    a2, a3, a4 = m2 * ra * ra, m3 * ra * ra * ra, m4 * (ra * ra) * (ra * ra)
+    b2, b3, b4 = b2 * rb * rb, b3 * rb * rb * rb, b4 * (rb * rb) * (rb * rb)
+    dm = tl.where(total > 0, (bmean - mean) / new_scale, 0.0)
+    dd = dm * dm
+    m4 = (a4 + b4 + dd * dd * cnt * wb * (wa * wa - wa * wb + wb * wb)
+          + 6.0 * dd * (wa * wa * b2 + wb * wb * a2) + 4.0 * dm * (wa * b3 - wb * a3))
+    m3 = a3 + b3 + dd * dm * cnt * wb * (wa - wb) + 3.0 * dm * (wa * b2 - wb * a2)
+    m2 = a2 + b2 + dd * cnt * wb
+    return total, mean + dm * wb * new_scale, m2, m3, m4, new_scale
+
+
 def _partials_kernel(x_ptr, table_ptr, out_ptr, n_arg, repeats_arg, G,  # noqa: ANN001
-                     TINY: tl.constexpr, TABLE: tl.constexpr, DTYPE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
-                     ZEROS: tl.constexpr, FINAL: tl.constexpr):
+                     TINY: tl.constexpr, TABLE: tl.constexpr, DTYPE: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK: tl.constexpr, ZEROS: tl.constexpr, FINAL: tl.constexpr):
     """Program ``(g, t)``: blocks ``g, g + G, ...`` of tensor ``t`` (``x_ptr``, or row ``t`` of the table
     ``[address, numel, repeats]``) merged into one vector, written to ``out[t, g]``; ``FINAL``: the
     program is its tensor's only one, and the additive fields are multiplied by the repeats."""
     g = tl.program_id(0)
     t = tl.program_id(1)
-    # bfloat16 is read as its 16-bit patterns and widened by a shift (exact, subnormals included)
-    if TABLE:
+    if TABLE:  # bfloat16 is read as 16-bit patterns (_read)
         base = tl.load(table_ptr + t * 3).to(tl.pointer_type(tl.uint16 if DTYPE == tl.bfloat16 else DTYPE))
         n = tl.load(table_ptr + t * 3 + 1)
         repeats = tl.load(table_ptr + t * 3 + 2).to(tl.float64)
@@ -125,65 +186,23 @@ def _partials_kernel(x_ptr, table_ptr, out_ptr, n_arg, repeats_arg, G,  # noqa: 
         base = x_ptr.to(tl.pointer_type(tl.uint16)) if DTYPE == tl.bfloat16 else x_ptr
         n = n_arg.to(tl.int64)
         repeats = repeats_arg.to(tl.float64)
-    lanes = tl.arange(0, BLOCK)
     zero = tl.zeros([], tl.float64)
-    cnt, mean, m2, m3, m4 = zero, zero, zero, zero, zero
-    scale = zero + TINY
+    cnt, mean, m2, m3, m4, scale = zero, zero, zero, zero, zero, zero + TINY
     lo, hi = zero + float("inf"), zero - float("inf")
     zeros, nans, infs = zero, zero, zero
     for b in range(g, tl.cdiv(n, BLOCK), G):
-        offs = b * BLOCK + lanes  # b is int64: n is
+        offs = b * BLOCK + tl.arange(0, BLOCK)  # int64: n is
         inside = offs < n
-        if DTYPE == tl.bfloat16:
-            x = (tl.load(base + offs, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(base + offs, mask=inside, other=0.0).to(WIDE)
+        x = _read(base, offs, inside, DTYPE, WIDE)
         nan = x != x
-        mag = tl.abs(x)
-        fin = inside & (mag < float("inf"))
         lo = tl.minimum(lo, tl.min(tl.where(inside & ~nan, x, float("inf")), axis=0).to(tl.float64))
         hi = tl.maximum(hi, tl.max(tl.where(inside & ~nan, x, -float("inf")), axis=0).to(tl.float64))
         nans += tl.sum(nan.to(tl.float64), axis=0)
-        infs += tl.sum((mag == float("inf")).to(tl.float64), axis=0)
+        infs += tl.sum((tl.abs(x) == float("inf")).to(tl.float64), axis=0)
         if ZEROS:
             zeros += tl.sum((inside & (x == 0)).to(tl.float64), axis=0)
-        c = tl.sum(fin.to(WIDE), axis=0)
-        s = tl.maximum(tl.max(tl.where(fin, mag, 0.0), axis=0), TINY)
-        shift = s * (tl.sum(tl.where(fin, x / s, 0.0), axis=0) / tl.maximum(c, 1.0))
-        diff = x - shift  # overflows only for values near the dtype's limit of both signs: halves then
-        d = tl.where(tl.abs(diff) < float("inf"), diff / s, (x * 0.5 - shift * 0.5) / (s * 0.5))
-        d = tl.where(fin, d, 0.0)
-        d2 = d * d
-        c64 = c.to(tl.float64)
-        q1 = tl.sum(d, axis=0).to(tl.float64)
-        q2 = tl.sum(d2, axis=0).to(tl.float64)
-        q3 = tl.sum(d2 * d, axis=0).to(tl.float64)
-        q4 = tl.sum(d2 * d2, axis=0).to(tl.float64)
-        # the block's central sums about its exact mean (the shift's rounding removed), units of s
-        delta = q1 / tl.maximum(c64, 1.0)
-        b2 = q2 - q1 * delta
-        b3 = q3 - 3.0 * delta * q2 + 2.0 * c64 * delta * delta * delta
-        b4 = q4 - 4.0 * delta * q3 + 6.0 * delta * delta * q2 - 3.0 * c64 * delta * delta * delta * delta
-        s64 = s.to(tl.float64)
-        bmean = shift.to(tl.float64) + delta * s64
-        # Pebay's pairwise merge of (cnt, mean, m2..m4 in units of scale) with the block, in the larger scale
-        new_scale = tl.maximum(scale, s64)
-        ra = scale / new_scale
-        rb = s64 / new_scale
-        total = cnt + c64
-        wa = cnt / tl.maximum(total, 1.0)
-        wb = c64 / tl.maximum(total, 1.0)
-        a2, a3, a4 = m2 * ra * ra, m3 * ra * ra * ra, m4 * (ra * ra) * (ra * ra)
-        b2, b3, b4 = b2 * rb * rb, b3 * rb * rb * rb, b4 * (rb * rb) * (rb * rb)
-        dm = tl.where(total > 0, (bmean - mean) / new_scale, 0.0)
-        dd = dm * dm
-        m4 = (a4 + b4 + dd * dd * cnt * wb * (wa * wa - wa * wb + wb * wb)
-              + 6.0 * dd * (wa * wa * b2 + wb * wb * a2) + 4.0 * dm * (wa * b3 - wb * a3))
-        m3 = a3 + b3 + dd * dm * cnt * wb * (wa - wb) + 3.0 * dm * (wa * b2 - wb * a2)
-        m2 = a2 + b2 + dd * cnt * wb
-        mean = mean + dm * wb * new_scale
-        cnt = total
-        scale = new_scale
+        c, bmean, b2, b3, b4, s = _block(x, inside & (tl.abs(x) < float("inf")), TINY, WIDE)
+        cnt, mean, m2, m3, m4, scale = _pebay(cnt, mean, m2, m3, m4, scale, c, bmean, b2, b3, b4, s)
     if FINAL:
         scale = tl.where(n == 0, 1.0, scale)  # no values at all: stats.empty_vector's scale
         cnt, m2, m3, m4 = cnt * repeats, m2 * repeats, m3 * repeats, m4 * repeats
@@ -269,10 +288,7 @@ def _histogram_kernel(table_ptr, bounds_ptr, out_ptr, G, DTYPE: tl.constexpr, BL
     for b in range(g, tl.cdiv(n, BLOCK), G):
         offs = b * BLOCK + lanes
         inside = offs < n
-        if DTYPE == tl.bfloat16:
-            x = (tl.load(base + offs, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(base + offs, mask=inside, other=0.0).to(tl.float32)
+        x = _read(base, offs, inside, DTYPE, tl.float32)
         scaled = (x - left) / span * BINS
         scaled = tl.where(scaled != scaled, 0.0, scaled)
         bucket = tl.minimum(tl.maximum(scaled, 0.0), BINS - 1).to(tl.int32)
