@@ -271,3 +271,15 @@ def test_histograms_of_many_tensors_equal_stats_histogram_of_each(data: st.DataO
                                        (float(row[4]), float(values.square().sum()), float(finite.square().sum()))):
             assert (got_value == exact or (math.isnan(got_value) and math.isnan(exact))
                     or abs(got_value - exact) <= 1e-6 * size), (got_value, exact)
+
+
+def test_histograms_take_the_same_ops_for_one_tensor_as_for_twelve() -> None:
+    """O(1): the launches (views, which launch nothing, apart) do not grow with the number of tensors."""
+    def compute_ops(k: int) -> int:
+        ps = [torch.randn(5, 4).to(DEVICE) for _ in range(k)]
+        reduce_triton.histograms(ps)  # the address table is built (and cached) once
+        with_views = aten_op_counts(lambda: reduce_triton.histograms(ps))
+        views = {"aten.select", "aten.slice", "aten.view", "aten.detach", "aten.as_strided", "aten.unbind"}
+        return sum(n for op, n in with_views.items() if op not in views)
+
+    assert compute_ops(1) == compute_ops(12)

@@ -25,8 +25,8 @@ How (``_partials`` and ``_merge``, one kernel each):
 one ``_partials`` launch over a 2-D grid (program, tensor) that reads each tensor's address from a
 table, and one ``_merge`` launch with one program per tensor, per dtype present; its result has one
 row per tensor. ``norms`` is ``torch._foreach_norm``: one op for all L2 norms. ``histograms`` gives
-``stats.histogram``'s rows for many tensors in a fixed number of launches (the moments, a few column
-ops, and one counting launch per dtype).
+``stats.histogram``'s rows for many tensors in a fixed number of launches (the moments, small ops on
+columns, and one counting launch per dtype).
 
 Both are ``torch.library`` custom ops (``hookcli::reduce_moments``, ``hookcli::reduce_moments_many``)
 with fake implementations, so ``torch.compile`` traces a call as one node instead of breaking the
@@ -480,10 +480,10 @@ def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def histograms(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
     """``stats.histogram`` of each non-empty float tensor of ``tensors`` (one device), as the rows of a
     ``(len, 5 + bins)`` float64 tensor: ``[min, max, count, sum, sum of squares, *bucket counts]``, in a
-    fixed number of launches whatever the number of tensors: ``reduce_moments_many`` (min, max and the
-    moments give the head), about fifteen ops on the ``(len,)`` columns for the head and the buckets'
-    bounds, one zero fill, and one counting launch per dtype (each program counts its blocks with
-    ``tl.histogram`` in registers and adds them to its tensor's row atomically)."""
+    fixed number of launches whatever the number of tensors (about 70 ops for one dtype):
+    ``reduce_moments_many`` (min, max and the moments give the head), small ops on the ``(len,)`` columns
+    for the head and the buckets' bounds, zero fills, and one counting launch per dtype (each program
+    counts its blocks with ``tl.histogram`` in registers and adds them to its tensor's row atomically)."""
     rows = reduce_moments_many(tensors, zeros=False)
     mean, lo, hi, count = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
     nans, infs, scale = rows[:, 8], rows[:, 9], rows[:, SCALE]
