@@ -3,9 +3,9 @@
 ``reduce_moments(t)`` gives the device vector of ``stats`` (``MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS,
 NANS, INFS, SCALE``, float64): the moments are those of the finite values, about their mean, in units of
 ``SCALE^k`` (the largest finite magnitude, clamped to the smallest normal number), min/max ignore NaN and
-include +-Inf, the zero count is 0 unless asked for.
+include +-Inf; ``zeros=False`` leaves the zero count at 0.
 
-How (``_partials`` and ``_merge``, one kernel each):
+How (``_partials_kernel`` and ``_merge_kernel``):
 
 * The tensor is read once, in its own dtype (float32, bfloat16, float16, float64), in storage order (a
   dense layout of any dimension order, ``stats.dense_view``; an expanded one without its repeats,
@@ -22,8 +22,8 @@ How (``_partials`` and ``_merge``, one kernel each):
   each partial's central sums to the common mean, exact algebra): two launches.
 
 ``reduce_moments_many(tensors)`` does the same for a list (a step's parameters, gradients or updates):
-one ``_partials`` launch over a 2-D grid (program, tensor) that reads each tensor's address from a
-table, and one ``_merge`` launch with one program per tensor, per dtype present; its result has one
+one ``_partials_kernel`` launch over a 2-D grid (program, tensor) that reads each tensor's address from a
+table, and one ``_merge_kernel`` launch with one program per tensor, per dtype present; its result has one
 row per tensor. ``norms`` is ``torch._foreach_norm``: one op for all L2 norms. ``histograms`` gives
 ``stats.histogram``'s rows for many tensors in a fixed number of launches (the moments, small ops on
 columns, and one counting launch per dtype).
@@ -347,8 +347,8 @@ def _require(device: torch.device) -> None:
 
 
 def _launch_one(flat: torch.Tensor, repeats: int, zeros: bool) -> torch.Tensor:
-    """The vector of a stride-1 tensor: one ``_partials`` launch, and a ``_merge`` launch when it took
-    several programs."""
+    """The vector of a stride-1 tensor: one ``_partials_kernel`` launch, and a ``_merge_kernel`` launch
+    when it took several programs."""
     interpret = flat.device.type == "cpu"
     blocks = -(-flat.numel() // BLOCK)
     g = 1 if blocks <= SINGLE_BLOCKS else min(blocks, programs(flat.device))
@@ -393,8 +393,9 @@ reduce_moments.register_autograd(_no_gradient)
 @torch.library.custom_op("hookcli::reduce_moments_many", mutates_args=())
 def reduce_moments_many(xs: Sequence[torch.Tensor], zeros: bool = False) -> torch.Tensor:
     """One statistics vector per tensor of ``xs`` (all on one device), as the rows of a ``(len(xs), 11)``
-    float64 tensor: per dtype present one ``_partials`` launch over every tensor of it and one ``_merge``
-    launch, plus the copy of its small address table to the device (reused while the tensors stay)."""
+    float64 tensor: per dtype present one ``_partials_kernel`` launch over every tensor of it and one
+    ``_merge_kernel`` launch, plus the copy of its small address table to the device (reused while the
+    tensors stay)."""
     if not xs:
         raise ValueError("reduce_moments_many takes at least one tensor")
     device = xs[0].device
