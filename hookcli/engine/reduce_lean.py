@@ -1,10 +1,10 @@
 """A tensor's statistics vector in a fixed, small number of torch ops: the fallback for devices without
-Triton (Apple's MPS, Intel's XPU, CUDA without Triton), the same layout and numbers as
-``stats.Reducer._reduce_device`` (``MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS, NANS, INFS, SCALE``).
+Triton (Apple's MPS, Intel's XPU, CUDA without Triton), the same layout and numbers as the accelerator
+path of ``engine.stats`` (``MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS, NANS, INFS, SCALE``).
 
 On such a device every op is a kernel launch, so the op count is the cost: ``reduce_lean`` takes 19
 compute ops for a float32/float64 tensor (20 for bfloat16/float16, which are widened first), and
-views, where ``_reduce_device`` takes 71 ops. Each op does several things at once: one comparison with a
+views, where the accelerator path of ``engine.stats`` takes 71 ops. Each op does several things at once: one comparison with a
 column of bounds flags every count (finite, not NaN, +-Inf, zero) and one sum counts them all; one
 ``amax`` over ``[x, -x]`` gives both extremes; one ``pow`` with a column of exponents and one ``nansum``
 give the three power sums; the vector is put together by one ``cat`` and one ``addcmul`` with
@@ -14,12 +14,12 @@ The numbers: the mean is the float64 (``device_float``) sum of the finite values
 moments are about that mean rounded to the working dtype (float32, or float64 for float64 data),
 in units of ``SCALE^k`` (the largest finite magnitude, clamped to the smallest normal number) so that
 their powers cannot overflow; a value that is not finite is replaced by the mean before centring, so it
-adds nothing. Two differences from the Triton kernel, both shared with ``_reduce_device``'s float32
+adds nothing. Two differences from the Triton kernel, both shared with the accelerator path's float32
 arithmetic or smaller: the rounding of the centre is not corrected afterwards (that correction alone
 costs about six ops), so moments are about ``centre = mean + c`` with ``|c|`` at most half a float32 unit
 of the mean: ``M3`` moves by about ``3 c M2`` (``1e-7 * |mean| / std`` of its own size), ``M4`` by
 ``4 c M3``, ``M2`` by ``count * c^2``; and values whose span exceeds the working dtype's range (both
-signs near float32's limit) overflow ``x - centre``, giving infinite moments (``_reduce_device`` gives NaN).
+signs near float32's limit) overflow ``x - centre``, giving infinite moments (the accelerator path: NaN).
 """
 
 from __future__ import annotations
