@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,19 @@ TESTS_DIR = Path(__file__).resolve().parent
 GOLDEN_DIR = TESTS_DIR / "golden"
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+
+def _triton_interpreter_without_cuda() -> None:
+    """Without a CUDA GPU, Triton kernels run in Triton's interpreter on CPU tensors
+    (tests/test_reduce_triton.py). Triton reads ``TRITON_INTERPRET`` when it is imported (its own
+    library functions are decorated then), so it is set here, before any test imports it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interpreter_without_cuda()
 
 
 @pytest.fixture

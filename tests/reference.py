@@ -95,3 +95,49 @@ def outputs_by_call(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], 
         seen[(name, counts[name])] = out
     return seen
 
+
+
+def float64_moments(t: torch.Tensor) -> dict[str, float]:
+    """What a statistics vector holds, from the float64 values of ``t`` with plain torch: count, mean and
+    the central moment sums m2..m4 of the finite values, min/max ignoring NaN (+-Inf included; +inf and
+    -inf for no values), zero, NaN and Inf counts."""
+    d = t.detach().to("cpu", torch.float64).resolve_neg().reshape(-1)
+    finite = d[torch.isfinite(d)]
+    seen = d[~torch.isnan(d)]
+    n = finite.numel()
+    mean = float(finite.mean()) if n else 0.0
+    dev = finite - mean
+    return {"count": float(n), "mean": mean, "m2": float(dev.pow(2).sum()), "m3": float(dev.pow(3).sum()),
+            "m4": float(dev.pow(4).sum()), "min": float(seen.min()) if seen.numel() else math.inf,
+            "max": float(seen.max()) if seen.numel() else -math.inf, "zeros": float((d == 0).sum()),
+            "nans": float(torch.isnan(d).sum()), "infs": float(torch.isinf(d).sum()),
+            "scale": float(finite.abs().max()) if n else 0.0}
+
+
+def assert_moments_match(values: list[float], t: torch.Tensor, *, zeros: bool = True, rtol: float = 1e-5,
+                         centre_error: float = 0.0, merged: bool = False) -> None:
+    """A host copy of a statistics vector (``MEAN, MIN, MAX, COUNT, M2, M3, M4, ZEROS, NANS, INFS, SCALE``)
+    against ``float64_moments(t)``: counts and extremes exactly; the mean within ``rtol`` of the largest
+    finite magnitude; each moment sum within ``rtol`` of ``count * spread^k``, its natural size (spread: the
+    larger of the standard deviation and the data's rounding, ``rtol * scale``). ``centre_error``: how far
+    (relative to the largest magnitude) the centre of the moments may be from the float64 mean: moments
+    about ``mean + c`` differ by the binomial shift's terms (m3 by about ``3 c m2``, m4 by ``4 c m3``).
+    ``merged``: the vector is a ``stats.merge`` of others, whose scale is the largest of theirs (an empty
+    tensor's is 1), not necessarily the largest magnitude."""
+    exp = float64_moments(t)
+    mean, lo, hi, count, m2, m3, m4, zero_count, nans, infs, scale = values
+    assert (count, nans, infs) == (exp["count"], exp["nans"], exp["infs"]), (values, exp)
+    assert zero_count == (exp["zeros"] if zeros else 0.0), (values, exp)
+    assert (lo, hi) == (exp["min"], exp["max"]), (values, exp)
+    tiny = torch.finfo(torch.float64 if t.dtype == torch.float64 else torch.float32).tiny
+    assert merged or scale == max(exp["scale"], tiny) or (not t.numel() and scale == 1.0), (scale, exp["scale"])
+    n = exp["count"]
+    assert abs(mean - exp["mean"]) <= rtol * exp["scale"], (mean, exp["mean"])
+    spread = max(math.sqrt(exp["m2"] / n) if n else 0.0, rtol * exp["scale"])
+    got = (m2 * scale ** 2, m3 * scale ** 3, m4 * scale ** 4)  # in data units
+    for k, g, e in ((2, got[0], exp["m2"]), (3, got[1], exp["m3"]), (4, got[2], exp["m4"])):
+        tol = rtol * (n * spread ** k * (3 if k == 4 else 1) + abs(e))
+        c = centre_error * max(exp["scale"], tiny)  # moments about mean + c: the binomial shift's terms
+        tol += {2: n * c * c, 3: 3 * c * exp["m2"] + n * c ** 3,
+                4: 4 * c * abs(exp["m3"]) + 6 * c * c * exp["m2"] + n * c ** 4}[k]
+        assert abs(g - e) <= tol + 1e-300, (f"m{k}", g, e, tol, values)
