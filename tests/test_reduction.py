@@ -32,10 +32,21 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-@pytest.mark.parametrize("name", ["auto", "kernel", "torch", "device"])
+#: what auto reduces an accelerator's tensors with here: the fused kernel needs CUDA and Triton
+ACCELERATOR = "triton" if torch.cuda.is_available() and reduction.BACKENDS["triton"].unavailable() is None else "lean"
+
+
+def triton_runs_here(name: str) -> None:
+    """Skip a test of the ``triton`` backend where its kernels cannot run on CPU tensors (no interpreter)."""
+    if name == "triton" and reduction.BACKENDS["triton"].unavailable() is not None:
+        pytest.skip(f"triton: {reduction.BACKENDS['triton'].unavailable()}")
+
+
+@pytest.mark.parametrize("name", ["auto", "kernel", "torch", "device", "triton", "lean"])
 def test_stats_json_names_the_backend(cli, env: pytest.MonkeyPatch, name: str) -> None:
     if name == "kernel" and _fastreduce is None:
         pytest.skip("hookcli.engine._fastreduce was not built here")
+    triton_runs_here(name)
     env.setenv(reduction.REDUCTION_ENV, name)
     result = cli("stats", "tiny_models:Reused", "--input-shape", "3x4", "--format", "json")
     assert result.exit_code == 0, result.output
@@ -64,9 +75,9 @@ def test_an_unknown_backend_is_exit_2_naming_the_choices(cli, env: pytest.Monkey
 def test_no_kernel_env_makes_auto_torch(env: pytest.MonkeyPatch) -> None:
     env.setenv(NO_KERNEL_ENV, "1")
     assert reduction.choose("cpu").name == "torch"
-    assert reduction.choose("cuda").name == "device"
+    assert reduction.choose("cuda").name == ACCELERATOR
     env.setenv(reduction.REDUCTION_ENV, "torch")
-    assert reduction.choose("cuda").name == "device"  # a host backend reads CPU memory only
+    assert reduction.choose("cuda").name == ACCELERATOR  # a host backend reads CPU memory only
     env.setenv(reduction.REDUCTION_ENV, "kernel")
     with pytest.raises(UsageError, match="switched off by HOOKCLI_NO_KERNEL"):
         reduction.choose("cpu")
@@ -84,15 +95,18 @@ def test_device_backend_runs_on_cpu_tensors(env: pytest.MonkeyPatch) -> None:
     assert math.isclose(got["std"], float(want.std(correction=0)), rel_tol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["kernel", "torch", "device"])
+@pytest.mark.parametrize("name", ["kernel", "torch", "device", "triton", "lean"])
 def test_many_tensors_at_once_equal_float64_torch(env: pytest.MonkeyPatch, name: str) -> None:
     if name == "kernel" and _fastreduce is None:
         pytest.skip("hookcli.engine._fastreduce was not built here")
+    triton_runs_here(name)
     env.setenv(reduction.REDUCTION_ENV, name)
     tensors = [seeded(7, 5), seeded(300), seeded(2, 3, 4).bfloat16(), seeded(1)]
     rows = to_host(reduction.reduce_many(tensors, zeros=False))
     for t, row in zip(tensors, rows):
         got, want = gradient_stats(row, abs_max=True), t.double()
+        assert math.isclose(got["mean"], float(want.mean()), rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(got["std"], float(want.std(correction=0)), rel_tol=1e-6)
         assert math.isclose(got["norm"], float(want.norm()), rel_tol=1e-7)  # float32 data: the device path sums d^2 of scaled values
         assert got["abs_max"] == float(want.abs().max())
     for t, norm in zip(tensors, to_host(reduction.norms(tensors))):
@@ -106,8 +120,10 @@ def test_many_tensors_at_once_equal_float64_torch(env: pytest.MonkeyPatch, name:
     assert counts == [float((x[:, c] != 0).sum()) for c in range(6)]
 
 
-def test_every_watch_line_names_the_backend(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    env.setenv(reduction.REDUCTION_ENV, "device")
+@pytest.mark.parametrize("name", ["device", "triton", "lean"])
+def test_every_watch_line_names_the_backend(env: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
+    triton_runs_here(name)
+    env.setenv(reduction.REDUCTION_ENV, name)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -117,11 +133,14 @@ def test_every_watch_line_names_the_backend(env: pytest.MonkeyPatch, tmp_path: P
         for _ in range(3):
             loss = model(x).square().mean()
             loss.backward()
+            before = model[0].weight.detach().double().clone()  # the logged norm is the one before the update
             opt.step()
             opt.zero_grad()
             w.step(loss=loss)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(lines) == 3 and {line["reduction"] for line in lines} == {"device"}
+    assert len(lines) == 3 and {line["reduction"] for line in lines} == {name}
+    logged = {param["name"]: param for param in lines[-1]["params"]}
+    assert math.isclose(logged["0.weight"]["norm"], float(before.norm()), rel_tol=1e-6)
 
 
 @needs_kernel

@@ -40,24 +40,51 @@ def _kernel_unavailable() -> str | None:
     return f"the C statistics kernel is {kernel.status()}" if kernel.load() is None else None
 
 
+def _triton_unavailable() -> str | None:
+    from hookcli.engine import reduce_triton  # (imports Triton: only where it is asked for)
+
+    return reduce_triton.unavailable("cpu" if reduce_triton.INTERPRETED else "cuda")
+
+
+def triton_vector(flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+    """The ``triton`` backend's vector: the fused kernel (``engine.reduce_triton``) where it reads ``flat``,
+    else the lean torch path (a tensor Triton cannot read here: never one a hook hands it in practice)."""
+    from hookcli.engine import reduce_lean, reduce_triton
+
+    if reduce_triton.available(flat):
+        return reduce_triton.reduce_moments(flat, zeros)  # type: ignore[no-any-return]
+    return reduce_lean.reduce_lean(flat, zeros)
+
+
 BACKENDS: dict[str, Backend] = {
     "kernel": Backend("kernel", host=True, unavailable=_kernel_unavailable),
     "torch": Backend("torch", host=True),
     "device": Backend("device", host=False, vector="hookcli.engine.stats:device_vector"),
+    "triton": Backend("triton", host=False, vector="hookcli.engine.backends:triton_vector",
+                      unavailable=_triton_unavailable),
+    "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean"),
 }
+
+
+def _accelerator() -> Backend:
+    """What ``auto`` reduces an accelerator's tensors with: the fused Triton kernel where CUDA and Triton
+    are here, else the lean torch path (Apple's MPS, Intel's XPU, CUDA without Triton)."""
+    if torch.cuda.is_available() and BACKENDS["triton"].unavailable() is None:
+        return BACKENDS["triton"]
+    return BACKENDS["lean"]
 
 
 def choose(device: torch.device | str = "cpu", name: str | None = None) -> Backend:
     """The backend that reduces tensors on ``device``: ``name``'s, else ``HOOKCLI_REDUCTION``'s, else the
-    best one there (the one place it is chosen). A forced host backend leaves an accelerator's tensors
-    to ``device``. Raises ``UsageError`` for an unknown name or one that cannot run here (the kernel
+    best one there (the one place it is chosen: on an accelerator ``triton`` where CUDA and Triton are
+    here, else ``lean``). A forced host backend leaves an accelerator's tensors to that choice. Raises ``UsageError`` for an unknown name or one that cannot run here (the kernel
     not built; or switched off by ``HOOKCLI_NO_KERNEL`` while ``HOOKCLI_REDUCTION`` asks for it: a caller's
     own ``name="kernel"`` takes it where it is built, as ``Reducer(kernel=True)`` did)."""
     wanted = name or os.environ.get(REDUCTION_ENV, "").strip() or "auto"
     on_cpu = torch.device(device).type == "cpu"
     if wanted == "auto":
         if not on_cpu:
-            return BACKENDS["device"]
+            return _accelerator()
         return BACKENDS["kernel" if kernel.enabled() else "torch"]
     backend = BACKENDS.get(wanted)
     if backend is None:
@@ -69,7 +96,7 @@ def choose(device: torch.device | str = "cpu", name: str | None = None) -> Backe
     if why is not None:
         raise UsageError(f"{REDUCTION_ENV}={wanted}: {why}",
                          hint=f"unset {REDUCTION_ENV} (auto picks what runs here), or set it to torch")
-    return backend if on_cpu or not backend.host else BACKENDS["device"]
+    return backend if on_cpu or not backend.host else _accelerator()
 
 
 def name_for(device: torch.device | str) -> str:

@@ -7,17 +7,23 @@ any declared extra one). ``BACKENDS`` holds them by name:
   else cache-sized torch chunks or numpy (``engine.stats.Reducer``); host ``Moments``, no tensor kept.
 * ``torch``: CPU tensors, the same without the kernel (``HOOKCLI_NO_KERNEL=1``, or no C compiler).
 * ``device``: any tensor, branch-free torch ops on its own device, no host synchronisation
-  (``engine.stats.device_vector``): a vector tensor in the layout ``MEAN .. INFS, SCALE``, read once at
-  the end of a run (``engine.stats.to_host``). Accelerators take it; on CPU it is there for tests and
-  debugging.
+  (``engine.stats.device_vector``, about 71 torch ops a tensor): a vector tensor in the layout
+  ``MEAN .. INFS, SCALE``, read once at the end of a run (``engine.stats.to_host``). The reference of the
+  two below; on CPU it is there for tests and debugging.
+* ``triton``: the fused Triton kernel (``engine.reduce_triton``): one custom op (one or two kernel
+  launches) a tensor, and one for a whole list (a step's gradients); CUDA tensors, or CPU tensors when
+  Triton was imported under ``TRITON_INTERPRET=1`` (how CI tests it).
+* ``lean``: the same vector in a fixed, small number of torch ops (``engine.reduce_lean``), for
+  accelerators without Triton (Apple's MPS, Intel's XPU).
 
 Another device implementation of that layout is one more entry of ``engine.backends.BACKENDS``:
 ``Backend(name, host=False, vector="module:fn")`` with ``fn(flat, zeros) -> vector`` for a non-empty 1-D
-float32/float64 tensor, and a line in ``choose`` if ``auto`` should pick it.
-``HOOKCLI_REDUCTION=auto|kernel|torch|device`` forces one (``auto``, the default: ``kernel`` on CPU where it is built and not switched off, else ``torch``;
-``device`` on accelerators). A host backend reads CPU memory only: with it forced, an accelerator's
-tensors still take ``device``; ``name_for`` says which one a run's device used, the ``reduction`` of
-every JSON report and watch log line.
+float tensor, and a line in ``choose`` if ``auto`` should pick it.
+``HOOKCLI_REDUCTION=auto|kernel|torch|device|triton|lean`` forces one (``auto``, the default: ``kernel``
+on CPU where it is built and not switched off, else ``torch``; on accelerators ``triton`` where CUDA and
+Triton are here, else ``lean``). A host backend reads CPU memory only: with it forced, an accelerator's
+tensors still take ``auto``'s choice; ``name_for`` says which one a run's device used, the ``reduction``
+of every JSON report and watch log line.
 
 The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
 ``histograms`` and ``channel_counts`` (many at once; they loop today).
@@ -48,12 +54,30 @@ def reduce_many(tensors: Sequence[torch.Tensor], *, zeros: bool = True, reducer:
                 ) -> list[stats.Vector]:
     """Each tensor's vector (``reduce``), e.g. a step's gradients; read them with one ``to_host``."""
     reducer = reducer or stats.Reducer()
+    if len(tensors) > 1 and reducer.device_backend.name == "triton" and _one_triton_device(tensors):
+        from hookcli.engine import reduce_triton
+
+        return list(reduce_triton.reduce_moments_many(list(tensors), zeros).unbind(0))  # one op for all
     return [reducer.reduce(t, zeros=zeros) for t in tensors]
+
+
+def _one_triton_device(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is one the fused kernel reads, all on one device (its many-tensor op)."""
+    from hookcli.engine import reduce_triton
+
+    device = tensors[0].device
+    return all(t.device == device and t.numel() and not t.requires_grad and reduce_triton.available(t)
+               for t in tensors)
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     """Each tensor's L2 norm as a one-element vector (``engine.stats.l2_norm``: the C kernel's float64 sum
     of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device)."""
+    if len(tensors) > 1 and all(not t.is_cpu and t.layout == torch.strided and t.is_floating_point()
+                                and t.device == tensors[0].device for t in tensors):
+        # an accelerator's: one multi-tensor op (torch._foreach_norm), not a launch per tensor
+        return [n.reshape(1) for n in torch._foreach_norm([t.detach() for t in tensors], 2,
+                                                          dtype=stats.device_float(tensors[0].device))]
     use_kernel = choose("cpu").name == "kernel"
     return [stats.l2_norm(t, use_kernel=use_kernel) for t in tensors]
 
