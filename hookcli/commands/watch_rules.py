@@ -163,6 +163,7 @@ class _State:
     """What the rules keep of earlier logged steps."""
 
     nonfinite_seen: bool = False
+    last_logged: int = -1  # the previous logged step (-1: none yet)
     #: logged steps in a row that the optimizer skipped with NaN/Inf gradients (since it last stepped)
     skipped_nonfinite: int = 0
     losses: list[float] = field(default_factory=list)
@@ -200,6 +201,7 @@ class Rules:
                             ("activation_growth", self._activation_growth)):
             if name in self.settings:
                 found.extend(check(record, self.settings[name]))
+        self.state.last_logged = record.step
         return found
 
     def observe_flight(self, record: WatchStep) -> list[Finding]:
@@ -254,13 +256,27 @@ class Rules:
         name, direction, stats = where
         count = float(stats["nan_count"] + stats["inf_count"]) if stats is not None else None
         what = {"forward": "output", "backward": "gradient", "loss": "loss"}[direction]
-        at = f"{name}'s {what}" if name is not None else "the loss"
+        at = (f"{name}'s {what}" if name is not None else "the loss") + \
+            (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}")
         skips = (f", at {skipped_in_a_row} logged steps in a row that the optimizer skipped (a GradScaler skips "
                  "a few while it lowers its scale at the start; this many means the gradients stay NaN/Inf "
                  "and the parameters no longer change)") if skipped_in_a_row and direction == "backward" else ""
+        first = (rec.flight or rec.step == 0 or self.state.last_logged == rec.step - 1
+                 or rec.loss_nonfinite_at == rec.step)
+        if not first:  # a later step's victim: not called the first of the run
+            since = (f"the loss turned non-finite at step {rec.loss_nonfinite_at}"
+                     if rec.loss_nonfinite_at is not None and rec.loss_nonfinite_at < rec.step
+                     else f"it appeared between steps {self.state.last_logged} and {rec.step}")
+            return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
+                            f"first NaN/Inf seen at logged step {rec.step}: {at}; {since}" + skips)]
+        if rec.cause is not None:  # the module whose code made it (engine.cause), and where it was seen
+            seen = (f"its {what}: {count:g} non-finite values" if rec.cause.layer == name and count is not None
+                    and rec.cause.direction == direction else None)
+            if rec.cause.layer is not None:  # (None: the batch or the loss, no module: the first seen is named)
+                name, direction = rec.cause.layer, rec.cause.direction
+            at = f"{rec.cause.text} ({seen})" if seen else f"{rec.cause.text}; first seen in {at}"
         return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
-                        f"first NaN/Inf of the run at step {rec.step}: {at}"
-                        + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}") + skips)]
+                        f"first NaN/Inf of the run at step {rec.step}: {at}" + skips)]
 
     def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row; the message

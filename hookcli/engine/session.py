@@ -857,6 +857,27 @@ def attach(
         raise stale_graph_error()
 
 
+def hook_calls(modules: Sequence[nn.Module], pre: Callable[..., None], post: Callable[..., None]
+               ) -> list[RemovableHandle]:
+    """A forward pre-hook and an always-called forward hook (both with keyword arguments) on each of
+    ``modules``, for a tracer of the engine's own (``engine.cause``): the handles, to remove."""
+    handles = []
+    try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    return handles
+
+
+def hook_tensor(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """A gradient hook on a non-leaf ``tensor`` (it goes with the autograd graph: nothing to remove)."""
+    tensor.register_hook(hook)
+
+
 def stale_graph_error() -> UnsupportedError:
     """A torch.compile'd model ran without firing hookcli's hooks: Dynamo reused a graph compiled before
     they were added (it does not guard on module hooks), so nothing of the model would be recorded."""

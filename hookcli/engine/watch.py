@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed
+from hookcli.engine.cause import CauseTrace, CauseTracer
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
@@ -90,6 +92,10 @@ class StepWatcher:
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
         self.flight = FlightRecorder(flight) if flight else None
+        #: every module call's finite flags on measured steps (engine.cause): who made a NaN/Inf; the
+        #: flight recorder's steps' traces are kept as long as the ring keeps them
+        self.cause: CauseTracer | None = None
+        self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
         self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
@@ -144,6 +150,8 @@ class StepWatcher:
                            params=self.params)
         assert self.hooks.session is not None
         self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
+        if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
+            self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
@@ -159,6 +167,8 @@ class StepWatcher:
         self.logged = self.error is None and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (self.error is not None or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        if self.cause is not None:
+            self.cause.arm(not self.hooks.session.idle)
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
@@ -279,6 +289,8 @@ class StepWatcher:
                     self._write_flight(everything=raised)
         finally:
             self.hooks.remove()
+            if self.cause is not None:
+                self.cause.remove()
             self._before = self._param_vectors = self._updates = None
 
     def raise_error(self) -> None:
@@ -299,11 +311,14 @@ class StepWatcher:
             self._begin()
             return None
         step = self.step
+        trace = self.cause.take() if self.cause is not None else None
         try:
             if self.reduction is None:
                 session.raise_error()
             groups = merged_outputs(session.calls)
             if self.flight is not None:
+                if trace is not None:
+                    self._traces.append((step, trace))
                 self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
                 if not self.logged:
                     self._write_flight()
@@ -320,7 +335,7 @@ class StepWatcher:
             if (self.reduction is None and self.hooks.compiled and not session.calls
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
-            record = self._collect(step, groups, params, self._updates, loss, histograms)
+            record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
             for entry, scale in zip(record.params, self._lr_scales or ()):
                 entry.lr_scale = scale
             for entry, (_, p) in zip(record.params, self.params):
@@ -342,7 +357,10 @@ class StepWatcher:
             return
         flight.dumped = flight.first_bad is not None
         upto = None if everything else flight.first_bad  # the K steps up to the first NaN/Inf, as on CPU
+        traces = dict(self._traces)
         for record in flight_records(flight.unwritten(before, upto)):
+            if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
+                record.cause = trace.cause()  # one more transfer, once a run
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
@@ -358,8 +376,8 @@ class StepWatcher:
         return [(histogram(p.detach()), histogram(p.grad) if p.grad is not None else None) for _, p in self.params]
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
-                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
-                 ) -> WatchStep:
+                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+                 trace: CauseTrace | None = None) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
@@ -375,6 +393,7 @@ class StepWatcher:
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
         histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
+        cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -385,6 +404,8 @@ class StepWatcher:
                 layer.channels, layer.channel_zero_fraction = len(zeros), zeros
                 layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
+        if trace is not None:
+            out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
             update = values[u][0] if u is not None else None

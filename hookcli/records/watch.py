@@ -131,6 +131,17 @@ class Finding:
 
 
 @dataclass
+class NonfiniteCause:
+    """Where a step's first NaN/Inf was made (``hookcli.engine.cause``): the module whose code made it
+    (its name, "" for the model; None: no module's, the batch or the loss), ``forward`` or ``backward``,
+    and the words (``made by blocks.2.lin``, ``made in blocks.2's own forward (after blocks.2.act)``)."""
+
+    layer: str | None
+    direction: str
+    text: str
+
+
+@dataclass
 class WatchStep:
     """One logged step: the loss (None when not given), the selected modules' outputs, the parameters,
     and what the rules found at this step. ``flight``: an unlogged step from the flight recorder's ring
@@ -144,6 +155,12 @@ class WatchStep:
     findings: list[Finding] = field(default_factory=list)
     flight: bool = False
     skipped: bool = False
+    #: where the step's first NaN/Inf was made, when the step was traced and held one (not in the log:
+    #: the nonfinite finding tells it)
+    cause: NonfiniteCause | None = field(default=None, repr=False)
+    #: the first step whose loss was not finite, when known by this step (the watch's device flag on
+    #: every step's loss); not in the log
+    loss_nonfinite_at: int | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
