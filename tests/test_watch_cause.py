@@ -384,3 +384,45 @@ def test_a_nan_in_the_batch_is_not_blamed_on_a_module() -> None:
     assert [(f.step, f.layer, f.direction) for f in w.findings] == [(2, "embed", "forward")]
     assert w.findings[0].message.startswith("first NaN/Inf of the run at step 2: already in the model's input; "
                                             "first seen in embed's output")
+
+
+@pytest.mark.parametrize("mode", ["w.step(loss=)", "backward()", "non-scalar backward"])
+def test_without_the_flight_recorder_a_victim_step_is_not_called_the_first(mode: str) -> None:
+    """every=5, no flight: blocks.2 makes a NaN at step 7 (unlogged); the optimizer writes NaN weights,
+    and logged step 10 sees them first. With a loss (given to w.step, or the one backward() is called
+    on), the device flag on every step's loss says step 7 (plain torch: the loop's own loss is first
+    non-finite there); with none (a non-scalar backward), "between steps 5 and 10"."""
+
+    def run(model: nn.Module, w: Any) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(12):
+            out = model(batch(model, g))
+            loss = out.pow(2).mean()
+            if mode == "non-scalar backward":
+                (out.pow(2) / out.numel()).backward(torch.ones_like(out))
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if w is not None:
+                w.step(loss=loss if mode == "w.step(loss=)" else None)
+        return losses
+
+    torch.manual_seed(0)
+    plain = Tower()
+    watched = copy.deepcopy(plain)
+    want = run(plain, None)
+    assert [bool(torch.isfinite(loss)) for loss in want].index(False) == STEP
+    with hookcli.watch(watched, None, every=5) as w:
+        got = run(watched, w)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=0, equal_nan=True)
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert [(f.rule, f.step) for f in w.findings] == [("nonfinite", 10)]
+    message = w.findings[0].message
+    assert message.startswith("first NaN/Inf seen at logged step 10: ") and "of the run" not in message
+    assert message.endswith("it appeared between steps 5 and 10" if mode == "non-scalar backward" else
+                            "the loss turned non-finite at step 7")

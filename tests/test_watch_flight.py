@@ -250,15 +250,20 @@ def test_without_w_step_the_optimizer_ends_the_recorded_steps(tmp_path: Path) ->
     model = mlp()
     model[4].at = 7
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
     with hookcli.watch(model, opt, every=50, out=tmp_path / "log.jsonl", flight=4) as w:
         for _ in range(10):
-            model(torch.randn(16, 4)).pow(2).mean().backward()
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
             opt.step()
             opt.zero_grad()
     assert [(f.layer, f.step, f.direction) for f in w.findings] == [("4", 7, "forward")]
     lines = read_log(tmp_path / "log.jsonl")
     assert [line["step"] for line in lines] == [0, 4, 5, 6, 7]
-    assert all(line["loss"] is None for line in lines)
+    # the loss is the value backward() was called on (NaN from step 7 on, as "nan")
+    assert [line["loss"] for line in lines[:4]] == [losses[0], losses[4], losses[5], losses[6]]
+    assert lines[4]["loss"] == "nan" and losses[7] != losses[7]
 
 
 def test_a_nan_at_a_logged_step_writes_the_steps_before_it(tmp_path: Path) -> None:

@@ -269,7 +269,7 @@ class Rules:
                      else f"it appeared between steps {self.state.last_logged} and {rec.step}")
             return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
                             f"first NaN/Inf seen at logged step {rec.step}: {at}; {since}" + skips)]
-        if rec.cause is not None:  # the module whose code made it (engine.cause), and where it was seen
+        if rec.cause is not None and direction != "loss":  # the module whose code made it (engine.cause)
             seen = (f"its {what}: {count:g} non-finite values" if rec.cause.layer == name and count is not None
                     and rec.cause.direction == direction else None)
             if rec.cause.layer is not None:  # (None: the batch or the loss, no module: the first seen is named)

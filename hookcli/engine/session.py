@@ -642,6 +642,9 @@ class HookSet:
         self._handles: list[RemovableHandle | _ForgetKwargsMark] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._accumulated: dict[str, int] = {}
+        #: accumulations into a watched parameter's ``.grad`` so far, idle steps included (a backward
+        #: that reached the model: ``engine.roots`` tells the model's loss from another model's)
+        self.accumulations = 0
         #: under a process group: each parameter's ``.grad`` as the (logged) step began (``mark_grads``)
         self._marks: dict[str, tuple[weakref.ref[torch.Tensor], int] | None] = {}
         #: The hooks run eagerly under torch.compile (set by ``install``: asked for, or ``is_compiled``).
@@ -713,6 +716,7 @@ class HookSet:
 
     def _accumulate_hook(self, name: str) -> Callable[[nn.Parameter], None]:
         def hook(_param: nn.Parameter) -> None:  # after each accumulation into .grad (one per backward)
+            self.accumulations += 1
             if self.session is not None and not self.session.idle:
                 self._accumulated[name] = self._accumulated.get(name, 0) + 1
 

@@ -21,6 +21,7 @@ from torch import nn
 from hookcli.engine import distributed
 from hookcli.engine.cause import CauseTrace, CauseTracer
 from hookcli.engine.flight import FlightRecorder, flight_records
+from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
@@ -96,6 +97,12 @@ class StepWatcher:
         #: flight recorder's steps' traces are kept as long as the ring keeps them
         self.cause: CauseTracer | None = None
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
+        #: the first step whose loss was not finite: a device scalar updated at every step's end (-1: none
+        #: yet; ``torch.where``, no host synchronisation), read at logged steps; or the host's, for a number
+        self._loss_first: torch.Tensor | None = None
+        self._loss_first_host: int | None = None
+        #: the tensors backward() is called on while the watch runs: the step's loss when none is given
+        self.roots = BackwardRoots(lambda: self.hooks.accumulations)
         self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
         self.every, self.on_step = every, on_step
         self.hooks = HookSet()
@@ -157,8 +164,11 @@ class StepWatcher:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
                                           self._guarded(self._post_step))
             self._begin()
+            self.roots.install()
         except BaseException:
             self.hooks.remove()
+            if self.cause is not None:
+                self.cause.remove()
             raise
 
     def _begin(self) -> None:
@@ -240,11 +250,13 @@ class StepWatcher:
                 and not self.hooks.backward_reached):
             self._misused("empty")  # w.step() at the top of the loop: the log's steps are one behind
         self.user_steps = True
+        self.note_loss(loss, pending.step if pending is not None else self.step)
         if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
             self._misused("before")  # the step's modules ran after its optimizer step, not before
         if pending is not None:
             if pending.step >= 0:
-                pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
+                if loss is not None:  # (else the loss backward() was called on, if any)
+                    pending.loss = to_host([_loss_vector(loss)])[0][0]
                 if self.reduction is not None:  # the ranks' mean, as _collect gives it
                     pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
@@ -254,6 +266,28 @@ class StepWatcher:
         if record is not None:
             record.skipped = skipped
             self.on_step(record)
+
+    def note_loss(self, loss: Any, step: int) -> None:
+        """Keep the first step whose loss is not finite (every step, logged or not): on the loss's device
+        for a tensor (two small ops, no host synchronisation), on the host for a number."""
+        if loss is None or self.error is not None or self._loss_first_host is not None:
+            return
+        if not isinstance(loss, torch.Tensor):
+            if not math.isfinite(_loss_vector(loss)[0]):
+                self._loss_first_host = step
+            return
+        with torch.no_grad():
+            bad = torch.isfinite(loss.detach()).all().logical_not()
+            first = self._loss_first
+            if first is None or first.device != bad.device:
+                first = self._loss_first = torch.full((), -1, dtype=torch.int64, device=bad.device)
+            first.copy_(torch.where(bad & (first < 0), step, first))
+
+    def _loss_first_step(self, values: list[float] | None) -> int | None:
+        """The first step whose loss was not finite, from the device scalar's host value (``values``)."""
+        if self._loss_first_host is not None:
+            return self._loss_first_host
+        return int(values[0]) if values is not None and values[0] >= 0 else None
 
     def _misused(self, kind: str) -> None:
         """Note the loop's first misuse of ``Watch.step()`` (``STEP_ORDER``'s ``kind``); nothing else changes."""
@@ -289,6 +323,7 @@ class StepWatcher:
                     self._write_flight(everything=raised)
         finally:
             self.hooks.remove()
+            self.roots.remove()
             if self.cause is not None:
                 self.cause.remove()
             self._before = self._param_vectors = self._updates = None
@@ -306,6 +341,10 @@ class StepWatcher:
         """End the step in progress; its record when it is logged (one host transfer). The next step begins."""
         session = self.hooks.session
         assert session is not None
+        captured = self.roots.take()
+        if loss is None and captured is not None:  # the script gave none: the one backward() was called on
+            loss = captured
+            self.note_loss(loss, self.step)
         if session.idle:
             self.hooks.end_step()
             self._begin()
@@ -394,6 +433,7 @@ class StepWatcher:
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
         histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
         cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
+        loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -406,6 +446,7 @@ class StepWatcher:
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
+        out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
             update = values[u][0] if u is not None else None
