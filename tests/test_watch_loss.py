@@ -4,6 +4,8 @@ against the loop's own values (plain torch), bit for bit."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -93,3 +95,52 @@ def test_another_models_backward_is_not_the_watched_models_loss() -> None:
         loss.backward()
         w.step()
     assert w.last.loss == loss.item()
+
+
+def test_a_cross_entropy_jumping_from_2_45_to_4_is_a_loss_spike() -> None:
+    """The rule on its own (records only): a noisy cross-entropy around 2.45 (seeded, spread 0.05) that
+    jumps to 4.0 is a spike at that step, told once while it stays up; the same noise without the jump
+    finds nothing."""
+    from hookcli.commands.watch_rules import Rules, rule_settings
+    from hookcli.records import WatchStep
+
+    g = torch.Generator().manual_seed(0)
+    noise = (torch.randn(60, generator=g, dtype=torch.float64) * 0.05).tolist()
+    for jump in (True, False):
+        rules = Rules(rule_settings(None))
+        found = []
+        for step in range(60):
+            loss = 4.0 if jump and step >= 40 else 2.45 + noise[step]
+            found += [f for f in rules.observe(WatchStep(step, loss)) if f.rule == "loss_spike"]
+        assert [f.step for f in found] == ([40] if jump else [])
+        if jump:
+            assert found[0].message.startswith("loss spike at step 40: 4, ")
+
+
+def bigram_run(steps: int, raise_lr_at: int | None = None) -> Any:
+    """A char-level bigram model (vocabulary 12) on a seeded Markov chain, Adam at 1e-2, every step
+    logged, the loss from backward() alone: a healthy noisy cross-entropy near 2.45 at the start."""
+    torch.manual_seed(0)
+    vocab = 12
+    transitions = torch.softmax(torch.randn(vocab, vocab) * 2, dim=1)
+    model = nn.Sequential(nn.Embedding(vocab, 32), nn.Linear(32, vocab))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with hookcli.watch(model, opt, every=1) as w:
+        for step in range(steps):
+            if step == raise_lr_at:
+                for group in opt.param_groups:
+                    group["lr"] *= 100
+            x = torch.randint(0, vocab, (64,))
+            y = torch.multinomial(transitions[x], 1).squeeze(1)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return w
+
+
+def test_a_healthy_noisy_run_has_no_loss_spike_and_a_raised_learning_rate_has_one() -> None:
+    healthy = bigram_run(150)
+    assert [f for f in healthy.findings if f.rule == "loss_spike"] == []
+    raised = bigram_run(150, raise_lr_at=100)
+    spikes = [f for f in raised.findings if f.rule == "loss_spike"]
+    assert spikes and 100 <= spikes[0].step <= 103
