@@ -426,3 +426,102 @@ def test_without_the_flight_recorder_a_victim_step_is_not_called_the_first(mode:
     assert message.startswith("first NaN/Inf seen at logged step 10: ") and "of the run" not in message
     assert message.endswith("it appeared between steps 5 and 10" if mode == "non-scalar backward" else
                             "the loss turned non-finite at step 7")
+
+
+# -- defaults: findings printed, watch -- CMD's every and --flight, the loss of an unchanged script ------------
+
+
+def test_findings_are_printed_on_stderr_once_by_default(capfd: pytest.CaptureFixture[str]) -> None:
+    """``hookcli.watch`` prints each finding as it is found (``on_finding="print"``, the default), once;
+    ``on_finding="warn"`` only records it."""
+    for on_finding in ("print", "warn"):
+        torch.manual_seed(0)
+        _, w = train(Tower(), STEP + 3, {"every": 50, "flight": 4, "on_finding": on_finding})
+        err = capfd.readouterr().err
+        if on_finding == "warn":
+            assert err == "" and len(w.findings) == 1
+            continue
+        assert err == f"hookcli.watch: {w.findings[0].line()}\n"
+        assert err.startswith(f"hookcli.watch: step {STEP}: error nonfinite (blocks.2): first NaN/Inf of the run at "
+                              f"step {STEP}: made in blocks.2's own forward (after blocks.2.act)")
+
+
+TOWER_SCRIPT = '''
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_watch_cause import Tower
+
+torch.manual_seed(0)
+model = Tower()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(0)
+for step in range(12):
+    loss = model(torch.randn(16, 4, generator=g)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(repr(loss.item()))
+'''
+
+
+@pytest.mark.parametrize("where", ["--flight", "[watch] flight"])
+def test_watch_cmd_with_the_flight_recorder_names_the_maker_and_logs_the_scripts_loss(
+        cli: Any, tmp_path: Any, where: str) -> None:
+    """An unchanged script, the default --every (10): --flight 4 (or the config's) names blocks.2 at step 7;
+    the log's loss is the script's own, bit for bit (what it printed), from step 1 on."""
+    import json
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(TOWER_SCRIPT.format(tests=str(Path(__file__).parent)))
+    log = tmp_path / "log.jsonl"
+    flags = ["--flight", "4"]
+    if where != "--flight":
+        (tmp_path / "hookcli.toml").write_text("[watch]\nflight = 4\n")
+        flags = ["--config", str(tmp_path / "hookcli.toml")]
+    result = cli("watch", *flags, "--out", log, "--", "python", script)
+    assert result.exit_code == 0, result.stderr
+    printed = [float(line) for line in result.stdout.split()]
+    assert f"step {STEP}: error nonfinite (blocks.2): first NaN/Inf of the run at step {STEP}: made in blocks.2's " \
+           "own forward (after blocks.2.act)" in result.stderr
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(line["step"], line.get("flight", False)) for line in lines] == [
+        (0, False), (4, True), (5, True), (6, True), (7, True), (10, False)]
+    assert lines[0]["loss"] is None  # step 0's backward ran before the model was known
+    assert [line["loss"] for line in lines[1:4]] == printed[4:7]
+    assert lines[4]["loss"] == "nan" and printed[7] != printed[7]
+
+
+BIGRAM_SCRIPT = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+vocab = 12
+transitions = torch.softmax(torch.randn(vocab, vocab) * 2, dim=1)
+model = nn.Sequential(nn.Embedding(vocab, 32), nn.Linear(32, vocab))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+for step in range(150):
+    if step == {raise_at}:
+        for group in opt.param_groups:
+            group["lr"] *= 100
+    x = torch.randint(0, vocab, (64,))
+    y = torch.multinomial(transitions[x], 1).squeeze(1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_watch_cmd_sees_a_learning_rate_raised_100x_as_a_loss_spike(cli: Any, tmp_path: Any) -> None:
+    """The script's loss (what backward() is called on) reaches loss_spike: a learning rate raised 100x
+    at step 100 is a spike at a logged step after it; the same script without it has none."""
+    for raise_at in (100, -1):
+        script = tmp_path / f"bigram{raise_at}.py"
+        script.write_text(BIGRAM_SCRIPT.format(raise_at=raise_at))
+        result = cli("watch", "--every", "5", "--", "python", script)
+        assert result.exit_code == 0, result.stderr
+        spikes = [line for line in result.stderr.splitlines() if "warning loss_spike" in line]
+        assert (len(spikes) == 1 and int(spikes[0].split("step ")[1].split(":")[0]) in (100, 105)) \
+            if raise_at > 0 else spikes == [], result.stderr

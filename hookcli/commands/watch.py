@@ -8,6 +8,7 @@ logged step's record here; this module keeps the latest and appends it to the lo
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
@@ -21,10 +22,11 @@ from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
 from hookcli.errors import CheckFailedError, StepOrderWarning, UsageError
+from hookcli.escape import escape_control
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
 
-ON_FINDING = ("warn", "raise")
+ON_FINDING = ("print", "warn", "raise")
 
 
 class Watch:
@@ -40,7 +42,7 @@ class Watch:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
                  types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
-                 on_finding: str = "warn", flight: int | None = None,
+                 on_finding: str = "print", flight: int | None = None,
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         check_arguments(model, optimizer, every)
         if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
@@ -49,8 +51,9 @@ class Watch:
         check_path("out", out)
         check_path("tensorboard_dir", tensorboard_dir)
         if on_finding not in ON_FINDING:
-            raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
-                             hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
+            raise UsageError(f"on_finding must be 'print', 'warn' or 'raise', got {on_finding!r}",
+                             hint="'print' (the default) also prints each on stderr; 'warn' keeps the findings "
+                                  "in w.findings and the log, silently; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
         inner = compiled_inner(model)  # torch.compile(model), (D)DP(model): the modules are named as in the model
@@ -66,6 +69,7 @@ class Watch:
                                     histograms=tensorboard_dir is not None,  # under torchrun: on every rank
                                     channels="dead_units" in self._rules.settings)
         self._open = self._used = False
+        self._notes_said = 0
 
     def __enter__(self) -> Self:
         if self._used:
@@ -101,6 +105,21 @@ class Watch:
         self._watcher.user_step(loss)
         self._warn_misuse()
 
+    @property
+    def notes(self) -> list[str]:
+        """What the watch said about the loop (each once): a ``backward()`` on a tensor that is not one value."""
+        return list(self._watcher.roots.notes)
+
+    def _print(self, findings: list[Finding]) -> None:
+        """``on_finding="print"``: each finding (and each new note) as one line on stderr, as it is found
+        (under torchrun by rank 0, as ``hookcli watch`` says them)."""
+        notes = self._watcher.roots.notes[self._notes_said:]
+        self._notes_said += len(notes)
+        if distributed.rank() != 0:
+            return
+        for text in [*notes, *(f.line() for f in findings)]:
+            print(f"hookcli.watch: {escape_control(text)}", file=sys.stderr, flush=True)
+
     def _warn_misuse(self) -> None:
         """Warn (once, ``StepOrderWarning``, at the user's ``w.step()`` or ``with`` line) when the loop calls
         ``w.step()`` where it shifts the log's steps: seen in the optimizer's hooks, never warned there."""
@@ -120,6 +139,8 @@ class Watch:
         if self.tensorboard is not None and not record.flight:
             self.tensorboard.write(record)
         self.findings.extend(record.findings)
+        if self.on_finding == "print":
+            self._print(record.findings)
         if record.findings and self.on_finding == "raise":
             first = record.findings[0]
             raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,

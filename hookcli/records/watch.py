@@ -125,6 +125,12 @@ class Finding:
     limit: float | None
     message: str
 
+    def line(self) -> str:
+        """``step 2: warning frozen (2.weight): 2.weight requires grad but ...``: one line (as
+        ``hookcli watch`` and ``hookcli.watch`` print it on stderr)."""
+        where = f" ({' '.join(self.layer.split())})" if self.layer else ""
+        return f"step {self.step}: {self.severity} {self.rule}{where}: {' '.join(self.message.split())}"
+
     def to_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "severity": self.severity, "step": self.step, "layer": self.layer,
                 "direction": self.direction, "value": self.value, "limit": self.limit, "message": self.message}
