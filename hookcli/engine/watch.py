@@ -25,7 +25,7 @@ from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
-from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
 _Groups = dict[tuple[str, str], list[Any]]
@@ -375,6 +375,8 @@ class StepWatcher:
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
+            if self.reduction is not None and self.cause is not None and _nonfinite(record):
+                record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
             for entry, scale in zip(record.params, self._lr_scales or ()):
                 entry.lr_scale = scale
             for entry, (_, p) in zip(record.params, self.params):
@@ -386,6 +388,16 @@ class StepWatcher:
             self.hooks.end_step()
             self._begin()
         return record
+
+    def _ranks_cause(self, trace: CauseTrace | None) -> NonfiniteCause | None:
+        """Under torchrun, at a logged step whose merged record holds a NaN/Inf: the maker in the lowest
+        rank whose own trace found one (its causes gathered: every rank's record stays the same)."""
+        assert self.reduction is not None
+        causes: list[Any] = [None] * self.reduction.world
+        torch.distributed.all_gather_object(causes, trace.cause() if trace is not None else None,
+                                            group=self.reduction.group)
+        self.reduction.collectives += 2  # (the objects' sizes, then the objects)
+        return next((cause for cause in causes if cause is not None), None)
 
     def _write_flight(self, *, before: int | None = None, everything: bool = False) -> None:
         """Hand on the ring's steps not written yet (before ``before``: that step's own line follows) as
@@ -517,6 +529,13 @@ def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.T
             out[key] = (nonzeros, per) if had is None else \
                 (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
     return {key: value for key, value in out.items() if value is not None}
+
+
+def _nonfinite(record: WatchStep) -> bool:
+    """Whether a record holds a NaN/Inf in an output, a gradient or the loss."""
+    stats = [layer.stats for layer in record.layers] + [layer.grad for layer in record.layers]
+    return any(s is not None and (s.get("nan_count") or s.get("inf_count")) for s in stats) or \
+        (record.loss is not None and not math.isfinite(record.loss))
 
 
 def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
