@@ -228,7 +228,7 @@ def diff(model: Any = None, *, vs_weights: str | os.PathLike[str] | None = None,
 def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
           out: str | os.PathLike[str] | None = None, layers: Sequence[str] | str | None = None,
           types: Sequence[str] | str | None = None, rules: Mapping[str, Any] | None = None,
-          on_finding: str = "warn", flight: int | None = None,
+          on_finding: str = "print", flight: int | None = None,
           tensorboard_dir: str | os.PathLike[str] | None = None) -> Watch:
     """Watch your own training loop: every ``every``-th step (0, every, 2 * every, ...) the selected
     modules' activation and output-gradient statistics, each parameter's norm, gradient and update,
@@ -241,7 +241,8 @@ def watch(model: Any, optimizer: torch.optim.Optimizer | None = None, *, every: 
     made with ``model`` in eval mode and autograd off (a validation inside the loop) is not counted.
     ``rules``: the rules' thresholds over their defaults (``{"loss_spike": {"ratio": 3.0}}``, a rule's
     name to False switches it off); their findings are in ``w.findings`` and on the log's lines;
-    ``on_finding="raise"`` raises ``CheckFailedError`` at the first (docs/watch.md#rules).
+    ``on_finding``: ``"print"`` (the default) prints each on stderr as it is found, ``"warn"`` only
+    records them, ``"raise"`` raises ``CheckFailedError`` at the first (docs/watch.md#rules).
     ``flight=K``: every step's output statistics kept in a ring of the last K steps, written to the log
     when a NaN/Inf appears or the loop raises (docs/watch.md#flight-recorder). ``tensorboard_dir``:
     the logged steps as TensorBoard scalars too (needs ``pip install 'hookcli[tensorboard]'``).
@@ -277,7 +278,8 @@ def report(path: str | os.PathLike[str], *, stat: str = "rms", layers: Sequence[
 
 def watch_model(model: Any = None, *, steps: int, lr: float | None = None, optimizer: str = "sgd", every: int = 1,
                 out: str | os.PathLike[str] | None = None, rules: Mapping[str, Any] | None = None,
-                on_found: Callable[[Finding], None] | None = None, **options: Any) -> WatchRun:
+                on_found: Callable[[Finding], None] | None = None, flight: int | None = None,
+                **options: Any) -> WatchRun:
     """``hookcli watch MODEL --steps N``: train the model ``steps`` optimizer steps (``optimizer``: sgd,
     adam or adamw; ``lr``: default 0.01 for sgd, 0.001 otherwise) on the input and loss ``grads``
     uses, under ``hookcli.watch(every=, out=, rules=)``; the WatchRun lists what the rules found
@@ -291,11 +293,12 @@ def watch_model(model: Any = None, *, steps: int, lr: float | None = None, optim
 
     options.setdefault("train", True)
     return run(_options(model, options), steps=steps, lr=lr, optimizer=optimizer, every=every, out=out,
-               rules=rules, on_found=on_found)
+               rules=rules, on_found=on_found, flight=flight)
 
 
-def watch_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike[str] | None = None,
+def watch_script(command: Sequence[str], *, every: int = 10, out: str | os.PathLike[str] | None = None,
                  layers: Sequence[str] | str | None = None, types: Sequence[str] | str | None = None,
+                 flight: int | None = None,
                  rules: Mapping[str, Any] | None = None, on_found: Callable[[Finding], None] | None = None,
                  on_note: Callable[[str], None] | None = None) -> WatchRun:
     """``hookcli watch -- CMD``: run ``command`` (``["python", "train.py", "--lr", "3e-4"]``, ``["python",
@@ -306,7 +309,7 @@ def watch_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLi
     from hookcli.commands.watch_script import run_script
 
     return run_script(command, every=every, out=out, layers=layers, types=types, rules=rules, on_found=on_found,
-                      on_note=on_note)
+                      on_note=on_note, flight=flight)
 
 
 def watch_rules(config: Config | None) -> dict[str, Any] | None:

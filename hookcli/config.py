@@ -212,6 +212,7 @@ RAW_TABLES = ("checks",)
 WATCH_KEYS: dict[str, KeySpec] = {
     "every": _spec("integer > 0", "log steps 0, every, 2 * every, ...", integer(1)),
     "out": _spec(STR, "the watch's log file (JSON Lines), appended to", _str),
+    "flight": _spec("integer > 0", "the flight recorder's steps (docs/watch.md#flight-recorder)", integer(1)),
     "layers": _spec(STRS, option_help("layers"), _str_list),
     "types": _spec(STRS, option_help("types"), _str_list),
     "rules": _spec("table of [watch.rules.<rule>] tables", "the rules' thresholds (docs/watch.md#rules)",

@@ -88,6 +88,34 @@ def refusals() -> list[tuple[str, int, str]]:
     return said
 
 
+class MaskedBlock(nn.Module):
+    """Its own forward multiplies its output by a NaN mask at step 2 (its Linear and Tanh stay finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.calls = nn.Linear(5, 5), nn.Tanh(), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, self.calls = self.act(self.lin(x)), self.calls + 1
+        return y * float("nan") if self.calls == 3 else y
+
+
+def made_in_a_parent(out: Path) -> None:
+    """DDP on every rank, every step logged: the NaN made in ``1``'s own forward at step 2 is named by
+    its maker on every rank (``out/cause<r>.json``: the findings)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), MaskedBlock(), nn.Linear(5, 1))
+    wrapped = nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    with hookcli.watch(wrapped, optimizer, every=1, on_finding="warn") as w:
+        for step in range(4):
+            x, y = batch(step)
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    (out / f"cause{dist.get_rank()}.json").write_text(json.dumps([f.to_dict() for f in w.findings]))
+
+
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -97,7 +125,7 @@ def main(mode: str, out: Path) -> None:
         for layers in (4, 40):
             (out / str(layers)).mkdir(exist_ok=True)
             train(mode, out / str(layers), layers)
-    else:
+    elif mode != "cause":
         train(mode, out, 0)
     if mode == "ddp":  # packed into the ddp launch (each launch costs every rank a torch start-up)
         dead_units(out)
@@ -107,6 +135,8 @@ def main(mode: str, out: Path) -> None:
         sequence_parallel(out)
     if mode == "fsdp_tp":
         sequence_parallel(out, fsdp=True)
+    if mode == "cause":
+        made_in_a_parent(out)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed

@@ -569,3 +569,23 @@ def test_replicas_are_compared_by_value() -> None:
     """``_same`` compares copies by value, NaN equal to NaN, at ``DESYNC_RTOL``."""
     assert distributed._same([1.0, math.nan], [1.0, math.nan])
     assert not distributed._same([1.0], [1.0 + 1e-6])
+
+
+def test_the_maker_of_a_nan_is_named_under_torchrun(tmp_path: Path) -> None:
+    """DDP on 2 ranks, every step logged: the NaN that ``1``'s own forward makes at step 2 (its Linear and
+    Tanh finite, plain torch: the block's children's outputs stay finite) is named by its maker on every
+    rank, as in one process (the engine's ``nonfinite_rank``, which rank saw it, aside)."""
+    done = launch([str(Path(worker.__file__)), "cause", str(tmp_path)], WORLD)
+    assert done.returncode == 0, done.stderr[-4000:]
+    torch.manual_seed(0)
+    block = worker.MaskedBlock()
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        out = block(x)
+    assert torch.isfinite(block.act(block.lin(x))).all() and not torch.isfinite(out).all()
+    for rank in range(WORLD):
+        findings = [f for f in json.loads((tmp_path / f"cause{rank}.json").read_text()) if f["rule"] == "nonfinite"]
+        assert [(f["rule"], f["step"], f["layer"], f["direction"]) for f in findings] == [
+            ("nonfinite", 2, "1", "forward")]
+        assert findings[0]["message"].startswith(
+            "first NaN/Inf of the run at step 2: made in 1's own forward (after 1.act); first seen in 2's output")

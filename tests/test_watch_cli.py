@@ -149,7 +149,7 @@ def test_a_script_that_validates_logs_what_it_logs_without(cli, script: Path, tm
     logs, losses = [], []
     for flags in ([], ["--validate"]):
         log = tmp_path / f"exp{len(flags)}.jsonl"
-        result = cli("watch", "--out", log, "--", "python", script, "--steps", "5", *flags)
+        result = cli("watch", "--every", "1", "--out", log, "--", "python", script, "--steps", "5", *flags)
         assert result.exit_code == 0, result.stderr
         assert result.stdout == "trained 5 steps\n"
         logs.append(read_log(log))
@@ -161,7 +161,7 @@ def test_a_script_that_validates_logs_what_it_logs_without(cli, script: Path, tm
 
 def test_argv_path_and_main_are_set_as_python_sets_them_and_put_back(cli, script: Path, tmp_path: Path) -> None:
     argv, path, main = sys.argv, list(sys.path), sys.modules["__main__"]
-    result = cli("watch", "--", "python", script, "--steps", "2")
+    result = cli("watch", "--every", "1", "--", "python", script, "--steps", "2")
     assert result.exit_code == 0, result.stderr
     assert probe().argv == [str(script), "--steps", "2"]
     assert probe().path0 == str(tmp_path)
@@ -196,7 +196,7 @@ def test_no_hook_is_left_on_the_model_the_optimizer_or_the_process(cli, script: 
 
 
 def test_a_frozen_layer_shows_its_finding_on_stderr_and_the_exit_code_stays_the_scripts(cli, script: Path) -> None:
-    result = cli("watch", "--", "python", script, "--freeze", "--steps", "5")
+    result = cli("watch", "--every", "1", "--", "python", script, "--freeze", "--steps", "5")
     assert result.exit_code == 0
     assert result.stdout == "trained 5 steps\n"
     lines = [line for line in result.stderr.splitlines() if "frozen" in line]
@@ -212,7 +212,7 @@ def test_a_frozen_layer_shows_its_finding_on_stderr_and_the_exit_code_stays_the_
 def test_the_scripts_exit_status_is_passed_through(cli, tmp_path: Path, code: int) -> None:
     exits = tmp_path / "exits.py"
     exits.write_text(f"import sys\nprint('bye')\nsys.exit({code})\n")
-    result = cli("watch", "--", "python", exits)
+    result = cli("watch", "--every", "1", "--", "python", exits)
     assert result.exit_code == code
     assert result.stdout == "bye\n"
     assert result.stderr == "hookcli watch: nothing was watched: the script never called optimizer.step()\n"
@@ -230,7 +230,7 @@ def test_an_optimizer_over_no_module_the_script_called_is_said_at_the_end(cli, t
 
 
 def test_an_uncaught_exception_in_the_script_is_its_traceback_and_exit_1(cli, script: Path) -> None:
-    result = cli("watch", "--", "python", script, "--steps", "2", "--boom")
+    result = cli("watch", "--every", "1", "--", "python", script, "--steps", "2", "--boom")
     assert result.exit_code == 1
     assert result.stdout == "trained 2 steps\n"
     trace = result.stderr[result.stderr.index("Traceback (most recent call last):"):]
@@ -247,7 +247,7 @@ def test_under_torchrun_rank_0_alone_says_the_watchs_lines_and_every_rank_its_tr
     """Under torchrun every rank runs the script: hookcli's lines (the model found, findings, the
     summary) are said once, by rank 0; the script's own output and traceback stay every rank's."""
     torchrun_env(monkeypatch, rank)
-    result = cli("watch", "--", "python", script, "--steps", "3", "--freeze", "--boom")
+    result = cli("watch", "--every", "1", "--", "python", script, "--steps", "3", "--freeze", "--boom")
     assert result.exit_code == 1
     assert result.stdout == "trained 3 steps\n"
     ours = [line for line in result.stderr.splitlines() if line.startswith("hookcli watch:")]
@@ -268,7 +268,7 @@ def test_under_torchrun_without_a_process_group_rank_0_alone_writes_the_log(
     log and says so; the others write none. The log's numbers are plain torch's run of that script."""
     torchrun_env(monkeypatch, rank)
     log = tmp_path / "log.jsonl"
-    result = cli("watch", "--out", log, "--", "python", script, "--lr", "0.1", "--steps", "3")
+    result = cli("watch", "--every", "1", "--out", log, "--", "python", script, "--lr", "0.1", "--steps", "3")
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "trained 3 steps\n"
     if rank == 1:
@@ -285,7 +285,7 @@ def test_under_torchrun_without_a_process_group_rank_0_alone_writes_the_log(
 
 
 def test_sys_exit_3_in_a_training_script_exits_3(cli, script: Path) -> None:
-    result = cli("watch", "--", "python", script, "--steps", "2", "--exit", "3")
+    result = cli("watch", "--every", "1", "--", "python", script, "--steps", "2", "--exit", "3")
     assert result.exit_code == 3
     assert "2 steps, 2 logged" in result.stderr
 
@@ -297,7 +297,7 @@ def test_python_dash_m_runs_a_module_as_main(cli, script: Path, tmp_path: Path, 
     (package / "train.py").write_text(TRAIN)
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "m.jsonl"
-    result = cli("watch", "--out", log, "--", "python", "-m", "trainpkg.train", "--steps", "3")
+    result = cli("watch", "--every", "1", "--out", log, "--", "python", "-m", "trainpkg.train", "--steps", "3")
     assert result.exit_code == 0, result.stderr
     assert probe().name == "__main__"
     assert probe().argv == [str(package / "train.py"), "--steps", "3"]
@@ -468,7 +468,7 @@ for _step in range(3):
 def test_two_models_and_two_optimizers_the_first_stepped_is_watched_and_the_other_named(cli, tmp_path: Path) -> None:
     (tmp_path / "gan.py").write_text(GAN)
     log = tmp_path / "gan.jsonl"
-    result = cli("watch", "--out", log, "--", "python", tmp_path / "gan.py")
+    result = cli("watch", "--every", "1", "--out", log, "--", "python", tmp_path / "gan.py")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines()[:2] == [
         "hookcli watch: watching Sequential (49 parameters) stepped by SGD, from step 0's optimizer.step()",

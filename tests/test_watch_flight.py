@@ -82,15 +82,15 @@ def run(model: nn.Module, steps: int, log: Path | None, **watch: Any) -> Any:
 def test_a_nan_at_an_unlogged_step_is_named_by_layer_step_and_direction(
         tmp_path_factory: pytest.TempPathFactory, layer: str, step: int, size: int, backward: bool) -> None:
     """every=50: steps 1..49 are unlogged; the ring writes the steps up to the NaN and the finding names
-    where it first appeared. A NaN gradient into layer L's input shows first at the output before L
-    (backward order: the last selected output, in forward order, whose gradient holds it)."""
+    where it was made: L itself, forward or backward (a NaN gradient into L's input is first seen at the
+    output before L, and the message says so)."""
     log = tmp_path_factory.mktemp("flight") / "log.jsonl"
     torch.manual_seed(0)
     model = mlp()
     setattr(model[int(layer)], "grad_at" if backward else "at", step)
     w = run(model, step + 3, log, every=50, flight=size)
 
-    named = str(int(layer) - 1) if backward else layer  # the ReLU/Tanh before L gets the NaN gradient
+    named = layer  # the module whose code made it: L's forward, or L's backward (into its input)
     if layer == "0" and backward:
         named = None  # no selected output before the first layer: its parameters' gradients stay finite
     lines = read_log(log)
@@ -192,7 +192,7 @@ def test_on_finding_raise_stops_the_loop_at_the_flight_finding(tmp_path: Path) -
     torch.manual_seed(0)
     model = mlp()
     model[2].at = 12
-    with pytest.raises(CheckFailedError, match="step 12: 2's output"):
+    with pytest.raises(CheckFailedError, match=r"step 12: made by 2 \(its output: 8 non-finite values\)"):
         run(model, 30, tmp_path / "log.jsonl", every=50, flight=3, on_finding="raise")
     assert [line["step"] for line in read_log(tmp_path / "log.jsonl")] == [0, 10, 11, 12]
 
@@ -256,15 +256,20 @@ def test_without_w_step_the_optimizer_ends_the_recorded_steps(tmp_path: Path) ->
     model = mlp()
     model[4].at = 7
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
     with hookcli.watch(model, opt, every=50, out=tmp_path / "log.jsonl", flight=4) as w:
         for _ in range(10):
-            model(torch.randn(16, 4)).pow(2).mean().backward()
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
             opt.step()
             opt.zero_grad()
     assert [(f.layer, f.step, f.direction) for f in w.findings] == [("4", 7, "forward")]
     lines = read_log(tmp_path / "log.jsonl")
     assert [line["step"] for line in lines] == [0, 4, 5, 6, 7]
-    assert all(line["loss"] is None for line in lines)
+    # the loss is the value backward() was called on (NaN from step 7 on, as "nan")
+    assert [line["loss"] for line in lines[:4]] == [losses[0], losses[4], losses[5], losses[6]]
+    assert lines[4]["loss"] == "nan" and losses[7] != losses[7]
 
 
 def test_a_nan_at_a_logged_step_writes_the_steps_before_it(tmp_path: Path) -> None:

@@ -108,7 +108,8 @@ class SqrtBlock(nn.Module):
 
 def test_a_nan_born_in_the_backward_is_named_at_the_first_layer_of_the_backward() -> None:
     """The first non-finite gradient in backward order is blk.fc's output's (the layers before it get
-    NaN from it); the forward is finite at that step, as plain torch shows."""
+    NaN from it), made by blk's own code (its sqrt) between blk.fc and head: blk is named; the forward
+    is finite at that step, as plain torch shows."""
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("fc0", nn.Linear(4, 16))
@@ -123,7 +124,9 @@ def test_a_nan_born_in_the_backward_is_named_at_the_first_layer_of_the_backward(
     assert torch.isnan(grad).any()
     w = train(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression(), 2)
     first = [f for f in w.findings if f.rule == "nonfinite"]
-    assert [(f.step, f.layer, f.direction) for f in first] == [(0, "blk.fc", "backward")]
+    assert [(f.step, f.layer, f.direction) for f in first] == [(0, "blk", "backward")]  # its sqrt's backward
+    assert first[0].message.startswith("first NaN/Inf of the run at step 0: made in blk's own backward (the "
+                                       "gradient of blk.fc's output); first seen in blk.fc's gradient")
 
 
 def test_a_learning_rate_100x_too_high_is_flagged() -> None:
@@ -308,7 +311,7 @@ def test_a_corrupted_batch_is_a_loss_spike_at_its_step() -> None:
     w = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(spike_at=5), 6)
     spikes = [f for f in w.findings if f.rule == "loss_spike"]
     assert [(f.step, f.layer, f.direction) for f in spikes] == [(5, None, "loss")]
-    assert spikes[0].value > spikes[0].limit == 3.0
+    assert spikes[0].value > spikes[0].limit == 8.0
 
 
 def test_sgd_diverging_is_exploding_gradients() -> None:

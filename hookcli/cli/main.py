@@ -565,7 +565,9 @@ _command_defaults(check, {
 
 
 #: The options ``watch -- CMD`` takes; the others are for ``watch MODEL --steps N`` (the script builds its own).
-_SCRIPT_OPTIONS = {"every", "out", "layers", "types", "config_path"}
+_SCRIPT_OPTIONS = {"every", "out", "flight", "layers", "types", "config_path"}
+#: ``watch -- CMD``'s default ``--every``: a logged step costs a few times a bare one (docs/watch.md#costs)
+SCRIPT_EVERY = 10
 
 
 @main.command(cls=WatchCommand)
@@ -606,7 +608,8 @@ def watch(**values: Any) -> None:
             raise UsageError("watch MODEL needs --steps N: how many training steps hookcli runs",
                              hint=f"e.g. hookcli watch {values['model'] or 'MODEL'} --steps 20")
         run = api.watch_model(steps=values["steps"], lr=values["lr"], optimizer=values["optimizer"],
-                              every=values["every"], out=values["out"], rules=rules, **run_fields(ctx, values))
+                              every=values["every"] or 1, out=values["out"], rules=rules, flight=values["flight"],
+                              **run_fields(ctx, values))
         _emit(run, fmt=values["format"], output=values["output"])
         if run.errors:
             raise CheckFailedError(f"watch: {finding_line(run.errors[0])}",
@@ -619,14 +622,14 @@ def watch(**values: Any) -> None:
             flag = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
             raise UsageError(f"watch -- CMD does not take {flag}: it is for watch MODEL --steps N (the script "
                              "builds its own model, data and optimizer)",
-                             hint="with -- CMD: --every, --out, --layers, --types and --config")
+                             hint="with -- CMD: --every, --out, --flight, --layers, --types and --config")
 
     def say(text: str) -> None:
         if torchrun_rank() == 0:  # under torchrun the findings are every rank's (global numbers): rank 0 says them
             click.echo(f"hookcli watch: {escape_control(text)}", err=True)
 
-    run = api.watch_script(command, every=values["every"], out=values["out"], layers=layers, types=types,
-                           rules=rules, on_found=lambda finding: say(finding_line(finding)), on_note=say)
+    run = api.watch_script(command, every=values["every"] or SCRIPT_EVERY, out=values["out"], layers=layers,
+                           types=types, flight=values["flight"], rules=rules, on_found=lambda finding: say(finding_line(finding)), on_note=say)
     if run.traceback:
         click.echo(run.traceback, err=True, nl=False)
     say(summary_line(run))

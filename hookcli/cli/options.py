@@ -261,8 +261,11 @@ watch_options = _compose(
     click.option("--layers", "-l", multiple=True, metavar="NAMES",
                  help=option_help("layers")),
     click.option("--types", "-t", multiple=True, metavar="TYPES", help=option_help("types")),
-    click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
-                 help="Log steps 0, N, 2N, ... (steps count from 0)."),
+    click.option("--every", type=click.IntRange(min=1), metavar="N",
+                 help="Log steps 0, N, 2N, ... (steps count from 0; default: 10 with -- CMD, 1 for MODEL)."),
+    click.option("--flight", type=click.IntRange(min=1), metavar="K",
+                 help="The flight recorder: every step's statistics of the last K steps, written with the one "
+                      "that holds the first NaN/Inf, whose maker it names (docs/watch.md#flight-recorder)."),
     click.option("--out", metavar="FILE", type=click.Path(dir_okay=False),
                  help="The log, one JSON line per logged step (docs/watch.md); appended to, created with its folders."),
     click.option("--steps", type=click.IntRange(min=1), metavar="N", help="watch MODEL: train N steps."),

@@ -24,10 +24,11 @@ from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
 from hookcli.errors import (CheckFailedError, OutputError, StepOrderWarning, UsageError, WatchWarning,
                             describe_exception)
+from hookcli.escape import escape_control
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
 
-ON_FINDING = ("warn", "raise")
+ON_FINDING = ("print", "warn", "raise")
 
 
 class Watch:
@@ -43,7 +44,7 @@ class Watch:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, every: int,
                  out: str | os.PathLike[str] | None, layers: Sequence[str] | str | None,
                  types: Sequence[str] | str | None, rules: Mapping[str, Any] | None = None,
-                 on_finding: str = "warn", flight: int | None = None,
+                 on_finding: str = "print", flight: int | None = None,
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         check_arguments(model, optimizer, every)
         if flight is not None and (isinstance(flight, bool) or not isinstance(flight, int) or flight < 1):
@@ -52,8 +53,9 @@ class Watch:
         check_path("out", out)
         check_path("tensorboard_dir", tensorboard_dir)
         if on_finding not in ON_FINDING:
-            raise UsageError(f"on_finding must be 'warn' or 'raise', got {on_finding!r}",
-                             hint="'warn' keeps the findings in w.findings and the log; 'raise' stops the loop")
+            raise UsageError(f"on_finding must be 'print', 'warn' or 'raise', got {on_finding!r}",
+                             hint="'print' (the default) also prints each on stderr; 'warn' keeps the findings "
+                                  "in w.findings and the log, silently; 'raise' stops the loop")
         self._rules = Rules(rule_settings(rules))
         self.on_finding = on_finding
         inner = compiled_inner(model)  # torch.compile(model), (D)DP(model): the modules are named as in the model
@@ -74,6 +76,7 @@ class Watch:
                                         f"hookcli.watch stopped at step {step}: {why}; nothing from step {step} "
                                         "on is logged, and the loop runs on unchanged"))
         self._open = self._used = False
+        self._notes_said = 0
 
     def __enter__(self) -> Self:
         if self._used:
@@ -130,6 +133,21 @@ class Watch:
                 return
             self._untold.pop(0)
 
+    @property
+    def notes(self) -> list[str]:
+        """What the watch said about the loop (each once): a ``backward()`` on a tensor that is not one value."""
+        return list(self._watcher.roots.notes)
+
+    def _print(self, findings: list[Finding]) -> None:
+        """``on_finding="print"``: each finding (and each new note) as one line on stderr, as it is found
+        (under torchrun by rank 0, as ``hookcli watch`` says them)."""
+        notes = self._watcher.roots.notes[self._notes_said:]
+        self._notes_said += len(notes)
+        if distributed.rank() != 0:
+            return
+        for text in [*notes, *(f.line() for f in findings)]:
+            print(f"hookcli.watch: {escape_control(text)}", file=sys.stderr, flush=True)
+
     def _warn_misuse(self) -> None:
         """Warn (once, ``StepOrderWarning``, at the user's ``w.step()`` or ``with`` line) when the loop calls
         ``w.step()`` where it shifts the log's steps: seen in the optimizer's hooks, never warned there."""
@@ -148,6 +166,8 @@ class Watch:
             layer.aliases = self._aliases.get(layer.name)
         self._write(record)
         self.findings.extend(record.findings)
+        if self.on_finding == "print":
+            self._print(record.findings)
         if record.findings and self.on_finding == "raise":
             first = record.findings[0]
             raise CheckFailedError(f"hookcli.watch: {first.rule}: {first.message}", result=first,

@@ -55,7 +55,7 @@ def check_loop(steps: Any, lr: Any, optimizer: Any) -> None:
 
 def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, optimizer: str = "sgd",
                 every: int = 1, out: str | os.PathLike[str] | None = None, rules: Mapping[str, Any] | None = None,
-                on_found: Callable[[Finding], None] | None = None) -> WatchRun:
+                on_found: Callable[[Finding], None] | None = None, flight: int | None = None) -> WatchRun:
     """Train the model of ``options`` for ``steps`` optimizer steps under ``hookcli.watch``; a WatchRun.
 
     ``options.layers``/``types`` choose the watched modules (default: the watch's own); the model
@@ -105,8 +105,8 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
                 if not trained:
                     raise no_gradients(prep)
                 opt = factory(trained, lr=rate)
-                watch = Watch(model, opt, every=every, out=out, layers=opts.layers or None,
-                              types=opts.types or None, rules=rules)
+                watch = Watch(model, opt, every=every, out=out, layers=opts.layers or None, flight=flight,
+                              types=opts.types or None, rules=rules, on_finding="warn")  # (its own table says them)
                 made.append((opt, stack.enter_context(watch)))
             return made[0][0]
 

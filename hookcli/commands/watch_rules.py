@@ -26,8 +26,8 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
     "nonfinite": {"skipped": (32, integer(1))},
     "frozen": {"steps": (3, integer(1))},
     "update_ratio": {"low": (1e-6, number(0)), "high": (1.0, number(0, low_open=True))},
-    "loss_spike": {"ratio": (3.0, number(1, low_open=True)), "fast": (1, integer(1)), "slow": (10, integer(2)),
-                   "warmup": (3, integer(1))},
+    "loss_spike": {"z": (8.0, number(0, low_open=True)), "ratio": (1.4, number(1, low_open=True)),
+                   "window": (20, integer(3)), "warmup": (5, integer(3))},
     "grad_explode": {"ratio": (10.0, number(1, low_open=True)), "window": (5, integer(1))},
     "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
     "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
@@ -75,9 +75,9 @@ def rule_settings(rules: Mapping[str, Any] | None) -> dict[str, Settings]:
         if name == "grad_depth" and settings["low"] >= settings["high"]:
             raise ConfigError(f"rules: grad_depth's low ({settings['low']:g}) must be below its high "
                               f"({settings['high']:g})", hint="e.g. {'low': 1e-6, 'high': 1e6}")
-        if name == "loss_spike" and settings["fast"] >= settings["slow"]:
-            raise ConfigError(f"rules: loss_spike's fast window ({settings['fast']}) must be shorter than its "
-                              f"slow one ({settings['slow']})", hint="e.g. {'fast': 1, 'slow': 10}")
+        if name == "loss_spike" and settings["warmup"] > settings["window"]:
+            raise ConfigError(f"rules: loss_spike's warmup ({settings['warmup']}) must not exceed its window "
+                              f"({settings['window']})", hint="e.g. {'warmup': 5, 'window': 20}")
         if enabled:
             out[name] = settings
     return out
@@ -139,15 +139,6 @@ def _unscheduled(p: WatchParam) -> float:
     return ratio / p.lr_scale if p.lr_scale is not None and 0 < p.lr_scale < 1 else ratio
 
 
-def _ema(values: list[float], window: int) -> float:
-    """The exponential moving average of ``values`` (oldest first), alpha = 2 / (window + 1)."""
-    alpha = 2.0 / (window + 1)
-    avg = values[0]
-    for value in values[1:]:
-        avg = alpha * value + (1 - alpha) * avg
-    return avg
-
-
 def _frozen_cause(p: WatchParam) -> str:
     """Why a parameter did not change, as its gradient tells."""
     if p.grad is None:
@@ -163,9 +154,11 @@ class _State:
     """What the rules keep of earlier logged steps."""
 
     nonfinite_seen: bool = False
+    last_logged: int = -1  # the previous logged step (-1: none yet)
     #: logged steps in a row that the optimizer skipped with NaN/Inf gradients (since it last stepped)
     skipped_nonfinite: int = 0
     losses: list[float] = field(default_factory=list)
+    spiking: bool = False  # the previous logged step was a loss spike
     grad_norms: deque[float] = field(default_factory=deque)
     frozen_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row with no update
     dead_runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row mostly zeros
@@ -200,6 +193,7 @@ class Rules:
                             ("activation_growth", self._activation_growth)):
             if name in self.settings:
                 found.extend(check(record, self.settings[name]))
+        self.state.last_logged = record.step
         return found
 
     def observe_flight(self, record: WatchStep) -> list[Finding]:
@@ -254,13 +248,27 @@ class Rules:
         name, direction, stats = where
         count = float(stats["nan_count"] + stats["inf_count"]) if stats is not None else None
         what = {"forward": "output", "backward": "gradient", "loss": "loss"}[direction]
-        at = f"{name}'s {what}" if name is not None else "the loss"
+        at = (f"{name}'s {what}" if name is not None else "the loss") + \
+            (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}")
         skips = (f", at {skipped_in_a_row} logged steps in a row that the optimizer skipped (a GradScaler skips "
                  "a few while it lowers its scale at the start; this many means the gradients stay NaN/Inf "
                  "and the parameters no longer change)") if skipped_in_a_row and direction == "backward" else ""
+        first = (rec.flight or rec.step == 0 or self.state.last_logged == rec.step - 1
+                 or rec.loss_nonfinite_at == rec.step)
+        if not first:  # a later step's victim: not called the first of the run
+            since = (f"the loss turned non-finite at step {rec.loss_nonfinite_at}"
+                     if rec.loss_nonfinite_at is not None and rec.loss_nonfinite_at < rec.step
+                     else f"it appeared between steps {self.state.last_logged} and {rec.step}")
+            return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
+                            f"first NaN/Inf seen at logged step {rec.step}: {at}; {since}" + skips)]
+        if rec.cause is not None and direction != "loss":  # the module whose code made it (engine.cause)
+            seen = (f"its {what}: {count:g} non-finite values" if rec.cause.layer == name and count is not None
+                    and rec.cause.direction == direction else None)
+            if rec.cause.layer is not None:  # (None: the batch or the loss, no module: the first seen is named)
+                name, direction = rec.cause.layer, rec.cause.direction
+            at = f"{rec.cause.text} ({seen})" if seen else f"{rec.cause.text}; first seen in {at}"
         return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
-                        f"first NaN/Inf of the run at step {rec.step}: {at}"
-                        + (f" ({count:g} non-finite values)" if count is not None else f" is {rec.loss}") + skips)]
+                        f"first NaN/Inf of the run at step {rec.step}: {at}" + skips)]
 
     def _frozen(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """A trainable parameter whose update is exactly 0 at ``steps`` logged steps in a row; the message
@@ -319,21 +327,31 @@ class Rules:
                         f"{limit:g} (learning rate too {'high' if high else 'low'}?); {name}'s: {worst:.3g}")]
 
     def _loss_spike(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
-        """The loss's fast moving average over its slow one above ``ratio`` (after ``warmup`` logged steps)."""
+        """The loss above its recent level by more than ``z`` times its recent spread (a robust z-score:
+        the median and 1.4826 x the median absolute deviation of the previous ``window`` logged losses,
+        after ``warmup`` of them) and at least ``ratio`` x that median; told again only after a logged
+        step without a spike (a loss that stays up is one spike)."""
         losses = self.state.losses
         if rec.loss is None or not math.isfinite(rec.loss):
             return []
-        history = losses[-cfg["slow"]:]
+        history = sorted(losses[-cfg["window"]:])
         losses.append(rec.loss)
+        del losses[:-cfg["window"]]
         if len(history) < cfg["warmup"]:
             return []
-        slow = _ema(history, cfg["slow"])
-        fast = _ema(losses[-cfg["fast"] - 1:], cfg["fast"]) if cfg["fast"] > 1 else rec.loss
-        if slow <= 0 or fast <= cfg["ratio"] * slow:
+        median = _median(history)
+        spread = max(1.4826 * _median(sorted(abs(v - median) for v in history)), 1e-3 * abs(median), 1e-12)
+        z = (rec.loss - median) / spread
+        spiking = z > cfg["z"] and (median <= 0 or rec.loss >= cfg["ratio"] * median)
+        told, self.state.spiking = self.state.spiking, spiking
+        if not spiking or told:
             return []
-        return [Finding("loss_spike", "warning", rec.step, None, "loss", fast / slow, cfg["ratio"],
-                        f"loss spike at step {rec.step}: {rec.loss:.4g}, {fast / slow:.3g}x its slow average "
-                        f"{slow:.4g}")]
+        return [Finding("loss_spike", "warning", rec.step, None, "loss", z, cfg["z"],
+                        f"loss spike at step {rec.step}: {rec.loss:.4g}, {z:.3g} times its recent spread above "
+                        f"its recent median {median:.4g} ({rec.loss / median:.3g}x; last {len(history)} logged "
+                        "steps)" if median > 0 else
+                        f"loss spike at step {rec.step}: {rec.loss:.4g}, {z:.3g} times its recent spread above "
+                        f"its recent median {median:.4g} (last {len(history)} logged steps)")]
 
     def _grad_explode(self, rec: WatchStep, cfg: Settings) -> list[Finding]:
         """The gradient's global norm above ``ratio`` times its mean over the previous ``window`` logged

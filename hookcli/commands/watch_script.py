@@ -111,7 +111,7 @@ class ScriptWatch:
         self.steps = 0
         self.notes: list[str] = []
         self._others: set[int] = set()
-        self._shown = 0
+        self._shown = self._notes_shown = 0
         #: what reporting a finding raised inside the step hook; raised when the script has ended
         self.error: Exception | None = None
 
@@ -175,6 +175,10 @@ class ScriptWatch:
 
     def _report(self) -> None:
         if self.watch is not None:
+            notes = self.watch.notes[self._notes_shown:]
+            self._notes_shown += len(notes)
+            for text in notes:
+                self.note(text)
             new = self.watch.findings[self._shown:]
             self._shown += len(new)
             for finding in new:
@@ -212,7 +216,7 @@ def _script_traceback(exc: BaseException) -> str:
 def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike[str] | None = None,
                layers: Sequence[str] | str | None = None, types: Sequence[str] | str | None = None,
                rules: Mapping[str, Any] | None = None, on_found: Callable[[Finding], None] | None = None,
-               on_note: Callable[[str], None] | None = None) -> WatchRun:
+               on_note: Callable[[str], None] | None = None, flight: int | None = None) -> WatchRun:
     """Run ``command`` (``python SCRIPT ARGS`` ...: ``parse_command``) in this process under a watch; its
     exit status, traceback text (an uncaught exception: status 1) and the watch's findings in a WatchRun.
 
@@ -229,7 +233,7 @@ def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike
                          hint="run from the folder the module is importable from; " + COMMAND_HINT)
     # the log is opened at the first step: against the working directory of now, not the script's then
     log = os.path.abspath(out) if out is not None else None
-    spy = ScriptWatch({"every": every, "out": log, "layers": layers, "types": types, "rules": rules},
+    spy = ScriptWatch({"every": every, "out": log, "layers": layers, "types": types, "rules": rules, "flight": flight},
                       on_found or (lambda _f: None), on_note or (lambda _t: None))
     run = WatchRun("script", None, None, 0, every, os.fspath(out) if out is not None else None)
     saved_argv, saved_path = sys.argv, list(sys.path)

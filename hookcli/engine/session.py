@@ -707,6 +707,9 @@ class HookSet:
         self._handles: list[RemovableHandle | _ForgetKwargsMark | _NotCopied] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._accumulated: dict[str, int] = {}
+        #: accumulations into a watched parameter's ``.grad`` so far, idle steps included (a backward
+        #: that reached the model: ``engine.roots`` tells the model's loss from another model's)
+        self.accumulations = 0
         #: under a process group: each parameter's ``.grad`` as the (logged) step began (``mark_grads``)
         self._marks: dict[str, tuple[weakref.ref[torch.Tensor], int] | None] = {}
         #: The hooks run eagerly under torch.compile (set by ``install``: asked for, or ``is_compiled``).
@@ -779,7 +782,10 @@ class HookSet:
 
     def _accumulate_hook(self, name: str) -> Callable[[nn.Parameter], None]:
         def hook(_param: nn.Parameter) -> None:  # after each accumulation into .grad (one per backward)
-            if self.session is not None and not self.session.idle and not getattr(_one_shot, "runs", 0):
+            if getattr(_one_shot, "runs", 0):
+                return  # a one-shot hookcli run inside the watched loop: not the training's gradients
+            self.accumulations += 1
+            if self.session is not None and not self.session.idle:
                 self._accumulated[name] = self._accumulated.get(name, 0) + 1
 
         return hook
@@ -939,6 +945,27 @@ def training_runs() -> Iterator[None]:
         yield
     finally:
         _one_shot.training = saved
+
+
+def hook_calls(modules: Sequence[nn.Module], pre: Callable[..., None], post: Callable[..., None]
+               ) -> list[RemovableHandle]:
+    """A forward pre-hook and an always-called forward hook (both with keyword arguments) on each of
+    ``modules``, for a tracer of the engine's own (``engine.cause``): the handles, to remove."""
+    handles = []
+    try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    return handles
+
+
+def hook_tensor(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """A gradient hook on a non-leaf ``tensor`` (it goes with the autograd graph: nothing to remove)."""
+    tensor.register_hook(hook)
 
 
 def stale_graph_error() -> UnsupportedError:

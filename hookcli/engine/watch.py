@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,11 +19,13 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
+from hookcli.engine.cause import CauseTrace, CauseTracer
 from hookcli.engine.flight import FlightRecorder, flight_records
+from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
 from hookcli.errors import CheckFailedError, HookcliError, InternalError, RanksFailed, UsageError, internal_error
-from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
 _Groups = dict[tuple[str, str], list[Any]]
@@ -90,6 +93,16 @@ class StepWatcher:
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
         self.flight = FlightRecorder(flight) if flight else None
+        #: every module call's finite flags on measured steps (engine.cause): who made a NaN/Inf; the
+        #: flight recorder's steps' traces are kept as long as the ring keeps them
+        self.cause: CauseTracer | None = None
+        self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
+        #: the first step whose loss was not finite: a device scalar updated at every step's end (-1: none
+        #: yet; ``torch.where``, no host synchronisation), read at logged steps; or the host's, for a number
+        self._loss_first: torch.Tensor | None = None
+        self._loss_first_host: int | None = None
+        #: the tensors backward() is called on while the watch runs: the step's loss when none is given
+        self.roots = BackwardRoots(lambda: self.hooks.accumulations)
         self.logged = True  # the step in progress is logged (else idle, or only flight-recorded)
         self.every = every
         self.hooks = HookSet()
@@ -156,13 +169,18 @@ class StepWatcher:
                            params=self.params)
         assert self.hooks.session is not None
         self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
+        if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
+            self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
                                           self._guarded(self._post_step))
             self._begin()
+            self.roots.install()
         except BaseException:
             self.hooks.remove()
+            if self.cause is not None:
+                self.cause.remove()
             raise
 
     def _begin(self) -> None:
@@ -172,6 +190,8 @@ class StepWatcher:
         self.logged = not halted and self.step % self.every == 0
         self.hooks.session.idle = not self.logged and (halted or self.flight is None)
         self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        if self.cause is not None:
+            self.cause.arm(not self.hooks.session.idle)
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
@@ -269,11 +289,13 @@ class StepWatcher:
                 and not self.hooks.backward_reached):
             self._misused("empty")  # w.step() at the top of the loop: the log's steps are one behind
         self.user_steps = True
+        self.note_loss(loss, pending.step if pending is not None else self.step)
         if self._early_step and self.hooks.session is not None and self.hooks.session.calls:
             self._misused("before")  # the step's modules ran after its optimizer step, not before
         if pending is not None:
             if pending.step >= 0:
-                pending.loss = None if loss is None else to_host([_loss_vector(loss)])[0][0]
+                if loss is not None:  # (else the loss backward() was called on, if any)
+                    pending.loss = to_host([_loss_vector(loss)])[0][0]
                 if self.reduction is not None:  # the ranks' mean, as _collect gives it
                     pending.loss = self.reduction.rank_mean(pending.loss)
                 self.on_step(pending)
@@ -283,6 +305,28 @@ class StepWatcher:
         if record is not None:
             record.skipped = skipped
             self.on_step(record)
+
+    def note_loss(self, loss: Any, step: int) -> None:
+        """Keep the first step whose loss is not finite (every step, logged or not): on the loss's device
+        for a tensor (two small ops, no host synchronisation), on the host for a number."""
+        if loss is None or self.error is not None or self._loss_first_host is not None:
+            return
+        if not isinstance(loss, torch.Tensor):
+            if not math.isfinite(_loss_vector(loss)[0]):
+                self._loss_first_host = step
+            return
+        with torch.no_grad():
+            bad = torch.isfinite(loss.detach()).all().logical_not()
+            first = self._loss_first
+            if first is None or first.device != bad.device:
+                first = self._loss_first = torch.full((), -1, dtype=torch.int64, device=bad.device)
+            first.copy_(torch.where(bad & (first < 0), step, first))
+
+    def _loss_first_step(self, values: list[float] | None) -> int | None:
+        """The first step whose loss was not finite, from the device scalar's host value (``values``)."""
+        if self._loss_first_host is not None:
+            return self._loss_first_host
+        return int(values[0]) if values is not None and values[0] >= 0 else None
 
     def _misused(self, kind: str) -> None:
         """Note the loop's first misuse of ``Watch.step()`` (``STEP_ORDER``'s ``kind``); nothing else changes."""
@@ -322,6 +366,9 @@ class StepWatcher:
             self._fail(exc, "hookcli.watch's end")
         finally:
             self.hooks.remove()
+            self.roots.remove()
+            if self.cause is not None:
+                self.cause.remove()
             self._before = self._param_vectors = self._updates = None
 
     def raise_error(self) -> None:
@@ -334,16 +381,23 @@ class StepWatcher:
         """End the step in progress; its record when it is logged (one host transfer). The next step begins."""
         session = self.hooks.session
         assert session is not None
+        captured = self.roots.take()
+        if loss is None and captured is not None:  # the script gave none: the one backward() was called on
+            loss = captured
+            self.note_loss(loss, self.step)
         if session.idle:
             self.hooks.end_step()
             self._begin()
             return None
         step = self.step
+        trace = self.cause.take() if self.cause is not None else None
         try:
             if self.reduction is None:
                 session.raise_error()
             groups = merged_outputs(session.calls)
             if self.flight is not None:
+                if trace is not None:
+                    self._traces.append((step, trace))
                 self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
                 if not self.logged:
                     self._write_flight()
@@ -360,7 +414,9 @@ class StepWatcher:
             if (self.reduction is None and self.hooks.compiled and not session.calls
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
-            record = self._collect(step, groups, params, self._updates, loss, histograms)
+            record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
+            if self.reduction is not None and self.cause is not None and _nonfinite(record):
+                record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
             for entry, scale in zip(record.params, self._lr_scales or ()):
                 entry.lr_scale = scale
             for entry, (_, p) in zip(record.params, self.params):
@@ -382,6 +438,16 @@ class StepWatcher:
             self._begin()
         return record
 
+    def _ranks_cause(self, trace: CauseTrace | None) -> NonfiniteCause | None:
+        """Under torchrun, at a logged step whose merged record holds a NaN/Inf: the maker in the lowest
+        rank whose own trace found one (its causes gathered: every rank's record stays the same)."""
+        assert self.reduction is not None
+        causes: list[Any] = [None] * self.reduction.world
+        torch.distributed.all_gather_object(causes, trace.cause() if trace is not None else None,
+                                            group=self.reduction.group)
+        self.reduction.collectives += 2  # (the objects' sizes, then the objects)
+        return next((cause for cause in causes if cause is not None), None)
+
     def _write_flight(self, *, before: int | None = None, everything: bool = False) -> None:
         """Hand on the ring's steps not written yet (before ``before``: that step's own line follows) as
         flight records: once, when the first NaN/Inf is known, and when the loop raised (``everything``)."""
@@ -391,7 +457,10 @@ class StepWatcher:
             return
         flight.dumped = flight.first_bad is not None
         upto = None if everything else flight.first_bad  # the K steps up to the first NaN/Inf, as on CPU
+        traces = dict(self._traces)
         for record in flight_records(flight.unwritten(before, upto)):
+            if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
+                record.cause = trace.cause()  # one more transfer, once a run
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
@@ -409,8 +478,8 @@ class StepWatcher:
         return list(zip(values, grads))
 
     def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
-                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
-                 ) -> WatchStep:
+                 loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+                 trace: CauseTrace | None = None) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
@@ -426,6 +495,8 @@ class StepWatcher:
                        for i, p in enumerate(params)]
         loss_slot = slot(_loss_vector(loss)) if loss is not None else None
         histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
+        cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
+        loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -436,6 +507,9 @@ class StepWatcher:
                 layer.channels, layer.channel_zero_fraction = len(zeros), zeros
                 layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
+        if trace is not None:
+            out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
+        out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
             update = values[u][0] if u is not None else None
@@ -506,6 +580,13 @@ def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.T
             out[key] = (nonzeros, per) if had is None else \
                 (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
     return {key: value for key, value in out.items() if value is not None}
+
+
+def _nonfinite(record: WatchStep) -> bool:
+    """Whether a record holds a NaN/Inf in an output, a gradient or the loss."""
+    stats = [layer.stats for layer in record.layers] + [layer.grad for layer in record.layers]
+    return any(s is not None and (s.get("nan_count") or s.get("inf_count")) for s in stats) or \
+        (record.loss is not None and not math.isfinite(record.loss))
 
 
 def _merged(a: Vector | None, b: Vector | None) -> Vector | None:

@@ -28,7 +28,7 @@ from hookcli.records.core import (
 from hookcli.records.diff import DiffReport, DiffRow, Errors, Tolerance
 from hookcli.records.exports import ChannelRecord, FeatureExport, FeatureMaps, SavedTensor
 from hookcli.records.watch import (
-    WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, Histogram, WatchLayer, WatchParam, WatchRun, WatchStep,
+    WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchRun, WatchStep,
 )
 from hookcli.records.watch_report import ReportSeries, WatchReport
 
@@ -36,6 +36,6 @@ __all__ = [
     "GRAD_KEYS", "SCHEMA", "STAT_EXTRA_KEYS", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",
-    "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "Histogram", "WatchLayer", "WatchParam", "WatchRun", "WatchStep",
-    "ReportSeries", "WatchReport", "statistics",
+    "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "Histogram", "NonfiniteCause", "WatchLayer", "WatchParam",
+    "WatchRun", "WatchStep", "ReportSeries", "WatchReport", "statistics",
 ]

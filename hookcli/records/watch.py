@@ -129,9 +129,26 @@ class Finding:
     limit: float | None
     message: str
 
+    def line(self) -> str:
+        """``step 2: warning frozen (2.weight): 2.weight requires grad but ...``: one line (as
+        ``hookcli watch`` and ``hookcli.watch`` print it on stderr)."""
+        where = f" ({' '.join(self.layer.split())})" if self.layer else ""
+        return f"step {self.step}: {self.severity} {self.rule}{where}: {' '.join(self.message.split())}"
+
     def to_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "severity": self.severity, "step": self.step, "layer": self.layer,
                 "direction": self.direction, "value": self.value, "limit": self.limit, "message": self.message}
+
+
+@dataclass
+class NonfiniteCause:
+    """Where a step's first NaN/Inf was made (``hookcli.engine.cause``): the module whose code made it
+    (its name, "" for the model; None: no module's, the batch or the loss), ``forward`` or ``backward``,
+    and the words (``made by blocks.2.lin``, ``made in blocks.2's own forward (after blocks.2.act)``)."""
+
+    layer: str | None
+    direction: str
+    text: str
 
 
 @dataclass
@@ -150,6 +167,12 @@ class WatchStep:
     skipped: bool = False
     #: the reduction backend that computed the statistics (``engine.reduction``: kernel, torch, device)
     reduction: str | None = None
+    #: where the step's first NaN/Inf was made, when the step was traced and held one (not in the log:
+    #: the nonfinite finding tells it)
+    cause: NonfiniteCause | None = field(default=None, repr=False)
+    #: the first step whose loss was not finite, when known by this step (the watch's device flag on
+    #: every step's loss); not in the log
+    loss_nonfinite_at: int | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,

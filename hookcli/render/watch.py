@@ -13,8 +13,7 @@ SEVERITY_STYLES = {"error": "bold red", "warning": "yellow"}
 
 def finding_line(finding: Finding) -> str:
     """``step 2: warning frozen (2.weight): 2.weight requires grad but ...``: one line."""
-    where = f" ({plain(finding.layer)})" if finding.layer else ""
-    return f"step {finding.step}: {finding.severity} {finding.rule}{where}: {plain(finding.message)}"
+    return finding.line()
 
 
 def summary_line(run: WatchRun) -> str:
