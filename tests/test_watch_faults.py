@@ -401,8 +401,8 @@ def test_a_signal_ends_the_watched_script_as_it_ends_python(tmp_path: Path, sig:
     (tmp_path / "loops.py").write_text(LOOPS)
     plain = stopped(tmp_path, [sys.executable, "loops.py"], sig)
     assert plain.returncode == -sig
-    result = stopped(tmp_path, [sys.executable, "-m", "hookcli", "watch", "--out", "log.jsonl", "--",
-                                "python", "loops.py"], sig)
+    result = stopped(tmp_path, [sys.executable, "-m", "hookcli", "watch", "--every", "1", "--out", "log.jsonl",
+                                "--", "python", "loops.py"], sig)
     assert result.returncode == 128 + sig, result.stderr
     name = signal.Signals(sig).name
     assert f"hookcli watch: the script was stopped by {name} after " in result.stderr

@@ -240,8 +240,8 @@ def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike
     try:
         spy.hooks.install()
         try:
-            run.exit_code, run.traceback = _run(script)
-            if run.exit_code in _SIGNALLED:
+            run.exit_code, run.traceback, signalled = _run(script)
+            if signalled:  # (not a script's own sys.exit(143))
                 spy.note(f"the script was stopped by {_SIGNALLED[run.exit_code]} after {spy.steps} steps")
         finally:
             sys.argv = saved_argv
@@ -275,8 +275,9 @@ def _module_found(name: str) -> bool:
         sys.path.pop(0)
 
 
-def _run(script: Script) -> tuple[int, str | None]:
-    """Run the script as python would; (exit status, the text python prints to stderr at the end)."""
+def _run(script: Script) -> tuple[int, str | None, bool]:
+    """Run the script as python would; (exit status, the text python prints to stderr at the end, whether
+    a signal stopped it)."""
     try:
         if script.path is not None:
             sys.argv = [script.path, *script.args]
@@ -289,18 +290,18 @@ def _run(script: Script) -> tuple[int, str | None]:
             runpy.run_module(script.module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code, text = _exit_code(exc)
-        return code, None if text is None else text + "\n"
+        return code, None if text is None else text + "\n", False
     except _Stop:
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C: python prints the script's traceback, and the shell sees 130
-        return 128 + signal.SIGINT, _script_traceback(exc)
+        return 128 + signal.SIGINT, _script_traceback(exc), True
     except Terminated as exc:  # SIGTERM: python dies of it without a word, and the shell sees 143
-        return 128 + exc.signum, None
+        return 128 + exc.signum, None, True
     except BaseException as exc:  # the script's own failure: its traceback, exit status 1
-        return 1, _script_traceback(exc)
+        return 1, _script_traceback(exc), False
     finally:
         _flush()  # what the script printed comes before hookcli's summary, as at the end of a process
-    return 0, None
+    return 0, None, False
 
 
 def _flush() -> None:

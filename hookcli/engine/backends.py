@@ -40,28 +40,23 @@ def _kernel_unavailable() -> str | None:
     return f"the C statistics kernel is {kernel.status()}" if kernel.load() is None else None
 
 
-def _triton_unavailable() -> str | None:
-    from hookcli.engine import reduce_triton  # (imports Triton: only where it is asked for)
+def _call(target: str) -> Callable[[], str | None]:
+    """A function of no arguments that calls ``"module:function"``, imported when first called (the
+    Triton backend's module imports Triton: only where it is asked for)."""
 
-    return reduce_triton.unavailable("cpu" if reduce_triton.INTERPRETED else "cuda")
+    def call() -> str | None:
+        module, _, function = target.partition(":")
+        return getattr(importlib.import_module(module), function)()  # type: ignore[no-any-return]
 
-
-def triton_vector(flat: torch.Tensor, zeros: bool) -> torch.Tensor:
-    """The ``triton`` backend's vector: the fused kernel (``engine.reduce_triton``) where it reads ``flat``,
-    else the lean torch path (a tensor Triton cannot read here: never one a hook hands it in practice)."""
-    from hookcli.engine import reduce_lean, reduce_triton
-
-    if reduce_triton.available(flat):
-        return reduce_triton.reduce_moments(flat, zeros)  # type: ignore[no-any-return]
-    return reduce_lean.reduce_lean(flat, zeros)
+    return call
 
 
 BACKENDS: dict[str, Backend] = {
     "kernel": Backend("kernel", host=True, unavailable=_kernel_unavailable),
     "torch": Backend("torch", host=True),
     "device": Backend("device", host=False, vector="hookcli.engine.stats:device_vector"),
-    "triton": Backend("triton", host=False, vector="hookcli.engine.backends:triton_vector",
-                      unavailable=_triton_unavailable),
+    "triton": Backend("triton", host=False, vector="hookcli.engine.reduce_triton:backend_vector",
+                      unavailable=_call("hookcli.engine.reduce_triton:backend_unavailable")),
     "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean"),
 }
 

@@ -90,6 +90,21 @@ def unavailable(device_type: str = "cuda") -> str | None:
     return f"Triton does not run on {device_type} tensors"
 
 
+def backend_unavailable() -> str | None:
+    """Why the ``triton`` reduction backend cannot run here (``engine.backends``; None: it can)."""
+    return unavailable("cpu" if INTERPRETED else "cuda")
+
+
+def backend_vector(flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+    """The ``triton`` backend's vector: the fused kernel where it reads ``flat``, else the lean torch path
+    (a tensor Triton cannot read here: never one a hook hands it in practice)."""
+    if available(flat):
+        return reduce_moments(flat, zeros)  # type: ignore[no-any-return]
+    from hookcli.engine.reduce_lean import reduce_lean
+
+    return reduce_lean(flat, zeros)
+
+
 def _tl_dtype(dtype: torch.dtype) -> Any:
     return {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16,
             torch.float16: tl.float16}[dtype]

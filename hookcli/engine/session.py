@@ -948,14 +948,16 @@ def training_runs() -> Iterator[None]:
 
 
 def hook_calls(modules: Sequence[nn.Module], pre: Callable[..., None], post: Callable[..., None]
-               ) -> list[RemovableHandle]:
+               ) -> list[RemovableHandle | _NotCopied]:
     """A forward pre-hook and an always-called forward hook (both with keyword arguments) on each of
     ``modules``, for a tracer of the engine's own (``engine.cause``): the handles, to remove."""
     handles = []
     try:
-        for module in modules:
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        for module in modules:  # (marked as hookcli's: a copy of the module, a pickle, carries none)
+            handles.append(module.register_forward_pre_hook(_ours(functools.partial(pre)), with_kwargs=True))
+            handles.append(module.register_forward_hook(_ours(functools.partial(post)), with_kwargs=True,
+                                                        always_call=True))
+            handles.append(_NotCopied.on(module))
     except BaseException:
         for handle in handles:
             handle.remove()
