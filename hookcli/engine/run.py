@@ -33,6 +33,7 @@ from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batch
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
+from hookcli.engine.meta_values import meta_values
 from hookcli.options import RunOptions, Shard, model_is_instance
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, map_tensors, shape_of
 from hookcli.records import (
@@ -132,7 +133,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         inputs = make_inputs(
             loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
             trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
-            dtype=opts.torch_dtype(),
+            dtype=opts.torch_dtype(), train=opts.train,
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
@@ -319,6 +320,7 @@ def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
 @contextmanager
 def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
     """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
+    On the meta device the values that follow from the inputs are kept (``meta_values``).
 
     The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
     seed) and the caller's RNG states are restored after (``preserved``). Third-party logging and
@@ -327,7 +329,7 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     opts = prep.options
     model = prep.loaded.model
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
-                   index=prep.index), quiet():
+                   index=prep.index), quiet(), meta_values(run_device(prep)):
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 
