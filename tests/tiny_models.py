@@ -322,3 +322,49 @@ def tiny_ssd() -> nn.Module:
     from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 
     return SSD(_SSDBackbone(), DefaultBoxGenerator([[2], [2]]), (64, 64), num_classes=3)
+
+
+# --------------------------------------------------------------------------- complex-valued
+
+
+class SpectralConv2d(nn.Module):
+    """A Fourier layer (FNO): rfft2, a complex weight on the lowest ``modes`` frequencies, irfft2."""
+
+    def __init__(self, channels: int = 4, modes: int = 3) -> None:
+        super().__init__()
+        self.modes = modes
+        scale = 1.0 / channels
+        self.weight = nn.Parameter(scale * torch.randn(channels, channels, modes, modes, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft2(x)
+        out = torch.zeros_like(spectrum)
+        m = self.modes
+        out[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :m, :m], self.weight)
+        return torch.fft.irfft2(out, s=x.shape[-2:])
+
+
+class Spectrum(nn.Module):
+    """Returns the complex spectrum of its input (a submodule with a complex output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft2(x)
+
+
+class TinyFNO(nn.Module):
+    """An FNO-style spectral network on [batch, 1, 8, 8]: a lift, a spectral layer, a complex spectrum
+    submodule whose magnitude feeds the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Conv2d(1, 4, 1)
+        self.spectral = SpectralConv2d(4, 3)
+        self.act = nn.GELU()
+        self.spectrum = Spectrum()
+        self.head = nn.Linear(4 * 8 * 5, 3)
+        self.example_inputs = (torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.spectral(self.lift(x)))
+        z = self.spectrum(h)
+        return self.head(z.abs().flatten(1))

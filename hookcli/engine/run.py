@@ -28,7 +28,9 @@ from hookcli.errors import (
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, sharding
-from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
+from hookcli.engine.session import (
+    HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled, reducible,
+)
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
@@ -354,7 +356,20 @@ def new_report(prep: Prepared, command: str) -> Report:
     )
     if opts.shard is not None:
         report.notes.append(SHARD_NOTE.format(ranks=distributed.world_size(), shard=opts.shard))
+    if any(p.is_complex() for p in prep.index.params):
+        report.notes.append(COMPLEX_NOTE)
     return report
+
+
+#: The note of a report with complex parameters or outputs (``session.reducible``).
+COMPLEX_NOTE = ("complex tensors (dtype complex*): their statistics, gradients' and norms are of the magnitude |z| "
+                "(the L2 norm of |z| is that of z)")
+
+
+def note_complex(report: Report) -> None:
+    """``COMPLEX_NOTE`` once, when a row of ``report`` is a complex output."""
+    if COMPLEX_NOTE not in report.notes and any(r.dtype.startswith("complex") for r in report.layers if r.dtype):
+        report.notes.append(COMPLEX_NOTE)
 
 
 #: The note of a ``--shard`` run's report (``new_report``), until this rank leaves the group (``note_ranks``).
@@ -622,9 +637,9 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
             g = grads.get(id(p))
             g_slot = None
             if g is not None:  # a DTensor's: this rank's part (merged over the ranks by the caller)
-                extra.append(session.reducer.reduce(distributed.local(g), zeros=False))
+                extra.append(session.reducer.reduce(reducible(distributed.local(g)), zeros=False))
                 g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(distributed.local(p.detach()), dtype=device_float(p.device))
+            extra.append(torch.linalg.vector_norm(reducible(distributed.local(p.detach())), dtype=device_float(p.device))
                          .reshape(1))
             n_slot = len(extra) - 1
             c_slot = None
@@ -695,6 +710,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
         note_ranks(report, tp)
     report.layers = global_rows(prep, report.layers)
+    note_complex(report)
     if run.flops is not None:
         report.flops = run.flops
     if run.failure is not None:

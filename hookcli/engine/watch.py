@@ -19,7 +19,7 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.flight import FlightRecorder, flight_records
-from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
+from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, histogram, l2_norm, merge, to_host
 from hookcli.errors import HookcliError, RanksFailed, UsageError, internal_error
 from hookcli.records import Histogram, WatchLayer, WatchParam, WatchStep
@@ -195,7 +195,7 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = [l2_norm(before.sub_(distributed.local(p.detach())))
+            self._updates = [l2_norm(reducible(before.sub_(distributed.local(p.detach()))))
                              for before, (_, p) in zip(self._before, self.params)]
             self._before = None
         if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
