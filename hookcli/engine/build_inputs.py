@@ -269,7 +269,9 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int | None, fill:
                seed: int, meta: bool = False) -> ModelInputs | None:
     """Keyword inputs for a transformers model, from its forward's parameter names and its config:
     ``input_ids`` (+ ``attention_mask``) below the vocabulary size, ``pixel_values`` at the config's
-    image size, ``input_features`` (mel frames) / ``input_values`` (16000 samples) for audio models,
+    image size, ``input_features`` (mel frames) / ``input_values`` (one second at the config's
+    ``sampling_rate``, else 16 kHz; ``[batch, audio_channels, time]`` for a codec) for audio models,
+    ``past_values`` (``[batch, context_length, num_input_channels]``) for a time-series forecaster,
     ``decoder_input_ids`` for encoder-decoders, ``seq_len`` long (default: 128, or less where the
     config's position limits say so: ``_hf_seq_len``). None when forward takes none of these.
     ``meta``: no ``attention_mask`` (all ones means the same as none, and transformers reads a mask's
@@ -290,9 +292,17 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int | None, fill:
     if "input_features" in params and isinstance(mels, int) and isinstance(positions, int):  # whisper-style audio
         t, src = _fill((b, mels, 2 * positions), model_float_dtype(model), fill, gen, seed)
         named.append(("input_features", t, src))
-    elif "input_values" in params and not named:  # raw audio (wav2vec2-style): one second at 16 kHz
-        t, src = _fill((b, 16000), model_float_dtype(model), fill, gen, seed)
-        named.append(("input_values", t, src))
+    elif "input_values" in params and not named:  # raw audio: one second at the config's rate (else 16 kHz)
+        rate = getattr(config, "sampling_rate", None)
+        rate = rate if isinstance(rate, int) and rate > 0 else 16000
+        channels = getattr(config, "audio_channels", None)  # a codec's (encodec): [batch, channels, time]
+        shape = (b, channels, rate) if isinstance(channels, int) and channels > 0 else (b, rate)
+        t, src = _fill(shape, model_float_dtype(model), fill, gen, seed)
+        named.append(("input_values", t, f"{src}, one second at {rate} Hz"))
+    context, series = getattr(config, "context_length", None), getattr(config, "num_input_channels", None)
+    if "past_values" in params and isinstance(context, int) and isinstance(series, int):  # a forecaster (patchtst)
+        t, src = _fill((b, context, series), model_float_dtype(model), fill, gen, seed)
+        named.append(("past_values", t, f"{src}, the config's context_length x num_input_channels"))
     if "input_ids" in params and (_integer_high(model, "input_ids") != 10 or not named):
         images = _image_placeholders(model, config, named)
         for key in ("input_ids",) if meta else ("input_ids", "attention_mask"):
