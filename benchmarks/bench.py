@@ -547,8 +547,28 @@ def bench_meta(repeats: int, quick: bool = False) -> list[dict[str, Any]]:
         rows.append(_row("meta", "shapes on meta", os.path.basename(spec), seconds, seconds / imports_s,
                          "<= 2.0", f"time vs import torch, torchvision ({imports_s:.2f} s); peak {mb:.0f} MB "
                                    f"(goal < 1500 MB: {_mark(mb < 1500)})", met=seconds / imports_s <= 2.0 and mb < 1500))
+    if importlib.util.find_spec("transformers") is not None:
+        rows += [hf_meta_row(model_type) for model_type in HF_META_TYPES]
     print_rows(rows)
     return rows
+
+
+#: Mixture-of-experts and vision-language model types whose DEFAULT configs (up to 671B parameters)
+#: ``shapes`` runs on the meta device: the goal is seconds, on meta (not a real build that cannot fit).
+HF_META_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "llava", "paligemma", "qwen2_vl")
+
+
+def hf_meta_row(model_type: str) -> dict[str, Any]:
+    """``hookcli.shapes("hf:TYPE")`` at the type's default config in a fresh interpreter: seconds, device, params."""
+    code = (f"import hookcli; r = hookcli.shapes('hf:{model_type}'); "
+            "print('RESULT', r.device, r.model.params)")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    found = re.search(r"RESULT (\S+) (\d+)", done.stdout)
+    device, params = (found.group(1), int(found.group(2))) if found else ("failed", 0)
+    return _row("meta", "shapes on meta, default config", f"hf:{model_type}", seconds, None, "<= 60 s on meta",
+                f"{device}, {params / 1e9:.3g}B params", met=device == "meta" and seconds <= 60)
 
 
 def bench_kernel(repeats: int, quick: bool = False) -> list[dict[str, Any]]:

@@ -235,3 +235,136 @@ class Checkpointed(nn.Module):
         if self.reentrant is None:
             return self.head(self.block(h))
         return self.head(checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant))
+
+
+# --------------------------------------------------------------------------- torchvision detection, tiny
+
+
+def _tiny_backbone(channels: int = 8) -> nn.Module:
+    """Two strided convolutions to one 1/4-size feature map (``out_channels`` as detection models read it)."""
+    backbone = nn.Sequential(nn.Conv2d(3, channels, 3, stride=2, padding=1), nn.ReLU(),
+                             nn.Conv2d(channels, channels, 3, stride=2, padding=1), nn.ReLU())
+    backbone.out_channels = channels
+    return backbone
+
+
+def _rcnn_parts() -> dict:
+    """Anchors, RoI pooling and a small box head for the R-CNN family at 64x64, on ``_tiny_backbone``."""
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+    from torchvision.ops import MultiScaleRoIAlign
+
+    return {"rpn_anchor_generator": AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
+            "box_roi_pool": MultiScaleRoIAlign(["0"], 7, 2), "min_size": 64, "max_size": 64,
+            "box_head": TwoMLPHead(8 * 7 * 7, 16), "box_predictor": FastRCNNPredictor(16, 3)}
+
+
+def tiny_fasterrcnn() -> nn.Module:
+    """Faster R-CNN (torchvision's class) on a two-layer backbone at 64x64: its train mode takes targets."""
+    from torchvision.models.detection import FasterRCNN
+
+    return FasterRCNN(_tiny_backbone(), **_rcnn_parts())
+
+
+def tiny_maskrcnn() -> nn.Module:
+    """Mask R-CNN at 64x64 (targets with masks)."""
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+    from torchvision.ops import MultiScaleRoIAlign
+
+    return MaskRCNN(_tiny_backbone(), mask_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
+                    mask_head=MaskRCNNHeads(8, [8], 1), mask_predictor=MaskRCNNPredictor(8, 8, 3), **_rcnn_parts())
+
+
+def tiny_keypointrcnn() -> nn.Module:
+    """Keypoint R-CNN at 64x64 with 3 keypoints (targets with keypoints)."""
+    from torchvision.models.detection import KeypointRCNN
+    from torchvision.models.detection.keypoint_rcnn import KeypointRCNNHeads, KeypointRCNNPredictor
+    from torchvision.ops import MultiScaleRoIAlign
+
+    return KeypointRCNN(_tiny_backbone(), keypoint_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
+                        keypoint_head=KeypointRCNNHeads(8, [8]), keypoint_predictor=KeypointRCNNPredictor(8, 3),
+                        **_rcnn_parts())
+
+
+def tiny_retinanet() -> nn.Module:
+    """RetinaNet at 64x64."""
+    from torchvision.models.detection import RetinaNet
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    return RetinaNet(_tiny_backbone(), num_classes=3, min_size=64, max_size=64,
+                     anchor_generator=AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)))
+
+
+def tiny_fcos() -> nn.Module:
+    """FCOS at 64x64 (one anchor per location, as FCOS wants; 32 channels for its GroupNorm)."""
+    from torchvision.models.detection import FCOS
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    return FCOS(_tiny_backbone(32), num_classes=3, min_size=64, max_size=64,
+                anchor_generator=AnchorGenerator(((16,),), ((1.0,),)))
+class _SSDBackbone(nn.Module):
+    """Two feature maps (1/4 and 1/8 of the image) in a dict, as SSD's backbones return them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _tiny_backbone()
+        self.second = nn.Sequential(nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        a = self.first(x)
+        return {"0": a, "1": self.second(a)}
+
+
+def tiny_ssd() -> nn.Module:
+    """SSD at 64x64 on a two-level backbone."""
+    from torchvision.models.detection.ssd import SSD
+    from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
+
+    return SSD(_SSDBackbone(), DefaultBoxGenerator([[2], [2]]), (64, 64), num_classes=3)
+
+
+# --------------------------------------------------------------------------- complex-valued
+
+
+class SpectralConv2d(nn.Module):
+    """A Fourier layer (FNO): rfft2, a complex weight on the lowest ``modes`` frequencies, irfft2."""
+
+    def __init__(self, channels: int = 4, modes: int = 3) -> None:
+        super().__init__()
+        self.modes = modes
+        scale = 1.0 / channels
+        self.weight = nn.Parameter(scale * torch.randn(channels, channels, modes, modes, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft2(x)
+        out = torch.zeros_like(spectrum)
+        m = self.modes
+        out[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :m, :m], self.weight)
+        return torch.fft.irfft2(out, s=x.shape[-2:])
+
+
+class Spectrum(nn.Module):
+    """Returns the complex spectrum of its input (a submodule with a complex output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft2(x)
+
+
+class TinyFNO(nn.Module):
+    """An FNO-style spectral network on [batch, 1, 8, 8]: a lift, a spectral layer, a complex spectrum
+    submodule whose magnitude feeds the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Conv2d(1, 4, 1)
+        self.spectral = SpectralConv2d(4, 3)
+        self.act = nn.GELU()
+        self.spectrum = Spectrum()
+        self.head = nn.Linear(4 * 8 * 5, 3)
+        self.example_inputs = (torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.spectral(self.lift(x)))
+        z = self.spectrum(h)
+        return self.head(z.abs().flatten(1))

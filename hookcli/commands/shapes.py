@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hookcli.engine.run import forward_report, prepare
+from hookcli.engine.sources import smaller_config
 from hookcli.engine.state import exclusive
 from hookcli.errors import HookcliError, ModelImportError, ModelRaisedError, UnsupportedError, safe_str
 from hookcli.options import RunOptions, model_is_instance
@@ -18,9 +21,10 @@ def wants_meta(opts: RunOptions) -> bool:
     return opts.device is None and not opts.inputs and opts.weights is None and not model_is_instance(opts.model)
 
 
-def refuse_too_large(size: int | None, fallback: str) -> None:
+def refuse_too_large(size: int | None, fallback: str, config: Any = None) -> None:
     """UnsupportedError (exit 2) when the weights of a model that cannot run on the meta device would not
-    fit in this machine's memory: building it for real (a 7B model on the CPU) would be killed instead."""
+    fit in this machine's memory: building it for real (a 7B model on the CPU) would be killed instead.
+    ``config``: a transformers model's, whose layer count the hint names where the config keeps it."""
     from hookcli import limits
 
     memory = limits.memory_bytes()
@@ -29,7 +33,8 @@ def refuse_too_large(size: int | None, fallback: str) -> None:
     raise UnsupportedError(
         f"the model cannot run on the meta device ({fallback[:120]}), and its weights ({size / 2**30:.3g} GiB) "
         f"would not fit in this machine's memory ({memory / 2**30:.3g} GiB) to run it for real",
-        hint="give --device with room for it (a GPU), or a smaller config (e.g. --model-arg num_hidden_layers=2)")
+        hint=f"give --device with room for it (a GPU), or a smaller config (e.g. {smaller_config(config)})"
+        if config is not None else "give --device with room for it (a GPU), or a smaller model")
 
 
 def shapes_report(options: RunOptions) -> Report:
@@ -41,10 +46,13 @@ def shapes_report(options: RunOptions) -> Report:
 def _shapes(opts: RunOptions) -> Report:
     fallback: str | None = None
     size: int | None = None  # bytes of the weights, as the meta build counted them
+    config: Any = None  # a transformers model's config (the hint's smaller config)
     if wants_meta(opts):
         try:
             prep = prepare(opts, meta=True)
             size = prep.info.param_bytes + prep.info.buffer_bytes
+            config = getattr(prep.loaded.model, "config", None)
+            config = config if hasattr(config, "model_type") else None
             report = forward_report(prep, "shapes", stats=False, flops=opts.flops)
             report.notes.append(META_NOTE)
             return report
@@ -63,7 +71,7 @@ def _shapes(opts: RunOptions) -> Report:
         except Exception as exc:  # building on meta failed (an init that reads values)
             fallback = f"{type(exc).__name__}: {safe_str(exc)}"
     if fallback is not None:
-        refuse_too_large(size, fallback)
+        refuse_too_large(size, fallback, config)
     report = forward_report(prepare(opts), "shapes", stats=False, flops=opts.flops)
     if fallback is not None:
         report.notes.append(f"ran on cpu: the model cannot run on the meta device ({fallback[:160]})")

@@ -26,6 +26,7 @@ from hookcli.errors import InputError, UsageError, describe_exception
 from hookcli.options import (
     MAX_NUMEL, Fill, InputSpec, MemoryInputs, member,
 )
+from hookcli.engine.image_tokens import image_token_count, image_token_id
 from hookcli.engine.loading import LoadedModel
 from hookcli.engine.input_types import (
     ModelInputs, pack_inputs, plural, transform_size,
@@ -79,17 +80,19 @@ def _fill(shape: Sequence[int], dtype: torch.dtype, fill: str, gen: torch.Genera
 
 def _integer_high(model: nn.Module | None, name: str | None) -> int:
     """The exclusive upper bound of random integer inputs: the matching vocabulary size of a
-    transformers config (``input_ids``: vocab_size, ``token_type_ids``: type_vocab_size), the
+    transformers config (``input_ids``: vocab_size, ``token_type_ids``: type_vocab_size; the smallest
+    of the config's and its text model's), the
     ``num_embeddings`` of an embedding the input goes into, else 10."""
     if model is None:
         return 10
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "model_type"):
         field = "type_vocab_size" if name == "token_type_ids" else "vocab_size"
-        for where in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
-            high = getattr(where, field, None) if where is not None else None
-            if isinstance(high, int) and high > 0:
-                return high
+        highs = [getattr(where, field, None) for where in
+                 (config, getattr(config, "text_config", None), getattr(config, "decoder", None)) if where is not None]
+        highs = [high for high in highs if isinstance(high, int) and high > 0]
+        if highs:  # the smallest: a vision-language config's own vocab_size can be larger than its text model's
+            return min(highs)
     leaf = _input_module(model)
     if leaf is not None and isinstance(leaf[1], (nn.Embedding, nn.EmbeddingBag)):
         return int(leaf[1].num_embeddings)
@@ -266,7 +269,9 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int | None, fill:
                seed: int, meta: bool = False) -> ModelInputs | None:
     """Keyword inputs for a transformers model, from its forward's parameter names and its config:
     ``input_ids`` (+ ``attention_mask``) below the vocabulary size, ``pixel_values`` at the config's
-    image size, ``input_features`` (mel frames) / ``input_values`` (16000 samples) for audio models,
+    image size, ``input_features`` (mel frames) / ``input_values`` (one second at the config's
+    ``sampling_rate``, else 16 kHz; ``[batch, audio_channels, time]`` for a codec) for audio models,
+    ``past_values`` (``[batch, context_length, num_input_channels]``) for a time-series forecaster,
     ``decoder_input_ids`` for encoder-decoders, ``seq_len`` long (default: 128, or less where the
     config's position limits say so: ``_hf_seq_len``). None when forward takes none of these.
     ``meta``: no ``attention_mask`` (all ones means the same as none, and transformers reads a mask's
@@ -287,23 +292,101 @@ def _hf_inputs(model: nn.Module, config: Any, b: int, seq_len: int | None, fill:
     if "input_features" in params and isinstance(mels, int) and isinstance(positions, int):  # whisper-style audio
         t, src = _fill((b, mels, 2 * positions), model_float_dtype(model), fill, gen, seed)
         named.append(("input_features", t, src))
-    elif "input_values" in params and not named:  # raw audio (wav2vec2-style): one second at 16 kHz
-        t, src = _fill((b, 16000), model_float_dtype(model), fill, gen, seed)
-        named.append(("input_values", t, src))
+    elif "input_values" in params and not named:  # raw audio: one second at the config's rate (else 16 kHz)
+        rate = getattr(config, "sampling_rate", None)
+        rate = rate if isinstance(rate, int) and rate > 0 else 16000
+        channels = getattr(config, "audio_channels", None)  # a codec's (encodec): [batch, channels, time]
+        shape = (b, channels, rate) if isinstance(channels, int) and channels > 0 else (b, rate)
+        t, src = _fill(shape, model_float_dtype(model), fill, gen, seed)
+        named.append(("input_values", t, f"{src}, one second at {rate} Hz"))
+    context, series = getattr(config, "context_length", None), getattr(config, "num_input_channels", None)
+    if "past_values" in params and isinstance(context, int) and isinstance(series, int):  # a forecaster (patchtst)
+        t, src = _fill((b, context, series), model_float_dtype(model), fill, gen, seed)
+        named.append(("past_values", t, f"{src}, the config's context_length x num_input_channels"))
     if "input_ids" in params and (_integer_high(model, "input_ids") != 10 or not named):
+        images = _image_placeholders(model, config, named)
         for key in ("input_ids",) if meta else ("input_ids", "attention_mask"):
             if key in params:
                 t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, key)
-                named.append((key, t, src + capped))
+                if images is not None:
+                    t, src = _with_placeholders(t, key, *images), f"{src}{capped}, {images[1]} image tokens first"
+                named.append((key, t, src + capped if images is None else src))
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and named:
         t, src = _fill((b, seq_len), torch.int64, "randn", gen, seed, model, "decoder_input_ids")
         named.append(("decoder_input_ids", t, src + capped))
     return pack_inputs([], named) if named else None
 
 
+def _image_placeholders(model: nn.Module, config: Any, named: list[tuple[str, Any, str]]) -> tuple[int, int] | None:
+    """(placeholder token id, count per sample) when ``model`` is a vision-language model given
+    ``pixel_values``: its ``input_ids`` need as many placeholders as its image features have rows
+    (``image_token_count``, which may put the pixels in the layout the model takes, in ``named``);
+    None otherwise."""
+    token = image_token_id(config)
+    pixels = next((t for key, t, _ in named if key == "pixel_values"), None)
+    if token is None or pixels is None:
+        return None
+    found = image_token_count(model, pixels)
+    if found is None or not found[0]:
+        return None
+    if found[1] is not pixels:  # one image per sample in its own dimension (idefics3's layout)
+        named[:] = [(k, found[1] if k == "pixel_values" else t, src) for k, t, src in named]
+    return token, found[0]
+
+
+def _with_placeholders(t: torch.Tensor, key: str, token: int, count: int) -> torch.Tensor:
+    """``count`` image placeholders before the text of generated ``input_ids`` (the text's own draws of
+    ``token`` made 0); an attention mask as long, all ones."""
+    if key != "input_ids":
+        return torch.ones((t.shape[0], count + t.shape[1]), dtype=t.dtype)
+    text = torch.where(t == token, torch.zeros_like(t), t)
+    return torch.cat([torch.full((t.shape[0], count), token, dtype=t.dtype), text], dim=1)
+
+
+#: The side of a segmentation model's default input in train mode (check, watch MODEL), instead of its
+#: preset's resize (520): a CI gate's training step in seconds rather than minutes on a CPU.
+TRAIN_SEGMENTATION_SIZE = 128
+TRAIN_SEGMENTATION_NOTE = (f"{TRAIN_SEGMENTATION_SIZE}x{TRAIN_SEGMENTATION_SIZE} in train mode, for speed "
+                           "(--input-shape for the preset's size)")
+
+
+#: The sides of the synthetic boxes in each image, as fractions of the image's: every scale of anchors
+#: (SSD's feature levels, an FPN's) gets a box to match, so no head is left without a gradient.
+TARGET_BOX_SCALES = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
+
+
+def detection_targets(model: nn.Module, size: int, b: int, gen: torch.Generator, seed: int) -> tuple[Any, str]:
+    """Synthetic targets for ``b`` images of ``size`` x ``size`` that a torchvision detection model takes in
+    train mode: a box of each of ``TARGET_BOX_SCALES`` per image (``boxes`` [N, 4] in pixels, placed by
+    ``gen``; ``labels`` 1, a class every detection model has), and for Mask R-CNN each box filled as its
+    ``masks`` [N, H, W], for Keypoint R-CNN ``keypoints`` [N, K, 3] inside the boxes (all visible)."""
+    heads = getattr(model, "roi_heads", None)
+    masks = heads is not None and heads.has_mask()
+    keypoints = heads.keypoint_predictor.kps_score_lowres.out_channels if (
+        heads is not None and heads.has_keypoint()) else 0
+    sides = torch.tensor([max(2, round(f * size)) for f in TARGET_BOX_SCALES])
+    n = len(sides)
+    targets = []
+    for _ in range(b):
+        corner = (torch.rand((n, 2), generator=gen) * (size - sides).unsqueeze(1)).floor()
+        boxes = torch.cat([corner, corner + sides.unsqueeze(1)], dim=1)
+        target = {"boxes": boxes, "labels": torch.ones(n, dtype=torch.int64)}
+        if masks:
+            target["masks"] = torch.zeros((n, size, size), dtype=torch.uint8)
+            for i, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
+                target["masks"][i, y0:y1, x0:x1] = 1
+        if keypoints:
+            xy = torch.rand((n, keypoints, 2), generator=gen) * sides.view(n, 1, 1) + corner.unsqueeze(1)
+            target["keypoints"] = torch.cat([xy, torch.ones((n, keypoints, 1))], dim=2)
+        targets.append(target)
+    kinds = ", ".join(["boxes", "labels"] + ["masks"] * masks + ["keypoints"] * bool(keypoints))
+    return targets, f"targets: {n} boxes per image ({kinds}), seed={seed}"
+
+
 def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator,
-                    seed: int, seq_len: int | None = None, meta: bool = False) -> ModelInputs:
-    """Per-model default inputs when neither shapes nor files are given (``seq_len`` None: the default)."""
+                    seed: int, seq_len: int | None = None, meta: bool = False, train: bool = False) -> ModelInputs:
+    """Per-model default inputs when neither shapes nor files are given (``seq_len`` None: the default).
+    ``train``: for a run in train mode (a detection model's targets, a smaller segmentation input)."""
     found = _example_inputs(loaded.model)
     if found is not None:
         return found
@@ -324,9 +407,15 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
     if family == "detection":  # a list of CHW images, as torchvision detection models take
         s = 300 if name.startswith("ssd300") else 320
         t, src = _fill((b, 3, s, s), f32, fill, gen, seed)
-        return pack_inputs([(list(t.unbind(0)), f"{src}, list of {plural(b, 'image')}")])
+        images = (list(t.unbind(0)), f"{src}, list of {plural(b, 'image')}")
+        if train:  # in train mode it returns its losses, computed against targets
+            return pack_inputs([images, detection_targets(loaded.model, s, b, gen, seed)])
+        return pack_inputs([images])
     if family == "optical_flow":  # two frames; RAFT needs H, W divisible by 8 (224 runs)
         return pack_inputs([_fill((b, 3, 224, 224), f32, fill, gen, seed) for _ in range(2)])
+    if family == "segmentation" and train:  # a training step at 520x520 takes minutes on a CPU
+        t, src = _fill((b, 3, TRAIN_SEGMENTATION_SIZE, TRAIN_SEGMENTATION_SIZE), f32, fill, gen, seed)
+        return pack_inputs([(t, f"{src}, {TRAIN_SEGMENTATION_NOTE}")])
     # classification / quantization: the preset crop; segmentation: its resize; video: 16 frames
     where = {"segmentation": ("resize_size", 520), "video": ("crop_size", 112)}
     s = transform_size(loaded, *where.get(family, ("crop_size", 224)))
@@ -340,7 +429,8 @@ def _default_inputs(loaded: LoadedModel, b: int, fill: str, gen: torch.Generator
 def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
                 files: Sequence[str | os.PathLike[str]] = (), batch_size: int | None = None,
                 fill: Fill | str = Fill.randn, seed: int = 0, trust_pickle: bool = False,
-                seq_len: int | None = None, meta: bool = False, dtype: torch.dtype | None = None) -> ModelInputs:
+                seq_len: int | None = None, meta: bool = False, dtype: torch.dtype | None = None,
+                train: bool = False) -> ModelInputs:
     """Build CPU inputs for ``loaded.model`` (``meta``: for a run on the meta device).
 
     ``shapes``: one positional input per spec (``batch_size`` replaces dim 0; no dtype: int64 ids
@@ -356,7 +446,9 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     length of generated token / sequence inputs (default 128; for a transformers model at most the
     smallest position limit its config declares, see ``position_limit``). ``dtype``: the floating
     dtype the run computes in (``--dtype``), which the floating tensors of tensor files are cast to
-    (``file_floats``); None: the model's own.
+    (``file_floats``); None: the model's own. ``train``: the inputs of a run in train mode (a
+    torchvision detection model's default images come with targets, ``detection_targets``; a
+    segmentation model's are ``TRAIN_SEGMENTATION_SIZE`` on a side).
     """
     fill = member(Fill, fill, "fill")
     if batch_size is not None and batch_size < 1:
@@ -368,7 +460,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     if files:
         return _file_inputs(loaded, files, trust_pickle, dtype)
     if not shapes:
-        return _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta)
+        return _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta, train)
     return _shape_inputs(loaded, shapes, batch_size, fill, gen, seed)
 
 

@@ -394,7 +394,9 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
                 f"--weights {weights!r} is not a file; weight names apply only to torchvision "
                 "models", hint="pass a state-dict file (.pt, .pth, .bin, .safetensors, .ckpt)")
         loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle)
-    return LoadedModel(model, spec, "file" if is_file else "import", None, None, None, loaded)
+    family = _torchvision_family_of(model)  # a torchvision detection model of the user's: its inputs fit it
+    return LoadedModel(model, spec, "file" if is_file else "import", family if family in _OWN_INPUT_FAMILIES else None,
+                       None, None, None, loaded)
 
 
 # --------------------------------------------------------------------------- weights files
@@ -638,6 +640,11 @@ def refuse_torchscript(model: nn.Module, selection: Sequence[tuple[str, nn.Modul
         raise UnsupportedError(
             f"selected modules are TorchScript ({shown}): hookcli cannot hook modules inside TorchScript",
             hint="select modules outside them with --layers/--types, or use the eager nn.Module they were made from")
+
+
+#: The torchvision families whose default inputs a model from a file or import path gets (detection: a
+#: list of images, and targets in train mode); others keep inputs guessed from their first layer.
+_OWN_INPUT_FAMILIES = ("detection",)
 
 
 def _torchvision_family_of(model: nn.Module) -> str | None:

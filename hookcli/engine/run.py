@@ -28,11 +28,14 @@ from hookcli.errors import (
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, reduction, sharding
-from hookcli.engine.session import HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled
+from hookcli.engine.session import (
+    HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled, reducible,
+)
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
+from hookcli.engine.meta_values import meta_values
 from hookcli.options import RunOptions, Shard, model_is_instance
 from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, map_tensors, shape_of
 from hookcli.records import (
@@ -132,7 +135,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
         inputs = make_inputs(
             loaded, shapes=opts.specs, files=opts.inputs, batch_size=batch, fill=opts.fill, seed=opts.seed,
             trust_pickle=opts.trust_pickle, seq_len=opts.seq_len, meta=opts.device == "meta",
-            dtype=opts.torch_dtype(),
+            dtype=opts.torch_dtype(), train=opts.train,
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
@@ -319,6 +322,7 @@ def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
 @contextmanager
 def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
     """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
+    On the meta device the values that follow from the inputs are kept (``meta_values``).
 
     The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
     seed) and the caller's RNG states are restored after (``preserved``). Third-party logging and
@@ -329,7 +333,8 @@ def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[s
     # a caller's own model keeps its weights' values whatever the forward does to them; one hookcli built
     # is seen by no one after the run (its copy would cost the weights' memory again)
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
-                   index=prep.index, keep_params=prep.loaded.kind == "instance"), quiet():
+                   index=prep.index, keep_params=prep.loaded.kind == "instance"), quiet(), \
+            meta_values(run_device(prep)):
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
 
@@ -355,7 +360,20 @@ def new_report(prep: Prepared, command: str) -> Report:
     )
     if opts.shard is not None:
         report.notes.append(SHARD_NOTE.format(ranks=distributed.world_size(), shard=opts.shard))
+    if any(p.is_complex() for p in prep.index.params):
+        report.notes.append(COMPLEX_NOTE)
     return report
+
+
+#: The note of a report with complex parameters or outputs (``session.reducible``).
+COMPLEX_NOTE = ("complex tensors (dtype complex*): their statistics, gradients' and norms are of the magnitude |z| "
+                "(the L2 norm of |z| is that of z)")
+
+
+def note_complex(report: Report) -> None:
+    """``COMPLEX_NOTE`` once, when a row of ``report`` is a complex output."""
+    if COMPLEX_NOTE not in report.notes and any(r.dtype.startswith("complex") for r in report.layers if r.dtype):
+        report.notes.append(COMPLEX_NOTE)
 
 
 #: The note of a ``--shard`` run's report (``new_report``), until this rank leaves the group (``note_ranks``).
@@ -623,9 +641,9 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
             g = grads.get(id(p))
             g_slot = None
             if g is not None:  # a DTensor's: this rank's part (merged over the ranks by the caller)
-                extra.append(session.reducer.reduce(distributed.local(g), zeros=False))
+                extra.append(session.reducer.reduce(reducible(distributed.local(g)), zeros=False))
                 g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(distributed.local(p.detach()), dtype=device_float(p.device))
+            extra.append(torch.linalg.vector_norm(reducible(distributed.local(p.detach())), dtype=device_float(p.device))
                          .reshape(1))
             n_slot = len(extra) - 1
             c_slot = None
@@ -696,6 +714,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
         report.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
         note_ranks(report, tp)
     report.layers = global_rows(prep, report.layers)
+    note_complex(report)
     if run.flops is not None:
         report.flops = run.flops
     if run.failure is not None:

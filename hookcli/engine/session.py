@@ -346,9 +346,9 @@ class HookSession:
         tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
         for path, tensor in tensors:
             entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype))
-            floating = tensor.is_floating_point()  # (is_float, inline: once per output tensor)
+            floating = tensor.is_floating_point() or tensor.is_complex()  # (inline: once per output tensor)
             if options.stats and floating and not tensor.is_meta:
-                entry.stats = self.reducer.reduce(distributed.local(tensor))  # a DTensor: this rank's part
+                entry.stats = self.reducer.reduce(reducible(distributed.local(tensor)))  # a DTensor: this rank's part
             if self.count_channels and self.channel_dims is not None and has_channels(tensor):
                 part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
                 entry.nonzeros = reduction.channel_counts([(part, self.channel_dims(call.name, part))])[0]
@@ -371,7 +371,7 @@ class HookSession:
             if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
                 return
             try:
-                entry.grad = self.reducer.reduce(distributed.local(grad), zeros=self.options.grad_zeros)
+                entry.grad = self.reducer.reduce(reducible(distributed.local(grad)), zeros=self.options.grad_zeros)
                 if self.options.keep_grad is not None:
                     self.options.keep_grad(call.name, call.call, entry.path, grad)
             except Exception as exc:
@@ -385,7 +385,7 @@ class HookSession:
             if grad is None or call.input_grads is None:
                 return
             try:
-                call.input_grads[position] = self.reducer.reduce(grad, zeros=False)
+                call.input_grads[position] = self.reducer.reduce(reducible(grad), zeros=False)
             except Exception as exc:
                 self.failed(exc, f"gradient hook on an input of {call.name or '(model)'}")
 
@@ -471,6 +471,25 @@ class HookSession:
                     container=is_container(module),
                 ))
         return records, extra_values
+
+
+def reducible(t: torch.Tensor) -> torch.Tensor:
+    """The real tensor whose statistics stand for ``t``: a complex tensor's magnitude ``|z|`` (its mean,
+    spread and extremes of size; the L2 norm of ``|z|`` is that of ``z``), anything else as it is. The
+    one place a complex tensor (an FNO's spectrum, a complex parameter and its gradient) is turned into
+    something the reducers take; its record keeps its complex dtype, which marks the row."""
+    return t.abs() if t.is_complex() else t
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` to subtract from in float32 (a float16/bfloat16 change is not rounded away); a complex tensor
+    as it is (``.float()`` would drop its imaginary part)."""
+    return t if t.is_complex() else t.float()
+
+
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached in float64, a complex tensor in complex128 (``.double()`` would drop its imaginary part)."""
+    return t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -817,9 +836,10 @@ class HookSet:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
         reached = [(self._accumulated.get(name) or self._written(name, p)) and p.grad is not None
                    for name, p in self._params]
-        grads = iter(reduction.reduce_many([distributed.local(p.grad) for (_, p), r in zip(self._params, reached) if r],
-                                           zeros=session.options.grad_zeros, reducer=session.reducer))  # a DTensor's: its local shard's
-        norms = reduction.norms([distributed.local(p.detach()) for _, p in self._params])
+        grads = iter(reduction.reduce_many(  # a DTensor's: its local shard's
+            [reducible(distributed.local(p.grad)) for (_, p), r in zip(self._params, reached) if r],
+            zeros=session.options.grad_zeros, reducer=session.reducer))
+        norms = reduction.norms([reducible(distributed.local(p.detach())) for _, p in self._params])
         return [ParamVectors(name, p, next(grads) if r else None, norm)
                 for (name, p), r, norm in zip(self._params, reached, norms)]
 

@@ -214,7 +214,27 @@ def _refuse_too_large(build: Any, what: str) -> None:
             f"{what} has {size / 2**30:.3g} GiB of weights, more than half this machine's memory "
             f"({memory / 2**30:.3g} GiB): building it would exhaust the memory",
             hint="hookcli shapes runs it on the meta device; for the other commands give a smaller config "
-                 "(e.g. --model-arg num_hidden_layers=2 --model-arg hidden_size=256)")
+                 f"(e.g. {smaller_config(model.config)})" if hasattr(model, "config") else
+                 "hookcli shapes runs it on the meta device; for the other commands give a smaller config")
+
+
+#: Config fields that say how many layers a transformers model stacks (the first one a config has).
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def smaller_config(config: Any) -> str:
+    """The ``--model-arg`` that makes a transformers ``config`` smaller by its layer count, where the
+    config keeps it: itself (``num_hidden_layers=2``), else a sub-config (a vision-language model's
+    ``text_config={'num_hidden_layers': 2}``, which sets that field over the sub-config's defaults)."""
+    for field in LAYER_FIELDS:
+        if isinstance(getattr(config, field, None), int):
+            return f"--model-arg {field}=2"
+    for key, sub in sorted(vars(config).items(), key=lambda item: item[0] != "text_config"):  # the text model first
+        if hasattr(sub, "model_type") and hasattr(sub, "to_dict"):  # a nested PretrainedConfig
+            for field in LAYER_FIELDS:
+                if isinstance(getattr(sub, field, None), int):
+                    return f"--model-arg \"{key}={{'{field}': 2}}\""
+    return "--model-arg num_hidden_layers=2"
 
 
 def _check_config_args(config: Any, model_args: Mapping[str, Any], what: str) -> None:

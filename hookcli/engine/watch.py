@@ -22,7 +22,7 @@ from hookcli.engine import distributed, reduction
 from hookcli.engine.cause import CauseTrace, CauseTracer
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
-from hookcli.engine.session import HookOptions, HookSet, ParamVectors, stale_graph_error
+from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
 from hookcli.errors import CheckFailedError, HookcliError, InternalError, RanksFailed, UsageError, internal_error
 from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
@@ -245,7 +245,7 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = reduction.norms([before.sub_(distributed.local(p.detach()))
+            self._updates = reduction.norms([reducible(before.sub_(distributed.local(p.detach())))
                                              for before, (_, p) in zip(self._before, self.params)])
             self._before = None
         if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:

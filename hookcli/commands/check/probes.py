@@ -20,7 +20,7 @@ from hookcli.commands.check.rules import Observations
 from hookcli.commands.check.schema import CheckRules
 from hookcli.commands.grads import build_loss
 from hookcli.engine import run as engine
-from hookcli.engine.session import HookOptions, RunObserver
+from hookcli.engine.session import HookOptions, RunObserver, exact
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import iter_tensors, map_tensors
 from hookcli.errors import describe_exception
@@ -154,8 +154,8 @@ def _relative_difference(a: dict[str, torch.Tensor | None], b: dict[str, torch.T
         h = b.get(name)
         if g is None or h is None:
             continue
-        diff += float((g.detach().double() - h.detach().double()).pow(2).sum())
-        norm += float(g.detach().double().pow(2).sum())
+        diff += float((exact(g) - exact(h)).abs().pow(2).sum())
+        norm += float(exact(g).abs().pow(2).sum())
     return (diff / norm) ** 0.5 if norm > 0 else 0.0
 
 
@@ -202,8 +202,8 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
         g, g1, g2 = full.get(name), one.get(name), two.get(name)
         if g is None or g1 is None or g2 is None:
             continue
-        g = g.detach().double()
-        diff = float(torch.linalg.vector_norm(g - (g1.detach().double() + g2.detach().double()) / 2))
+        g = exact(g)
+        diff = float(torch.linalg.vector_norm(g - (exact(g1) + exact(g2)) / 2))
         norm = float(torch.linalg.vector_norm(g))
         total += norm ** 2
         diff_total += diff ** 2

@@ -31,7 +31,7 @@ from hookcli.errors import (
 )
 from hookcli.commands.grads import backward_report, build_loss, data_backward_report
 from hookcli.engine.channels import ChannelDims
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.options import RunOptions, check_option_names
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
@@ -193,7 +193,7 @@ class SteppedCopy:
 
         def finished() -> None:  # the copy is still placed (as the run put it)
             with torch.no_grad():
-                deltas = [(p.detach().float() - b.float()).abs().max().reshape(1)
+                deltas = [(widened(p.detach()) - widened(b)).abs().max().reshape(1)
                           for (_, p), b in zip(self.tracked, self.before)]
             changes.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]))
 

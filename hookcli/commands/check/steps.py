@@ -32,7 +32,7 @@ from hookcli.commands.check.rules import ParamTrace, Training
 from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
 from hookcli.errors import HookcliError, InternalError, UnsupportedError, UsageError, describe_exception, exit_status
@@ -235,7 +235,7 @@ class _Trainer:
 
         def finished() -> None:
             with torch.no_grad():
-                deltas = [(p.detach().float() - b.float()).abs().max().reshape(1) if p.numel() else torch.zeros(1)
+                deltas = [(widened(p.detach()) - widened(b)).abs().max().reshape(1) if p.numel() else torch.zeros(1)
                           for (_, p), b in zip(named, before)]
             host.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]
                                 + [values_first[n].float().reshape(1) for n in values_first]))
