@@ -205,7 +205,7 @@ class HookcliGroup(click.Group):
                 raise
             click.echo("terminated (SIGTERM)", err=True)
             sys.exit(EXIT_SIGTERM)
-        except ReaderGone:  # the reader of stdout or of stderr left
+        except (ReaderGone, BrokenPipeError):  # the reader of stdout or of stderr left (also of an error's lines)
             if kwargs.get("standalone_mode", True) is False:
                 raise
             _quiet_streams()
@@ -216,9 +216,12 @@ class HookcliGroup(click.Group):
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
         try:
+            _refuse_nul(args)
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
             raise OneLineUsageError(exc) from exc
+        except BrokenPipeError as exc:  # --help or --version written to a reader that left
+            raise ReaderGone() from exc
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -276,6 +279,15 @@ class HookcliGroup(click.Group):
                 f"the model's code raised {type(exc).__name__} (a BaseException): {safe_str(exc)}",
                 hint="the model's code raised outside any run; run again with --debug for its traceback"))
             ctx.exit(EXIT_FAILED)
+
+
+def _refuse_nul(args: list[str]) -> None:
+    """A command-line argument holding a NUL byte (no OS passes one, a caller of ``main(args)`` can) is a
+    usage error: every path option would fail on it deep in a run."""
+    for arg in args:
+        if isinstance(arg, str) and "\0" in arg:
+            raise click.BadArgumentUsage(f"argument {arg!r} holds a NUL byte (\\x00), which no option value or file name "
+                                   "can hold")
 
 
 #: ``ctx.meta`` key of the root context: the ExitStack holding torchrun's process group (``_start``).
