@@ -246,7 +246,7 @@ class HookcliGroup(click.Group):
                 raise
             raise OneLineUsageError(exc) from exc
         except HookcliError as exc:
-            code, rank0_own = _agree(ctx, exc.exit_code, own=not isinstance(exc, RanksFailed))
+            code, rank0_own = _agree(ctx, exc.exit_code, own=not isinstance(exc, RanksFailed), failure=exc)
             if _says(ctx, exc, rank0_own):
                 _report_error(ctx, exc)
             ctx.exit(code)
@@ -261,7 +261,7 @@ class HookcliGroup(click.Group):
                                                 hint="the model's code ended the process; remove the sys.exit call"))
             ctx.exit(EXIT_FAILED)
         except Exception as exc:  # a bug in hookcli: say so, exit 3
-            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True)
+            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True, failure=exc)
             if ctx.meta.get(META_DEBUG):
                 raise
             if not _says(ctx, None, rank0_own):
@@ -310,12 +310,13 @@ def _end_rank(code: object) -> None:
     os._exit(code if isinstance(code, int) else (0 if code is None else EXIT_FAILED))
 
 
-def _agree(ctx: click.Context, code: int, *, own: bool) -> tuple[int, bool]:
-    """Under a process group this command opened: the exit code of every rank (``api.agree_exit``) and
-    whether rank 0 failed with its own error; else ``code`` as it is."""
+def _agree(ctx: click.Context, code: int, *, own: bool, failure: BaseException | None = None) -> tuple[int, bool]:
+    """Under a process group this command opened: the exit code of every rank (``api.agree_exit``; a
+    ``failure`` before the run started is voted first, where the other ranks wait) and whether rank 0
+    failed with its own error; else ``code`` as it is."""
     if ctx.find_root().meta.get(META_GROUP) is None:
         return code, own and torchrun_rank() == 0
-    return api.agree_exit(code, own)
+    return api.agree_exit(code, own, failure)
 
 
 def _says(ctx: click.Context, exc: HookcliError | None, rank0_own: bool) -> bool:
