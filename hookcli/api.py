@@ -342,9 +342,10 @@ def torchrun_group(device: str | None = None) -> AbstractContextManager[bool]:
     return group(device)
 
 
-def agree_exit(code: int, own: bool) -> tuple[int, bool]:
+def agree_exit(code: int, own: bool, failure: BaseException | None = None) -> tuple[int, bool]:
     """Under a process group: the exit code every rank exits with (an error of a rank's own wins over
-    the ``RanksFailed`` of the others; ``own``: this rank's is its own) and whether rank 0 had one."""
+    the ``RanksFailed`` of the others; ``own``: this rank's is its own) and whether rank 0 had one.
+    ``failure``: this rank's error, told to the ranks still waiting for its run to start."""
     from hookcli.commands.ranks import agree_exit as agree
 
-    return agree(code, own)
+    return agree(code, own, failure)

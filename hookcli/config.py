@@ -30,7 +30,7 @@ from hookcli.errors import ConfigError, did_you_mean
 from hookcli.targets import is_inside
 from hookcli.limits import TEXT_BYTES, read_capped
 from hookcli.options import (
-    DType, Fill, Mode, OutputFormat, Shard, looks_like_weights_file, option_flags, option_help, parse_dtype, source_of,
+    DType, Fill, Mode, OutputFormat, Shard, check_path_text, looks_like_weights_file, option_flags, option_help, parse_dtype, source_of,
     strip_prefix, values_of,
 )
 
@@ -340,11 +340,32 @@ def confine_read(path: Path, key: str, used: str) -> None:
     directory tree or the working directory's, after symlinks and ``..``. Reading elsewhere would
     put facts about the runner's other files in a public CI log, and ``--trust-pickle`` vouches for
     the repository's files, not for any file a config picks."""
-    if not is_inside(os.path.expanduser(used), read_roots(path)):
+    roots = read_roots(path)
+    if not is_inside(os.path.expanduser(used), roots):
         raise ConfigError(
             f"{path}: key {key!r} names {used!r}, outside the config's directory and the working directory; a "
             "config may only name files of the repository it comes from",
             hint=f"move the file into the repository, or pass {PATH_FLAGS.get(key, key)} on the command line")
+    leak = _link_out(os.path.expanduser(used), roots)
+    if leak is not None:
+        raise ConfigError(
+            f"{path}: key {key!r} names the folder {used!r}, whose {leak!r} is a symlink leading outside the "
+            "config's directory and the working directory; a config may only name files of the repository it "
+            "comes from", hint=f"move the file into the repository, or pass {PATH_FLAGS.get(key, key)} on the "
+                               "command line")
+
+
+def _link_out(folder: str, roots: list[str]) -> str | None:
+    """The first symlink inside the folder ``folder`` (any depth; its files are what a folder of images or a
+    model directory reads) that leads outside ``roots``; None for a file, or a folder with none."""
+    if not os.path.isdir(folder):
+        return None
+    for where, dirs, files in os.walk(folder):  # (followlinks=False: a linked folder is judged, not entered)
+        for name in sorted(dirs + files):
+            entry = os.path.join(where, name)
+            if os.path.islink(entry) and not is_inside(entry, roots):
+                return os.path.relpath(entry, folder)
+    return None
 
 
 def _confine_model(spec: str, path: Path, key: str = "model") -> None:
@@ -420,11 +441,26 @@ def _model_arg_names(model_args: dict[str, Any] | list[str] | tuple[()]) -> list
 def _validate(table: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The config's option values (checked against ``OPTION_KEYS``, paths resolved and confined), its
     raw ``[checks]`` table and its ``[watch]`` table; ConfigError naming ``path`` and the key for anything wrong."""
+    _refuse_nul(table, path, "")
     table = dict(table)
     watch = _watch_table(table.pop("watch", {}), path)
     values, checks = _check_keys(table, path)
     _resolve_and_confine(values, path)
     return values, checks, watch
+
+
+def _refuse_nul(value: Any, path: Path, key: str) -> None:
+    """ConfigError naming the key of the first string (a value, or a key itself) anywhere in the config that
+    holds a NUL byte: none is a file name, and a path with one fails deep in a run (``check_path_text``)."""
+    if isinstance(value, str):
+        check_path_text(value, f"{path}: key {key!r} =", ConfigError)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_path_text(name, f"{path}: a key of [{key}]" if key else f"{path}: key", ConfigError)
+            _refuse_nul(item, path, f"{key}.{name}" if key else name)
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_nul(item, path, key)
 
 
 def _watch_table(table: Any, path: Path) -> dict[str, Any]:
@@ -537,6 +573,7 @@ def load_config(
     """
     base = Path(os.fspath(cwd)) if cwd is not None else Path.cwd()
     if path is not None:
+        check_path_text(path, "config file", ConfigError)
         file = Path(os.fspath(path)).expanduser()
         file = (file if file.is_absolute() else base / file).resolve()
         data = _read_toml(file)

@@ -1,6 +1,7 @@
 """The size limits of the inputs hookcli reads, in one place, and the capped reads that apply them.
 
-A file on the command line can be anything: ``/dev/zero`` as ``--baseline``, a 30000x30000 PNG that
+A file on the command line can be anything: ``/dev/zero`` as ``--baseline`` or a FIFO as ``--config``
+(refused up front: hookcli reads regular files only, ``refuse_special``), a 30000x30000 PNG that
 decodes to gigabytes, a small ``.npz`` whose members expand a thousandfold. Each read is checked
 against its limit BEFORE the data is decoded or expanded (a header, a zip directory, the bytes read
 so far), and a file over it is an input error (exit 2) that names the limit and the environment
@@ -10,6 +11,7 @@ variable that raises it. Torch-free (the config reader uses it).
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +74,44 @@ TENSOR_BYTES = Limit("max_tensor_bytes", 4096 * MiB, "bytes")
 IMAGE_PIXELS = Limit("max_image_pixels", 100_000_000, "pixels")
 
 
+def special_kind(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is none of a regular file and a directory: a FIFO, a
+    device, a socket (reading one blocks forever or never ends); None for a file or a folder."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
+def refuse_special(path: str | os.PathLike[str], what: str, error: type[UsageError] = InputError) -> None:
+    """``error`` (exit 2) when ``path`` (symlinks followed) is a FIFO, a device or a socket: every file
+    hookcli reads (``--input``, ``--data``, ``--weights``, ``--config``, a baseline) must be a regular
+    file or a folder, refused up front, before anything blocks on it or reads it to a limit. A path
+    that is not there is left to the caller to say so."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kind = special_kind(mode)
+    if kind is not None:
+        raise error(f"{what} {os.fspath(path)} is {kind}, not a regular file",
+                    hint="give a file saved on disk: hookcli does not read pipes, devices or sockets")
+
+
 def read_capped(path: Path, limit: Limit, what: str) -> bytes:
-    """The bytes of ``path``, at most ``limit``: a larger file, or an endless one (a device, a FIFO
-    that never closes), stops at the limit with InputError; nothing past it is read."""
+    """The bytes of the regular file ``path``, at most ``limit``: a larger file stops at the limit with
+    InputError, nothing past it read. A FIFO, device or socket is refused (InputError) as it is opened,
+    without waiting for a writer (``O_NONBLOCK``) or reading any of it."""
     cap = limit.value()
-    with open(path, "rb") as fh:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as fh:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise InputError(f"{what} is {kind}, not a regular file",
+                             hint="give a file saved on disk: hookcli does not read pipes, devices or sockets")
         data = fh.read(cap + 1)
     if len(data) > cap:
         raise limit.exceeded(what, f"more than {cap:,} bytes")
@@ -84,11 +119,12 @@ def read_capped(path: Path, limit: Limit, what: str) -> bytes:
 
 
 def check_size(path: Path, limit: Limit, what: str) -> None:
-    """InputError when the regular file ``path`` is over ``limit`` bytes (a device or FIFO is
-    read with :func:`read_capped` instead)."""
+    """InputError when ``path`` is over ``limit`` bytes, or is not a regular file (``refuse_special``)."""
+    refuse_special(path, what)
     size = path.stat().st_size
     if size > limit.value():
         raise limit.exceeded(what, f"{size:,} bytes")
 
 
-__all__ = ["IMAGE_PIXELS", "TENSOR_BYTES", "TEXT_BYTES", "Limit", "check_size", "read_capped"]
+__all__ = ["IMAGE_PIXELS", "TENSOR_BYTES", "TEXT_BYTES", "Limit", "check_size", "read_capped", "refuse_special",
+           "special_kind"]

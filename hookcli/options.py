@@ -304,6 +304,16 @@ def output_key_path(key: str, paths: Iterable[str]) -> str | None:
     return next((p for p in (key, f"[{key}]", f"[{key!r}]", f".{key}") if p in present), None)
 
 
+def check_path_text(value: Any, what: str, error: type[UsageError] = UsageError) -> None:
+    """``error`` (exit 2) when the path ``value`` (a str or os.PathLike) holds a NUL byte, which no file
+    name can: the OS would refuse it with a ValueError deep in a run. The one check of every path a
+    user, a config or a Python caller gives (read or written)."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if isinstance(text, str) and "\0" in text:
+        raise error(f"{what} {short(text)!r} holds a NUL byte (\\x00), which no file name can hold",
+                    hint="remove the NUL character from the path")
+
+
 def short(text: str, limit: int = 60) -> str:
     """``text`` cut to ``limit`` characters with ``...`` (values quoted in messages)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -614,6 +624,16 @@ def _input_forms(opts: RunOptions) -> None:
     opts.inputs = _sequence("inputs", opts.inputs, "['photo.jpg']")
 
 
+def _path_texts(opts: RunOptions) -> None:
+    """No NUL byte in a path: the model's file, weights, input files, data (``check_path_text``)."""
+    if isinstance(opts.model, str):
+        check_path_text(opts.model, "model")
+    check_path_text(opts.weights, "--weights", InputError)
+    for value in opts.inputs:
+        check_path_text(value, "--input", InputError)
+    check_path_text(opts.data, "--data", InputError)
+
+
 def _selection(opts: RunOptions) -> None:
     """``layers`` and ``types``: a string or a list of strings."""
     for name in ("layers", "types"):
@@ -657,10 +677,14 @@ def _input_sources(opts: RunOptions) -> None:
     """One source of input: shapes, files or ``--data`` (with its batch options), files that exist."""
     if opts.specs and opts.inputs:
         raise UsageError("--input-shape and --input are mutually exclusive", hint="use one way to give the input")
+    from hookcli.limits import refuse_special
+
     for path in opts.inputs:
         if not isinstance(path, MemoryInputs) and not os.path.exists(path):
             raise InputError(f"input file not found: {path}",
                              hint="check the path (relative paths start at the current directory)")
+        if not isinstance(path, MemoryInputs):
+            refuse_special(path, "input file")
     opts.batch_size = _check_int("--batch-size", opts.batch_size, 1, optional=True)
     opts.batches = _check_int("--batches", opts.batches, 1, optional=True,
                               hint="--batches N runs at most N batches of --data")
@@ -674,6 +698,8 @@ def _input_sources(opts: RunOptions) -> None:
                          hint="--data runs a data set in batches; --input / --input-shape give one batch")
     if isinstance(opts.data, str) and not opts.data.strip():
         raise UsageError("--data is empty", hint="e.g. --data images/ or --data data.py:loader")
+    if isinstance(opts.data, str):
+        refuse_special(os.path.expanduser(opts.data), "data file")
 
 
 def _numbers(opts: RunOptions) -> None:
@@ -708,11 +734,14 @@ def _run_settings(opts: RunOptions) -> None:
 
 def _weights_file(opts: RunOptions) -> None:
     """A weights file that does not exist, before anything is built."""
-    if opts.weights is not None and looks_like_weights_file(opts.weights) and not os.path.exists(opts.weights):
+    if opts.weights is not None and looks_like_weights_file(opts.weights):
         from hookcli.errors import WeightsError
+        from hookcli.limits import refuse_special
 
-        raise WeightsError(f"weights file not found: {opts.weights}",
-                           hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+        if not os.path.exists(opts.weights):
+            raise WeightsError(f"weights file not found: {opts.weights}",
+                               hint="give an existing state-dict file, or a torchvision weights name such as DEFAULT")
+        refuse_special(opts.weights, "weights file", WeightsError)
 
 
 def _shard(opts: RunOptions) -> None:
@@ -729,7 +758,7 @@ def _shard(opts: RunOptions) -> None:
 
 
 #: ``RunOptions.validate``'s steps, in the order their errors take precedence.
-_VALIDATION = (_default_model, _input_forms, _selection, _weights_value, _parsed_inputs, _build_options, _input_sources,
+_VALIDATION = (_default_model, _input_forms, _path_texts, _selection, _weights_value, _parsed_inputs, _build_options, _input_sources,
                _numbers, _run_settings, _weights_file, _shard)
 
 

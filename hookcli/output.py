@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hookcli.errors import OutputError
+from hookcli.options import check_path_text
 
 _CHUNK = 1 << 20
 
@@ -114,6 +115,7 @@ def resolve_target(path: str | os.PathLike[str]) -> Target:
     text = os.fspath(path)
     if not text:
         raise OutputError("output path is empty", hint="give a file name, e.g. -o report.json")
+    check_path_text(text, "output path", OutputError)
     given = Path(text).expanduser().absolute()
     try:
         st: os.stat_result | None = os.stat(given)  # the kernel follows every link, /proc magic ones too
@@ -248,17 +250,36 @@ class OutputStream(io.RawIOBase):
         super().__init__()
         self._fd = fd
         self.bytes_written = 0
+        #: what a write raised (a full disk's OSError, SIGTERM's ``Terminated``), kept: a writer may catch it
+        #: and raise its own error instead (``torch.save``'s C++ writer reports only "unexpected pos")
+        self.failure: BaseException | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(self._fd, view[done:])
+        try:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.write(self._fd, view[done:])
+        except BaseException as exc:
+            self.failure = exc
+            raise
         self.bytes_written += done
         return done
+
+
+@contextlib.contextmanager
+def _failures_of(stream: OutputStream) -> Iterator[OutputStream]:
+    """``stream``, and when the block raises after one of its writes failed, that failure instead: what a
+    writer made of it (torch.save turns a signal's exception or ENOSPC into a RuntimeError) is not the cause."""
+    try:
+        yield stream
+    except Exception as exc:
+        if stream.failure is not None and stream.failure is not exc:
+            raise stream.failure from exc
+        raise
 
 
 def _new_file_mode(target: Target) -> int:
@@ -348,7 +369,8 @@ def open_output(path: str | os.PathLike[str] | Target) -> Iterator[OutputStream]
     with _replacing(target) as tmp_name:
         fd = os.open(tmp_name, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            yield OutputStream(fd)
+            with _failures_of(OutputStream(fd)) as stream:
+                yield stream
         finally:
             os.close(fd)
 
@@ -361,8 +383,8 @@ def _in_place(target: Target) -> Iterator[OutputStream]:
     except OSError as exc:
         raise _output_error(target, exc) from exc
     try:
-        with _mapped_errors(target):
-            yield OutputStream(fd)
+        with _mapped_errors(target), _failures_of(OutputStream(fd)) as stream:
+            yield stream
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)

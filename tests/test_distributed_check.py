@@ -165,10 +165,10 @@ def test_check_over_data_is_over_every_ranks_batches(ranks: list[dict[str, Any]]
 
 def test_the_collectives_a_check_makes(ranks: list[dict[str, Any]]) -> None:
     """What docs/distributed.md says a check costs, counted by the process group's sequence number:
-    16 collectives, 18 with the probe rules, 12 more for a second look at a stepped copy; the same
-    on both ranks."""
+    20 collectives (4 of them the ranks' votes before the run), 22 with the probe rules, 12 more for a
+    second look at a stepped copy; the same on both ranks."""
     counts = [{case: rank[case]["collectives"] for case in ("channels", "healthy", "zero_init")} for rank in ranks]
-    assert counts[0] == counts[1] == {"channels": 16, "healthy": 18, "zero_init": 28}
+    assert counts[0] == counts[1] == {"channels": 20, "healthy": 22, "zero_init": 32}
 
 
 def test_check_steps_is_refused_under_torchrun(ranks: list[dict[str, Any]]) -> None:

@@ -205,7 +205,7 @@ class HookcliGroup(click.Group):
                 raise
             click.echo("terminated (SIGTERM)", err=True)
             sys.exit(EXIT_SIGTERM)
-        except ReaderGone:  # the reader of stdout or of stderr left
+        except (ReaderGone, BrokenPipeError):  # the reader of stdout or of stderr left (also of an error's lines)
             if kwargs.get("standalone_mode", True) is False:
                 raise
             _quiet_streams()
@@ -216,9 +216,12 @@ class HookcliGroup(click.Group):
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
         try:
+            _refuse_nul(args)
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
             raise OneLineUsageError(exc) from exc
+        except BrokenPipeError as exc:  # --help or --version written to a reader that left
+            raise ReaderGone() from exc
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -243,7 +246,7 @@ class HookcliGroup(click.Group):
                 raise
             raise OneLineUsageError(exc) from exc
         except HookcliError as exc:
-            code, rank0_own = _agree(ctx, exc.exit_code, own=not isinstance(exc, RanksFailed))
+            code, rank0_own = _agree(ctx, exc.exit_code, own=not isinstance(exc, RanksFailed), failure=exc)
             if _says(ctx, exc, rank0_own):
                 _report_error(ctx, exc)
             ctx.exit(code)
@@ -258,7 +261,7 @@ class HookcliGroup(click.Group):
                                                 hint="the model's code ended the process; remove the sys.exit call"))
             ctx.exit(EXIT_FAILED)
         except Exception as exc:  # a bug in hookcli: say so, exit 3
-            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True)
+            code, rank0_own = _agree(ctx, EXIT_INTERNAL, own=True, failure=exc)
             if ctx.meta.get(META_DEBUG):
                 raise
             if not _says(ctx, None, rank0_own):
@@ -276,6 +279,15 @@ class HookcliGroup(click.Group):
                 f"the model's code raised {type(exc).__name__} (a BaseException): {safe_str(exc)}",
                 hint="the model's code raised outside any run; run again with --debug for its traceback"))
             ctx.exit(EXIT_FAILED)
+
+
+def _refuse_nul(args: list[str]) -> None:
+    """A command-line argument holding a NUL byte (no OS passes one, a caller of ``main(args)`` can) is a
+    usage error: every path option would fail on it deep in a run."""
+    for arg in args:
+        if isinstance(arg, str) and "\0" in arg:
+            raise click.BadArgumentUsage(f"argument {arg!r} holds a NUL byte (\\x00), which no option value or file name "
+                                   "can hold")
 
 
 #: ``ctx.meta`` key of the root context: the ExitStack holding torchrun's process group (``_start``).
@@ -298,12 +310,13 @@ def _end_rank(code: object) -> None:
     os._exit(code if isinstance(code, int) else (0 if code is None else EXIT_FAILED))
 
 
-def _agree(ctx: click.Context, code: int, *, own: bool) -> tuple[int, bool]:
-    """Under a process group this command opened: the exit code of every rank (``api.agree_exit``) and
-    whether rank 0 failed with its own error; else ``code`` as it is."""
+def _agree(ctx: click.Context, code: int, *, own: bool, failure: BaseException | None = None) -> tuple[int, bool]:
+    """Under a process group this command opened: the exit code of every rank (``api.agree_exit``; a
+    ``failure`` before the run started is voted first, where the other ranks wait) and whether rank 0
+    failed with its own error; else ``code`` as it is."""
     if ctx.find_root().meta.get(META_GROUP) is None:
         return code, own and torchrun_rank() == 0
-    return api.agree_exit(code, own)
+    return api.agree_exit(code, own, failure)
 
 
 def _says(ctx: click.Context, exc: HookcliError | None, rank0_own: bool) -> bool:

@@ -14,12 +14,12 @@ def torchrun_group(device: str | None) -> AbstractContextManager[bool]:
     return process_group(device)
 
 
-def agree_exit(code: int, own: bool) -> tuple[int, bool]:
+def agree_exit(code: int, own: bool, failure: BaseException | None = None) -> tuple[int, bool]:
     """Every rank's exit code (the same on all) and whether rank 0 had an error of its own
-    (``engine.sharding.agree``)."""
+    (``engine.sharding.agree``; ``failure``: this rank's, voted first if its run had not started)."""
     from hookcli.engine.sharding import agree
 
-    return agree(code, own)
+    return agree(code, own, failure)
 
 
 __all__ = ["agree_exit", "torchrun_group"]

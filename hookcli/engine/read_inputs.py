@@ -28,7 +28,7 @@ from hookcli.engine.input_types import (
 )
 from hookcli.engine.loading import UNPICKLE_IMPORT_HINT, LoadedModel, torch_load_failure
 from hookcli.engine.stats import iter_tensors
-from hookcli.limits import IMAGE_PIXELS, TENSOR_BYTES, check_size, read_capped
+from hookcli.limits import IMAGE_PIXELS, TENSOR_BYTES, check_size
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -270,14 +270,11 @@ def _split_keyed(data: dict[Any, Any], label: str) -> list[Entry]:
     return [(k, v, f"file: {label}[{k}]") for k, v in data.items()]
 
 
-def _capped_source(path: Path, label: str) -> Path | io.BytesIO:
-    """``path`` itself when it is a regular file within ``TENSOR_BYTES``; a device or FIFO is read
-    into memory up to the limit (an endless one stops there)."""
-    what = f"input file {label}"
-    if path.is_file():
-        check_size(path, TENSOR_BYTES, what)
-        return path
-    return io.BytesIO(read_capped(path, TENSOR_BYTES, what))
+def _capped_source(path: Path, label: str) -> Path:
+    """``path`` itself when it is a regular file within ``TENSOR_BYTES``; a device, FIFO or socket is
+    refused before any of it is read (``check_size``)."""
+    check_size(path, TENSOR_BYTES, f"input file {label}")
+    return path
 
 
 def _check_expanded(source: Path | io.BytesIO, label: str) -> None:

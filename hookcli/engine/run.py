@@ -97,8 +97,18 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
 
     ``batched``: the caller runs every batch of ``--data`` (``data``; its first batch is ``inputs``);
     other callers refuse ``--data`` (UsageError) before the model is built.
+
+    Under a process group the ranks agree first (``sharding.agreement``): on their options, then on the
+    model and batch they hold, and a rank that fails on its own here (its --data unreadable) stops every rank.
     """
+    with sharding.agreement() as agreement:
+        return _prepare(options, agreement, default_batch=default_batch, meta=meta, batched=batched)
+
+
+def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batch: int | None, meta: bool,
+             batched: bool) -> Prepared:
     opts = options.validate()  # a fresh copy: safe to adjust
+    agreement.start(sharding.options_fingerprint(opts))
     if opts.data is not None and not batched:
         raise UsageError("--data (a data set run in batches) is taken by stats, grads and check only",
                          hint="give this command one batch with --input or --input-shape")
@@ -141,6 +151,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
     check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
                     where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
+    agreement.ready(sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None))
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:

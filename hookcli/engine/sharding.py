@@ -14,9 +14,11 @@ memory holds each rank's part only (rank 0's host holds one full copy while it i
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +57,8 @@ def process_group(device: str | None) -> Iterator[bool]:
                                                                   "GPUs, or --device cpu")
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    global _settled
+    _settled = False  # the command's votes are ahead (``agreement``)
     try:
         yield True
     finally:
@@ -77,13 +81,17 @@ def _wait_and_destroy() -> None:
     dist.destroy_process_group()
 
 
-def agree(code: int, own: bool) -> tuple[int, bool]:
+def agree(code: int, own: bool, failure: BaseException | None = None) -> tuple[int, bool]:
     """The exit code every rank of the default process group exits with, and whether rank 0 failed
     with an error of its own, from each rank's ``code`` (``own``: an error of this rank's own, not
     ``RanksFailed``, the echo of another rank's): the highest code of an error of a rank's own, else
-    the highest code (one ``all_reduce`` MAX of three numbers). Without a process group, as given."""
+    the highest code (one ``all_reduce`` MAX of three numbers). Without a process group, as given.
+    ``failure``: this rank's, when it failed before its run agreed to start: its vote is cast first
+    (``owe_vote``), where the other ranks wait for it."""
     from hookcli.engine import distributed
 
+    if failure is not None:
+        owe_vote(failure)
     group = distributed.process_group()
     if group is None:  # a rank that deserted the group knows nothing of the others: it says its own error
         return code, own and not distributed.deserted()
@@ -187,10 +195,10 @@ def load_sharded(shard: Shard, device: str | None, build: Callable[[bool], Loade
             parallelize_module(model, init_device_mesh(target.type, (world,)), tp_plan(model, world))  # type: ignore[arg-type]
         model.to_empty(device=target)
         _retie(ties)  # before the state is filled: a tied weight is filled once, as in the full model
-    except Exception:
-        _vote(True, shard)
+    except Exception as exc:
+        vote(exc, f"--shard {shard.value}: building or sharding the model")
         raise
-    _vote(False, shard)
+    vote(None, f"--shard {shard.value}: building or sharding the model", {"model": model_summary(model)})
     state = full.model.state_dict() if full is not None else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     sources = dict(full.model.named_buffers()) if full is not None else {}
@@ -229,23 +237,6 @@ def _meta_build(build: Callable[[bool], LoadedModel]) -> LoadedModel:
     return loaded
 
 
-def _vote(failed: bool, shard: Shard) -> None:
-    """Every rank's word on its part of ``load_sharded`` before the first collective that waits on the
-    others (the broadcast from rank 0): one ``all_reduce`` SUM of a failure flag. A rank that failed
-    (rank 0's host build, a rank's meta build, sharding, allocating its part) raises its own error
-    after it; the others raise ``RanksFailed`` instead of waiting in the broadcast for the group's
-    timeout. Every rank then meets in the CLI's exit-code agreement."""
-    from hookcli.engine import distributed
-
-    group = torch.distributed.group.WORLD
-    flag = torch.tensor([float(failed)], dtype=torch.float64, device=distributed.StepReduction(group).device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=group)
-    count = int(flag.item())
-    if count and not failed:
-        raise RanksFailed(f"--shard {shard.value}: building or sharding the model failed on {count} of "
-                          f"{torch.distributed.get_world_size()} ranks")
-
-
 def rank_slice(inputs: ModelInputs, shard: Shard | None) -> ModelInputs:
     """This rank's part of the global batch: under ddp/fsdp2 every tensor split along its first
     dimension into world-size consecutive slices (``torch.tensor_split``: uneven ones differ by one
@@ -276,3 +267,167 @@ def global_shape(shape: list[int] | None, local: int, whole: int) -> list[int] |
 
 
 __all__ = ["TIMEOUT", "agree", "global_shape", "load_sharded", "process_group", "rank_slice", "tp_plan"]
+
+
+# --------------------------------------------------------------------------- the ranks agree before they run
+
+#: Whether this command's votes are over: one showed a rank's failure (every rank is raising), or the
+#: ranks agreed to run (``agreement``'s last vote). Until then a rank whose command fails still owes the
+#: others its vote (``agree`` casts it), or they would wait in theirs.
+_settled = False
+
+
+def vote(failure: BaseException | None, what: str, fingerprint: Mapping[str, str] | None = None) -> None:
+    """Every rank's word at one checkpoint before a run's collectives, in one ``all_gather_object``: whether
+    its part failed (and why) and what it is about to run (``fingerprint``: a name -> its value on this rank).
+
+    A rank whose part failed raises its own error after the vote (the caller re-raises it); the others
+    raise ``RanksFailed`` naming the failed rank and its reason. When every part succeeded but the
+    fingerprints differ (ranks given different configs, models or inputs), every rank raises the same
+    UsageError naming what differs. Every rank then meets in the CLI's exit-code agreement (``agree``).
+    Nothing without a process group."""
+    global _settled
+    from hookcli.engine import distributed
+
+    group = distributed.process_group()
+    if group is None:
+        return
+    reason = None if failure is None else _reason(failure)
+    votes: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(votes, (reason, dict(fingerprint or {})), group=group)
+    failed = [(rank, text) for rank, (text, _) in enumerate(votes) if text is not None]
+    if failed:
+        _settled = True
+        if failure is None:
+            rank, text = failed[0]
+            raise RanksFailed(f"{what} failed on {len(failed)} of {len(votes)} ranks (rank {rank}: {text})")
+        return
+    differs = _differs([prints for _, prints in votes])
+    if differs is not None:
+        _settled = True
+        raise UsageError(f"the ranks were given different {differs}: every rank must run the same command on "
+                         "the same model, options and config", hint="give every rank the same config and files "
+                         "(torchrun runs one command line on every rank)")
+
+
+def _reason(failure: BaseException) -> str:
+    from hookcli.errors import describe_exception, one_line
+
+    text = failure.message if isinstance(failure, HookcliError) else describe_exception(failure)
+    return one_line(text, 300)
+
+
+def _differs(prints: list[dict[str, str]]) -> str | None:
+    """``NAME (rank 0: A, rank 1: B)`` for the first name whose value is not the same on every rank."""
+    from hookcli.options import short
+
+    for name in dict.fromkeys(name for mine in prints for name in mine):
+        values = [mine.get(name, "(none)") for mine in prints]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {rank}: {short(value, 80)}" for rank, value in enumerate(values)
+                              if rank == 0 or value != values[0])
+            return f"{name} ({shown})"
+    return None
+
+
+class Agreement:
+    """The checkpoints of one ``prepare`` under a process group: ``start`` (the options each rank runs
+    with) and ``ready`` (the model it built and the batch it read), each a ``vote``."""
+
+    def start(self, fingerprint: Mapping[str, str]) -> None:
+        vote(None, "preparing the run", fingerprint)
+
+    def ready(self, fingerprint: Mapping[str, str]) -> None:
+        global _settled
+        vote(None, "preparing the run", fingerprint)
+        _settled = True
+
+
+@contextlib.contextmanager
+def agreement() -> Iterator[Agreement]:
+    """The ranks agree on what they run before it runs: a failure in the block (this rank's options, model,
+    inputs) is voted at the others' next checkpoint, so none waits for it in a collective; then raised."""
+    global _settled
+    _settled = False
+    try:
+        yield Agreement()
+    except Exception as exc:
+        if not _settled:
+            vote(exc, "preparing the run")
+        raise
+
+
+def owe_vote(failure: BaseException) -> None:
+    """A command that failed on this rank before its run agreed to start (``agreement``): its vote, which the
+    other ranks wait for at their next checkpoint. Nothing once the votes are over."""
+    if not _settled:
+        vote(failure, "preparing the run")
+
+
+def model_summary(model: nn.Module) -> str:
+    """What a rank built, to compare: its class, its parameters' and buffers' names, shapes and dtypes
+    (as one process sees them: a DTensor's global shape), digested."""
+    import hashlib
+
+    entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*model.named_parameters(), *model.named_buffers())]
+    digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:12]
+    count = sum(math.prod(shape) for _, shape, _ in entries)
+    return f"{type(model).__name__}, {len(entries)} tensors, {count:,} values (layout {digest})"
+
+
+#: RunOptions fields that are where a config lies, not what runs (``options_fingerprint`` leaves them out).
+_NOT_COMPARED = ("model_source", "model_roots", "data_roots", "specs")
+
+
+def options_fingerprint(opts: Any) -> dict[str, str]:
+    """What a rank runs, by its validated RunOptions (the command line's, a config's and the defaults'):
+    each field as text. A model object or in-memory inputs and data (Python callers, each rank its own
+    part) are compared by kind only."""
+    import dataclasses
+
+    from hookcli.options import MemoryInputs, option_flags
+
+    flags = option_flags()
+    prints: dict[str, str] = {}
+    for f in dataclasses.fields(opts):
+        if f.name in _NOT_COMPARED:
+            continue
+        value = getattr(opts, f.name)
+        if f.name == "inputs":
+            value = [type(v).__name__ if isinstance(v, MemoryInputs) else v for v in value]
+        elif f.name in ("model", "data") and value is not None and not isinstance(value, str):
+            value = type(value).__name__
+        prints[flags.get(f.name, f.name)] = _text(value)
+    return prints
+
+
+def _text(value: Any) -> str:
+    """An option's value as the command line would say it: ``2x4, 1x8``, ``num_classes=10``, ``fsdp2``."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_text(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}={_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def ready_fingerprint(model: nn.Module, inputs: ModelInputs, sharded: bool) -> dict[str, str]:
+    """What a rank is about to run: the model it built (``model_summary``) and, when the ranks share one
+    global batch (``--shard``: each takes its part of it), that batch: its tensors' shapes, dtypes and bytes."""
+    prints = {"model": model_summary(model)}
+    if sharded:
+        import hashlib
+
+        from hookcli.engine.stats import iter_tensors
+
+        digest = hashlib.sha1()
+        shapes = []
+        for path, t in iter_tensors((inputs.args, inputs.kwargs)):
+            shapes.append(f"{path}{list(t.shape)}")
+            digest.update(f"{path}{list(t.shape)}{t.dtype}".encode())
+            if t.device.type == "cpu":
+                try:
+                    digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                except (RuntimeError, TypeError):  # a dtype without a byte view: compared by shape only
+                    pass
+        prints["input batch"] = f"{', '.join(shapes)} (content {digest.hexdigest()[:12]})"
+    return prints

@@ -32,7 +32,7 @@ from hookcli.errors import (
 from hookcli.commands.grads import backward_report, build_loss, data_backward_report
 from hookcli.engine.channels import ChannelDims
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
-from hookcli.options import RunOptions, check_option_names
+from hookcli.options import RunOptions, check_option_names, check_path_text
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
 from hookcli.commands.check.rules import Observations, channel_dims_exist, evaluate, load_baseline, suspects
@@ -461,6 +461,7 @@ def check_rules(config: Config | None, *, checks: Mapping[str, Any] | None = Non
         parse_checks(checks, source="checks")  # errors name the dict, not the file
         table.update(checks)
     if baseline is not None:
+        check_path_text(baseline, "--baseline", ConfigError)
         entry = table.get("baseline")
         entry = dict(entry) if isinstance(entry, dict) else {}
         table["baseline"] = {**entry, "enabled": True, "file": str(Path(os.fspath(baseline)).resolve())}
