@@ -146,6 +146,22 @@ def test_lightning_callback_finds_a_seeded_nan_at_its_step(tmp_path: Path, capsy
     assert "hookcli watch: step 3: error nonfinite (net.2)" in capsys.readouterr().err
 
 
+def test_lightning_on_finding_raise_stops_the_fit_at_the_finding_and_leaves_no_hook(tmp_path: Path) -> None:
+    from hookcli.errors import CheckFailedError
+    from hookcli.integrations.lightning import HookcliCallback
+
+    torch.manual_seed(0)
+    module = _lightning_module(nan_at=2)()
+    callback = HookcliCallback(out=tmp_path / "log.jsonl", on_finding="raise", flight=4, quiet=True)
+    with pytest.raises(CheckFailedError, match="nonfinite"):
+        _fit(module, [callback])
+    assert len(module.losses) == 3  # the fit stopped at step 2's batch end
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [line["step"] for line in lines] == [0, 1, 2] and not any(line.get("flight") for line in lines)
+    assert callback.run.errors[0].step == 2
+    no_hooks_left(module, None)
+
+
 def test_lightning_gradient_accumulation_an_optimizer_step_is_a_step(tmp_path: Path) -> None:
     from hookcli.integrations.lightning import HookcliCallback
 

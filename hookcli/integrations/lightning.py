@@ -68,15 +68,16 @@ class HookcliCallback(Callback):
             return  # a micro-batch of gradient accumulation: the step goes on
         self._stepped = False
         losses, self._losses = self._losses, []
-        logged = (self.session.steps % self.session.options["every"]) == 0
-        self.session.step(_total(losses) if logged else None)
+        # a sum of micro-batches' losses only where it is read: a logged step, or every step for the flight recorder
+        wanted = self.session.steps % self.session.options["every"] == 0 or self.session.options["flight"] is not None
+        self.session.step(_total(losses) if wanted or len(losses) == 1 else None)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self.run = self.session.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.session.open:
-            self.run = self.session.close(error=True)
+            self.run = self.session.close(exception)
 
 
 def _is_scalar(loss: Any) -> bool:

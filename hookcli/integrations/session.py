@@ -45,8 +45,9 @@ class WatchSession:
         self.options: dict[str, Any] = {"every": every, "out": out, "layers": layers, "types": types,
                                         "rules": rules, "on_finding": on_finding, "flight": flight,
                                         "tensorboard_dir": tensorboard_dir}
-        # every option but layers/types (which need the model) checked now, on an empty module
-        api.watch(torch.nn.Module(), None, **{**self.options, "layers": None, "types": None})
+        # checked now, on an empty module: every option but layers/types (they need the model) and
+        # tensorboard_dir (its writer makes a file): those when the watch starts
+        api.watch(torch.nn.Module(), None, **{**self.options, "layers": None, "types": None, "tensorboard_dir": None})
         self.say: Callable[[str], None] = (lambda _text: None) if quiet else _say_on_stderr
         self.watch: Any = None
         self.run: WatchRun | None = None
@@ -60,9 +61,10 @@ class WatchSession:
     def start(self, model: Any, optimizer: Any) -> None:
         """Watch ``model`` stepped by ``optimizer`` (None: steps end at ``step()`` alone)."""
         if self.watch is not None:  # the trainer's previous run raised past its end hook
-            self.close(error=True)
+            self.close(RuntimeError("the previous training run did not end"))
         watch = api.watch(model, optimizer, **self.options)
         self.watch = watch.__enter__()
+        self.steps = self._shown = 0
         stepped = f"stepped by {type(optimizer).__name__}" if optimizer is not None else "with no optimizer hooked"
         params = sum(p.numel() for p in model.parameters())
         self.say(f"watching {type(model).__name__} ({params:,} parameters) {stepped}")
@@ -78,31 +80,26 @@ class WatchSession:
         try:
             self.watch.step(loss=loss)
         finally:
-            self._report()
+            self._report(self.watch)
 
-    def close(self, error: bool = False) -> WatchRun | None:
-        """End the watch (its last line is written), say what it found since and the summary line."""
+    def close(self, error: BaseException | None = None) -> WatchRun | None:
+        """End the watch (its last line is written; ``error``: the run raised it, the flight recorder
+        writes its ring), say what it found since and the summary line."""
         watch, self.watch = self.watch, None
         if watch is None:
             return self.run
         try:
-            if error:
-                watch.__exit__(RuntimeError, RuntimeError("the training run raised"), None)
-            else:
-                watch.__exit__(None, None, None)
+            watch.__exit__(type(error) if error is not None else None, error, None)
         finally:
-            self.watch = watch
-            self._report()
-            self.watch = None
+            self._report(watch)
         run = self.run
         assert run is not None
         run.steps, run.findings = self.steps, list(watch.findings)
         self.say(summary_line(run))
         return run
 
-    def _report(self) -> None:
-        if self.watch is not None:
-            new = self.watch.findings[self._shown:]
-            self._shown += len(new)
-            for finding in new:
-                self.say(finding_line(finding))
+    def _report(self, watch: Any) -> None:
+        new = watch.findings[self._shown:]
+        self._shown += len(new)
+        for finding in new:
+            self.say(finding_line(finding))
