@@ -140,6 +140,7 @@ def test_lightning_callback_finds_a_seeded_nan_at_its_step(tmp_path: Path, capsy
     _fit(module, [callback])  # the fit goes on: a monitor never stops the run
     errors = [(f.rule, f.step, f.layer, f.direction) for f in callback.run.errors]
     assert errors == [("nonfinite", 3, "net.2", "forward")]  # the first output holding the NaN
+    assert [f.rule for f in callback.findings] == ["nonfinite"]
     lines = read_log(tmp_path / "log.jsonl")
     assert [f["rule"] for f in lines[3]["findings"]] == ["nonfinite"]
     assert math.isnan(float(lines[3]["loss"])) and lines[2]["findings"] == []
@@ -304,6 +305,7 @@ def test_hf_callback_finds_a_seeded_nan_at_its_step(tmp_path: Path, capsys: pyte
     _hf_trainer(tmp_path, [callback], nan_at=2, steps=4).train()
     errors = [(f.rule, f.step, f.layer, f.direction) for f in callback.run.errors]
     assert errors == [("nonfinite", 2, "transformer.h.1.mlp.act", "forward")]
+    assert [f.rule for f in callback.findings] == ["nonfinite"]
     err = capsys.readouterr().err
     assert "hookcli watch: watching GPT2LMHeadModel" in err and "step 2: error nonfinite" in err
 

@@ -48,8 +48,7 @@ class HookcliCallback(Callback):
     @property
     def findings(self) -> list[Any]:
         """Every finding of the rules so far."""
-        watch = self.session.watch
-        return list(watch.findings) if watch is not None else (self.run.findings if self.run is not None else [])
+        return self.session.findings
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)

@@ -58,6 +58,13 @@ class WatchSession:
     def open(self) -> bool:
         return self.watch is not None
 
+    @property
+    def findings(self) -> list[Any]:
+        """Every finding of the rules so far (of the last run, once it has ended)."""
+        if self.watch is not None:
+            return list(self.watch.findings)
+        return list(self.run.findings) if self.run is not None else []
+
     def start(self, model: Any, optimizer: Any) -> None:
         """Watch ``model`` stepped by ``optimizer`` (None: steps end at ``step()`` alone)."""
         if self.watch is not None:  # the trainer's previous run raised past its end hook

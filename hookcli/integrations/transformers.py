@@ -46,8 +46,7 @@ class HookcliTrainerCallback(TrainerCallback):
     @property
     def findings(self) -> list[Any]:
         """Every finding of the rules so far."""
-        watch = self.session.watch
-        return list(watch.findings) if watch is not None else (self.run.findings if self.run is not None else [])
+        return self.session.findings
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
