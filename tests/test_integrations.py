@@ -210,6 +210,43 @@ def test_lightning_manual_optimization_each_optimizer_step_is_a_step(tmp_path: P
         assert _param(line, "net.0.weight")["update_norm"] > 0
 
 
+def test_lightning_several_optimizers_watch_with_no_optimizer_a_batch_a_step(tmp_path: Path) -> None:
+    from hookcli.integrations.lightning import HookcliCallback
+
+    MLP = _lightning_module()
+
+    class TwoOptimizers(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.norms: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            first, second = self.optimizers()
+            loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss)
+            first.step()
+            second.step()
+            self.norms.append(self.net[0].weight.detach().double().norm().item())
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(self.net[2].parameters(), lr=0.05)]
+
+    torch.manual_seed(0)
+    module = TwoOptimizers()
+    callback = HookcliCallback(out=tmp_path / "log.jsonl", quiet=True)
+    _fit(module, [callback], steps=6)  # Lightning counts each optimizer's step: 3 batches
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [line["step"] for line in lines] == [0, 1, 2] and callback.run.optimizer is None
+    for line in lines:
+        assert line["loss"] == module.losses[line["step"]].item()
+        weight = _param(line, "net.0.weight")
+        assert weight["norm"] == pytest.approx(module.norms[line["step"]], rel=1e-6)  # read at the batch's end
+        assert weight["update_norm"] is None
+
+
 @pytest.mark.xfail(strict=True, reason="the watch reads a parameter's gradient at the optimizer's pre-step, before "
                    "Lightning's closure adds the last micro-batch's: under accumulate_grad_batches the log's grad "
                    "is the earlier micro-batches' only (hookcli.watch itself, not the callback)")
@@ -227,7 +264,8 @@ def test_lightning_gradient_accumulation_logs_the_accumulated_gradient(tmp_path:
 # -- Hugging Face Trainer ----------------------------------------------------------------------------------------
 
 
-def _hf_trainer(tmp_path: Path, callbacks: list[Any], nan_at: int | None = None, steps: int = 6) -> Any:
+def _hf_trainer(tmp_path: Path, callbacks: list[Any], nan_at: int | None = None, steps: int = 6,
+                accumulate: int = 1) -> Any:
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
 
@@ -252,7 +290,8 @@ def _hf_trainer(tmp_path: Path, callbacks: list[Any], nan_at: int | None = None,
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
                                           learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-                                          use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+                                          use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                                          gradient_accumulation_steps=accumulate)
     return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
 
@@ -295,6 +334,23 @@ def test_hf_callback_logs_the_trainers_loss_bit_for_bit_and_changes_nothing(tmp_
     assert "transformer.h.0.mlp.act" in {layer["name"] for layer in lines[1]["layers"]}
     assert callback.run.steps == 6 and callback.run.findings == []
     no_hooks_left(watched.model, None)
+
+
+def test_hf_gradient_accumulation_an_optimizer_step_is_a_step(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from hookcli.integrations.transformers import HookcliTrainerCallback
+
+    grads = _Grads()
+    callback = HookcliTrainerCallback(out=tmp_path / "log.jsonl", quiet=True)
+    trainer = _hf_trainer(tmp_path, [callback, grads.callback], steps=3, accumulate=2)
+    trainer.train()
+    lines = read_log(tmp_path / "log.jsonl")
+    assert [line["step"] for line in lines] == [0, 1, 2] and not any(line.get("skipped") for line in lines)
+    assert [line["loss"] for line in lines] == [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    for line in lines:
+        assert {layer["calls"] for layer in line["layers"]} == {2}
+        grad = _param(line, "transformer.h.0.mlp.c_fc.weight")["grad"]
+        assert grad["rms"] == pytest.approx(_rms(grads.grads[line["step"]]), rel=1e-6)
 
 
 def test_hf_callback_finds_a_seeded_nan_at_its_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
