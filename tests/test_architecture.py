@@ -22,6 +22,7 @@ LEAVES = {"hookcli._version", "hookcli.errors", "hookcli.options", "hookcli.conf
 #: layer -> the layers it may import (besides itself, the leaves and records).
 ALLOWED = {
     "cli": {"api", "render"},
+    "integrations": {"api", "render"},  # the training libraries' callbacks, over the public API
     "api": {"commands"},
     "commands": {"engine"},
     "engine": set(),
