@@ -183,6 +183,11 @@ def test_target_leak_skips_without_generated_inputs_or_targets_from_them(tmp_pat
     fixed_class = rows(hookcli.check(tb.Classifier(), input_shapes=["8x8"], steps=3))["target_leak"]
     assert fixed_class.status == "SKIP" and "not made from the inputs" in fixed_class.message
     torch.manual_seed(0)
+    own = tb.UnshiftedTargets()
+    own.example_inputs = (ids(0),)  # the model's own example: the same tensor whatever the seed
+    example = rows(hookcli.check(own, steps=3))["target_leak"]
+    assert example.status == "SKIP" and "example inputs" in example.message
+    torch.manual_seed(0)
     loose = hookcli.check(tb.UnshiftedTargets(), input_shapes=["4x16:int64"], steps=30,
                           checks={"target_leak": {"fraction": 0.001, "batches": 1}})
     assert rows(loose)["target_leak"].status == "PASS" and "seeds 1)" in rows(loose)["target_leak"].message

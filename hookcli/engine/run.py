@@ -148,15 +148,20 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
 
 def fresh_inputs(prep: Prepared, seed: int) -> ModelInputs | None:
     """``prep``'s generated inputs made again by the same builder with another ``seed`` (same shapes and
-    fill); None when they were not generated (files, ``--data``, inputs the caller passed)."""
+    fill); None when they were not generated (files, ``--data``, inputs the caller passed, the model's own
+    example inputs)."""
     opts = prep.options
     if prep.data is not None or opts.inputs or opts.shard is not None:
         return None
     batch = opts.batch_size if opts.specs else batch_size_of(prep.inputs)
     made = make_inputs(prep.loaded, shapes=opts.specs, batch_size=batch, fill=opts.fill, seed=seed,
                        seq_len=opts.seq_len, dtype=opts.torch_dtype())
-    shapes = [(p, shape_of(t)) for p, t in iter_tensors((prep.inputs.args, prep.inputs.kwargs))]
-    return made if [(p, shape_of(t)) for p, t in iter_tensors((made.args, made.kwargs))] == shapes else None
+    before = list(iter_tensors((prep.inputs.args, prep.inputs.kwargs)))
+    after = list(iter_tensors((made.args, made.kwargs)))
+    if [(p, shape_of(t)) for p, t in after] != [(p, shape_of(t)) for p, t in before]:
+        return None
+    # the model's own example inputs (``example_inputs``) do not change with the seed: nothing fresh
+    return None if all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before)) else made
 
 
 def require_values(prep: Prepared, command: str) -> None:

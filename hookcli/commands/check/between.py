@@ -76,6 +76,7 @@ class StepWatch(RunObserver):
         self.units = units(model)
         modules = dict(model.named_modules())
         self.selection = [(n, modules[n]) for n in modules if n in self.blocks or n in self.units]
+        self.modules = {n: modules[n] for n in self.units}
         self.step = 0
         self.inputs: dict[str, list[torch.Tensor]] = {}  # block -> per step [rms, max |x|]
         self.shapes: dict[str, list[int]] = {}
@@ -106,11 +107,10 @@ class StepWatch(RunObserver):
     def output(self, output: Any) -> None:
         self.step += 1
 
-    def gradients(self, model: nn.Module) -> None:
+    def gradients(self) -> None:
         """After each backward: which output channels' weights (and bias) got a nonzero gradient."""
-        modules = dict(model.named_modules())
         for name, (_, channels) in self.units.items():
-            m = modules[name]
+            m = self.modules[name]
             got = torch.zeros(channels, dtype=torch.bool, device=m.weight.device)
             for p in (m.weight, getattr(m, "bias", None)):
                 if isinstance(p, torch.Tensor) and p.grad is not None and p.grad.shape[0] == channels:
@@ -176,12 +176,13 @@ def fresh_losses(prep: engine.Prepared, model: nn.Module, batches: int) -> dict[
     for k in range(1, batches + 1):
         fresh = engine.fresh_inputs(prep, opts.seed + k)
         if fresh is None:
-            return {"skip": "the inputs were not generated (files, --data or tensors given): no fresh batch to make"}
+            return {"skip": "the inputs were not generated from a seed (files, --data, tensors given, the model's example "
+                            "inputs): no fresh batch to make"}
         run = engine.run_model(replace(prep, loaded=replace(prep.loaded, model=model), inputs=fresh, selection=[]),
                                HookOptions(), loss=loss, show_phase=False)
         if run.cause is not None:
             return {"skip": f"the model raised on a fresh batch: {describe_exception(run.cause)}"}
-        (chance, task), = [c for _, c in seen[:1]]
+        chance, task = seen[0][1]
         if chance is None:
             return {"skip": task}
         losses.append(float(run.loss_value))

@@ -228,7 +228,7 @@ class _Trainer:
 
         def after_backward() -> None:
             if watcher is not None:
-                watcher.gradients(clone)
+                watcher.gradients()
             for n, p in named:
                 if p.grad is not None:
                     grad_steps[n] += 1
