@@ -76,7 +76,10 @@ class StepWatch(RunObserver):
         self.units = units(model)
         modules = dict(model.named_modules())
         self.selection = [(n, modules[n]) for n in modules if n in self.blocks or n in self.units]
-        self.modules = {n: modules[n] for n in self.units}
+        #: each unit's trainable leaf parameters with one row per output channel (weight, bias; the
+        #: original of a spectral_norm or a parametrization): none known, its units count as alive
+        self.params = {n: [p for p in modules[n].parameters() if p.requires_grad and p.dim() and p.shape[0] == c]
+                       for n, (_, c) in self.units.items()}
         self.step = 0
         self.inputs: dict[str, list[torch.Tensor]] = {}  # block -> per step [rms, max |x|]
         self.shapes: dict[str, list[int]] = {}
@@ -110,10 +113,13 @@ class StepWatch(RunObserver):
     def gradients(self) -> None:
         """After each backward: which output channels' weights (and bias) got a nonzero gradient."""
         for name, (_, channels) in self.units.items():
-            m = self.modules[name]
-            got = torch.zeros(channels, dtype=torch.bool, device=m.weight.device)
-            for p in (m.weight, getattr(m, "bias", None)):
-                if isinstance(p, torch.Tensor) and p.grad is not None and p.grad.shape[0] == channels:
+            params = self.params[name]
+            if not params:
+                got = torch.ones(channels, dtype=torch.bool)
+            else:
+                got = torch.zeros(channels, dtype=torch.bool, device=params[0].device)
+            for p in params:
+                if p.grad is not None:
                     got = got | (p.grad.detach().reshape(channels, -1) != 0).any(1).to(got.device)
             self.gradient[name] = self.gradient[name] | got if name in self.gradient else got
 
