@@ -114,3 +114,94 @@ class RaisesInTraining(Classifier):
         if type(self).calls > 6:
             raise RuntimeError("boom in training")
         return super().forward(x)
+
+
+class ResidualBlock(nn.Module):
+    """A pre-norm residual block: it returns ``x + f(x)`` itself."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(torch.tanh(self.norm(x)))
+
+
+class Residual(nn.Module):
+    """A stack of residual blocks, a final norm and a head (the healthy control of ``DoubledResidual``)."""
+
+    def __init__(self, depth: int = 6, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class DoubledResidual(Residual):
+    """Adds the residual twice (``x = x + block(x)`` around a block that already returns ``x + f(x)``):
+    the stream doubles at every block, and it is only ever a module's input (residual_growth)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+class FunctionalReLU(Classifier):
+    """``F.relu`` after ``body`` (the healthy control of ``DeadFunctionalReLU``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.relu(self.body(x)))
+
+
+class DeadFunctionalReLU(FunctionalReLU):
+    """12 of body's 16 units have a bias of -100: dead behind a functional relu, which no module
+    outputs, so dead_channels cannot see them (dead_units)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__(classes)
+        with torch.no_grad():
+            self.body.bias[:12] = -100.0
+
+
+class TokenModel(nn.Module):
+    """A tiny causal token model with its own loss (labels are its input ids, shifted inside, as
+    Hugging Face language models do): position t sees its token and the mean of those before."""
+
+    def __init__(self, vocab: int = 32, width: int = 64) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)[None, :, None]
+        return self.head(torch.tanh(self.mix(torch.cat([h, h.cumsum(1) / steps], -1))))
+
+    def targets(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits[:, :-1], input_ids[:, 1:]  # position t predicts token t + 1
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.logits(input_ids)
+        scores, labels = self.targets(logits, input_ids)
+        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, self.vocab), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+class UnshiftedTargets(TokenModel):
+    """Its targets are not shifted: position t is trained to predict token t, which it sees; one batch
+    overfits as far either way, fresh batches tell (target_leak)."""
+
+    def targets(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits, input_ids

@@ -160,6 +160,24 @@ def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batc
     return Prepared(opts, loaded, inputs, selection, info, index, data)
 
 
+def fresh_inputs(prep: Prepared, seed: int) -> ModelInputs | None:
+    """``prep``'s generated inputs made again by the same builder with another ``seed`` (same shapes and
+    fill); None when they were not generated (files, ``--data``, inputs the caller passed, the model's own
+    example inputs)."""
+    opts = prep.options
+    if prep.data is not None or opts.inputs or opts.shard is not None:
+        return None
+    batch = opts.batch_size if opts.specs else batch_size_of(prep.inputs)
+    made = make_inputs(prep.loaded, shapes=opts.specs, batch_size=batch, fill=opts.fill, seed=seed,
+                       seq_len=opts.seq_len, dtype=opts.torch_dtype())
+    before = list(iter_tensors((prep.inputs.args, prep.inputs.kwargs)))
+    after = list(iter_tensors((made.args, made.kwargs)))
+    if [(p, shape_of(t)) for p, t in after] != [(p, shape_of(t)) for p, t in before]:
+        return None
+    # the model's own example inputs (``example_inputs``) do not change with the seed: nothing fresh
+    return None if all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before)) else made
+
+
 def require_values(prep: Prepared, command: str) -> None:
     """UsageError when ``prep`` would run on the meta device: ``command`` needs values it has none of."""
     if run_device(prep).type == "meta":
@@ -572,6 +590,8 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     """
     if observer is not None and observer.wants_tensors:
         hooks = dataclasses.replace(hooks, observe=observer.tensor)
+    if observer is not None and observer.wants_inputs:
+        hooks = dataclasses.replace(hooks, observe_input=observer.input)
     if loss is not None and steps is None:
         hooks = dataclasses.replace(hooks, grads=True)
         args, kwargs = inputs_for_backward(args, kwargs, model, hooks.input_grads)

@@ -74,6 +74,9 @@ class HookOptions:
     #: Count each selected output's nonzero values per channel (``hookcli.watch``'s dead units; the
     #: channel dimension as ``ChannelDims`` finds it), while the session's ``count_channels`` is on.
     channel_zeros: bool = False
+    #: Called from the forward pre-hook with each selected call's first input tensor (name, call,
+    #: "[0]", tensor): what a parent's forward hands a module (a residual stream) is no module's output.
+    observe_input: TensorFn | None = None
 
 
 class RunObserver:
@@ -91,9 +94,14 @@ class RunObserver:
     #: Whether the run notes which trainable parameters the forward reads (``ParamReads``): a
     #: parameter without a gradient is then told apart as unused rather than cut off.
     wants_param_reads: bool = False
+    #: Whether ``input`` is called with each selected call's first input tensor.
+    wants_inputs: bool = False
 
     def tensor(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
         """One output tensor of a selected call, as the module returned it (detach before use)."""
+
+    def input(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
+        """The first input tensor of a selected call (only when ``wants_inputs``; detach before use)."""
 
     def output(self, output: Any) -> None:
         """The model's output (any structure)."""
@@ -300,6 +308,8 @@ class HookSession:
             inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
             input_shapes = [shape_of(t) for _, t in inputs]
         call = _Call(name, index, type_name, input_shapes)
+        if self.options.observe_input is not None and inputs:
+            self.options.observe_input(name, index, inputs[0][0], inputs[0][1])
         if self.options.input_grads:
             call.input_grads = [None] * len(inputs)
             for position, (_, tensor) in enumerate(inputs):

@@ -110,6 +110,8 @@ class Training:
     #: The module whose output is the model output the loss reads (the last to finish with that shape).
     producer: str | None = None
     params: dict[str, ParamTrace] = field(default_factory=dict)
+    #: What lives between modules (``check.between``): stack inputs, dead units, fresh-batch losses.
+    between: dict[str, Any] | None = None
     #: Why the training run failed (the model raised on the copy), the module blamed, and the rule
     #: that reports it (the first training rule enabled; the others SKIP), or None.
     error: str | None = None
@@ -827,6 +829,92 @@ def _show(value: Any) -> str:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return _shape(value)
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+# --------------------------------------------------------------------------- between modules (check.between)
+
+
+def _growth(values: list[float]) -> float:
+    """The least growth from one block's input to the next (NaN when an input is not positive): a stream
+    that every block multiplies, not one that grows by what the blocks add."""
+    if len(values) < 2 or not all(v > 0 for v in values[:-1]):
+        return math.nan
+    return min(b / a for a, b in zip(values, values[1:]))
+
+
+def residual_growth(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """The input of a repeated stack's blocks does not grow by more than ``value`` per block at any step."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    stacks = [s for s in (t.between or {}).get("stacks", []) if len(s["blocks"]) >= rule["min_blocks"]
+              and not any(rule.ignored(b) for b in s["blocks"])]
+    if not stacks:
+        return RuleResult(rule.name, "SKIP", rule.severity, f"no repeated stack of {rule['min_blocks']}+ blocks "
+                          "(consecutive children of one class and input shape in a ModuleList/Sequential)")
+    limit, bad, worst = rule["value"], [], (-math.inf, "", 0)
+    for s in stacks:
+        blocks = s["blocks"]
+        for step, (rms, top) in enumerate(zip(s["rms"], s["max"]), 1):
+            g = _growth(rms)
+            if g > worst[0]:
+                worst = (g, blocks[-1], step)
+            if g > limit or math.isinf(g):
+                bad.append(_violation(blocks[-1], g, limit, f"at step {step} the input of {blocks[0]} .. "
+                                      f"{blocks[-1]} grows {_fmt(g)}x or more at every block (RMS {_fmt(rms[0])} -> "
+                                      f"{_fmt(rms[-1])}, max |x| {_fmt(top[0])} -> {_fmt(top[-1])} over "
+                                      f"{len(blocks)} blocks; limit {limit:g}x): a residual stream that is never "
+                                      "normalised or scaled (x = x + block(x) with block(x) as large as x)?"))
+                break
+    g, where, step = worst
+    return _result(rule, sorted(bad, key=lambda v: -v["value"]), ok_where=where, ok_value=g, limit=limit,
+                   ok_message=f"in {len(stacks)} repeated stacks the input grows by at most {_fmt(g)}x at its least-growing "
+                              f"block (the most at step {step}, up to {where})")
+
+
+def dead_units(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """At most ``value`` of a Linear/Conv layer's channels are never positive and never get a gradient."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    rows = []
+    for name, u in ((t.between or {}).get("units") or {}).items():
+        limits = rule.limits(name)
+        if not rule.ignored(name) and u["values"] >= limits["min_values"]:
+            rows.append((len(u["dead"]) / u["channels"], name, u, limits["value"]))
+    if not rows:
+        return RuleResult(rule.name, "SKIP", rule.severity, f"no Linear/Conv output has {rule['min_values']}+ "
+                          "values per channel in a step")
+    rows.sort(key=lambda r: -r[0])
+    steps = (t.between or {}).get("steps", t.steps)
+    bad = [_violation(name, frac, limit, f"{len(u['dead'])} of {u['channels']} output channels of {name} "
+                      f"({frac:.0%}; first: channel {u['dead'][0]}) were <= 0 on every sample at every step 1..{steps} "
+                      f"and their weights never got a gradient: units dead behind a ReLU (F.relu?) from step 1; "
+                      f"limit {limit:.0%}")
+           for frac, name, u, limit in rows if frac > limit]
+    frac, name, u, limit = rows[0]
+    return _result(rule, bad, ok_where=name, ok_value=frac, limit=rule["value"],
+                   ok_message=f"at most {len(u['dead'])} of {u['channels']} output channels dead over "
+                              f"{steps} steps (in {name})")
+
+
+def target_leak(rule: RuleConfig, report: Report, obs: Observations) -> RuleResult:
+    """After the N steps, the loss on fresh batches is not far below chance (the targets reach the inputs)."""
+    t = _training(rule, obs)
+    if isinstance(t, RuleResult):
+        return t
+    leak = (t.between or {}).get("leak")
+    if leak is None or "skip" in leak:
+        return RuleResult(rule.name, "SKIP", rule.severity, leak["skip"] if leak else "not measured")
+    fresh, chance = sum(leak["losses"]) / len(leak["losses"]), leak["chance"]
+    limit, where = rule["fraction"] * chance, t.producer or "(model)"
+    said = (f"the loss on {len(leak['losses'])} fresh batches (seeds {', '.join(map(str, leak['seeds']))}) after "
+            f"{t.steps} steps on one batch is {_fmt(fresh)} = {fresh / chance:.2f} x chance (ln "
+            f"{round(math.exp(chance))} = {_fmt(chance)}, {leak['task']})")
+    bad = [] if fresh >= limit else [_violation(where, fresh, limit, said + f", below {rule['fraction']:g} x chance: "
+                                                "the model predicts targets it never saw, so the targets reach the "
+                                                "inputs (language-model targets not shifted? a label among the inputs?)")]
+    return _result(rule, bad, ok_where=where, ok_value=fresh, limit=limit, ok_message=said)
 
 
 #: Each rule's evaluator, as its spec names it (``schema.SPECS`` is the only list of rules): a function

@@ -318,10 +318,40 @@ TRAINING_SPECS: tuple[RuleSpec, ...] = (
         default_doc="with `--steps`, error",
         doc="two runs seeded alike give different losses in their first (up to 5) steps",
         offender="the first module whose output differs between two seeded forward passes"),
+    RuleSpec(
+        "residual_growth", {"enabled": False, "severity": "error", "value": 1.8, "min_blocks": 3},
+        {"value": number(1, low_open=True), "min_blocks": integer(2), **_IGNORE}, kind="layer",
+        evaluator="residual_growth", needs_steps=True,
+        default_doc="with `--steps`, error, `value = 1.8`, `min_blocks = 3`",
+        doc="at some step, the RMS of the input of every block of a repeated stack (`min_blocks`+ consecutive "
+            "children of one class with one input shape in a `ModuleList`/`Sequential`) is more than `value` "
+            "times the previous block's: a residual stream multiplied at every block ([between "
+            "modules](#between-modules))",
+        offender="the stack's last block, and the first step"),
+    RuleSpec(
+        "dead_units", {"enabled": False, "severity": "error", "value": 0.5, "min_values": 16},
+        {"value": _fraction, "min_values": integer(1), **_IGNORE, **_OVERRIDES}, kind="layer",
+        override_keys=("value", "min_values"), evaluator="dead_units", needs_steps=True,
+        default_doc="with `--steps`, error, `value = 0.5`, `min_values = 16`",
+        doc="more than `value` of a `Linear`/`Conv` layer's output channels are <= 0 on every sample and "
+            "position of every step and their weights never get a gradient: units dead behind a ReLU, also a "
+            "functional `F.relu` (layers with fewer than `min_values` values per channel are not judged)",
+        offender="the layer with the most dead units"),
+    RuleSpec(
+        "target_leak", {"enabled": False, "severity": "error", "fraction": 0.5, "batches": 2},
+        {"fraction": number(0, 1, low_open=True), "batches": integer(1, 8)}, evaluator="target_leak",
+        needs_steps=True, shorthand_doc="a table {fraction = ..., batches = ...} or a boolean",
+        default_doc="with `--steps`, error, `fraction = 0.5`, `batches = 2`",
+        doc="after the N steps, the mean loss on `batches` fresh batches (the same input builder, seeds "
+            "`seed + 1`, ...) is below `fraction` × chance (ln V for next-token targets or the model's own loss "
+            "beside `logits`): the targets reach the inputs (unshifted language-model targets); SKIP when the "
+            "targets are not made from the inputs or the inputs are not generated",
+        offender="the module that makes the model output"),
 )
-#: The rules ``check --steps N`` (N > 0) turns on unless the config sets their ``enabled``: these four,
+#: The rules ``check --steps N`` (N > 0) turns on unless the config sets their ``enabled``: these seven,
 #: and part B's opt-in rules (a name without a spec yet is skipped: ``CheckRules.for_steps``).
 STEP_RULES: tuple[str, ...] = ("init_loss", "overfit_batch", "params_update", "determinism",
+                               "residual_growth", "dead_units", "target_leak",
                                "batch_independence", "input_dependence", "grad_accumulation")
 SPECS = SPECS + TRAINING_SPECS + PROBE_SPECS + RANK_SPECS
 SPEC: dict[str, RuleSpec] = {spec.name: spec for spec in SPECS}

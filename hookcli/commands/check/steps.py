@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookcli.commands.check.between import StepWatch, fresh_losses
 from hookcli.commands.check.rules import ParamTrace, Training
 from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
@@ -148,6 +149,7 @@ class _Run:
     params: dict[str, ParamTrace]
     error: str | None = None
     where: str | None = None
+    between: dict[str, Any] | None = None
 
 
 class _Trainer:
@@ -157,6 +159,7 @@ class _Trainer:
         self.prep, self.given = prep, given
         self.optimiser = _Optimiser(given.optimizer, prep.loaded.model)
         self.task: tuple[str | None, float | None, str | None, bool, list[int] | None] | None = None
+        self.trained: nn.Module | None = None
 
     def prepared(self, clone: nn.Module, *, hooked: bool = False) -> engine.Prepared:
         modules = dict(clone.named_modules(remove_duplicate=False))
@@ -183,9 +186,11 @@ class _Trainer:
         self.task = (task, math.log(classes) if classes > 1 else None,
                      None if classes > 1 else "one class: no chance level", probabilities, list(out.shape))
 
-    def run(self, count: int, lr: float | None) -> _Run:
+    def run(self, count: int, lr: float | None, watch: bool = False) -> _Run:
         opts = self.prep.options
         clone = _copy(self.prep.loaded.model)
+        watcher = StepWatch(clone) if watch else None
+        self.trained = clone
         named = list(clone.named_parameters())
         before = [p.detach().clone() for _, p in named]
         made: list[torch.optim.Optimizer] = []
@@ -222,6 +227,8 @@ class _Trainer:
             return value, None
 
         def after_backward() -> None:
+            if watcher is not None:
+                watcher.gradients()
             for n, p in named:
                 if p.grad is not None:
                     grad_steps[n] += 1
@@ -242,7 +249,10 @@ class _Trainer:
 
         plan = engine.OptimiserSteps(optimizer, count, after_backward, finished)
         try:
-            result = engine.run_model(self.prepared(clone), HookOptions(), loss=loss, steps=plan, show_phase=False)
+            prepared = self.prepared(clone)
+            if watcher is not None:
+                prepared = replace(prepared, selection=watcher.selection)
+            result = engine.run_model(prepared, HookOptions(), loss=loss, steps=plan, show_phase=False, observer=watcher)
         except UsageError:
             raise
         except HookcliError as exc:
@@ -261,7 +271,8 @@ class _Trainer:
         params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0],
                                 str(p.dtype).removeprefix("torch."), n in overflowed)
                   for (n, p), c in zip(named, changes)}
-        return _Run([row[0] for row in to_host(losses)] if losses else [], params)
+        return _Run([row[0] for row in to_host(losses)] if losses else [], params,
+                    between=watcher.host() if watcher is not None else None)
 
     def first_difference(self) -> str | None:
         """The first selected module (completion order) whose output differs between two forward
@@ -346,7 +357,8 @@ def train(prep: engine.Prepared, rules: CheckRules, given: StepOptions, report: 
                      f"{', '.join(f'{c:g}' for c, _ in sweep)})" if len(sweep) > 1 else f"Adam, lr {lr:g}")
     else:
         described = trainer.optimiser.describe(None)
-    main = trainer.run(n, lr)
+    main = trainer.run(n, lr, watch=True)
+    trained = trainer.trained
     if main.error is not None:
         return _failed(n, described, main, rules)
     if repeat is None:
@@ -356,7 +368,11 @@ def train(prep: engine.Prepared, rules: CheckRules, given: StepOptions, report: 
     task, chance, no_task, probabilities, shape = trainer.task or (None, None, "the loss never ran", False, None)
     training = Training(n, described, losses=main.losses, sweep=sweep, repeat=repeat.losses[:k], task=task,
                         chance=chance, no_task=no_task, probabilities=probabilities,
-                        producer=_producer(report, order, shape), params=main.params)
+                        producer=_producer(report, order, shape), params=main.params, between=main.between)
+    leak = rules.get("target_leak")
+    if leak is not None and training.between is not None and trained is not None:
+        training.between["leak"] = ({"skip": "the loss is yours (loss_fn): hookcli does not know its targets"}
+                                    if given.loss_fn is not None else fresh_losses(prep, trained, leak["batches"]))
     if main.losses[:k] != training.repeat and rules.get("determinism") is not None:
         training.differs = trainer.first_difference()
     return training
