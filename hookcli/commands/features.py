@@ -384,7 +384,7 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
                 report.layers = run.layers
                 if batches:
                     report.notes.append(f"batch {index + 1} of {len(batches)}")
-                raise_failure(report, run.failure, run.cause)
+                raise_failure(report, run.failure, run.cause, input_hint=None if batches else prep.input_hint)
             size = len(batches[index]) if batches else 0
             store.end_batch(run.layers, size)
             advance(size)

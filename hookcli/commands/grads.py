@@ -475,7 +475,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     if opts.clip is not None:
         report.notes.append(f"parameter gradients clipped to [-{opts.clip:g}, {opts.clip:g}] by tensor hooks")
     if run.failure is not None:
-        raise_failure(report, run.failure, run.cause)
+        raise_failure(report, run.failure, run.cause, input_hint=prep.input_hint)
     return report
 
 

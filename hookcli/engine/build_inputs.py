@@ -612,11 +612,13 @@ DATA_SIGNATURE_HOW = ("each batch of --data goes to forward whole: a tensor is o
                       "one whose batches are the inputs alone")
 
 
-def check_signature(model: nn.Module, inputs: ModelInputs, *, how: str | None = None, where: str = "") -> None:
+def check_signature(model: nn.Module, inputs: ModelInputs, *, how: str | None = None, where: str = "",
+                    hint: str | None = None) -> None:
     """Bind the inputs to ``model.forward``'s signature before running: too many, too few or
     unknown keyword inputs are a usage error (exit 2) with the signature, never "the model raised".
     ``how``: the hint after the signature (default: one ``--input-shape`` or file tensor per
-    argument); ``where``: the message's prefix (``"batch 3: "``).
+    argument); ``where``: the message's prefix (``"batch 3: "``); ``hint``: the whole hint instead
+    (for hookcli's own default inputs: the flags that fit, ``input_hints.forward_hint``).
 
     Skipped where the signature cannot be read (TorchScript, builtins) or a forward pre-hook may
     rewrite the arguments.
@@ -636,4 +638,4 @@ def check_signature(model: nn.Module, inputs: ModelInputs, *, how: str | None = 
         raise InputError(
             f"{where}{type(model).__name__}.forward cannot take the {plural(count, 'input')} given "
             f"({_describe_inputs(inputs)}): {exc}",
-            hint=f"forward{_short(str(signature), 160)}: {how}") from None
+            hint=hint or f"forward{_short(str(signature), 160)}: {how}") from None

@@ -33,6 +33,7 @@ from hookcli.engine.session import (
 )
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
+from hookcli.engine.input_hints import default_input_hint
 from hookcli.engine.loading import LoadedModel, from_instance, load_model, refuse_torchscript
 from hookcli.engine.quiet import quiet
 from hookcli.engine.meta_values import meta_values
@@ -69,6 +70,8 @@ class Prepared:
     model_index: ModelIndex | None = None
     #: ``--data``: the data set's batches (``inputs`` is its first batch), else None
     data: DataBatches | None = None
+    #: for hookcli's own default inputs: forward's arguments and the flags that fit them (``forward_hint``)
+    input_hint: str | None = None
 
     @property
     def index(self) -> ModelIndex:
@@ -149,15 +152,18 @@ def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batc
         )
         if train_batch:
             inputs = with_note(inputs, TRAIN_BATCH_NOTE)
+    defaults = data is None and not opts.specs and not opts.inputs and loaded.family is None
+    hint = default_input_hint(loaded.model, inputs, batch or 1) if defaults else None
     check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
-                    where="batch 0: " if data is not None else "")  # too many / too few inputs: exit 2, before running
+                    where="batch 0: " if data is not None else "", hint=hint)  # too many / too few: exit 2, before running
     agreement.ready(sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None))
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:
             data = dataclasses.replace(data, first=inputs)
     info = model_info(loaded, opts.model_source, opts.model_args, index=index)
-    return Prepared(opts, loaded, inputs, selection, info, index, data)
+    raised = default_input_hint(loaded.model, inputs, batch or 1, raised=True) if defaults else None
+    return Prepared(opts, loaded, inputs, selection, info, index, data, raised)
 
 
 def fresh_inputs(prep: Prepared, seed: int) -> ModelInputs | None:
@@ -713,13 +719,16 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     return result
 
 
-def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "") -> None:
+def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "",
+                  input_hint: str | None = None) -> None:
     """Raise ModelRaisedError for the model's ``failure``, carrying the partial ``report``; ``where``
-    (``batch 3``) starts the message."""
+    (``batch 3``) starts the message. ``input_hint``: the run's input was hookcli's own default
+    (``Prepared.input_hint``), which may not be what the model takes: the hint names what would be."""
     report.failure = failure
+    hint = f"the input was hookcli's default; {input_hint}; --debug for the model's traceback" if input_hint else None
     raise ModelRaisedError(f"{where}: {failure_message(failure)}" if where else failure_message(failure),
                            report=report, module=failure.module, input_shapes=failure.input_shapes,
-                           phase=failure.phase) from cause
+                           phase=failure.phase, hint=hint) from cause
 
 
 def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = False,
@@ -749,7 +758,7 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     if run.flops is not None:
         report.flops = run.flops
     if run.failure is not None:
-        raise_failure(report, run.failure, run.cause)
+        raise_failure(report, run.failure, run.cause, input_hint=prep.input_hint)
     return report
 
 
