@@ -42,26 +42,31 @@ def _flags(hint: str) -> list[str]:
     return shlex.split(" ".join(re.findall(r"--input-shape \S+", hint)))
 
 
-@pytest.mark.parametrize("model_type", ["informer", "time_series_transformer"])
-def test_time_series_hint_names_the_arguments_and_its_flags_run(cli: Any, model_type: str) -> None:
-    fields = SERIES
+@pytest.mark.parametrize(("model_type", "input_size"), [
+    ("informer", 1), ("time_series_transformer", 1), ("autoformer", 2)])
+def test_time_series_hint_names_the_arguments_and_its_flags_run(cli: Any, model_type: str, input_size: int) -> None:
+    fields = dict(SERIES, input_size=input_size)
     result = cli("stats", f"hf:{model_type}", *_args(fields))
     assert result.exit_code == 2, result.stderr  # a default input forward cannot take: bad input, as before
     hint = _hint(result.stderr)
     assert hint.startswith("forward takes (past_values, past_time_features, past_observed_mask): try ")
     past = 8 + 3  # context_length + max(lags_sequence); univariate (input_size 1): [batch, length]
+    series = f"1x{past}" if input_size == 1 else f"1x{past}x{input_size}"
     flags = _flags(hint)
-    assert flags == ["--input-shape", f"past_values=1x{past}", "--input-shape", f"past_time_features=1x{past}x2",
-                     "--input-shape", f"past_observed_mask=1x{past}"]
-    assert "context_length + max(lags_sequence), num_time_features" in hint
+    assert flags == ["--input-shape", f"past_values={series}", "--input-shape", f"past_time_features=1x{past}x2",
+                     "--input-shape", f"past_observed_mask={series}"]
+    assert "context_length + max(lags_sequence), " in hint and "num_time_features" in hint
     report = run_json(cli, "stats", f"hf:{model_type}", *_args(fields), *flags)  # the hint's flags run
     torch.manual_seed(0)  # as hookcli builds it
     config = transformers.AutoConfig.for_model(model_type, **fields)
     model = getattr(transformers, report["model"]["class"])(config).eval()
-    gen = torch.Generator().manual_seed(0)  # the inputs in flag order, from one seeded generator
-    values, features = torch.randn(1, past, generator=gen), torch.randn(1, past, 2, generator=gen)
-    outputs, _ = reference_outputs(model, past_values=values, past_time_features=features,
-                                   past_observed_mask=torch.ones(1, past, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(0)  # the inputs in flag order, from one seeded generator; masks all ones
+    inputs = {}
+    for flag in flags[1::2]:
+        name, shape = flag.split("=")
+        dims = [int(d) for d in shape.split("x")]
+        inputs[name] = torch.ones(dims, dtype=torch.int64) if "mask" in name else torch.randn(dims, generator=gen)
+    outputs, _ = reference_outputs(model, **inputs)
     assert_layers_match(report["layers"], outputs, "stats")
 
 
