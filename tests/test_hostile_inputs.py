@@ -16,6 +16,7 @@ import torch
 
 import hookcli
 from hookcli.errors import UsageError
+from timeouts import scaled_timeout
 
 ROOT = Path(__file__).parents[1]
 NET = "import torch\n\n\ndef build(width=4):\n    return torch.nn.Linear(width, 2)\n"
@@ -209,7 +210,7 @@ def test_sigterm_while_writing_an_output_exits_143_and_keeps_the_old_file(repo: 
     (repo / "runner.py").write_text(SIGTERM_RUNNER)
     (repo / name).write_text("the old file\n")
     done = subprocess.run([sys.executable, "runner.py", *args, name], cwd=repo, env={**_env(), "AT": str(at)},
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled_timeout(300))
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert done.stderr.splitlines()[-1] == "terminated (SIGTERM)" and "internal error" not in done.stderr, done.stderr
     assert (repo / name).read_text() == "the old file\n"
@@ -226,7 +227,7 @@ def _closed_pipe_run(args: list[str], cwd: Path, *, stderr_too: bool) -> tuple[i
     os.close(read_end)
     try:
         done = subprocess.run([sys.executable, "-m", "hookcli", *args], cwd=cwd, env=_env(), stdout=write_end,
-                              stderr=write_end if stderr_too else subprocess.PIPE, timeout=300)
+                              stderr=write_end if stderr_too else subprocess.PIPE, timeout=scaled_timeout(300))
     finally:
         os.close(write_end)
     return done.returncode, (done.stderr or b"").decode()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from test_watch import assert_same_state, no_hooks_left, read_log
+from timeouts import scaled_timeout
 
 
 def _rms(t: torch.Tensor) -> float:
@@ -40,7 +41,7 @@ def test_hookcli_imports_without_the_training_libraries_and_a_missing_one_names_
             "        assert f\"pip install 'hookcli[{extra}]'\" in str(exc), exc\n"
             "    else:\n"
             "        raise AssertionError(name)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled_timeout(120))
     assert result.returncode == 0, result.stderr
 
 

@@ -25,6 +25,7 @@ from hookcli.engine import stats
 from hookcli.engine.stats import merge, to_host
 from reference import aten_op_counts, assert_moments_match
 from test_stats_properties import planted, tensors
+from timeouts import scaled_timeout
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 from hookcli.engine import reduce_triton  # noqa: E402  (after the skip)
@@ -243,7 +244,7 @@ def test_the_kernels_compile_for_cuda_without_a_gpu(arch: int, dtype: str) -> No
     program per tensor and a single tensor (sm_80), the table of many tensors and partials (sm_90)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE, str(arch), dtype], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+                          timeout=scaled_timeout(300), check=False)
     assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
 
 

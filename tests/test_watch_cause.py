@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hookcli
 from hookcli.engine.cause import CauseTracer
 from test_watch import no_hooks_left
+from training_bugs import NanGrad
 
 STEP = 7  # the step each cause fires at (calls count from 0, one forward per step)
 
@@ -120,18 +121,6 @@ class GateNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.gate(self.embed(x)))
-
-
-class NanGrad(torch.autograd.Function):
-    """The identity forward; a NaN gradient backward (a custom backward with a bug)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("nan")
 
 
 class CustomBackward(Trigger):

@@ -32,6 +32,7 @@ from torch import nn
 
 import hookcli
 from hookcli.errors import WatchWarning
+from timeouts import scaled_timeout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -152,7 +153,7 @@ def test_a_file_size_limit_leaves_whole_lines_and_the_loop_alone(tmp_path: Path)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            timeout=300, check=False)
+                            timeout=scaled_timeout(300), check=False)
     assert result.returncode == 0, result.stderr
     same, said = json.loads(result.stdout.splitlines()[-1])
     assert same
@@ -387,7 +388,7 @@ def stopped(cwd: Path, command: list[str], sig: int) -> subprocess.CompletedProc
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
         process.send_signal(sig)
-        out, err = process.communicate(timeout=120)
+        out, err = process.communicate(timeout=scaled_timeout(120))
     finally:
         process.kill()
     return subprocess.CompletedProcess(command, process.returncode, out, err)
@@ -432,7 +433,7 @@ def test_the_log_streams_into_a_fifo(tmp_path: Path) -> None:
     records = []
     with hookcli.watch(model, opt, out=fifo, every=2) as w:
         train(model, opt, 5, w, between=lambda _s: records.append(w.last))
-    reader.join(timeout=60)
+    reader.join(timeout=scaled_timeout(60))
     lines = got[0].decode().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 2, 4]
     logged = {r.step: r.to_json_line().rstrip("\n") for r in records}  # w.last after each step
@@ -446,7 +447,7 @@ def test_the_log_streams_to_dev_stdout_through_a_pipe(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "hookcli", "watch", "--every", "2", "--out", "/dev/stdout", "--",
                              "python", str(train_py), "--steps", "5"], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=300, check=False)
+                            cwd=tmp_path, timeout=scaled_timeout(300), check=False)
     assert result.returncode == 0, result.stderr
     logged = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [line["step"] for line in logged] == [0, 2, 4]
@@ -628,6 +629,6 @@ def test_pickling_loads_without_hookcli(tmp_path: Path) -> None:
     script = ("import sys; sys.modules['hookcli'] = None\n"
               f"import torch; m = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
               "print(sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules()))")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled_timeout(120), check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0"

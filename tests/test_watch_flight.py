@@ -22,6 +22,7 @@ from hookcli.engine import reduction
 from hookcli.engine.stats import Reducer
 from hookcli.errors import CheckFailedError, UsageError
 from test_watch import assert_stats, no_hooks_left, read_log
+from training_bugs import NanGrad
 
 
 class Poisoned(nn.Linear):
@@ -43,18 +44,6 @@ class Poisoned(nn.Linear):
             y = y.clone()
             y[0] = float("nan")
         return y
-
-
-class NanGrad(torch.autograd.Function):
-    """The identity forward; a NaN gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("nan")
 
 
 def mlp() -> nn.Sequential:

@@ -7,6 +7,8 @@ part); the tests say which training rule must catch it and which module or param
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -205,3 +207,15 @@ class UnshiftedTargets(TokenModel):
 
     def targets(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return logits, input_ids
+
+
+class NanGrad(torch.autograd.Function):
+    """The identity forward; a NaN gradient backward (a custom backward with a bug)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
