@@ -542,3 +542,38 @@ def test_a_buffer_traded_for_another_is_put_back() -> None:
     hookcli.stats(model, input_shapes=["2x4"])
     assert_same(before, snapshot(model))
     assert list(model._buffers) == ["kept"]
+
+
+def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_drift_is_undone() -> None:
+    """``preserved`` puts back what a forward changes in a caller's weights, but a run whose purpose is
+    optimiser steps (check's SGD step on its copy, check --steps) keeps the steps' update: checked
+    against one plain float64 SGD step of the same loss."""
+    from hookcli.engine import run as engine
+    from hookcli.engine.session import HookOptions
+    from hookcli.options import RunOptions
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
+
+    def loss(output: Any, args: Any, kwargs: Any, model: nn.Module) -> tuple[torch.Tensor, None]:
+        return output.pow(2).mean(), None
+
+    plan = engine.OptimiserSteps(lambda: torch.optim.SGD(model.parameters(), lr=0.5), 1)
+    result = engine.run_model(prep, HookOptions(), loss=loss, steps=plan, show_phase=False)
+    assert result.cause is None
+    w, b = (before[n].double().requires_grad_(True) for n in ("weight", "bias"))
+    gw, gb = torch.autograd.grad((x.double() @ w.T + b).pow(2).mean(), (w, b))
+    assert torch.allclose(model.weight.detach().double(), before["weight"].double() - 0.5 * gw, atol=1e-6)
+    assert torch.allclose(model.bias.detach().double(), before["bias"].double() - 0.5 * gb, atol=1e-6)
+    assert not torch.equal(model.weight, before["weight"])
+
+    stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    drift = model.register_forward_pre_hook(lambda m, a: m.weight.data.add_(1.0))
+    try:
+        engine.run_model(engine.prepare(RunOptions(model=model, inputs=x, seed=0)), HookOptions(), show_phase=False)
+    finally:
+        drift.remove()
+    assert torch.equal(model.weight, stepped["weight"]) and torch.equal(model.bias, stepped["bias"])

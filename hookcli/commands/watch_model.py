@@ -95,8 +95,9 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
                          + (f" ({choice.targets})" if choice.targets else ""))
         return choice.value, None
 
-    with torch.inference_mode(False), engine.running(prep) as (model, first_args, first_kwargs), ExitStack() as stack, \
-            training_runs():
+    # (keep_params=False: the training's updates are what it leaves, as an unwatched loop's would)
+    with torch.inference_mode(False), engine.running(prep, keep_params=False) as (model, first_args, first_kwargs), \
+            ExitStack() as stack, training_runs():
         made: list[tuple[torch.optim.Optimizer, Watch]] = []
 
         def make() -> torch.optim.Optimizer:

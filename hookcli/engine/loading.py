@@ -396,7 +396,7 @@ def _load_user(spec: str, target: str, attr: str, model_args: Mapping[str, Any],
         loaded = _load_state_dict_file(model, Path(weights), trust_pickle=trust_pickle)
     family = _torchvision_family_of(model)  # a torchvision detection model of the user's: its inputs fit it
     return LoadedModel(model, spec, "file" if is_file else "import", family if family in _OWN_INPUT_FAMILIES else None,
-                       None, None, None, loaded)
+                       tv_name=None, weights_enum=None, weights=loaded)
 
 
 # --------------------------------------------------------------------------- weights files

@@ -156,7 +156,7 @@ def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batc
     hint = default_input_hint(loaded.model, inputs, batch or 1) if defaults else None
     check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
                     where="batch 0: " if data is not None else "", hint=hint)  # too many / too few: exit 2, before running
-    agreement.ready(sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None))
+    agreement.ready(sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None, index))
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:
@@ -355,20 +355,21 @@ def blame(exc: BaseException, model: nn.Module, phase: str) -> FailureInfo:
 
 
 @contextmanager
-def running(prep: Prepared) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
+def running(prep: Prepared, *, keep_params: bool = True) -> Iterator[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
     """Put the model on the requested device/dtype/mode, move the inputs there, restore afterwards.
     On the meta device the values that follow from the inputs are kept (``meta_values``).
 
     The run's RNGs start from ``opts.seed`` (Dropout masks are the same on every run with the same
     seed) and the caller's RNG states are restored after (``preserved``). Third-party logging and
-    progress bars are off meanwhile (``quiet``), as while the model is built.
+    progress bars are off meanwhile (``quiet``), as while the model is built. ``keep_params=False``: the
+    weights' values stay as the run leaves them (optimiser steps, whose updates are the run's purpose).
     """
     opts = prep.options
     model = prep.loaded.model
     # a caller's own model keeps its weights' values whatever the forward does to them; one hookcli built
     # is seen by no one after the run (its copy would cost the weights' memory again)
     with preserved(model, device=opts.device, dtype=opts.torch_dtype(), train=opts.train, seed=opts.seed,
-                   index=prep.index, keep_params=prep.loaded.kind == "instance"), quiet(), \
+                   index=prep.index, keep_params=keep_params and prep.loaded.kind == "instance"), quiet(), \
             meta_values(run_device(prep)):
         args, kwargs = place_inputs(prep, prep.inputs)
         yield model, args, kwargs
@@ -564,8 +565,9 @@ def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], 
 
 
 def run_model(prep: Prepared, hooks: HookOptions, **step: Any) -> RunResult:
-    """``run_step`` on ``prep``'s model and inputs, placed for the run (``running``) and restored after."""
-    with running(prep) as (model, args, kwargs):
+    """``run_step`` on ``prep``'s model and inputs, placed for the run (``running``) and restored after
+    (the weights as the optimiser ``steps`` leave them, when given: a copy's training is kept)."""
+    with running(prep, keep_params=step.get("steps") is None) as (model, args, kwargs):
         return run_step(prep, model, args, kwargs, hooks, **step)
 
 

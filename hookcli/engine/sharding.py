@@ -25,6 +25,7 @@ from torch import nn
 
 from hookcli.engine.input_types import ModelInputs
 from hookcli.engine.loading import LoadedModel
+from hookcli.engine.model_index import ModelIndex
 from hookcli.errors import HookcliError, ModelImportError, RanksFailed, UnsupportedError, UsageError
 from hookcli.options import Shard, torchrun_env
 
@@ -364,12 +365,15 @@ def owe_vote(failure: BaseException) -> None:
         vote(failure, "preparing the run")
 
 
-def model_summary(model: nn.Module) -> str:
+def model_summary(model: nn.Module, index: ModelIndex | None = None) -> str:
     """What a rank built, to compare: its class, its parameters' and buffers' names, shapes and dtypes
-    (as one process sees them: a DTensor's global shape), digested."""
+    (as one process sees them: a DTensor's global shape), digested. Read through ``index`` when given
+    (the run's one traversal of the modules: the same names as ``named_parameters``, no walk of its own)."""
     import hashlib
 
-    entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*model.named_parameters(), *model.named_buffers())]
+    named = ((*index.named_parameters(), *index.named_buffers()) if index is not None and index.model is model
+             else (*model.named_parameters(), *model.named_buffers()))
+    entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
     digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:12]
     count = sum(math.prod(shape) for _, shape, _ in entries)
     return f"{type(model).__name__}, {len(entries)} tensors, {count:,} values (layout {digest})"
@@ -410,10 +414,11 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def ready_fingerprint(model: nn.Module, inputs: ModelInputs, sharded: bool) -> dict[str, str]:
+def ready_fingerprint(model: nn.Module, inputs: ModelInputs, sharded: bool,
+                      index: ModelIndex | None = None) -> dict[str, str]:
     """What a rank is about to run: the model it built (``model_summary``) and, when the ranks share one
     global batch (``--shard``: each takes its part of it), that batch: its tensors' shapes, dtypes and bytes."""
-    prints = {"model": model_summary(model)}
+    prints = {"model": model_summary(model, index)}
     if sharded:
         import hashlib
 

@@ -254,9 +254,7 @@ def preserved(
                         if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
                             p.requires_grad_(requires_grad)
                     _copy_back(buffer_values)
-                    with torch.no_grad():
-                        for p, value in param_values:
-                            p.copy_(value)
+                    _copy_back(param_values)  # (an inference tensor's parameter: inside inference_mode)
                     for m, was_training in zip(modules, training):
                         if m.training != was_training:
                             m.training = was_training
