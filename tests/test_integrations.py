@@ -140,12 +140,16 @@ def test_lightning_callback_finds_a_seeded_nan_at_its_step(tmp_path: Path, capsy
     callback = HookcliCallback(out=tmp_path / "log.jsonl")
     _fit(module, [callback])  # the fit goes on: a monitor never stops the run
     errors = [(f.rule, f.step, f.layer, f.direction) for f in callback.run.errors]
-    assert errors == [("nonfinite", 3, "net.2", "forward")]  # the first output holding the NaN
+    # the NaN is made in the LightningModule's own forward (h * nan between net.1 and net.2): the root
+    # is the maker, net.2's output is only where it is first seen
+    assert errors == [("nonfinite", 3, "", "forward")]
     assert [f.rule for f in callback.findings] == ["nonfinite"]
     lines = read_log(tmp_path / "log.jsonl")
     assert [f["rule"] for f in lines[3]["findings"]] == ["nonfinite"]
     assert math.isnan(float(lines[3]["loss"])) and lines[2]["findings"] == []
-    assert "hookcli watch: step 3: error nonfinite (net.2)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert ("hookcli watch: step 3: error nonfinite: first NaN/Inf of the run at step 3: made in (model)'s own "
+            "forward (between net.1 and net.2); first seen in net.2's output") in err
 
 
 def test_lightning_on_finding_raise_stops_the_fit_at_the_finding_and_leaves_no_hook(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the faults these found have bad-input rows in ``tests/test_bad_inputs.py`` besid
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hookcli
-from hookcli.errors import UnsupportedError
+from hookcli.errors import UnsupportedError, WatchWarning
 
 from reference import float64_stats
 
@@ -306,7 +307,7 @@ def test_watch_scripts_out_is_where_the_user_ran_hookcli_not_where_the_script_we
     (tmp_path / "work").mkdir()
     (tmp_path / "train.py").write_text(CHDIR_SCRIPT)
     monkeypatch.chdir(tmp_path)
-    result = cli("watch", "--out", "runs/a.jsonl", "--", "python", "train.py")
+    result = cli("watch", "--every", "1", "--out", "runs/a.jsonl", "--", "python", "train.py")
     assert result.exit_code == 0, result.stderr
     assert not (tmp_path / "work" / "runs").exists()
     lines = [json.loads(line) for line in (tmp_path / "runs" / "a.jsonl").read_text().splitlines()]
@@ -353,7 +354,7 @@ def test_watch_script_of_a_model_compiled_before_its_first_step(cli, tmp_path: P
 
     (tmp_path / "train.py").write_text(COMPILED_SCRIPT)
     monkeypatch.chdir(tmp_path)
-    result = cli("watch", "--out", "run.jsonl", "--", "python", "train.py", "watched.json")
+    result = cli("watch", "--every", "1", "--out", "run.jsonl", "--", "python", "train.py", "watched.json")
     assert result.exit_code == 0, result.stderr
     monkeypatch.setattr("sys.argv", ["train.py", "plain.json"])
     runpy.run_path("train.py", run_name="__main__")
@@ -400,3 +401,30 @@ def test_watching_a_model_after_dynamo_compiled_its_code_unwatched_is_refused(fr
     assert w.last is not None
     (first,) = [layer for layer in w.last.layers if layer.name == "0"]
     assert first.stats["rms"] == pytest.approx(float(outputs[0].pow(2).mean().sqrt()), rel=1e-6)
+
+
+def test_a_stale_compiled_graph_is_refused_at_the_blocks_end_when_the_optimizer_ends_the_steps(
+        fresh_dynamo: None) -> None:
+    """The same stale graph in a loop without ``w.step()`` (the optimizer's step ends each step): the
+    refusal is found inside the optimizer's hook, so it is not raised there (the loop's optimizer steps
+    all run, as unwatched) but at the block's end, as ``on_finding="raise"`` is; never turned into a
+    WatchWarning, which would leave the user with an empty log and a passing run."""
+    torch.manual_seed(0)
+    _, compiled, optimizer = _compiled_mlp()
+    for _ in range(2):
+        compiled(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model, compiled, optimizer = _compiled_mlp()
+    done = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WatchWarning)
+        with pytest.raises(UnsupportedError, match="no hook fired in the torch.compile'd model"):
+            with hookcli.watch(compiled, optimizer):
+                for step in range(3):
+                    compiled(torch.randn(8, 4)).pow(2).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    done.append(step)
+    assert done == [0, 1, 2]
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks

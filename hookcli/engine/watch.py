@@ -24,7 +24,8 @@ from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
-from hookcli.errors import CheckFailedError, HookcliError, InternalError, RanksFailed, UsageError, internal_error
+from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
+                            internal_error)
 from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
@@ -48,6 +49,11 @@ STEP_ORDER = {
 }
 #: What to do about any of them.
 STEP_ORDER_FIX = "call w.step() after optimizer.step(), in every step or in none (docs/watch.md#what-a-step-is)"
+
+#: What the watch raises into the loop rather than turning into a WatchWarning: a finding under
+#: ``on_finding="raise"`` and a deliberate refusal (``UnsupportedError``: a watch that would record
+#: nothing, such as ``stale_graph_error``). hookcli's own failures stop the watch instead (``_fail``).
+_RAISED = (CheckFailedError, UnsupportedError)
 
 
 def watched_params(model: nn.Module, selection: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
@@ -205,8 +211,8 @@ class StepWatcher:
                 return
             try:
                 fn()
-            except CheckFailedError as exc:  # on_finding="raise": raised at the next w.step() or the block's end
-                self.error = exc
+            except _RAISED as exc:  # a finding (on_finding="raise") or a refusal: raised at the next w.step()
+                self.error = exc    # or the block's end
                 self._begin()  # idle from now on
             except Exception as exc:  # hookcli's failure: never the optimizer's
                 self._fail(exc, "hookcli.watch's optimizer step hook")
@@ -274,7 +280,7 @@ class StepWatcher:
         check_loss(loss)
         try:
             self._end_by_user(loss)
-        except CheckFailedError:
+        except _RAISED:
             raise
         except Exception as exc:
             self._fail(exc, "hookcli.watch's w.step()")
@@ -360,7 +366,7 @@ class StepWatcher:
                     if not raised:
                         self.flight.read()
                     self._write_flight(everything=raised)
-        except CheckFailedError:
+        except _RAISED:
             raise
         except Exception as exc:
             self._fail(exc, "hookcli.watch's end")
@@ -428,7 +434,7 @@ class StepWatcher:
                 self._fail(own, "hookcli.watch's step record", step)
             self._fail(failed, "hookcli.watch's step record", step)
             return None
-        except CheckFailedError:  # on_finding="raise" at a flight recorder's line
+        except _RAISED:  # on_finding="raise" at a flight recorder's line; a refusal (stale_graph_error)
             raise
         except Exception as exc:  # hookcli's own failure: this step is not logged, the watch stops
             self._fail(exc, "hookcli.watch's step record", step)
