@@ -141,3 +141,18 @@ def assert_moments_match(values: list[float], t: torch.Tensor, *, zeros: bool = 
         tol += {2: n * c * c, 3: 3 * c * exp["m2"] + n * c ** 3,
                 4: 4 * c * abs(exp["m3"]) + 6 * c * c * exp["m2"] + n * c ** 4}[k]
         assert abs(g - e) <= tol + 1e-300, (f"m{k}", g, e, tol, values)
+
+
+def hard_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors of ``dtype`` a reduction must get right, by name: denormals, a constant, signed zeros,
+    NaN and Inf alone and mixed (each reduction's tests add the extremes near the dtype's limit it takes)."""
+    info = torch.finfo(dtype)
+    return {
+        "denormals": torch.tensor([info.smallest_normal * info.eps * k for k in (1, 2, 3, -5)], dtype=dtype),
+        "constant": torch.full((9000,), 0.3, dtype=dtype),
+        "signed zeros": torch.tensor([0.0, -0.0, 0.0, 1.0], dtype=dtype),
+        "all NaN": torch.full((7,), math.nan, dtype=dtype),
+        "inf and NaN only": torch.tensor([math.inf, math.nan, -math.inf], dtype=dtype),
+        "+inf only": torch.tensor([math.inf, math.inf], dtype=dtype),
+        "mixed": torch.tensor([1.0, math.nan, math.inf, -2.0, 0.0, -math.inf, -0.0], dtype=dtype),
+    }
