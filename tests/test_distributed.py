@@ -381,10 +381,11 @@ def test_sequence_parallel_under_fsdp2_x_tp_equals_plain_torch_and_refuses_a_sha
             "0": "sharded", "1": "sharded", "2": "sharded", "3": "sharded", "4": "replicated"}
     assert_channels(lines, ranks[0]["channels"], expected, uncounted={"0", "1", "2", "3"})
     assert all(rank["records"] == lines and rank["findings"] == [] for rank in ranks)
-    errors = [rank["errors"] for rank in ranks]  # the watch stops, said once; the loop goes on
-    assert all(found == errors[0] for found in errors) and len(errors[0]) == 1, errors
-    assert errors[0][0].startswith(f"hookcli.watch stopped at step {worker.STEPS}: the gradient of parameter 0.weight is "
-                                   "both sharded and Partial ("), errors
+    errors = [rank["errors"] for rank in ranks]  # a refusal: raised at w.step() on every rank, as a finding under
+    assert all(found == errors[0] for found in errors) and len(errors[0]) == 1, errors  # on_finding="raise"
+    name, code, message, hint = errors[0][0]
+    assert (name, code) == ("UnsupportedError", 2)
+    assert message == "the gradient of parameter 0.weight is both sharded and Partial" and hint, errors
 
 
 @settings(max_examples=40, deadline=None)
