@@ -29,6 +29,8 @@ class Backend:
     host: bool
     vector: str | None = None
     unavailable: Callable[[], str | None] = lambda: None
+    #: whether ``vector`` reads float16/bfloat16 itself (else it is given a float32 copy)
+    reads_half: bool = False
 
     def vector_fn(self) -> Callable[[torch.Tensor, bool], torch.Tensor]:
         """The function ``vector`` names."""
@@ -56,8 +58,8 @@ BACKENDS: dict[str, Backend] = {
     "torch": Backend("torch", host=True),
     "device": Backend("device", host=False, vector="hookcli.engine.stats:device_vector"),
     "triton": Backend("triton", host=False, vector="hookcli.engine.reduce_triton:backend_vector",
-                      unavailable=_call("hookcli.engine.reduce_triton:backend_unavailable")),
-    "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean"),
+                      unavailable=_call("hookcli.engine.reduce_triton:backend_unavailable"), reads_half=True),
+    "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean", reads_half=True),
 }
 
 

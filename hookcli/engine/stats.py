@@ -136,8 +136,8 @@ class Reducer:
             backend = "kernel" if kernel else "torch"
         #: the backend of CPU tensors, and of the others (an accelerator's, or a forced device backend)
         self.host_backend = backends.choose(torch.device("cpu"), backend)
-        self.device_backend = backends.choose(torch.device("meta"), backend)
-        self._device_vector = self.device_backend.vector_fn()
+        self._backend_name = backend
+        self._device_vector: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
         self.kernel = self.host_backend.name == "kernel"
         if self.kernel and _fastreduce is None:
             raise RuntimeError("hookcli.engine._fastreduce is not built (a C compiler was missing at install time)")
@@ -146,6 +146,12 @@ class Reducer:
         self._kernel_dtypes = _KERNEL_DTYPES if self.kernel else {}
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._seen: dict[tuple[int, int, bool], tuple[weakref.ref[torch.Tensor], Vector]] = {}
+
+    @functools.cached_property
+    def device_backend(self) -> backends.Backend:
+        """The backend of an accelerator's tensors (or of every tensor, forced): chosen at the first such
+        tensor, so that a CPU run never imports what an accelerator's backend needs (Triton)."""
+        return backends.choose(torch.device("meta"), self._backend_name)
 
     def clear(self) -> None:
         """Forget every tensor seen and free the scratch buffers: a long-lived hook set calls this at
@@ -242,8 +248,11 @@ class Reducer:
     def _reduce_accelerator(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
         """The vector of a non-empty, strided tensor, as a tensor on its device (no host synchronisation)."""
         x, repeats = unbroadcast(x)
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()
+        backend = self.device_backend
+        if x.dtype not in (torch.float32, torch.float64) and not backend.reads_half:
+            x = x.float()  # (a backend that reads 16-bit floats widens them as it reads: no copy)
+        if self._device_vector is None:
+            self._device_vector = backend.vector_fn()
         vector = self._device_vector(flat_view(x), zeros)
         if repeats != 1:
             vector[ADDITIVE] *= repeats  # a Python scalar: no host synchronisation
