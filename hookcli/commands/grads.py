@@ -501,6 +501,47 @@ def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: 
                 record.grad = gradient_stats(grad, abs_max=True)
 
 
+def _refuse_data_run(prep: Any, command: str) -> None:
+    """UsageError for the flags a run over many batches refuses; what ``backward_report`` refuses too."""
+    from hookcli.engine.loading import refuse_torchscript
+    from hookcli.engine.run import require_values
+
+    opts = prep.options
+    given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
+                                   ("--clip", opts.clip is not None)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
+                         hint="leave them out, or run one batch with --input / --input-shape")
+    refuse_sharded_check(prep, command)
+    require_values(prep, command)
+    refuse_torchscript(prep.loaded.model, prep.selection)
+    _refuse_inference_tensors(prep.index)
+
+
+def _add_gradients(sums: dict[str, torch.Tensor], gradients: Mapping[str, torch.Tensor | None] | None) -> None:
+    """A batch's parameter gradients summed into ``sums`` (in at least float32: many float16 terms
+    would lose digits)."""
+    for name, g in (gradients or {}).items():
+        if g is not None:
+            have = sums.get(name)
+            sums[name] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
+                if have is None else have.add_(g)
+
+
+def _mean_gradient_records(prep: Any, reported: list[tuple[str, nn.Parameter]], sums: dict[str, torch.Tensor],
+                           count: int, tp: list[list[int]] | None) -> list[ParamRecord] | None:
+    """Each reported parameter's row of the mean gradient over the ``count`` batches (``sums`` divided
+    in place), over the ranks under ``torchrun`` (every rank takes part, also with ``--params none``)."""
+    from hookcli.engine import distributed
+
+    over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
+    if prep.options.params == "none":
+        return None
+    return [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=over[name][1],
+                        grad=gradient_stats(over[name][0], abs_max=True) if over[name][0] is not None else None)
+            for name, p in reported]
+
+
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:
     """``grads`` over every batch of ``--data``: one forward and backward per batch (the engine's
     ``run_step``).
@@ -515,21 +556,11 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     merged so far. ``stats``: activation statistics too, merged the same way (``check``)."""
     from hookcli.progress import bar as progress_bar
     from hookcli.engine.batches import MergedRows
-    from hookcli.engine.loading import refuse_torchscript
     from hookcli.engine import distributed
-    from hookcli.engine.run import (add_batch, data_batches, data_source, global_rows, keep_rows, new_report,
-                                    note_ranks, ranked_records, require_values, run_step, running)
+    from hookcli.engine.run import add_batch, data_batches, keep_rows, new_report, ranked_records, run_step, running
 
     opts = prep.options
-    given = [flag for flag, on in (("--flops", opts.flops), ("--input-grads", opts.input_grads),
-                                   ("--clip", opts.clip is not None)) if on]
-    if given:
-        raise UsageError(f"{', '.join(given)} cannot go with --data (a run over many batches)",
-                         hint="leave them out, or run one batch with --input / --input-shape")
-    refuse_sharded_check(prep, command)
-    require_values(prep, command)
-    refuse_torchscript(prep.loaded.model, prep.selection)
-    _refuse_inference_tensors(prep.index)
+    _refuse_data_run(prep, command)
     report = new_report(prep, command)
     rows = MergedRows()
     ranks = distributed.process_group() is not None  # under torchrun: over every rank's batches
@@ -556,25 +587,28 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             if not run.reached:
                 raise no_gradients(prep)
-            for name, g in (run.gradients or {}).items():
-                if g is not None:  # summed in at least float32: many float16 terms would lose digits
-                    have = sums.get(name)
-                    sums[name] = g.detach().to(torch.promote_types(g.dtype, torch.float32), copy=True) \
-                        if have is None else have.add_(g)
+            _add_gradients(sums, run.gradients)
             choice = run.loss
             losses.append(float(run.loss_value) if run.loss_value is not None else math.nan)
             advance(1)
         count = len(losses)
         if ranks:  # the layers' rows first: a rank whose model raised waits in that collective
             report.layers = ranked_records(rows, failed=False, tp=tp)
-        over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
-        report.params = [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad,
-                                     norm=over[name][1],
-                                     grad=gradient_stats(over[name][0], abs_max=True) if over[name][0] is not None
-                                     else None)
-                         for name, p in reported] if opts.params != "none" else None
+        report.params = _mean_gradient_records(prep, reported, sums, count, tp)
     if not ranks:
         report.layers = rows.records()
+    _finish_data_report(prep, report, rows, choice, losses, ranks, tp)
+    return report
+
+
+def _finish_data_report(prep: Any, report: Report, rows: Any, choice: LossChoice | None, losses: list[float],
+                        ranks: bool, tp: list[list[int]] | None) -> None:
+    """What ``data_backward_report`` adds after its batches: the global layer rows, the data source, the
+    mean loss over the batches (and the ranks) and the notes that say what the rows are of."""
+    from hookcli.engine import distributed
+    from hookcli.engine.run import data_source, global_rows, note_ranks
+
+    count = len(losses)
     report.layers = global_rows(prep, report.layers)
     data_source(prep, report, rows, done=True)
     if choice is not None:
@@ -584,4 +618,3 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")
     report.notes.append(f"parameter gradients: of the mean loss over the {where}; layer gradients: "
                         "of each batch's loss, their statistics merged")
-    return report
