@@ -140,7 +140,8 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
          *, grads: bool, compile_model: bool) -> tuple[list[LayerRecord], dict[str, Any] | None]:
     """One run with ``keep`` on every selected output (and ``keep_grad`` on their gradients with
     ``grads``); its records and the loss. The model raising is a ModelRaisedError naming the run."""
-    from hookcli.commands.grads import loss_for, no_gradients
+    from hookcli.commands.grads import no_gradients
+    from hookcli.engine.losses import loss_for
 
     opts = prep.options
     refuse_torchscript(prep.loaded.model, prep.selection)

@@ -31,8 +31,8 @@ from torch import nn
 from hookcli.commands.check.between import StepWatch, fresh_losses
 from hookcli.commands.check.rules import ParamTrace, Training
 from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
-from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
+from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
