@@ -57,6 +57,18 @@ def test_stats_json_names_the_backend(cli, env: pytest.MonkeyPatch, name: str) -
     # outputs under HOOKCLI_REDUCTION=device in .ci/run)
 
 
+@pytest.mark.parametrize("name", ["torch", "device"])
+@pytest.mark.parametrize("command", ["diff", "features"])
+def test_diff_and_features_json_name_the_backend_in_force(cli, env: pytest.MonkeyPatch, tmp_path: Path,
+                                                           command: str, name: str) -> None:
+    env.setenv(reduction.REDUCTION_ENV, name)
+    extra = (["--vs-dtype", "float64"] if command == "diff"
+             else ["--output", str(tmp_path / "f.safetensors")])
+    result = cli(command, "tiny_models:Reused", "--input-shape", "3x4", *extra, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reduction"] == name
+
+
 def test_kernel_forced_where_it_is_off_is_one_line_exit_2(cli, env: pytest.MonkeyPatch) -> None:
     env.setenv(reduction.REDUCTION_ENV, "kernel")
     env.setenv(NO_KERNEL_ENV, "1")

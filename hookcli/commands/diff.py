@@ -240,8 +240,8 @@ def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
     report = DiffReport(model=prep_a.info, vs_model=prep_b.info, changes=vs.changes(), grads=vs.grads,
                         notes=notes)
     head_a, head_b = new_report(prep_a, "diff"), new_report(prep_b, "diff")
-    report.inputs, report.device, report.mode, report.version = (head_a.inputs, head_a.device, head_a.mode,
-                                                                 head_a.version)
+    report.inputs, report.device, report.mode, report.version, report.reduction = (
+        head_a.inputs, head_a.device, head_a.mode, head_a.version, head_a.reduction)
     report.vs_device = head_b.device
     store, grad_store = DiskStore(), DiskStore()
     try:
