@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, device_float, extras,
+from hookcli.engine import reduction as engine_reduction
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, extras,
                                   dtype_name,
                                   histogram, reduce_tensor, to_host,
                                   watch_stats)
@@ -697,25 +698,21 @@ def global_histograms(reduction: StepReduction, tensors: Sequence[tuple[torch.Te
     parts = [t for pair in tensors for t in pair]
     counted = [t is not None and add and t.numel() > 0 and t.is_floating_point()
                for pair, add in zip(tensors, adds) for t in pair]
-    local_extremes = to_host([_max_and_negated_min(t) if c else (-math.inf, -math.inf)  # type: ignore[misc]
-                              for t, c in zip(parts, counted)])
+    mine = iter(engine_reduction.extremes([t for t, c in zip(parts, counted) if c]))  # type: ignore[misc]
+    local_extremes = to_host([next(mine) if c else (-math.inf, -math.inf)  # type: ignore[misc]
+                              for c in counted])
     flat = [v if math.isfinite(v) or v == -math.inf else math.inf  # a NaN/Inf: no histogram (inf wins the MAX)
             for row in local_extremes for v in row]
     extremes = reduction._all_reduce([float(v) for v in flat], torch.distributed.ReduceOp.MAX)
-    out: list[HistogramPart] = []
-    for index, (t, c) in enumerate(zip(parts, counted)):
+    bounds: list[tuple[float, float] | None] = []
+    for index in range(len(parts)):
         hi, lo = extremes[2 * index], -extremes[2 * index + 1]
-        if not (math.isfinite(hi) and math.isfinite(lo)):
-            out.append(None)
-            continue
-        out.append((lo, hi, histogram(local(t), bounds=(lo, hi)) if c else None))
+        bounds.append((lo, hi) if math.isfinite(hi) and math.isfinite(lo) else None)
+    drawn = [(local(t), b) for t, c, b in zip(parts, counted, bounds) if c and b is not None]  # type: ignore[arg-type]
+    counts = iter(engine_reduction.histograms([t for t, _ in drawn], bounds=[b for _, b in drawn]))
+    out: list[HistogramPart] = [None if b is None else (b[0], b[1], next(counts) if c else None)
+                                for c, b in zip(counted, bounds)]
     return list(zip(out[::2], out[1::2]))
-
-
-def _max_and_negated_min(t: torch.Tensor) -> torch.Tensor:
-    """``[max, -min]`` of ``t``'s values, on its device (MIN as MAX of ``-x``: exact)."""
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return torch.stack([hi, -lo])
 
 
 def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart, HistogramPart]],
@@ -965,12 +962,12 @@ def param_rows(params: Sequence[tuple[str, torch.Tensor]], grads: Mapping[str, t
     sharded = [group is not None and is_sharded(name, p) for name, p in params]
     replicated = [(name, p) for (name, p), shard in zip(params, sharded) if not shard]
     means = mean_over_ranks(replicated, {name: grads.get(name) for name, _ in replicated})
+    chosen = [grads.get(name) if shard else means.get(name) for (name, _), shard in zip(params, sharded)]
+    reduced = iter(engine_reduction.reduce_many([local(g.detach()) for g in chosen if g is not None], zeros=False))
+    norms = engine_reduction.norms([local(p.detach()) for _, p in params])
     vectors: list[Vector] = []
-    for (name, p), shard in zip(params, sharded):
-        g = grads.get(name) if shard else means.get(name)
-        if g is not None:
-            vectors.append(reduce_tensor(local(g.detach()), zeros=False))
-        vectors.append(torch.linalg.vector_norm(local(p.detach()), dtype=device_float(p.device)).reshape(1))
+    for g, norm in zip(chosen, norms):
+        vectors += [next(reduced), norm] if g is not None else [norm]
     host = iter(to_host(vectors))  # one transfer
     rows: dict[str, tuple[list[float] | None, float]] = {}
     for (name, _), shard in zip(params, sharded):
@@ -1079,8 +1076,8 @@ def replica_desync(params: Sequence[tuple[str, torch.Tensor]], rtol: float = DES
     if group is None:
         return [], []
     compared: list[str] = []
-    vectors: list[Vector] = []
-    grads: list[bool] = []
+    values: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
     for name, p in params:
         try:
             if is_sharded(name, p):
@@ -1088,15 +1085,15 @@ def replica_desync(params: Sequence[tuple[str, torch.Tensor]], rtol: float = DES
         except UnsupportedError:  # a layout the watch refuses: not a plain copy either
             continue
         compared.append(name)
-        vectors.append(reduce_tensor(local(p.detach())))
-        grads.append(p.grad is not None)
-        if p.grad is not None:
-            vectors.append(reduce_tensor(local(p.grad.detach())))
-    host = iter(to_host(vectors))
+        values.append(local(p.detach()))
+        grads.append(local(p.grad.detach()) if p.grad is not None else None)
+    present = [g for g in grads if g is not None]
+    host = to_host(engine_reduction.reduce_many([*values, *present]))  # one call, one transfer
+    value_rows, grad_rows = iter(host[:len(values)]), iter(host[len(values):])
     plan = Plan()
-    for has_grad in grads:
-        plan.add(REPLICATED, next(host))
-        plan.add(REPLICATED, next(host) if has_grad else None)
+    for g in grads:
+        plan.add(REPLICATED, next(value_rows))
+        plan.add(REPLICATED, next(grad_rows) if g is not None else None)
     reduction = StepReduction(group)
     reduction.rtol = rtol
     _, result = reduction.reduce({}, plan, None)
