@@ -393,6 +393,7 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
         inputs=_inputs(prep, batches, label),
         device=report.device,
         mode=report.mode,
+        reduction=report.reduction,
         not_called=store.not_called,
         batches=max(1, len(batches)),
         batch_size=len(batches[0]) if batches else None,

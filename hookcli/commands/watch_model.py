@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.commands.grads import loss_for, no_gradients
+from hookcli.commands.grads import no_gradients
 from hookcli.commands.watch import Watch, check_arguments, check_path
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
+from hookcli.engine.losses import loss_for
 from hookcli.engine.session import HookOptions, training_runs
 from hookcli.engine.state import copy_model
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError

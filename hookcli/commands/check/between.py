@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
+from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.engine.stats import to_host
 from hookcli.errors import describe_exception

@@ -18,8 +18,8 @@ from torch import nn
 
 from hookcli.commands.check.rules import Observations
 from hookcli.commands.check.schema import CheckRules
-from hookcli.commands.grads import build_loss
 from hookcli.engine import run as engine
+from hookcli.engine.losses import build_loss
 from hookcli.engine.session import HookOptions, RunObserver, exact
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import iter_tensors, map_tensors

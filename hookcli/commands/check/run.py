@@ -29,8 +29,9 @@ from hookcli.errors import (
     ConfigError, HookcliError, InternalError, ModelRaisedError, RanksFailed, UnsupportedError, describe_exception,
     exit_status,
 )
-from hookcli.commands.grads import backward_report, build_loss, data_backward_report
+from hookcli.commands.grads import backward_report, data_backward_report
 from hookcli.engine.channels import ChannelDims
+from hookcli.engine.losses import build_loss
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.options import RunOptions, check_option_names, check_path_text
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
