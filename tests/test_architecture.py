@@ -252,3 +252,14 @@ def test_no_dead_code_every_top_level_name_is_used_somewhere() -> None:
                     for defined in _top_level_names(ast.parse(path.read_text(encoding="utf-8")))
                     if not defined.startswith("__") and words.get(defined, 0) <= 1)
     assert not unused, f"defined but never used (delete, or use it): {unused}"
+
+
+def test_the_run_loop_takes_a_plan_not_per_feature_flags() -> None:
+    """``engine.run.run_step`` keeps its phases and hands what a run records to collectors
+    (``engine.collectors``): at most 8 parameters and under 60 lines."""
+    tree = ast.parse((PACKAGE / "engine" / "run.py").read_text())
+    (run_step,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "run_step"]
+    arguments = run_step.args
+    count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+    assert count <= 8 and arguments.vararg is None and arguments.kwarg is None, ast.dump(arguments)
+    assert run_step.end_lineno - run_step.lineno + 1 < 60

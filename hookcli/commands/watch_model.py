@@ -113,8 +113,8 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
 
         shown = 0
         for step, args, kwargs in _batches(prep, first_args, first_kwargs, steps):
-            result = engine.run_step(prep, model, args, kwargs, HookOptions(), loss=loss,
-                                     steps=engine.OptimiserSteps(make, 1), show_phase=False)
+            result = engine.run_step(prep, model, args, kwargs, HookOptions(),
+                                     engine.RunPlan(loss=loss, steps=engine.OptimiserSteps(make, 1), show_phase=False))
             if result.failure is not None:
                 raise ModelRaisedError(f"step {step}: {engine.failure_message(result.failure)}",
                                        module=result.failure.module, input_shapes=result.failure.input_shapes,
