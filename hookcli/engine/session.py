@@ -626,14 +626,22 @@ def _as_is(fn: Callable[..., None]) -> Callable[..., None]:
     return fn
 
 
+#: The hook functions hookcli registered on modules and has not dropped yet (held weakly: a hook goes
+#: with its handle's removal).
+_OURS: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()
+
+
 def _ours(hook: Callable[..., None]) -> Callable[..., None]:
     """Mark ``hook`` as hookcli's: a copy of its module leaves it out (``_NotCopied``)."""
-    hook._hookcli_hook = True  # type: ignore[attr-defined]
+    _OURS.add(hook)
     return hook
 
 
 def _is_ours(hook: Any) -> bool:
-    return getattr(hook, "_hookcli_hook", False) is True
+    try:
+        return hook in _OURS
+    except TypeError:  # a hook of the user's that cannot be weakly referenced (a callable object) is theirs
+        return False
 
 
 #: A module's hook tables and the tables of marks keyed by the same hook ids.
