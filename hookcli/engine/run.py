@@ -31,7 +31,7 @@ from hookcli.errors import (
 from hookcli.engine import distributed, reduction, sharding
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.session import (
-    HookOptions, KeepFn, attach,
+    HookOptions, HookSession, KeepFn, attach,
 )
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
@@ -566,8 +566,8 @@ def run_model(prep: Prepared, hooks: HookOptions, plan: RunPlan | None = None) -
         return run_step(prep, model, args, kwargs, hooks, plan)
 
 
-def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], hooks: HookOptions,
-             plan: RunPlan | None = None) -> RunResult:
+def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             hooks: HookOptions | None, plan: RunPlan | None = None) -> RunResult:
     """THE run loop: one forward pass of an already placed model (``running``) with the session's
     hooks on ``prep.selection`` and, with the plan's ``loss``, the loss and one backward pass; failures
     blamed. The plan's collectors (``engine.collectors``) see each phase and fill the result.
@@ -576,7 +576,8 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     inputs require grad where needed (``inputs_for_backward``), and ``torch.autograd.grad`` takes the
     gradients of every trainable parameter and input (the model's ``.grad`` is never written). With the
     plan's ``steps``: optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``; the inputs as
-    they are, no gradients to collect).
+    they are, no gradients to collect). ``hooks`` None: the run attaches no hooks of its own (a loop a
+    watch's own hook set records, ``watch MODEL``: no one-shot run inside it).
 
     The model raising or exiting gives ``failure`` (``blame``; in backward, the module whose gradient
     arrived last) and the rows gathered up to it; hookcli's own failures (hooks, collectors) raise after
@@ -584,14 +585,15 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     (it refuses ``autograd.grad``). One host transfer for every number.
     """
     plan = plan or RunPlan()
+    hooked, hooks = hooks is not None, hooks or HookOptions()
     collectors = plan.all_collectors(hooks)
     for collector in collectors:
         hooks = collector.options(hooks)
     if plan.loss is not None and plan.steps is None:
         hooks = dataclasses.replace(hooks, grads=True)
         args, kwargs = inputs_for_backward(args, kwargs, model, hooks.input_grads)
-    with attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=plan.compiled) as session, \
-            ExitStack() as stack:
+    with attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=plan.compiled) \
+            if hooked else nullcontext(HookSession(prep.selection, hooks)) as session, ExitStack() as stack:
         step = Step(model, prep.selection, prep.index.named_parameters(), session, plan.loss is not None)
         for collector in collectors:
             collector.begin(step, stack)

@@ -974,15 +974,14 @@ def attach(
     are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
     hooks = HookSet()
-    counted = 0 if getattr(_one_shot, "training", False) else 1
-    _one_shot.runs = getattr(_one_shot, "runs", 0) + counted  # a watch around it leaves its calls out
+    _one_shot.runs = getattr(_one_shot, "runs", 0) + 1  # a watch around it leaves its calls out
     try:
         with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
                                                     compiled=compiled):
             assert hooks.session is not None
             yield hooks.session
     finally:
-        _one_shot.runs -= counted
+        _one_shot.runs -= 1
     session = hooks.session
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
@@ -990,18 +989,6 @@ def attach(
     must_run = {name for name, module in selection if module is model or module is inner}
     if hooks.compiled and must_run and not must_run & set(session._counts) and session.error is None:
         raise stale_graph_error()
-
-
-@contextmanager
-def training_runs() -> Iterator[None]:
-    """The runs (``attach``) inside the block are the training a watch records (``hookcli watch MODEL``'s
-    own loop), not one-shot runs made inside a watched loop, whose calls a watch leaves out."""
-    saved = getattr(_one_shot, "training", False)
-    _one_shot.training = True
-    try:
-        yield
-    finally:
-        _one_shot.training = saved
 
 
 def hook_calls(modules: Sequence[nn.Module], pre: Callable[..., None], post: Callable[..., None]
