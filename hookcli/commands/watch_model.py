@@ -3,8 +3,8 @@
 The engine's run loop (``run_step`` with ``OptimiserSteps``, one step per call, no hooks of its own)
 trains the model on the same inputs ``grads`` and ``check`` use (dummy, ``--input`` files, or one
 batch of ``--data`` per step) with their loss (``--loss``, ``--target``, ``--output-key``), and a
-``hookcli.watch`` on (model, optimizer) logs it: its one hook set, installed once, records every step. A model passed in from Python is never changed: a
-copy is trained.
+``hookcli.watch`` on (model, optimizer) logs it: its one hook set, installed once, records every step.
+A model passed in from Python is never changed: a copy is trained.
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ class ParamStats(Collector):
                 requires_grad=p.requires_grad,
                 norm=values[n_slot][0],
                 grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
-                clipped=int(values[c_slot][0]) if c_slot is not None else (0 if self.clip and p.requires_grad else None),
+                clipped=int(values[c_slot][0]) if c_slot is not None
+                else (0 if self.clip and p.requires_grad else None),
             ))
             if result.failure is None and p.requires_grad and g_slot is None:
                 result.unreached[name] = p

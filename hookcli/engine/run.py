@@ -703,7 +703,8 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     report = new_report(prep, command)
     ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
-    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep), RunPlan(collectors=[Merged()] if ranks else []))
+    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep),
+                    RunPlan(collectors=[Merged()] if ranks else []))
     report.layers = run.layers
     if ranks:
         rows = MergedRows()
@@ -816,7 +817,8 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs), keep_rows(prep, report, rows, ranks=ranks, tp=tp):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
-            run = run_step(prep, model, args, kwargs, HookOptions(stats=True), RunPlan(collectors=[Merged()], show_phase=False))
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=True),
+                           RunPlan(collectors=[Merged()], show_phase=False))
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             advance(1)
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))

@@ -99,7 +99,8 @@ def _losses(prep: engine.Prepared, first: torch.Tensor) -> dict[str, Any]:
     zeroed = map_tensors(lambda t: torch.zeros_like(t) if t is first else t, (args, kwargs))
     losses = []
     for what, (a, k) in (("its input", (args, kwargs)), ("the zeroed input", zeroed)):
-        run = engine.run_model(_with_inputs(prep, a, k), HookOptions(), engine.RunPlan(loss=_loss_fn(prep), show_phase=False))
+        run = engine.run_model(_with_inputs(prep, a, k), HookOptions(),
+                               engine.RunPlan(loss=_loss_fn(prep), show_phase=False))
         problem = _failed(run, what)
         if problem is not None:
             return {"skip": problem}
