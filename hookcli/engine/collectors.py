@@ -5,8 +5,9 @@ session's hooks; each ``Collector`` it is given sees them as events on one ``Ste
 
 - ``options``: before the hooks attach, it may change what they compute (``HookOptions``);
 - ``begin``: the step begins, the hooks attached (it may enter contexts that last the run);
-- ``forward`` / ``backward``: a context around each forward / backward pass; ``forward_end`` gets the
-  model's output, inside the forward context;
+- ``forward`` / ``backward``: a context around each forward / ``torch.autograd.grad`` backward pass;
+  ``forward_end`` gets the model's output, inside the forward context;
+- ``optimiser_step``: with optimiser steps, after each ``loss.backward()``, before ``optimizer.step()``;
 - ``ran``: every phase ran without the model raising (what the collector stored may raise now);
 - ``end``: the step ends (also when the model raised);
 - ``vectors`` then ``records``: the vectors it wants on the run's one host transfer, then their host
@@ -104,6 +105,9 @@ class Collector:
     def backward(self, step: Step) -> AbstractContextManager[Any]:
         """A context around each ``torch.autograd.grad`` backward pass."""
         return nullcontext()
+
+    def optimiser_step(self, step: Step) -> None:
+        """After each backward of optimiser steps, before ``optimizer.step()`` (under ``torch.no_grad``)."""
 
     def ran(self, step: Step) -> None:
         """Every phase ran and the model raised nothing: raise what the collector stored, if anything."""

@@ -465,18 +465,27 @@ LossFn = Callable[[Any, tuple[Any, ...], dict[str, Any], nn.Module], tuple[torch
 
 
 @dataclass
-class OptimiserSteps:
+class OptimiserSteps(Collector):
     """Training steps instead of one ``autograd.grad`` (``run_step``): ``count`` times forward, loss,
     ``loss.backward()`` into ``.grad`` and ``optimizer.step()``. ``optimizer`` makes the optimiser once
     the model is placed; ``after_backward`` runs under ``torch.no_grad`` after each backward (to read
-    ``.grad``); ``finished`` once after the last step (none failed), while the model is still placed
-    (to read what the steps changed). What ``after_backward`` raises is blamed like the model's code
-    (``blame``), what ``finished`` raises is passed on."""
+    ``.grad``: the ``optimiser_step`` event); ``finished`` once after the last step (none failed), while
+    the model is still placed (to read what the steps changed: the ``end`` event, before the other
+    collectors'). What ``after_backward`` raises is blamed like the model's code (``blame``), what
+    ``finished`` raises is passed on."""
 
     optimizer: Callable[[], torch.optim.Optimizer]
     count: int = 1
     after_backward: Callable[[], None] | None = None
     finished: Callable[[], None] | None = None
+
+    def optimiser_step(self, step: Step) -> None:
+        if self.after_backward is not None:
+            self.after_backward()
+
+    def end(self, step: Step) -> None:
+        if self.finished is not None and step.result.failure is None:
+            self.finished()
 
 
 def require_grad(obj: Any) -> Any:
@@ -554,9 +563,10 @@ class RunPlan:
     show_phase: bool = True
 
     def all_collectors(self, hooks: HookOptions) -> list[Collector]:
-        """The collectors of a run with ``hooks``: FLOPs (``hooks.flops``), the loss, then the plan's own."""
-        return [*([FlopCount()] if hooks.flops else []), *([LossValue()] if self.loss is not None else []),
-                *self.collectors]
+        """The collectors of a run with ``hooks``: the optimiser steps, FLOPs (``hooks.flops``), the loss,
+        then the plan's own."""
+        return [*([self.steps] if self.steps is not None else []), *([FlopCount()] if hooks.flops else []),
+                *([LossValue()] if self.loss is not None else []), *self.collectors]
 
 
 def run_model(prep: Prepared, hooks: HookOptions, plan: RunPlan | None = None) -> RunResult:
@@ -598,8 +608,6 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
         for collector in collectors:
             collector.begin(step, stack)
         _phases(plan, step, collectors, args, kwargs)
-        if plan.steps is not None and plan.steps.finished is not None and step.result.failure is None:
-            plan.steps.finished()
         for collector in collectors:
             collector.end(step)
         parts = [collector.vectors(step) for collector in collectors]
@@ -623,10 +631,10 @@ def _phases(plan: RunPlan, step: Step, collectors: Sequence[Collector], args: tu
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             _forward_backward(plan, step, collectors, fn, (args, kwargs), optimizer is not None)
-            if optimizer is not None and steps is not None:
-                if steps.after_backward is not None:
-                    with torch.no_grad():
-                        steps.after_backward()
+            if optimizer is not None:
+                with torch.no_grad():
+                    for collector in collectors:
+                        collector.optimiser_step(step)
                 optimizer.step()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
