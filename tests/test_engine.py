@@ -305,3 +305,42 @@ def test_a_collectors_own_failure_during_forward_is_hookclis_not_the_models() ->
     prep = engine.prepare(RunOptions(model=nn.Linear(2, 2), input_shapes=["1x2"], seed=0))
     with pytest.raises(InternalError, match="a broken collector"):
         engine.run_model(prep, HookOptions(), engine.RunPlan(collectors=[Broken()], show_phase=False))
+
+
+def test_a_collector_sees_each_optimiser_step_with_the_steps_gradients_before_the_update() -> None:
+    """With optimiser steps, ``optimiser_step`` is called after each ``loss.backward()`` and before
+    ``optimizer.step()``: the weight's ``.grad`` there is torch's gradient of that step's loss, and
+    ``end`` comes after the plan's own ``finished``."""
+    from hookcli.engine import run as engine
+    from hookcli.engine.collectors import Collector
+    from hookcli.options import RunOptions
+
+    model = nn.Linear(3, 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reference = nn.Linear(3, 1).double()
+    reference.load_state_dict(model.state_dict())
+    events: list[str] = []
+    seen: list[torch.Tensor] = []
+
+    class Grads(Collector):
+        def optimiser_step(self, step):
+            events.append("optimiser_step")
+            seen.append(step.model.weight.grad.clone())
+
+        def end(self, step):
+            events.append("end")
+
+    steps = engine.OptimiserSteps(lambda: torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                                  finished=lambda: events.append("finished"))
+    plan = engine.RunPlan(loss=lambda out, a, k, m: (out.pow(2).mean(), None), steps=steps, collectors=[Grads()],
+                          show_phase=False)
+    prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
+    with engine.running(prep, keep_params=False) as (placed, args, kwargs):
+        engine.run_step(prep, placed, args, kwargs, HookOptions(), plan)
+    assert events == ["optimiser_step", "optimiser_step", "finished", "end"]
+    for got in seen:  # plain SGD steps on the reference, each step's gradient checked before its update
+        weight, bias = torch.autograd.grad(reference(x).pow(2).mean(), [reference.weight, reference.bias])
+        assert torch.allclose(got, weight, rtol=1e-12, atol=1e-15)
+        with torch.no_grad():
+            reference.weight -= 0.1 * weight
+            reference.bias -= 0.1 * bias
