@@ -13,8 +13,9 @@ session's hooks; each ``Collector`` it is given sees them as events on one ``Ste
 - ``vectors`` then ``records``: the vectors it wants on the run's one host transfer, then their host
   values, to write into the step's ``RunResult``.
 
-What a collector raises during the phases (outside ``ran``) is hookcli's failure: ``Step.session.call``
-stores it and the run raises it after the model ran, never into the model.
+What a collector raises is hookcli's failure, never the model's: raised during the phases, the run's
+blame finds it in hookcli's code (InternalError); stored with ``Step.session.call`` (as the observer's
+calls are), it is raised once the model has run, and the model's run goes on meanwhile.
 """
 
 from __future__ import annotations
