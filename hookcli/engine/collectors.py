@@ -14,8 +14,9 @@ session's hooks; each ``Collector`` it is given sees them as events on one ``Ste
   values, to write into the step's ``RunResult``.
 
 What a collector raises is hookcli's failure, never the model's: raised during the phases, the run's
-blame finds it in hookcli's code (InternalError); stored with ``Step.session.call`` (as the observer's
-calls are), it is raised once the model has run, and the model's run goes on meanwhile.
+blame finds it in hookcli's own code (InternalError: collectors live in ``hookcli/``); stored with
+``Step.session.call`` (as the observer's calls are), it is raised once the model has run, and the
+model's run goes on meanwhile.
 """
 
 from __future__ import annotations
