@@ -28,6 +28,7 @@ from hookcli.engine.run import (
     new_report,
     prepare,
     require_values,
+    RunPlan,
     run_model,
 )
 from hookcli.engine.selection import module_depth
@@ -152,8 +153,8 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
             raise no_gradients(prep)
         return choice.value, choice
 
-    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad), loss=loss if grads else None,
-                    compiled=compile_model, show_phase=False)
+    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad),
+                    RunPlan(loss=loss if grads else None, compiled=compile_model, show_phase=False))
     if run.failure is not None:
         failure = run.failure
         raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,

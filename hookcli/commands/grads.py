@@ -230,7 +230,8 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.run import global_rows, new_report, note_ranks, raise_failure, run_step, running
+    from hookcli.engine.collectors import Collector, Merged, Observed, ParamStats
+    from hookcli.engine.run import RunPlan, global_rows, new_report, note_ranks, raise_failure, run_step, running
 
     opts = prep.options
     # under torchrun, ``grads`` and ``check`` are over every rank's batch (docs/distributed.md)
@@ -258,8 +259,10 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     # parameters are read inside ``running``: moving the model may replace its parameter objects
     with running(prep) as (model, args, kwargs):
         scope = param_scope(prep.index, prep.selection, opts.params)
-        run = run_step(prep, model, args, kwargs, hooks, loss=loss, observer=observer, clip=opts.clip,
-                       params=scope, merge=ranks)
+        collect: list[Collector] = [ParamStats(scope, opts.clip)]  # (Observed after it: it marks unused ones)
+        collect += [Observed(observer)] if observer is not None else []
+        collect += [Merged(scope)] if ranks else []
+        run = run_step(prep, model, args, kwargs, hooks, RunPlan(loss=loss, collectors=collect))
         if ranks:
             _over_ranks(prep, run, scope, tp)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
@@ -369,7 +372,9 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
     from hookcli.progress import bar as progress_bar
     from hookcli.engine.batches import MergedRows
     from hookcli.engine import distributed
-    from hookcli.engine.run import add_batch, data_batches, keep_rows, new_report, ranked_records, run_step, running
+    from hookcli.engine.collectors import Merged, ParamStats
+    from hookcli.engine.run import (RunPlan, add_batch, data_batches, keep_rows, new_report,
+                                    ranked_records, run_step, running)
 
     opts = prep.options
     _refuse_data_run(prep, command)
@@ -394,8 +399,8 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
         reported = param_scope(prep.index, prep.selection, opts.params)
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             refuse_empty_slices(prep, command, batch, where=f"batch {index}: ")
-            run = run_step(prep, model, args, kwargs, HookOptions(stats=stats), loss=loss, params=reported,
-                           show_phase=False, merge=True)
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=stats),
+                           RunPlan(loss=loss, collectors=[ParamStats(reported), Merged(reported)], show_phase=False))
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             if not run.reached:
                 raise no_gradients(prep)

@@ -185,7 +185,7 @@ def fresh_losses(prep: engine.Prepared, model: nn.Module, batches: int) -> dict[
             return {"skip": "the inputs were not generated from a seed (files, --data, tensors given, the model's example "
                             "inputs): no fresh batch to make"}
         run = engine.run_model(replace(prep, loaded=replace(prep.loaded, model=model), inputs=fresh, selection=[]),
-                               HookOptions(), loss=loss, show_phase=False)
+                               HookOptions(), engine.RunPlan(loss=loss, show_phase=False))
         if run.cause is not None:
             return {"skip": f"the model raised on a fresh batch: {describe_exception(run.cause)}"}
         chance, task = seen[0][1]

@@ -201,8 +201,8 @@ class SteppedCopy:
         plan = engine.OptimiserSteps(lambda: torch.optim.SGD([p for _, p in self.tracked], lr=self.lr), steps,
                                      after_backward, finished)
         try:
-            run = engine.run_model(replace(self.prepared(), selection=[]), HookOptions(), loss=loss, steps=plan,
-                                   show_phase=False)
+            run = engine.run_model(replace(self.prepared(), selection=[]), HookOptions(),
+                                   engine.RunPlan(loss=loss, steps=plan, show_phase=False))
         except HookcliError as exc:  # building the loss failed, or hookcli's own code raised on the copy
             cause = exc.__cause__ if isinstance(exc, InternalError) and isinstance(exc.__cause__, Exception) else exc
             self.error = f"the SGD step on the copy raised {describe_exception(cause)}"

@@ -33,6 +33,7 @@ from hookcli.commands.check.rules import ParamTrace, Training
 from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.engine import run as engine
 from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
+from hookcli.engine.collectors import Observed
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
@@ -281,7 +282,8 @@ class _Trainer:
             prepared = self.prepared(clone)
             if watcher is not None:
                 prepared = replace(prepared, selection=watcher.selection)
-            result = engine.run_model(prepared, HookOptions(), loss=loss, steps=plan, show_phase=False, observer=watcher)
+            result = engine.run_model(prepared, HookOptions(), engine.RunPlan(
+                loss=loss, steps=plan, collectors=[Observed(watcher)] if watcher is not None else [], show_phase=False))
         except UsageError:
             raise
         except HookcliError as exc:
@@ -303,7 +305,7 @@ class _Trainer:
         for _ in range(2):
             watch = _Checksums()
             engine.run_model(self.prepared(_copy(self.prep.loaded.model), hooked=True), HookOptions(),
-                             observer=watch, show_phase=False)
+                             engine.RunPlan(collectors=[Observed(watch)], show_phase=False))
             sums.append(watch.host())
         a, b = sums
         for key in sorted(a, key=lambda k: a[k][0]):
