@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
-from hookcli.engine.cause import CauseTrace, CauseTracer
+from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
@@ -482,6 +482,8 @@ class StepWatcher:
         for record in flight_records(flight.unwritten(before, upto)):
             if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
                 record.cause = trace.cause()  # one more transfer, once a run
+            elif record.step == flight.first_bad and self.hooks.compiled:
+                record.cause = compiled_cause(record)
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
@@ -530,6 +532,8 @@ class StepWatcher:
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
+        elif self.hooks.compiled:
+            out.cause = compiled_cause(out)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
