@@ -11,7 +11,8 @@ dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
-0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
+0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports) | ``cause``
+(who made a NaN: ``made_in_a_parent``, then ``made_on_rank_one``).
 ``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
 ``dead_units`` (``OUT/dead<r>.json``) and ``unused_branch`` (``OUT/branch/``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
 ``sequence_parallel`` under FSDP2 x TP (``OUT/sp_fsdp/``): packed into those
