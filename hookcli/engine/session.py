@@ -931,6 +931,28 @@ class HookSet:
         self._handles.append(optimizer.register_step_pre_hook(outer.pre))
         self._handles.append(optimizer.register_step_post_hook(outer.post))
 
+    def observe_closures(self, optimizer: torch.optim.Optimizer, wanted: Callable[[], bool],
+                         returned: Callable[[], None]) -> None:
+        """Until ``remove``, call ``returned()`` each time the closure of ``optimizer.step(closure)``
+        returns, in the steps where ``wanted()`` says so at the pre-step (a pre-step hook hands the step
+        a wrapper: the closure's result and exceptions stay the loop's own; ``returned`` must not
+        raise). Where a closure runs the step's backward (LBFGS, Lightning's automatic optimisation,
+        whose closure adds gradient accumulation's last micro-batch), the gradients the step applies
+        exist only once it has returned: not at the pre-step, and the optimizer may change or free
+        ``.grad`` before its post-step."""
+
+        def pre(_optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+            # (args[0] is the optimizer; a subclass's super().step() gets the closure already wrapped)
+            closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+            if not callable(closure) or isinstance(closure, ObservedClosure) or not wanted():
+                return None
+            observed = ObservedClosure(closure, returned)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": observed}
+            return (args[0], observed, *args[2:]), kwargs
+
+        self._handles.append(optimizer.register_step_pre_hook(pre))
+
     def remove(self) -> None:
         """Take every hook of the set away (module, process-wide, parameter and leaf-tensor hooks);
         the session's records of the step in progress stay readable. Safe to call twice."""
@@ -1065,6 +1087,19 @@ class ParamReads:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+
+class ObservedClosure:
+    """A closure handed to ``optimizer.step()`` (``HookSet.observe_closures``), called as it is;
+    ``returned()`` is called each time it has returned (not when it raised)."""
+
+    def __init__(self, closure: Callable[[], Any], returned: Callable[[], None]) -> None:
+        self.closure, self.returned = closure, returned
+
+    def __call__(self) -> Any:
+        out = self.closure()
+        self.returned()
+        return out
 
 
 class OuterStep:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
-from hookcli.engine.cause import CauseTrace, CauseTracer
+from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
@@ -145,7 +145,9 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._lr_scales: list[float | None] | None = None
-        self._backward_before = False
+        #: a logged step's gradients as the closure handed to its optimizer.step() left them
+        #: (``HookSet.observe_closures``)
+        self._closure_grads: list[Vector | None] | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -181,6 +183,9 @@ class StepWatcher:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
                                           self._guarded(self._post_step))
+                returned = self._guarded(self._closure_returned)
+                self.hooks.observe_closures(self.optimizer, lambda: self._param_vectors is not None,
+                                            lambda: returned(self.optimizer, (), {}))
             self._begin()
             self.roots.install()
         except BaseException:
@@ -201,9 +206,9 @@ class StepWatcher:
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
+        self._closure_grads = None
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
-        self._backward_before = False  # a backward reached the parameters before the logged step's pre-step
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -241,7 +246,6 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
-            self._backward_before = self.hooks.backward_reached
             self._lr_scales = lr_scales(self.optimizer, self.params)
             self._param_vectors = self.hooks.param_vectors()
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
@@ -254,12 +258,11 @@ class StepWatcher:
             self._updates = reduction.norms([reducible(before.sub_(distributed.local(p.detach())))
                                              for before, (_, p) in zip(self._before, self.params)])
             self._before = None
-        if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
-            # a closure ran the step's backward inside optimizer.step() (LBFGS, Lightning's automatic
-            # optimisation): the gradients it applied are read now (the last closure call's); the norms
-            # stay the pre-step's
-            for entry, now in zip(self._param_vectors, self.hooks.param_vectors()):
-                entry.grad = now.grad
+        if self._param_vectors is not None and self._closure_grads is not None:
+            # the step's closure ran (a backward) inside optimizer.step(): the gradients it applied are
+            # those its last call left; the norms stay the pre-step's
+            for entry, grad in zip(self._param_vectors, self._closure_grads):
+                entry.grad = grad
         if self.user_steps:
             session = self.hooks.session
             # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
@@ -271,6 +274,18 @@ class StepWatcher:
             self._pending = record or WatchStep(-1)  # step -1: an unlogged step, nothing to hand on
         elif record is not None:
             self.on_step(record)
+
+    def _closure_returned(self) -> None:
+        """The closure handed to a logged step's ``optimizer.step()`` returned (``HookSet.observe_closures``):
+        it may have run a backward (LBFGS, Lightning's automatic optimisation: the step's only backward,
+        or gradient accumulation's last micro-batch), so the gradients the step applies are read now, as
+        the pre-step reads them; a later call (LBFGS) reads them again."""
+        if self._param_vectors is None:
+            return
+        self._closure_grads = [entry.grad for entry in self.hooks.param_vectors()]
+        if self.reduction is not None:
+            self._partial = distributed.partial_grads(self.params)
+        self._histograms = self._param_histograms()
 
     def user_step(self, loss: Any = None) -> None:
         """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
@@ -467,6 +482,8 @@ class StepWatcher:
         for record in flight_records(flight.unwritten(before, upto)):
             if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
                 record.cause = trace.cause()  # one more transfer, once a run
+            elif record.step == flight.first_bad and self.hooks.compiled:
+                record.cause = compiled_cause(record)
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
@@ -515,6 +532,8 @@ class StepWatcher:
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
+        elif self.hooks.compiled:
+            out.cause = compiled_cause(out)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
