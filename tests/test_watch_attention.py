@@ -500,3 +500,43 @@ def test_healthy_transformers_train_without_findings(tmp_path, name):
     assert all(len(line["attention"]) == modules and line["output_logits"] is not None for line in lines)
     heads = [h for line in lines for a in line["attention"] for h in a["entropy"]]
     assert all(h is not None and h >= 0 for h in heads)
+
+
+def test_unlogged_steps_run_torch_own_function_without_the_probe_hooks(tmp_path):
+    """Only a logged step is measured: on the others the function is torch's own and no module carries
+    the probe's hooks; and the loop raising puts everything back."""
+    torch.manual_seed(0)
+    model = NanoGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain = torch._C._nn.scaled_dot_product_attention
+    hooks = len(model.blocks[0].attn._forward_hooks)
+    seen = []
+    with pytest.raises(RuntimeError, match="the loop's own"):
+        with hookcli.watch(model, opt, every=2, out=tmp_path / "log.jsonl", on_finding="warn") as w:
+            for step, batch in enumerate(tokens(5)):
+                seen.append((F.scaled_dot_product_attention is plain, len(model.blocks[0].attn._forward_hooks) > hooks))
+                lm_step(model, batch).backward()
+                opt.step()
+                opt.zero_grad()
+                w.step()
+                if step == 4:
+                    raise RuntimeError("the loop's own")
+    assert seen == [(False, True), (True, False), (False, True), (True, False), (False, True)]
+    assert F.scaled_dot_product_attention is plain and len(model.blocks[0].attn._forward_hooks) == hooks
+    assert [line["step"] for line in log_lines(tmp_path / "log.jsonl") if line.get("attention")] == [0, 2, 4]
+
+
+def test_with_their_three_rules_off_the_signals_are_not_measured(tmp_path):
+    torch.manual_seed(0)
+    model = NanoGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain = torch._C._nn.scaled_dot_product_attention
+    with hookcli.watch(model, opt, out=tmp_path / "log.jsonl", on_finding="warn",
+                       rules={rule: False for rule in NEW_RULES}) as w:
+        for batch in tokens(2):
+            assert F.scaled_dot_product_attention is plain
+            lm_step(model, batch).backward()
+            opt.step()
+            w.step()
+    lines = log_lines(tmp_path / "log.jsonl")
+    assert len(lines) == 2 and not any("attention" in line or "output_logits" in line for line in lines)

@@ -95,7 +95,8 @@ class StepWatcher:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
                  on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
-                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None) -> None:
+                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None,
+                 attention: bool = True) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -106,6 +107,7 @@ class StepWatcher:
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
         #: the attention heads and output logits of logged steps (engine.attention; not compiled, not torchrun)
         self.attention: AttentionProbe | None = None
+        self._attention = attention  # (off: every rule that reads them is)
         #: the first step whose loss was not finite: a device scalar updated at every step's end (-1: none
         #: yet; ``torch.where``, no host synchronisation), read at logged steps; or the host's, for a number
         self._loss_first: torch.Tensor | None = None
@@ -180,7 +182,7 @@ class StepWatcher:
         self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
             self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
-            if self.reduction is None:
+            if self.reduction is None and self._attention:
                 self.attention = AttentionProbe(compiled_inner(self.model), self.hooks.session.validating)
         try:
             if self.optimizer is not None:
