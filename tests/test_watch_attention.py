@@ -166,7 +166,11 @@ def test_nanogpt_heads_equal_the_explicit_softmax(tmp_path):
             assert entry["entropy"] == pytest.approx(ent.tolist(), rel=1e-5, abs=1e-5)
 
 
-def test_output_logits_equal_plain_torch(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 120])
+def test_output_logits_equal_plain_torch(tmp_path, monkeypatch, chunk):
+    """(chunk: the logits read a few rows at a time, 2 rows of 50 classes here, as a large vocabulary's are)"""
+    if chunk is not None:
+        monkeypatch.setattr("hookcli.engine.attention.CHUNK", chunk)
     torch.manual_seed(1)
     model = NanoGPT()
     outs = []
@@ -540,3 +544,34 @@ def test_with_their_three_rules_off_the_signals_are_not_measured(tmp_path):
             w.step()
     lines = log_lines(tmp_path / "log.jsonl")
     assert len(lines) == 2 and not any("attention" in line or "output_logits" in line for line in lines)
+
+
+def test_a_failure_of_the_probe_stops_the_watch_not_the_loop(tmp_path, monkeypatch):
+    """hookcli's own failure while it measures a head is never raised into the model: the loop runs on
+    and computes what it computes unwatched, torch's function is put back, the watch says it stopped."""
+    from hookcli.errors import WatchWarning
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug of hookcli's")
+
+    batches = tokens(4)
+    torch.manual_seed(0)
+    plain, _ = _losses(NanoGPT(), lm_step, batches, False, tmp_path)
+    monkeypatch.setattr("hookcli.engine.attention.head_stats", broken)
+    torch.manual_seed(0)
+    model = NanoGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    with pytest.warns(WatchWarning, match="hookcli.watch stopped at step 0: .*a bug of hookcli's"):
+        with hookcli.watch(model, opt, out=tmp_path / "stopped.jsonl", on_finding="warn") as w:
+            torch.manual_seed(123)
+            for batch in batches:
+                loss = lm_step(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                w.step(loss=loss)
+                assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+    assert losses == plain
+    assert not (tmp_path / "stopped.jsonl").exists()  # (nothing logged: it stopped at step 0)

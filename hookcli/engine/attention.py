@@ -15,6 +15,7 @@ logit and of the log-partition. Everything reaches the host in the step's one tr
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,10 @@ from hookcli.records import AttentionLayer, OutputLogits
 
 #: Query rows sampled per head and call: the per-head maximum and entropy are over these rows only.
 ROWS = 64
+
+#: The output logits are read this many values at a time (float32 temporaries of at most 64 MiB, not
+#: one the size of a large vocabulary's logits).
+CHUNK = 1 << 24
 
 #: -1 unless autograd's engine runs a backward pass in this thread (a checkpoint's recomputation)
 _graph_task_id = torch._C._current_graph_task_id
@@ -121,9 +126,11 @@ def logit_sums(output: Any) -> tuple[str, torch.Tensor, int, int] | None:
     if found is None:
         return None
     where, t = found
-    z = t.detach().reshape(-1, t.shape[-1]).float()
-    sums = torch.stack([z.amax(-1).sum(), torch.logsumexp(z, -1).sum()])
-    return where, sums, z.shape[0], z.shape[-1]
+    z = t.detach().reshape(-1, t.shape[-1])
+    step = max(1, CHUNK // z.shape[-1])  # rows at a time: a temporary of at most CHUNK floats
+    parts = [torch.stack([c.amax(-1).sum(), torch.logsumexp(c, -1).sum()])
+             for c in (z[i:i + step].float() for i in range(0, z.shape[0], step))]
+    return where, torch.stack(parts).sum(0) if len(parts) > 1 else parts[0], z.shape[0], z.shape[-1]
 
 
 def _logits_in(output: Any) -> tuple[str, torch.Tensor] | None:
@@ -205,7 +212,8 @@ class AttentionProbe:
             return
         try:
             query, key, mask, causal, scale, gqa = _sdpa_args(args, kwargs)
-            if not all(type(t) is torch.Tensor and t.is_floating_point() and t.dim() >= 2 and t.numel()
+            if not all(type(t) is torch.Tensor and not t.is_nested and t.layout == torch.strided
+                       and t.is_floating_point() and t.dim() >= 2 and t.numel()
                        for t in (query, key)):
                 return
             if not self._stack:  # (not inside the watched model: another model's, the loss's)
@@ -213,7 +221,9 @@ class AttentionProbe:
             owner = self._stack[-1]
             name = owner[0] + (f"[sdpa {owner[1]}]" if owner[1] else "")
             owner[1] += 1
-            with torch.no_grad(), torch.autocast(query.device.type, enabled=False):
+            device = query.device.type
+            cast = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
+            with torch.no_grad(), cast:
                 vector, heads = head_stats(query.detach(), key.detach(), mask, causal, scale, gqa)
             self._merge(name, heads, key.shape[-2], vector)
         except Exception as exc:
