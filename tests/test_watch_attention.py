@@ -575,3 +575,54 @@ def test_a_failure_of_the_probe_stops_the_watch_not_the_loop(tmp_path, monkeypat
                 assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
     assert losses == plain
     assert not (tmp_path / "stopped.jsonl").exists()  # (nothing logged: it stopped at step 0)
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+SCRIPT = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.temp = 1.0
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, 2))
+        y = F.scaled_dot_product_attention(q * self.temp, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+model = nn.Sequential(nn.Embedding(20, 16), Attn(), nn.Linear(16, 20))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(1))
+for step in range(30):
+    model[1].temp = 1.4 ** step  # the bug: the attention's temperature shrinks
+    loss = F.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("trained")
+'''
+
+
+def test_watch_cmd_logs_the_heads_and_names_the_collapsing_one(cli, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "log.jsonl"
+    result = cli("watch", "--every", "2", "--out", log, "--", "python", script)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "trained\n"
+    lines = log_lines(log)
+    measured = [line for line in lines if line.get("attention")]
+    assert measured and all([a["name"] for a in line["attention"]] == ["1"] for line in measured)
+    assert all(line["output_logits"]["classes"] == 20 for line in measured)
+    findings = [f for line in lines for f in line["findings"] if f["rule"] == "attention_entropy"]
+    assert len(findings) == 1 and findings[0]["layer"] == "1" and findings[0]["step"] > 4  # (after its early level)
+    assert f"step {findings[0]['step']}: warning attention_entropy (1): 1 head " in result.stderr
