@@ -626,3 +626,25 @@ def test_watch_cmd_logs_the_heads_and_names_the_collapsing_one(cli, tmp_path):
     findings = [f for line in lines for f in line["findings"] if f["rule"] == "attention_entropy"]
     assert len(findings) == 1 and findings[0]["layer"] == "1" and findings[0]["step"] > 4  # (after its early level)
     assert f"step {findings[0]['step']}: warning attention_entropy (1): 1 head " in result.stderr
+
+
+def test_two_watches_at_once_each_measure_their_own_model(tmp_path):
+    torch.manual_seed(0)
+    a, b = NanoGPT(layers=1), NanoGPT(layers=2)
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (a, b))
+    kept = []
+    with hookcli.watch(a, opt_a, out=tmp_path / "a.jsonl", on_finding="warn") as wa:
+        with hookcli.watch(b, opt_b, out=tmp_path / "b.jsonl", on_finding="warn") as wb:
+            for batch in tokens(2):
+                kept.append(F.scaled_dot_product_attention)  # a reference taken while the wrapper is in place
+                for model, opt, w in ((a, opt_a, wa), (b, opt_b, wb)):
+                    lm_step(model, batch).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    w.step()
+    assert [[x["name"] for x in line["attention"]] for line in log_lines(tmp_path / "a.jsonl")] == [["blocks.0.attn"]] * 2
+    assert [[x["name"] for x in line["attention"]] for line in log_lines(tmp_path / "b.jsonl")] == \
+        [["blocks.0.attn", "blocks.1.attn"]] * 2
+    q, k, v = torch.randn(3, 1, 2, 4, 8).unbind(0)
+    assert kept[0] is not torch._C._nn.scaled_dot_product_attention  # (the wrapper, past the watch:)
+    assert torch.equal(kept[0](q, k, v), torch._C._nn.scaled_dot_product_attention(q, k, v))

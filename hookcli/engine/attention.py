@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hookcli.engine.session import hook_calls
@@ -37,16 +36,20 @@ CHUNK = 1 << 24
 #: -1 unless autograd's engine runs a backward pass in this thread (a checkpoint's recomputation)
 _graph_task_id = torch._C._current_graph_task_id
 
-#: The armed probes, innermost last; the wrapper feeds the last (one wrapper for any number of watches).
+#: torch's own function.
+_TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+#: The armed probes (one wrapper for any number of watches, each probe its own model's calls).
 _ARMED: list[AttentionProbe] = []
 #: The function the wrapper replaced (restored when the last probe disarms), while one is installed.
 _replaced: list[Callable[..., Any]] = []
 
 
 def _wrapper(*args: Any, **kwargs: Any) -> Any:
-    out = _replaced[0](*args, **kwargs) if _replaced else F.scaled_dot_product_attention(*args, **kwargs)
-    if _ARMED:
-        _ARMED[-1].saw(args, kwargs)
+    # (a reference to the wrapper kept past the watch, taken from torch.nn.functional while it was in
+    # place, calls torch's own)
+    out = (_replaced[0] if _replaced else _TORCH_SDPA)(*args, **kwargs)
+    for probe in tuple(_ARMED):  # (each watch's probe measures the calls inside its own model)
+        probe.saw(args, kwargs)
     return out
 
 
