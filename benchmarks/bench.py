@@ -767,10 +767,6 @@ def watch_peak_run(watch: bool, config: Any, batch: int, seq: int, steps: int) -
                 w.step(loss=trainee.step())
 
 
-#: The watch rules that read the attention heads and output logits: all off, the signals are not measured.
-TRANSFORMER_SIGNALS = ("attention_entropy", "attn_logit_growth", "output_logit_drift")
-
-
 def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch: int = 8, seq: int = 128,
                 every: int = 50, steps: int | None = None, memory_runs: int | None = None,
                 memory_steps: int = 3) -> list[dict[str, Any]]:
@@ -790,6 +786,7 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     import hookcli
     import models
+    from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES
 
     config = config or models.WATCH_GPT
     steps = steps or (every if quick else 4 * every)
@@ -816,7 +813,8 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-") as tmp:
         alternate_steps(bare.step, lambda i: twin.step(), 1)  # warm-up
-        off = {rule: False for rule in TRANSFORMER_SIGNALS}  # the attention and output-logit signals off
+        # the rules that read the attention heads and output logits, all off: the signals are not measured
+        off = {rule: False for rule in TRANSFORMER_RULES}
         for every_n, variant, goal, rules in ((1, "logged step (every=1)", "<= 1.35", None),
                                               (1, "logged step, transformer signals off", "<= 1.25", off),
                                               (10**9, "unlogged step", "<= 1.02", None)):
