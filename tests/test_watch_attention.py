@@ -648,3 +648,20 @@ def test_two_watches_at_once_each_measure_their_own_model(tmp_path):
     q, k, v = torch.randn(3, 1, 2, 4, 8).unbind(0)
     assert kept[0] is not torch._C._nn.scaled_dot_product_attention  # (the wrapper, past the watch:)
     assert torch.equal(kept[0](q, k, v), torch._C._nn.scaled_dot_product_attention(q, k, v))
+
+
+def test_the_watch_table_of_a_config_sets_the_transformer_rules(cli, tmp_path):
+    """``[watch.rules.<rule>]`` as ``rules=``: attention_entropy switched off there is silent (the logit
+    growth of the same head still told); a key the rule does not have is exit 2 naming the file."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    config = tmp_path / "hookcli.toml"
+    config.write_text('[watch]\nevery = 2\nout = "log.jsonl"\n[watch.rules.attention_entropy]\nenabled = false\n')
+    result = cli("watch", "--config", config, "--", "python", script)
+    assert result.exit_code == 0, result.stderr
+    assert "attention_entropy" not in result.stderr and "warning attn_logit_growth (1)" in result.stderr
+    config.write_text('[watch.rules.output_logit_drift]\nnats = 3\n')
+    result = cli("watch", "--config", config, "--", "python", script)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {config}")
+    assert "[watch] rules: 'output_logit_drift' has no key 'nats'" in result.stderr.splitlines()[0]
