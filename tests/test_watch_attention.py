@@ -138,8 +138,10 @@ def qk_capture(model: NanoGPT) -> tuple[list, list]:
 
 
 # -- numbers ---------------------------------------------------------------------------------------------
-def test_nanogpt_heads_equal_the_explicit_softmax(tmp_path):
-    """B*L <= 64: every query row is sampled, so the heads' numbers are the exact ones over all rows."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_nanogpt_heads_equal_the_explicit_softmax(tmp_path, autocast):
+    """B*L <= 64: every query row is sampled, so the heads' numbers are the exact ones over all rows.
+    Under bfloat16 autocast q and k are bfloat16, and the logits are still computed from them in float32."""
     torch.manual_seed(0)
     model = NanoGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -147,7 +149,9 @@ def test_nanogpt_heads_equal_the_explicit_softmax(tmp_path):
     data = tokens(3)
     with hookcli.watch(model, opt, out=tmp_path / "log.jsonl", on_finding="warn") as w:
         for batch in data:
-            lm_step(model, batch).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_step(model, batch)
+            loss.backward()
             opt.step()
             opt.zero_grad()
             w.step()
@@ -420,14 +424,17 @@ def _losses(model: nn.Module, step, batches, watched: bool, tmp_path) -> tuple[l
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2"])
+@pytest.mark.parametrize("name", ["nanogpt", "nanogpt-bf16-autocast", "gpt2"])
 def test_the_watched_loop_computes_bit_for_bit_what_the_unwatched_does(tmp_path, name):
     def build():
         torch.manual_seed(5)
-        return NanoGPT(dropout=0.1) if name == "nanogpt" else _gpt2(attn_pdrop=0.1)
+        return _gpt2(attn_pdrop=0.1) if name == "gpt2" else NanoGPT(dropout=0.1)
 
     def step(model, batch):
-        return lm_step(model, batch) if name == "nanogpt" else model(input_ids=batch, labels=batch).loss
+        if name == "gpt2":
+            return model(input_ids=batch, labels=batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("autocast")):
+            return lm_step(model, batch)
 
     batches = tokens(6)
     plain, plain_params = _losses(build(), step, batches, False, tmp_path)
