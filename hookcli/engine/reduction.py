@@ -26,7 +26,7 @@ tensors still take ``auto``'s choice; ``name_for`` says which one a run's device
 of every JSON report and watch log line.
 
 The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
-``histograms`` and ``channel_counts`` (many at once; they loop today).
+``histograms``, ``extremes`` and ``channel_counts`` (many at once; they loop today).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from hookcli.engine import stats
 from hookcli.engine.backends import BACKENDS, REDUCTION_ENV, Backend, choose, name_for
 from hookcli.engine.channels import channel_nonzeros
 
-__all__ = ["BACKENDS", "REDUCTION_ENV", "Backend", "channel_counts", "choose", "histograms", "name_for", "norms",
-           "reduce", "reduce_many"]
+__all__ = ["BACKENDS", "REDUCTION_ENV", "Backend", "channel_counts", "choose", "extremes", "histograms", "name_for",
+           "norms", "reduce", "reduce_many"]
 
 
 def reduce(t: torch.Tensor, *, zeros: bool = True, reducer: stats.Reducer | None = None) -> stats.Vector:
@@ -82,11 +82,23 @@ def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     return [stats.l2_norm(t, use_kernel=use_kernel) for t in tensors]
 
 
-def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS
-               ) -> list[torch.Tensor | None]:
+def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS,
+               bounds: Sequence[tuple[float, float]] | None = None) -> list[torch.Tensor | None]:
     """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
-    non-float tensor)."""
-    return [stats.histogram(t, bins) if t is not None else None for t in tensors]
+    non-float tensor). ``bounds``: each tensor's buckets' ``(min, max)`` instead of its own (parts whose
+    counts add up: ``engine.distributed.global_histograms``)."""
+    spans: Sequence[tuple[float, float] | None] = bounds if bounds is not None else [None] * len(tensors)
+    return [stats.histogram(t, bins, span) if t is not None else None for t, span in zip(tensors, spans)]
+
+
+def extremes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each non-empty tensor's ``[max, -min]`` on its device, no transfer (MIN as MAX of ``-x``: exact, so
+    one MAX merges them over ranks: ``engine.distributed.global_histograms``)."""
+    out = []
+    for t in tensors:
+        lo, hi = torch.aminmax(t.detach().reshape(-1))
+        out.append(torch.stack([hi, -lo]))
+    return out
 
 
 def channel_counts(tensors: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:

@@ -175,11 +175,11 @@ class StepWatcher:
 
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
+        # (training_root: the model's .eval() with no_grad is a validation forward, left out)
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
                                                               channel_zeros=self.channels),
-                           params=self.params)
+                           params=self.params, training_root=compiled_inner(self.model))
         assert self.hooks.session is not None
-        self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
             self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
             if self.reduction is None and self._attention:
@@ -203,8 +203,8 @@ class StepWatcher:
         assert self.hooks.session is not None
         halted = self.error is not None or self.stopped is not None
         self.logged = not halted and self.step % self.every == 0
-        self.hooks.session.idle = not self.logged and (halted or self.flight is None)
-        self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None),
+                                      count_channels=self.logged)
         if self.cause is not None:
             self.cause.arm(not self.hooks.session.idle)
         if self.attention is not None:
@@ -242,7 +242,7 @@ class StepWatcher:
         self.stopped = exc.message if isinstance(exc, InternalError) else f"{exc.message} ({exc.hint})"
         self.logged = False
         if self.hooks.session is not None:
-            self.hooks.session.idle = True
+            self.hooks.session.go_idle()
         self.on_failure(self.stopped, self.step if step is None else step)
 
     def _pre_step(self) -> None:
