@@ -484,7 +484,8 @@ def test_unlogged_steps_have_no_cause_hooks() -> None:
             w.step()
     modules = len(list(model.modules()))
     selected = len(w.last.layers)  # the watch's own per-module hooks: one pre-hook per selected module
-    assert hooked == [modules + selected, selected, selected, modules + selected]
+    # a logged step: the tracer's pre-hook and the attention probe's (engine.attention) on every module
+    assert hooked == [2 * modules + selected, selected, selected, 2 * modules + selected]
 
 
 def test_a_tracer_on_a_healthy_step_finds_nothing() -> None:

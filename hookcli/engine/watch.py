@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
+from hookcli.engine.attention import AttentionProbe
 from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
@@ -94,7 +95,8 @@ class StepWatcher:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
                  on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
-                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None) -> None:
+                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None,
+                 attention: bool = True) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -103,6 +105,9 @@ class StepWatcher:
         #: flight recorder's steps' traces are kept as long as the ring keeps them
         self.cause: CauseTracer | None = None
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
+        #: the attention heads and output logits of logged steps (engine.attention; not compiled, not torchrun)
+        self.attention: AttentionProbe | None = None
+        self._attention = attention  # (off: every rule that reads them is)
         #: the first step whose loss was not finite: a device scalar updated at every step's end (-1: none
         #: yet; ``torch.where``, no host synchronisation), read at logged steps; or the host's, for a number
         self._loss_first: torch.Tensor | None = None
@@ -179,6 +184,8 @@ class StepWatcher:
         assert self.hooks.session is not None
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
             self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
+            if self.reduction is None and self._attention:
+                self.attention = AttentionProbe(compiled_inner(self.model), self.hooks.session.validating)
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
@@ -192,6 +199,8 @@ class StepWatcher:
             self.hooks.remove()
             if self.cause is not None:
                 self.cause.remove()
+            if self.attention is not None:
+                self.attention.remove()
             raise
 
     def _begin(self) -> None:
@@ -203,6 +212,8 @@ class StepWatcher:
                                       count_channels=self.logged)
         if self.cause is not None:
             self.cause.arm(not self.hooks.session.idle)
+        if self.attention is not None:
+            self.attention.arm(self.logged)
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
@@ -390,6 +401,8 @@ class StepWatcher:
             self.roots.remove()
             if self.cause is not None:
                 self.cause.remove()
+            if self.attention is not None:
+                self.attention.remove()
             self._before = self._param_vectors = self._updates = None
 
     def raise_error(self) -> None:
@@ -520,6 +533,7 @@ class StepWatcher:
         histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
         cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
         loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
+        attention = self.attention.slots(slot) if self.attention is not None else None
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -534,6 +548,8 @@ class StepWatcher:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
         elif self.hooks.compiled:
             out.cause = compiled_cause(out)
+        if attention is not None:
+            out.attention, out.output_logits = attention(values)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]
