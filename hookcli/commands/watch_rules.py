@@ -76,6 +76,13 @@ class _DeadState(RuleState):
     channel_runs: dict[str, list[int]] = field(default_factory=dict)
 
 
+@dataclass
+class _HistoryState(RuleState):
+    #: per parameter or layer: its previous logged values (at most the rule's ``window``)
+    history: dict[str, deque[float]] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)  # logged steps in a row over the limit
+
+
 Evaluator = Callable[[WatchStep, Settings, Any], list[Finding]]
 
 
@@ -86,7 +93,8 @@ class WatchRule:
     ``state(settings)``: a new ``RuleState`` for a run; ``doc``: what it flags (its docs row);
     ``finish(settings)``: a ConfigError for settings that are valid one by one but not together;
     ``flight``: also evaluated on a flight recorder's lines; ``needs``: what the engine gathers for it
-    only while it is enabled (``"channels"``: each output's per-channel zero counts)."""
+    only while it is enabled (``"channels"``: each output's per-channel zero counts; one of the
+    engine's ``SIGNALS``: ``"peaks"``, ``"adam"``, ``"cosines"``)."""
 
     name: str
     settings: Mapping[str, tuple[Any, Validator]]
@@ -423,6 +431,38 @@ def _activation_growth(rec: WatchStep, cfg: Settings, state: Any) -> list[Findin
     return found
 
 
+def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
+    """Adam's normalised gradient g / (sqrt(v_hat) + eps): its median RMS over the parameters below
+    ``low`` of the same without eps (eps dominates the second moment: eps too large for gradients
+    of this size), told once a run; or a parameter's RMS above ``ratio`` x the median of its previous
+    ``window`` logged values (after ``warmup`` of them): its gradient grew faster than the second
+    moment follows (the update is that many times its usual size), told once a parameter."""
+    measured = [p for p in rec.params if p.adam_rms is not None and p.adam_rms_without_eps]
+    found: list[Finding] = []
+    shares = sorted((p.adam_rms / p.adam_rms_without_eps, p.name) for p in measured)  # type: ignore[operator]
+    if shares and (median := _median([v for v, _ in shares])) < cfg["low"] and state.new("(eps)"):
+        share, name = shares[0]
+        found.append(Finding("adam_rms", "warning", rec.step, name, "update", median, cfg["low"],
+                             f"Adam's eps dominates: its normalised gradient's RMS is {median:.3g} of what it is "
+                             f"without eps (median of {len(shares)} parameters; {name}'s: {share:.3g}): eps too "
+                             "large for gradients of this size, the updates shrink to lr * g / eps"))
+    jumps = []
+    for p in measured:
+        history = state.history.setdefault(p.name, deque(maxlen=cfg["window"]))
+        level = _median(sorted(history)) if len(history) >= cfg["warmup"] else None
+        history.append(float(p.adam_rms))  # type: ignore[arg-type]
+        if level and p.adam_rms > cfg["ratio"] * level and state.new(p.name):  # type: ignore[operator]
+            jumps.append((p.adam_rms / level, p.name, p.adam_rms, level))  # type: ignore[operator]
+    if jumps:
+        ratio, name, value, level = max(jumps)
+        who = f"{name}'s" if len(jumps) == 1 else f"{len(jumps)} parameters' (the most: {name}'s)"
+        found.append(Finding("adam_rms", "warning", rec.step, name, "update", ratio, cfg["ratio"],
+                             f"{who} Adam normalised gradient RMS jumped to {value:.3g}, {ratio:.3g}x its recent "
+                             f"median {level:.3g}: the gradient grew faster than Adam's second moment follows (the "
+                             "update is that many times its usual size; a loss spike ahead?)"))
+    return found
+
+
 SPECS: tuple[WatchRule, ...] = (
     WatchRule("nonfinite", {"skipped": (32, integer(1))}, _nonfinite, (
         "the run's first NaN or Inf (severity `error`), named by the module whose code [made it](#where-a-naninf-was-made) "
@@ -478,6 +518,15 @@ SPECS: tuple[WatchRule, ...] = (
         state=lambda _cfg: _DeadState(), needs="channels"),
     WatchRule("activation_growth", {"ratio": (40.0, number(1, low_open=True))}, _activation_growth,
               "an output whose largest magnitude is above `ratio` × its RMS (massive activations)"),
+    WatchRule("adam_rms", {"low": (0.1, number(0, 1, low_open=True)), "ratio": (5.0, number(1, low_open=True)),
+                           "window": (10, integer(1)), "warmup": (3, integer(1))}, _adam_rms, (
+        "Adam's (and AdamW's) normalised gradient g / (sqrt(v̂) + eps), whose RMS is the log's `adam_rms` (arXiv "
+        "2304.13013): its median over the parameters below `low` of the same without eps (eps dominates v̂: eps too "
+        "large for the gradients, the updates shrink to lr·g/eps), told once; or a parameter's above `ratio` × the "
+        "median of its previous `window` logged values, after `warmup` of them (its gradient grew faster than the "
+        "second moment follows), told once a parameter; several at a step are one finding, naming the largest jump"),
+        state=lambda _cfg: _HistoryState(), finish=_ordered("warmup", "window", "{'warmup': 3, 'window': 10}",
+                                                            equal=True)("adam_rms"), needs="adam"),
 )
 
 #: rule -> {key: (default, validator)} (every rule also takes ``enabled``), from ``SPECS``

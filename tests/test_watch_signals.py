@@ -1,0 +1,159 @@
+"""The watch's transformer-instability signals and their rules (docs/watch.md#rules): Adam's normalised
+gradient RMS (``adam_rms``), the cosine between update and gradient (``update_grad_cosine``) and the
+per-channel peaks of an output (``massive_activation``). Each is checked against plain torch computed
+here (float64), is silent on healthy runs, and fires on a seeded cause, named by parameter or layer and
+step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hookcli
+from hookcli.records import WatchStep
+
+NEW_RULES = ("adam_rms",)
+
+
+def mlp() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    x = torch.randn(256, 16)
+    y = x[:, :4].sin()
+
+    def loss() -> torch.Tensor:
+        i = torch.randint(0, 256, (32,))
+        return (model(x[i]) - y[i]).pow(2).mean()
+    return model, loss
+
+
+def gpt2() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, 64, (4, 16))
+        return model(input_ids=ids, labels=ids).loss
+    return model, loss
+
+
+def train(model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, steps: int,
+          every: int = 1, after: Callable[[int], None] | None = None,
+          before: Callable[[int], None] | None = None) -> tuple[Any, dict[int, WatchStep]]:
+    """The watched loop (``w.step()`` ends each step); ``after(step)`` runs after ``optimizer.step()``
+    (before ``zero_grad``). Returns the watch and its records by step."""
+    records: dict[int, WatchStep] = {}
+    with hookcli.watch(model, optimizer, every=every, on_finding="warn") as w:
+        for step in range(steps):
+            if before is not None:
+                before(step)
+            loss().backward()
+            optimizer.step()
+            if after is not None:
+                after(step)
+            optimizer.zero_grad()
+            w.step()
+            if w.last is not None:
+                records[w.last.step] = w.last
+    return w, records
+
+
+@pytest.mark.parametrize("make", [mlp, gpt2])
+def test_healthy_adamw_runs_give_no_finding_of_the_new_rules(make: Callable[..., Any]) -> None:
+    """A tiny GPT-2 and a small MLP (random init) trained with AdamW for 100 steps, all logged: none of the
+    rules of large transformers fires, while each has its numbers at every step."""
+    torch.manual_seed(0)
+    model, loss = make()
+    w, _ = train(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3), 100)
+    assert [f for f in w.findings if f.rule in NEW_RULES] == []
+    assert all(p.adam_rms is not None for p in w.last.params)
+
+
+class AdamReference:
+    """Adam's normalised-gradient RMS computed here in float64 from the gradients the loop saw (not from
+    the optimizer's state): call it after ``optimizer.step()``; ``want[(step, name)]`` is (RMS of
+    g / (sqrt(v_hat) + eps), the same without eps)."""
+
+    def __init__(self, model: nn.Module, beta2: float, eps: float) -> None:
+        self.params, self.beta2, self.eps = dict(model.named_parameters()), beta2, eps
+        self.v = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in self.params.items()}
+        self.want: dict[tuple[int, str], tuple[float, float]] = {}
+
+    def __call__(self, step: int) -> None:
+        for name, p in self.params.items():
+            g = p.grad.double()
+            self.v[name].mul_(self.beta2).add_((1 - self.beta2) * g * g)
+            root = (self.v[name] / (1 - self.beta2 ** (step + 1))).sqrt()
+            self.want[(step, name)] = ((g / (root + self.eps)).square().mean().sqrt().item(),
+                                       torch.where(root > 0, g / root, 0.0).square().mean().sqrt().item())
+
+
+def test_adam_rms_is_the_normalised_gradients_rms_from_the_gradients_seen() -> None:
+    """adam_rms equals sqrt(mean((g / (sqrt(v_hat) + eps))^2)) at every step; with eps = 1.0 (far above
+    sqrt(v_hat)) the rule fires at the first logged step, its value the median over the parameters of
+    that RMS over the same without eps, naming the parameter where eps shrinks it the most."""
+    for eps in (1e-8, 1.0):
+        torch.manual_seed(0)
+        model, loss = mlp()
+        reference = AdamReference(model, 0.99, eps)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=eps)
+        w, records = train(model, loss, optimizer, 6, after=reference)
+        assert sorted(records) == list(range(6))
+        for step, record in records.items():
+            for entry in record.params:
+                rms, without = reference.want[(step, entry.name)]
+                assert entry.adam_rms == pytest.approx(rms, rel=1e-4)
+                assert entry.adam_rms_without_eps == pytest.approx(without, rel=1e-4)
+        found = [f for f in w.findings if f.rule == "adam_rms"]
+        shares = sorted((reference.want[(0, n)][0] / reference.want[(0, n)][1], n) for n in reference.params)
+        if eps == 1e-8:
+            assert found == [] and shares[0][0] > 0.99
+        else:
+            assert [(f.step, f.layer) for f in found] == [(0, shares[0][1])]
+            median = (shares[2][0] + shares[3][0]) / 2  # 6 parameters
+            assert found[0].value == pytest.approx(median, rel=1e-4) and found[0].value < 0.01
+            assert "eps dominates" in found[0].message
+
+
+def test_adam_rms_names_the_step_where_the_gradient_outruns_the_second_moment() -> None:
+    """The loss scaled 1000x from step 60 (beta2 0.999: the second moment follows slowly): adam_rms jumps
+    at step 60, one finding naming the parameter whose RMS rose the most over the median of its previous
+    10 logged values, with that ratio (from the float64 reference); none before."""
+    torch.manual_seed(0)
+    model, loss = mlp()
+    reference = AdamReference(model, 0.999, 1e-8)
+    scale = [1.0]
+
+    def before(step: int) -> None:
+        scale[0] = 1000.0 if step >= 60 else 1.0
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w, _ = train(model, lambda: loss() * scale[0], optimizer, 70, before=before, after=reference)
+    found = [f for f in w.findings if f.rule == "adam_rms"]
+    ratios = []
+    for name in reference.params:
+        previous = sorted(reference.want[(step, name)][0] for step in range(50, 60))
+        ratios.append((reference.want[(60, name)][0] / ((previous[4] + previous[5]) / 2), name))
+    ratio, name = max(ratios)
+    assert [(f.step, f.layer) for f in found] == [(60, name)]
+    assert found[0].value == pytest.approx(ratio, rel=1e-4) and ratio > 5
+    assert found[0].message.startswith(f"6 parameters' (the most: {name}'s) Adam normalised gradient RMS jumped")
+
+
+def test_beta2_of_0_5_keeps_adam_rms_bounded() -> None:
+    """With beta2 = 0.5 the second moment follows each gradient (g^2 / v_hat <= 1 / (1 - beta2) = 2 per
+    value): adam_rms stays below sqrt(2), so it is no cause this rule can see; the rule stays quiet."""
+    torch.manual_seed(0)
+    model, loss = mlp()
+    reference = AdamReference(model, 0.5, 1e-8)
+    w, records = train(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.5)), 30,
+                       after=reference)
+    assert all(entry.adam_rms <= math.sqrt(2) for record in records.values() for entry in record.params)
+    assert max(rms for rms, _ in reference.want.values()) <= math.sqrt(2)
+    assert [f for f in w.findings if f.rule == "adam_rms"] == []
