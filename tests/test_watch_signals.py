@@ -17,7 +17,7 @@ from torch import nn
 import hookcli
 from hookcli.records import WatchStep
 
-NEW_RULES = ("adam_rms",)
+NEW_RULES = ("adam_rms", "update_grad_cosine")
 
 
 def mlp() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -67,12 +67,12 @@ def train(model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: torch.o
 @pytest.mark.parametrize("make", [mlp, gpt2])
 def test_healthy_adamw_runs_give_no_finding_of_the_new_rules(make: Callable[..., Any]) -> None:
     """A tiny GPT-2 and a small MLP (random init) trained with AdamW for 100 steps, all logged: none of the
-    rules of large transformers fires, while each has its numbers at every step."""
+    three rules fires, while each has its numbers at every step."""
     torch.manual_seed(0)
     model, loss = make()
     w, _ = train(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3), 100)
     assert [f for f in w.findings if f.rule in NEW_RULES] == []
-    assert all(p.adam_rms is not None for p in w.last.params)
+    assert all(p.adam_rms is not None and p.update_grad_cosine is not None for p in w.last.params)
 
 
 class AdamReference:
@@ -157,3 +157,64 @@ def test_beta2_of_0_5_keeps_adam_rms_bounded() -> None:
     assert all(entry.adam_rms <= math.sqrt(2) for record in records.values() for entry in record.params)
     assert max(rms for rms, _ in reference.want.values()) <= math.sqrt(2)
     assert [f for f in w.findings if f.rule == "adam_rms"] == []
+
+
+class RandomSteps(torch.optim.Optimizer):
+    """A broken optimizer: each step moves every parameter that has a gradient by random noise."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.randn_like(p) * group["lr"])
+
+
+class CosineReference:
+    """The cosine between each parameter's update (w_after - w_before) and its gradient, in float64:
+    ``before`` at the step's start, ``after`` after ``optimizer.step()``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.weights: dict[str, torch.Tensor] = {}
+        self.want: dict[tuple[int, str], float] = {}
+
+    def before(self, _step: int) -> None:
+        self.weights = {name: p.detach().double().clone() for name, p in self.params.items()}
+
+    def after(self, step: int) -> None:
+        for name, p in self.params.items():
+            update, g = (p.detach().double() - self.weights[name]).flatten(), p.grad.double().flatten()
+            self.want[(step, name)] = (update @ g / (update.norm() * g.norm())).item()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "random"])
+def test_update_grad_cosine_is_the_cosine_of_update_and_gradient(kind: str) -> None:
+    """The logged cosine equals float64 torch's at every step: -1 for SGD, clearly negative for AdamW
+    (no finding either way); an optimizer making random updates gives the finding at the 5th logged
+    step (its window), its value the mean of the weights' median cosines, naming the weight whose
+    cosine is highest."""
+    torch.manual_seed(0)
+    model, loss = mlp()
+    reference = CosineReference(model)
+    optimizer = {"sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.01),
+                 "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
+                 "random": lambda: RandomSteps(model.parameters(), lr=1e-3)}[kind]()
+    w, records = train(model, loss, optimizer, 8, before=reference.before, after=reference.after)
+    for step, record in records.items():
+        for entry in record.params:
+            assert entry.update_grad_cosine == pytest.approx(reference.want[(step, entry.name)], rel=1e-4, abs=1e-6)
+    found = [f for f in w.findings if f.rule == "update_grad_cosine"]
+    if kind == "sgd":
+        assert all(c == pytest.approx(-1.0, abs=1e-5) for c in reference.want.values())
+    if kind != "random":
+        assert found == []
+        return
+    weights = [name for name, p in reference.params.items() if p.dim() >= 2]
+    medians = [sorted(reference.want[(step, n)] for n in weights)[1] for step in range(5)]  # 3 weights
+    top = max(weights, key=lambda n: reference.want[(4, n)])
+    assert [(f.step, f.layer) for f in found] == [(4, top)]
+    assert found[0].value == pytest.approx(sum(medians) / 5, abs=1e-6) and abs(found[0].value) < 0.05

@@ -463,6 +463,28 @@ def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
     return found
 
 
+def _update_grad_cosine(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
+    """The weights' (parameters of 2 dimensions or more) median cosine between update and gradient,
+    averaged over the last ``window`` logged steps that had one, above ``high`` (near 0 or positive:
+    the updates no longer follow the gradient; SGD's is -1, Adam's clearly negative); told once a run,
+    naming the weight whose cosine is highest. The median, as a small or near-converged weight's
+    can be near 0 in a healthy run (Adam's momentum lagging a gradient that changes sign)."""
+    cosines = sorted((p.update_grad_cosine, p.name) for p in rec.params
+                     if len(p.shape) >= 2 and p.update_grad_cosine is not None)
+    if not cosines:
+        return []
+    history = state.history.setdefault("(median)", deque(maxlen=cfg["window"]))
+    history.append(_median([c for c, _ in cosines]))
+    mean = sum(history) / len(history)
+    if len(history) < cfg["window"] or mean <= cfg["high"] or not state.new("(median)"):
+        return []
+    top, name = cosines[-1]
+    return [Finding("update_grad_cosine", "warning", rec.step, name, "update", mean, cfg["high"],
+                    f"the weights' median cosine between update and gradient is {mean:.3g} on average over "
+                    f"{cfg['window']} logged steps, above {cfg['high']:g}: the updates do not follow the gradient "
+                    f"(an optimizer bug? weight decay or noise dominating?); {name}'s: {top:.3g}")]
+
+
 SPECS: tuple[WatchRule, ...] = (
     WatchRule("nonfinite", {"skipped": (32, integer(1))}, _nonfinite, (
         "the run's first NaN or Inf (severity `error`), named by the module whose code [made it](#where-a-naninf-was-made) "
@@ -527,6 +549,13 @@ SPECS: tuple[WatchRule, ...] = (
         "second moment follows), told once a parameter; several at a step are one finding, naming the largest jump"),
         state=lambda _cfg: _HistoryState(), finish=_ordered("warmup", "window", "{'warmup': 3, 'window': 10}",
                                                             equal=True)("adam_rms"), needs="adam"),
+    WatchRule("update_grad_cosine", {"high": (-0.05, number(-1, 1)), "window": (5, integer(1))}, _update_grad_cosine, (
+        "the weights' (parameters of 2 dimensions or more) **median** `update_grad_cosine` (the cosine between a "
+        "parameter's update and its gradient: -1 for SGD, clearly negative for Adam), averaged over the last `window` "
+        "logged steps, above `high`: the updates do not follow the gradient (arXiv 2304.09871); names the weight "
+        "whose cosine is highest; told once a run. The median, as a bias or a near-converged weight can be near 0 "
+        "in a healthy run (Adam's momentum lagging a gradient that changes sign)"),
+        state=lambda _cfg: _HistoryState(), needs="cosines"),
 )
 
 #: rule -> {key: (default, validator)} (every rule also takes ``enabled``), from ``SPECS``
