@@ -17,7 +17,7 @@ from torch import nn
 import hookcli
 from hookcli.records import WatchStep
 
-NEW_RULES = ("adam_rms", "update_grad_cosine")
+NEW_RULES = ("adam_rms", "update_grad_cosine", "massive_activation")
 
 
 def mlp() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -73,6 +73,7 @@ def test_healthy_adamw_runs_give_no_finding_of_the_new_rules(make: Callable[...,
     w, _ = train(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3), 100)
     assert [f for f in w.findings if f.rule in NEW_RULES] == []
     assert all(p.adam_rms is not None and p.update_grad_cosine is not None for p in w.last.params)
+    assert any(layer.channel_peak_ratio is not None for layer in w.last.layers)
 
 
 class AdamReference:
@@ -218,3 +219,49 @@ def test_update_grad_cosine_is_the_cosine_of_update_and_gradient(kind: str) -> N
     top = max(weights, key=lambda n: reference.want[(4, n)])
     assert [(f.step, f.layer) for f in found] == [(4, top)]
     assert found[0].value == pytest.approx(sum(medians) / 5, abs=1e-6) and abs(found[0].value) < 0.05
+
+
+def peak_ratio(out: torch.Tensor) -> float:
+    """Per channel (the last dimension) the largest |x|, in float64: the largest over their median (the
+    mean of the two middle ones for an even count)."""
+    peaks = out.double().abs().amax(dim=0).sort().values
+    n = len(peaks)
+    median = peaks[n // 2] if n % 2 else (peaks[n // 2 - 1] + peaks[n // 2]) / 2
+    return (peaks[-1] / median).item()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_massive_activation_names_a_channel_scaled_1000x(scaled: bool) -> None:
+    """Channel 7 of the MLP's second Linear scaled 1000x (its weights' row and bias): the logged
+    channel_peak_ratio of every output equals float64 torch's at every step; the rule names that
+    Linear and channel 7 at the third logged step (steps = 3), and nothing in the unscaled twin
+    (``activation_growth``, over the whole output, misses it)."""
+    torch.manual_seed(0)
+    model, loss = mlp()
+    if scaled:
+        with torch.no_grad():
+            model[2].weight[7] *= 1000
+            model[2].bias[7] *= 1000
+    outputs: dict[str, torch.Tensor] = {}
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda _m, _i, out, name=name: outputs.__setitem__(name, out.detach()))
+    want: dict[tuple[int, str], float] = {}
+
+    def after(step: int) -> None:
+        want.update({(step, name): peak_ratio(out) for name, out in outputs.items()})
+
+    w, records = train(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3), 4, after=after)
+    for step, record in records.items():
+        for layer in record.layers:
+            assert layer.channel_peak_ratio == pytest.approx(want[(step, layer.name)], rel=1e-5)
+    found = [f for f in w.findings if f.rule == "massive_activation"]
+    if not scaled:
+        assert found == [] and max(want.values()) < 10
+        return
+    assert ("2", 2) in [(f.layer, f.step) for f in found]
+    f = next(f for f in found if f.layer == "2")
+    assert f.value == pytest.approx(want[(2, "2")], rel=1e-5) and f.value > 100
+    assert f.message.startswith("channel 7 of 2's output reaches")
+    assert all(want[(step, f.layer)] > 100 for f in found for step in range(3))
+    # one channel of 64 keeps abs max / RMS under sqrt(64): activation_growth cannot see it
+    assert [f for f in w.findings if f.rule == "activation_growth"] == []

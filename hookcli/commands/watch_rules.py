@@ -18,7 +18,7 @@ from typing import Any
 from hookcli.commands.check.rules import overflowed_update, rounded_away
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
-from hookcli.records import Finding, WatchParam, WatchStep
+from hookcli.records import Finding, WatchParam, WatchStep, peak_ratio
 
 Settings = dict[str, Any]
 
@@ -485,6 +485,23 @@ def _update_grad_cosine(rec: WatchStep, cfg: Settings, state: Any) -> list[Findi
                     f"(an optimizer bug? weight decay or noise dominating?); {name}'s: {top:.3g}")]
 
 
+def _massive_activation(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
+    """An output whose largest per-channel magnitude is above ``ratio`` times the median channel's
+    (``records.peak_ratio``) at ``steps`` logged steps in a row: a channel of massive activations."""
+    found = []
+    for layer in rec.layers:
+        name = _layer_name(layer)
+        ratio, channel = peak_ratio(layer.channel_abs_max)
+        if ratio is None:
+            continue
+        run = state.runs[name] = state.runs.get(name, 0) + 1 if ratio > cfg["ratio"] else 0
+        if run >= cfg["steps"] and state.new(name):
+            found.append(Finding("massive_activation", "warning", rec.step, name, "forward", ratio, cfg["ratio"],
+                                 f"channel {channel} of {name}'s output reaches {ratio:.3g}x the median channel's "
+                                 f"largest magnitude, {run} logged steps in a row (massive activations)"))
+    return found
+
+
 SPECS: tuple[WatchRule, ...] = (
     WatchRule("nonfinite", {"skipped": (32, integer(1))}, _nonfinite, (
         "the run's first NaN or Inf (severity `error`), named by the module whose code [made it](#where-a-naninf-was-made) "
@@ -556,6 +573,12 @@ SPECS: tuple[WatchRule, ...] = (
         "whose cosine is highest; told once a run. The median, as a bias or a near-converged weight can be near 0 "
         "in a healthy run (Adam's momentum lagging a gradient that changes sign)"),
         state=lambda _cfg: _HistoryState(), needs="cosines"),
+    WatchRule("massive_activation", {"ratio": (100.0, number(1, low_open=True)), "steps": (3, integer(1))},
+              _massive_activation, (
+        "an output whose `channel_peak_ratio` (its channels' largest magnitudes: the largest over the median) is "
+        "above `ratio` at `steps` logged steps in a row: one channel of massive activations (Sun et al. 2024); names "
+        "the channel. Outputs whose median channel is all zeros are left out (`dead_units`' case)"),
+        state=lambda _cfg: _HistoryState(), needs="peaks"),
 )
 
 #: rule -> {key: (default, validator)} (every rule also takes ``enabled``), from ``SPECS``
