@@ -265,3 +265,46 @@ def test_massive_activation_names_a_channel_scaled_1000x(scaled: bool) -> None:
     assert all(want[(step, f.layer)] > 100 for f in found for step in range(3))
     # one channel of 64 keeps abs max / RMS under sqrt(64): activation_growth cannot see it
     assert [f for f in w.findings if f.rule == "activation_growth"] == []
+
+
+@pytest.mark.parametrize("stat", ["adam_rms", "update_grad_cosine", "channel_peak_ratio"])
+def test_hookcli_report_shows_the_new_keys_of_the_log(tmp_path: Any, stat: str) -> None:
+    """The log's new keys are ``hookcli report --stat`` choices, read where the other per-parameter
+    (and per-layer) keys are: the series are the logged values, one row per parameter (layer)."""
+    from click.testing import CliRunner
+
+    from hookcli.cli import main
+
+    torch.manual_seed(0)
+    model, loss = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    log = tmp_path / "log.jsonl"
+    records: dict[int, WatchStep] = {}
+    with hookcli.watch(model, optimizer, out=log, on_finding="warn") as w:
+        for _ in range(3):
+            loss().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step()
+            records[w.last.step] = w.last
+    report = hookcli.report(log, stat=stat)
+    entries = (lambda r: r.params) if stat != "channel_peak_ratio" else (lambda r: r.layers)
+    want = {x.name: [getattr(e, stat) for _, r in sorted(records.items()) for e in entries(r) if e.name == x.name]
+            for x in entries(records[0])}
+    assert {s.name: s.values for s in report.series} == pytest.approx(want)
+    result = CliRunner().invoke(main, ["report", str(log), "--stat", stat])
+    assert result.exit_code == 0, result.output
+    assert f"{stat} of each" in result.output and all(name in result.output for name in want)
+
+
+def test_the_new_rules_settings_are_checked_like_the_others() -> None:
+    """``rules=`` (and ``[watch.rules]``) check the new rules' keys through their specs: an unknown key,
+    a value out of range, a warmup above its window are ConfigErrors (exit 2) naming the rule."""
+    from hookcli.errors import ConfigError
+
+    for rules, match in (({"adam_rms": {"warmup": 20}}, "adam_rms's warmup"),
+                         ({"update_grad_cosine": {"high": 2}}, "update_grad_cosine.high"),
+                         ({"massive_activation": {"channels": 3}}, "'massive_activation' has no key")):
+        with pytest.raises(ConfigError, match=match) as info:
+            hookcli.watch(nn.Linear(2, 2), rules=rules)
+        assert info.value.exit_code == 2
