@@ -6,6 +6,7 @@ step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -308,3 +309,67 @@ def test_the_new_rules_settings_are_checked_like_the_others() -> None:
         with pytest.raises(ConfigError, match=match) as info:
             hookcli.watch(nn.Linear(2, 2), rules=rules)
         assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-3),
+    lambda params: torch.optim.Adam(params, lr=1e-3, weight_decay=0.1, amsgrad=True, maximize=True),
+], ids=["adamw", "adam-amsgrad-coupled-decay"])
+def test_reading_the_optimizers_state_changes_nothing(make_optimizer: Callable[..., Any]) -> None:
+    """A GPT-2 trained 6 steps watched (every step logged, the three signals on) and unwatched: the same
+    losses, weights and optimizer state, bit for bit; the RNG untouched."""
+    def run(watched: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any], torch.Tensor]:
+        torch.manual_seed(0)
+        model, loss = gpt2()
+        optimizer = make_optimizer(model.parameters())
+        losses = []
+        with hookcli.watch(model, optimizer, on_finding="warn") if watched else contextlib.nullcontext() as w:
+            for _ in range(6):
+                value = loss()
+                value.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(value.item())
+        if watched:
+            assert all(p.adam_rms is not None for p in w.last.params)
+        return losses, model.state_dict(), optimizer.state_dict(), torch.get_rng_state()
+
+    plain, watched = run(False), run(True)
+    assert plain[0] == watched[0] and torch.equal(plain[3], watched[3])
+    assert all(torch.equal(plain[1][k], watched[1][k]) for k in plain[1])
+    for index, state in plain[2]["state"].items():
+        assert all(torch.equal(value, watched[2]["state"][index][key]) for key, value in state.items())
+
+
+def test_adam_rms_of_adam_with_amsgrad_coupled_decay_and_maximize() -> None:
+    """Adam (not AdamW) with weight_decay adds wd * w to the gradient (its sign flipped first under
+    ``maximize``) and with ``amsgrad`` divides by the running maximum of v: adam_rms follows, equal to
+    the float64 recomputation from the gradients and weights seen (each of the three left out fails it)."""
+    torch.manual_seed(0)
+    model, loss = mlp()
+    params = dict(model.named_parameters())
+    beta2, eps, decay = 0.9, 1e-8, 0.1
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, beta2), weight_decay=decay,
+                                 amsgrad=True, maximize=True)
+    weights: dict[str, torch.Tensor] = {}
+    v = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in params.items()}
+    v_max = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in params.items()}
+    want: dict[tuple[int, str], float] = {}
+
+    def before(_step: int) -> None:
+        weights.update({name: p.detach().double().clone() for name, p in params.items()})
+
+    def after(step: int) -> None:
+        for name, p in params.items():
+            g = -p.grad.double() + decay * weights[name]
+            v[name].mul_(beta2).add_((1 - beta2) * g * g)
+            torch.maximum(v_max[name], v[name], out=v_max[name])
+            root = (v_max[name] / (1 - beta2 ** (step + 1))).sqrt()
+            want[(step, name)] = (g / (root + eps)).square().mean().sqrt().item()
+
+    # 100x larger gradients at the first two steps: v then falls below its running maximum
+    _, records = train(model, lambda: -loss() * (100.0 if len(want) < 2 * len(params) else 1.0), optimizer, 6,
+                       before=before, after=after)
+    for step, record in records.items():
+        for entry in record.params:
+            assert entry.adam_rms == pytest.approx(want[(step, entry.name)], rel=1e-4)
