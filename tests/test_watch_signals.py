@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
@@ -373,3 +375,36 @@ def test_adam_rms_of_adam_with_amsgrad_coupled_decay_and_maximize() -> None:
     for step, record in records.items():
         for entry in record.params:
             assert entry.adam_rms == pytest.approx(want[(step, entry.name)], rel=1e-4)
+
+
+_value = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(
+    st.lists(st.tuples(st.sampled_from(["w", "v"]), st.sampled_from([[2, 2], [3]]), _value, _value, _value),
+             max_size=3),
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.one_of(st.none(), st.lists(
+        st.floats(allow_nan=True, allow_infinity=True), max_size=5))), max_size=2)), max_size=8))
+@example(steps=[([("w", [2, 2], math.nan, 1.0, math.nan)], [("a", [math.nan, 1.0])])] * 8)
+def test_the_new_rules_take_any_values_without_failing(steps: list[Any]) -> None:
+    """The three rules are total over their fields (None, NaN, Inf, 0, negative, empty): each finding
+    names its rule and step and is JSON; never an exception."""
+    import json
+
+    from hookcli.commands.watch_rules import Rules, rule_settings
+    from hookcli.records import WatchLayer, WatchParam
+
+    rules = Rules(rule_settings({name: name in NEW_RULES for name in
+                                 ("nonfinite", "frozen", "update_ratio", "loss_spike", "grad_explode",
+                                  "grad_depth", "dead_units", "activation_growth", *NEW_RULES)}))
+    for i, (params, layers) in enumerate(steps):
+        record = WatchStep(i, None, [WatchLayer(n, "Linear", "", 1, [2], "float32", None, None, channel_abs_max=peaks)
+                                     for n, peaks in layers],
+                           [WatchParam(n, shape, 1.0, None, adam_rms=rms, adam_rms_without_eps=without,
+                                       update_grad_cosine=cosine) for n, shape, rms, without, cosine in params])
+        for found in rules.observe(record):
+            assert found.rule in NEW_RULES and found.step == i and found.message
+            assert found.value is not None and not math.isnan(found.value)  # (a NaN is no measurement)
+            json.dumps(found.to_dict())
+        json.dumps([layer.to_dict() for layer in record.layers])

@@ -437,7 +437,8 @@ def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
     of this size), told once a run; or a parameter's RMS above ``ratio`` x the median of its previous
     ``window`` logged values (after ``warmup`` of them): its gradient grew faster than the second
     moment follows (the update is that many times its usual size), told once a parameter."""
-    measured = [p for p in rec.params if p.adam_rms is not None and p.adam_rms_without_eps]
+    measured = [p for p in rec.params if _finite(p.adam_rms) and _finite(p.adam_rms_without_eps)
+                and p.adam_rms_without_eps > 0]  # type: ignore[operator]
     found: list[Finding] = []
     shares = sorted((p.adam_rms / p.adam_rms_without_eps, p.name) for p in measured)  # type: ignore[operator]
     if shares and (median := _median([v for v, _ in shares])) < cfg["low"] and state.new("(eps)"):
@@ -470,7 +471,7 @@ def _update_grad_cosine(rec: WatchStep, cfg: Settings, state: Any) -> list[Findi
     naming the weight whose cosine is highest. The median, as a small or near-converged weight's
     can be near 0 in a healthy run (Adam's momentum lagging a gradient that changes sign)."""
     cosines = sorted((p.update_grad_cosine, p.name) for p in rec.params
-                     if len(p.shape) >= 2 and p.update_grad_cosine is not None)
+                     if len(p.shape) >= 2 and _finite(p.update_grad_cosine))
     if not cosines:
         return []
     history = state.history.setdefault("(median)", deque(maxlen=cfg["window"]))
