@@ -408,3 +408,27 @@ def test_the_new_rules_take_any_values_without_failing(steps: list[Any]) -> None
             assert found.value is not None and not math.isnan(found.value)  # (a NaN is no measurement)
             json.dumps(found.to_dict())
         json.dumps([layer.to_dict() for layer in record.layers])
+
+
+def test_channel_peaks_of_a_module_called_twice_are_over_both_calls() -> None:
+    """A Linear called twice in a step (its calls merged into one entry): its channel_peak_ratio is that
+    of each channel's largest |x| over both calls' outputs, as float64 torch gives it."""
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    with torch.no_grad():
+        shared.weight.copy_(torch.diag(torch.arange(1.0, 17.0)))  # channel k is (k + 1) x input k
+        shared.bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    outputs: list[torch.Tensor] = []
+    shared.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach()))
+    x = torch.randn(4, 16) * 0.1
+    x[:, 0] = 50.0  # the first call's channel 0 is large; the second call's (after tanh) is not
+    with hookcli.watch(model, optimizer, on_finding="warn") as w:
+        model(x).sum().backward()
+        optimizer.step()
+        w.step()
+    (entry,) = [layer for layer in w.last.layers if layer.name == "0"]
+    assert entry.calls == 2
+    assert entry.channel_peak_ratio == pytest.approx(peak_ratio(torch.cat(outputs)), rel=1e-6)
+    assert entry.channel_peak_ratio != pytest.approx(peak_ratio(outputs[1]), rel=1e-3)

@@ -216,8 +216,7 @@ class StepWatcher:
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._signals = None
         if self.peaks is not None:
-            self.peaks.active = self.logged
-            self.peaks.peaks = {}
+            self.peaks.begin(self.logged)
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
         self._backward_before = False  # a backward reached the parameters before the logged step's pre-step
@@ -529,7 +528,7 @@ class StepWatcher:
         cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
         loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
         dot_slots, adam_slots = ([[slot(v) for v in vectors] if vectors is not None else None
-                                     for vectors in self._signals] if self._signals is not None else (None, None))
+                                  for vectors in self._signals] if self._signals is not None else (None, None))
         peak_slots = {key: slot(peak) for key, peak in self.peaks.take().items()} if self.peaks is not None else {}
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
@@ -589,10 +588,15 @@ class ChannelPeaks:
     def observe(self, name: str, _call: int, path: str, tensor: torch.Tensor) -> None:
         if not self.active or not has_channels(tensor):
             return
-        peak = channel_abs_max(tensor, self.dims(name, tensor))
-        had = self.peaks.get((name, path), peak)
-        # an output whose channel count differs between calls is left out
-        self.peaks[(name, path)] = torch.maximum(had, peak) if had is not None and had.shape == peak.shape else None
+        key, peak = (name, path), channel_abs_max(tensor, self.dims(name, tensor))
+        if key not in self.peaks:
+            self.peaks[key] = peak
+        elif (had := self.peaks[key]) is not None:  # an output whose channel count differs between calls: left out
+            self.peaks[key] = torch.maximum(had, peak) if had.shape == peak.shape else None
+
+    def begin(self, logged: bool) -> None:
+        """A step begins: measured when it is ``logged``."""
+        self.active, self.peaks = logged, {}
 
     def take(self) -> dict[tuple[str, str], torch.Tensor]:
         peaks, self.peaks = self.peaks, {}
