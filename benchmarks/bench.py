@@ -786,7 +786,7 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     import hookcli
     import models
-    from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES
+    from hookcli.commands.watch_transformer_rules import TRANSFORMER_SPECS
 
     config = config or models.WATCH_GPT
     steps = steps or (every if quick else 4 * every)
@@ -814,7 +814,7 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
     with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-") as tmp:
         alternate_steps(bare.step, lambda i: twin.step(), 1)  # warm-up
         # the rules that read the attention heads and output logits, all off: the signals are not measured
-        off = {rule: False for rule in TRANSFORMER_RULES}
+        off = {spec.name: False for spec in TRANSFORMER_SPECS}
         for every_n, variant, goal, rules in ((1, "logged step (every=1)", "<= 1.35", None),
                                               (1, "logged step, transformer signals off", "<= 1.25", off),
                                               (10**9, "unlogged step", "<= 1.02", None)):

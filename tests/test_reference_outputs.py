@@ -53,7 +53,7 @@ TRAINING_ZERO_FRACTION_ATOL = 0.05
 #: Keys whose values are compared loosely or not at all.
 IGNORED_KEYS = frozenset({"reduction"})
 #: Keys a watch line gained after the files were made (new signals): allowed where the file has none.
-ADDED_KEYS = frozenset({"output_logits", "attention"})
+ADDED_KEYS = frozenset({"output_logits", "attention", "adam_rms", "update_grad_cosine", "channel_peak_ratio"})
 
 
 def _run_cli(args: list[str]) -> str:

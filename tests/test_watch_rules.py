@@ -1001,3 +1001,17 @@ def test_float16_adam_overflowing_the_weights_is_blamed_on_the_update() -> None:
     (found,) = [f for f in w.findings if f.rule == "nonfinite"]
     assert (found.step, found.layer, found.direction, found.severity) == (0, "0.weight", "update", "error")
     assert "eps 1e-8 is 0 in float16" in found.message
+
+
+def test_each_watch_rule_is_one_spec_and_the_docs_table_is_its_rows() -> None:
+    """``SPECS`` is the only list of the watch's rules: ``RULES`` (the settings and their defaults) and the
+    hint are derived from it, and docs/watch.md's rules table is its rows, in its order."""
+    from hookcli.commands.watch_rules import RULES, RULES_HINT, SPECS
+
+    names = [spec.name for spec in SPECS]
+    assert len(set(names)) == len(names) and list(RULES) == names
+    assert all(RULES[spec.name] == dict(spec.settings) for spec in SPECS)
+    assert RULES_HINT.endswith(", ".join(names))
+    text = (Path(__file__).resolve().parents[1] / "docs" / "watch.md").read_text()
+    table = text.split("\n## Rules\n", 1)[1].split("| rule | flags | default limits |\n| --- | --- | --- |\n", 1)[1]
+    assert table.split("\n\n", 1)[0].splitlines() == [spec.doc_row() for spec in SPECS]

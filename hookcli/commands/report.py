@@ -21,14 +21,7 @@ from typing import IO, Any
 from hookcli.errors import InputError, LayerNotFoundError, UsageError, close_matches
 from hookcli.escape import escape_control
 from hookcli.options import layer_matches, split_patterns
-from hookcli.records import WATCH_SCHEMA, Finding, ReportSeries, WatchReport, statistics
-
-#: The statistics a parameter has besides its gradient's (docs/watch.md "What a logged step records").
-PARAM_KEYS = ("norm", "update_norm", "update_ratio")
-
-#: What a layer entry has besides its output's and gradient's statistics: how many of its channels
-#: were zero in every value at that step (docs/watch.md "The log").
-LAYER_KEYS = ("dead_channels",)
+from hookcli.records import LAYER_KEYS, PARAM_KEYS, WATCH_SCHEMA, Finding, ReportSeries, WatchReport, statistics
 
 #: Every name ``--stat`` takes: a layer output's statistic (``rms``), its gradient's (``grad.rms``),
 #: the layer's own count (``dead_channels``), a parameter's own (``update_ratio``) or its gradient's

@@ -19,10 +19,9 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.selection import owners_and_activations, select_modules
-from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES
-from hookcli.commands.watch_rules import Rules, rule_settings
+from hookcli.commands.watch_rules import Rules, needed, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
-from hookcli.engine.watch import StepWatcher, compiled_inner
+from hookcli.engine.watch import SIGNALS, StepWatcher, compiled_inner
 from hookcli.errors import (CheckFailedError, OutputError, StepOrderWarning, UsageError, WatchWarning,
                             describe_exception)
 from hookcli.escape import escape_control
@@ -72,8 +71,9 @@ class Watch:
         self._untold: list[str] = []  # WatchWarnings not issued yet (``_tell``)
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight,
                                     histograms=tensorboard_dir is not None,  # under torchrun: on every rank
-                                    channels="dead_units" in self._rules.settings,
-                                    attention=any(rule in self._rules.settings for rule in TRANSFORMER_RULES),
+                                    channels=needed(self._rules.settings, "channels"),
+                                    gather=[what for what in SIGNALS if needed(self._rules.settings, what)],
+                                    attention=needed(self._rules.settings, "attention"),
                                     on_failure=lambda why, step: self._tell(
                                         f"hookcli.watch stopped at step {step}: {why}; nothing from step {step} "
                                         "on is logged, and the loop runs on unchanged"))

@@ -3,43 +3,31 @@ entropy collapsing, attention logits growing, the output logits' log-partition d
 
 Pure functions of the logged steps' records (``WatchStep.attention``, ``WatchStep.output_logits``). Each
 judges a value against its early level: its mean over the first ``warmup`` logged steps that had it.
-``watch_rules.Rules`` calls them with their settings (``TRANSFORMER_RULES``) and its ``told`` check
-(each layer named once a rule).
+They are ``WatchRule`` specs (``TRANSFORMER_SPECS``, part of ``watch_rules.SPECS``) whose engine signal is
+``"attention"``: the heads and the output logits are measured only while one of them is on.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookcli.commands.watch_spec import RuleState, Settings, WatchRule
 from hookcli.config import integer, number
 from hookcli.records import AttentionLayer, Finding, WatchStep
 
-Settings = dict[str, Any]
-#: ``Rules._new``: whether a rule has not named a layer yet (it has from now on)
-Told = Callable[[str, str], bool]
-
-#: rule -> {key: (default, validator)}, as ``watch_rules.RULES``
-TRANSFORMER_RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
-    "attention_entropy": {"fraction": (0.1, number(0, 1, low_open=True)), "warmup": (3, integer(1))},
-    "attn_logit_growth": {"bound": (50.0, number(0, low_open=True)), "ratio": (25.0, number(1, low_open=True)),
-                          "warmup": (3, integer(1))},
-    "output_logit_drift": {"shift": (20.0, number(0, low_open=True)), "warmup": (3, integer(1))},
-}
-
 
 @dataclass
-class TransformerState:
-    """What the transformer rules keep of earlier logged steps: each value's early samples, by rule and
-    key (a layer and head; the output)."""
+class EarlyState(RuleState):
+    """What a transformer rule keeps of earlier logged steps: each value's early samples, by key (a layer
+    and head; the output)."""
 
-    early: dict[str, dict[Any, list[float]]] = field(default_factory=dict)
+    early: dict[Any, list[float]] = field(default_factory=dict)
 
-    def level(self, rule: str, key: Any, value: float, warmup: int) -> float | None:
+    def level(self, key: Any, value: float, warmup: int) -> float | None:
         """The early level of ``key`` once ``warmup`` samples are in (this one joins while they are not)."""
-        samples = self.early.setdefault(rule, {}).setdefault(key, [])
+        samples = self.early.setdefault(key, [])
         if len(samples) < warmup:
             samples.append(value)
             return None
@@ -50,7 +38,7 @@ def _heads(layer: AttentionLayer, values: list[float | None]) -> list[tuple[int,
     return [(h, v) for h, v in enumerate(values) if v is not None and math.isfinite(v)]
 
 
-def attention_entropy(state: TransformerState, rec: WatchStep, cfg: Settings, new: Told) -> list[Finding]:
+def attention_entropy(rec: WatchStep, cfg: Settings, state: EarlyState) -> list[Finding]:
     """A head whose attention entropy fell below ``fraction`` of its early level (entropy collapse: its
     softmax attends to ever fewer keys, Zhai et al. 2023); one finding per layer, naming its lowest
     head and how many heads are below."""
@@ -58,10 +46,10 @@ def attention_entropy(state: TransformerState, rec: WatchStep, cfg: Settings, ne
     for layer in rec.attention:
         low = []
         for head, entropy in _heads(layer, layer.entropy):
-            early = state.level("attention_entropy", (layer.name, head), entropy, cfg["warmup"])
+            early = state.level((layer.name, head), entropy, cfg["warmup"])
             if early is not None and early > 0 and entropy < cfg["fraction"] * early:
                 low.append((entropy / early, head, entropy, early))
-        if not low or not new("attention_entropy", layer.name):
+        if not low or not state.new(layer.name):
             continue
         share, head, entropy, early = min(low)
         found.append(Finding("attention_entropy", "warning", rec.step, layer.name, "forward", entropy,
@@ -73,7 +61,7 @@ def attention_entropy(state: TransformerState, rec: WatchStep, cfg: Settings, ne
     return found
 
 
-def attn_logit_growth(state: TransformerState, rec: WatchStep, cfg: Settings, new: Told) -> list[Finding]:
+def attn_logit_growth(rec: WatchStep, cfg: Settings, state: EarlyState) -> list[Finding]:
     """A head whose largest attention logit is above ``bound``, or above ``ratio`` times its early level
     (at least 1): attention logits growing until softmax saturates (Dehghani et al. 2023, Wortsman et al.
     2023); one finding per layer, naming its largest head."""
@@ -81,11 +69,11 @@ def attn_logit_growth(state: TransformerState, rec: WatchStep, cfg: Settings, ne
     for layer in rec.attention:
         high = []
         for head, top in _heads(layer, layer.max_logit):
-            early = state.level("attn_logit_growth", (layer.name, head), top, cfg["warmup"])
+            early = state.level((layer.name, head), top, cfg["warmup"])
             limit = min(cfg["bound"], cfg["ratio"] * max(early, 1.0)) if early is not None else cfg["bound"]
             if top > limit:
                 high.append((top, head, early, limit))
-        if not high or not new("attn_logit_growth", layer.name):
+        if not high or not state.new(layer.name):
             continue
         top, head, early, limit = max(high, key=lambda item: item[0])
         since = f", {top / max(early, 1.0):.3g}x its early level {early:.3g}" if early is not None else ""
@@ -96,16 +84,16 @@ def attn_logit_growth(state: TransformerState, rec: WatchStep, cfg: Settings, ne
     return found
 
 
-def output_logit_drift(state: TransformerState, rec: WatchStep, cfg: Settings, new: Told) -> list[Finding]:
+def output_logit_drift(rec: WatchStep, cfg: Settings, state: EarlyState) -> list[Finding]:
     """The output logits' mean log-partition (``logsumexp``) more than ``shift`` nats from its early
     level: the logits drifting as a whole (what z-loss holds near 0)."""
     logits = rec.output_logits
     if logits is None or not math.isfinite(logits.logsumexp):
         return []
-    early = state.level("output_logit_drift", logits.output, logits.logsumexp, cfg["warmup"])
+    early = state.level(logits.output, logits.logsumexp, cfg["warmup"])
     if early is None or abs(logits.logsumexp - early) <= cfg["shift"]:
         return []
-    if not new("output_logit_drift", logits.output or "(output)"):
+    if not state.new(logits.output or "(output)"):
         return []
     drift = logits.logsumexp - early
     return [Finding("output_logit_drift", "warning", rec.step, None, "forward", drift, cfg["shift"],
@@ -114,6 +102,25 @@ def output_logit_drift(state: TransformerState, rec: WatchStep, cfg: Settings, n
                     f"largest logit: {logits.max:.4g}): the logits drift as a whole, z-loss holds it near 0")]
 
 
-#: The rules in the order ``Rules.observe`` runs them.
-CHECKS = (("attention_entropy", attention_entropy), ("attn_logit_growth", attn_logit_growth),
-          ("output_logit_drift", output_logit_drift))
+_WARMUP = (3, integer(1))
+
+#: The transformer rules, in the order ``Rules.observe`` runs them (after ``watch_rules``' own).
+TRANSFORMER_SPECS: tuple[WatchRule, ...] = (
+    WatchRule("attention_entropy", {"fraction": (0.1, number(0, 1, low_open=True)), "warmup": _WARMUP},
+              attention_entropy, "an attention head whose mean entropy fell below `fraction` of its early level (the mean "
+              "of its first `warmup` logged steps): entropy collapse, its softmax attending to ever "
+              "fewer keys (Zhai et al. 2023); one finding per module, naming its lowest head "
+              "([attention and output logits](#attention-and-output-logits))",
+              state=lambda _cfg: EarlyState(), needs="attention"),
+    WatchRule("attn_logit_growth", {"bound": (50.0, number(0, low_open=True)),
+                                    "ratio": (25.0, number(1, low_open=True)), "warmup": _WARMUP},
+              attn_logit_growth, "an attention head whose largest logit is above `bound`, or above `ratio` × its early "
+              "level (at least 1; until its first `warmup` logged steps are in, `bound` alone): logits "
+              "growing until softmax saturates (Dehghani et al. 2023, Wortsman et al. 2023); one "
+              "finding per module, naming its largest head",
+              state=lambda _cfg: EarlyState(), needs="attention"),
+    WatchRule("output_logit_drift", {"shift": (20.0, number(0, low_open=True)), "warmup": _WARMUP},
+              output_logit_drift, "the output logits' mean log-partition (`logsumexp`) more than `shift` nats from its "
+              "early level: the logits drifting as a whole (what z-loss holds near 0)",
+              state=lambda _cfg: EarlyState(), needs="attention"),
+)

@@ -55,3 +55,11 @@ def channel_nonzeros(t: torch.Tensor, dim: int) -> torch.Tensor:
     reduction on the device, a vector of ``t.shape[dim]`` int64 (each channel holds ``numel // C`` values)."""
     others = [i for i in range(t.dim()) if i != dim % t.dim()]
     return torch.count_nonzero(t.detach(), dim=others)
+
+
+def channel_abs_max(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The largest magnitude in each channel along ``dim`` of ``t`` (NaN where a channel holds one): two
+    reductions on the device (max and min: no full-size ``abs`` temporary), a float vector of ``t.shape[dim]``."""
+    others = [i for i in range(t.dim()) if i != dim % t.dim()]
+    t = t.detach()
+    return torch.maximum(torch.amax(t, dim=others), torch.amin(t, dim=others).neg()).float()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from hookcli.engine import distributed, reduction
 from hookcli.engine.attention import AttentionProbe
 from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
+from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
@@ -28,6 +29,10 @@ from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
                             internal_error)
 from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
+
+#: What a logged step can gather for the rules besides the statistics (``WatchRule.needs``): each output's
+#: per-channel largest magnitudes, Adam's normalised-gradient RMS, the cosines of update and gradient
+SIGNALS = ("peaks", "adam", "cosines")
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
 _Groups = dict[tuple[str, str], list[Any]]
@@ -96,7 +101,7 @@ class StepWatcher:
                  selection: Sequence[tuple[str, nn.Module]], every: int,
                  on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
                  channels: bool = True, on_failure: Callable[[str, int], None] | None = None,
-                 attention: bool = True) -> None:
+                 attention: bool = True, gather: Collection[str] = SIGNALS) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -125,20 +130,18 @@ class StepWatcher:
             on_step(record)
 
         self.on_step = named
-        #: under torchrun: the step's rows merged over the ranks (docs/distributed.md), else None
-        group = distributed.process_group()
-        if group is not None:
-            distributed.check_supported(model)
-        self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
-        self.reduction = distributed.StepReduction(group, distributed.tp_groups(model, self.params)) \
-            if group is not None else None
-        self.owned = [distributed.owns(p, self.reduction.tp_first) for _, p in self.params] \
-            if self.reduction is not None else []
+        self._join_ranks(model)
         #: True: user_step ends steps; False: the optimizer does; None: not known yet
         self.user_steps: bool | None = True if optimizer is None else None
         #: each logged step's per-channel zero counts (the dead_units rule's; under torchrun summed over
         #: the ranks in the step's first SUM)
         self.channels = channels
+        #: each logged step's per-channel largest magnitudes (the massive_activation rule's; not under torchrun)
+        self.peaks = ChannelPeaks(self.selection) if "peaks" in gather and self.reduction is None else None
+        #: a logged step's cosines between update and gradient, and Adam's normalised-gradient RMS (not
+        #: under torchrun), measured in the optimizer's post-step hook (``gather``: which of them)
+        self.gather = frozenset(gather) if self.reduction is None else frozenset()
+        self._signals: tuple[list[Vector] | None, list[Vector] | None] | None = None
         #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; under
         #: torchrun over every rank's part, with one more collective: ``distributed.global_histograms``)
         self.histograms = histograms if self.reduction is None else self.reduction.any_rank(histograms)
@@ -170,6 +173,18 @@ class StepWatcher:
         self.stopped: str | None = None
         self.on_failure = on_failure or (lambda _why, _step: None)
 
+    def _join_ranks(self, model: nn.Module) -> None:
+        """Under torchrun: the step's rows merged over the ranks (docs/distributed.md): ``reduction``,
+        which parameters are sharded and which this rank owns; else None and empty."""
+        group = distributed.process_group()
+        if group is not None:
+            distributed.check_supported(model)
+        self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
+        self.reduction = distributed.StepReduction(group, distributed.tp_groups(model, self.params)) \
+            if group is not None else None
+        self.owned = [distributed.owns(p, self.reduction.tp_first) for _, p in self.params] \
+            if self.reduction is not None else []
+
     @property
     def step(self) -> int:
         """The step in progress (0-based)."""
@@ -179,7 +194,8 @@ class StepWatcher:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
         # (training_root: the model's .eval() with no_grad is a validation forward, left out)
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
-                                                              channel_zeros=self.channels),
+                                                              channel_zeros=self.channels,
+                                                              observe=self.peaks.observe if self.peaks else None),
                            params=self.params, training_root=compiled_inner(self.model))
         assert self.hooks.session is not None
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
@@ -218,6 +234,9 @@ class StepWatcher:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._closure_grads = None
+        self._signals = None
+        if self.peaks is not None:
+            self.peaks.begin(self.logged)
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
 
@@ -266,8 +285,10 @@ class StepWatcher:
     def _post_step(self) -> None:
         self._stepped = True
         if self._before is not None:
-            self._updates = reduction.norms([reducible(before.sub_(distributed.local(p.detach())))
-                                             for before, (_, p) in zip(self._before, self.params)])
+            diffs = [before.sub_(distributed.local(p.detach())) for before, (_, p) in zip(self._before, self.params)]
+            self._updates = reduction.norms([reducible(diff) for diff in diffs])
+            if self.gather:
+                self._signals = self._update_signals(diffs)
             self._before = None
         if self._param_vectors is not None and self._closure_grads is not None:
             # the step's closure ran (a backward) inside optimizer.step(): the gradients it applied are
@@ -297,6 +318,12 @@ class StepWatcher:
         if self.reduction is not None:
             self._partial = distributed.partial_grads(self.params)
         self._histograms = self._param_histograms()
+
+    def _update_signals(self, diffs: list[torch.Tensor]) -> tuple[list[Vector] | None, list[Vector] | None]:
+        """At a logged step's post-step, on the device: each parameter's cosine between update and gradient,
+        and Adam's normalised-gradient RMS (None: not gathered, or not an Adam/AdamW optimizer)."""
+        return (update_grad_dots(diffs, self.params) if "cosines" in self.gather else None,
+                adam_rms(self.optimizer, self.params, diffs) if "adam" in self.gather else None)
 
     def user_step(self, loss: Any = None) -> None:
         """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
@@ -534,6 +561,9 @@ class StepWatcher:
         cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
         loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
         attention = self.attention.slots(slot) if self.attention is not None else None
+        dot_slots, adam_slots = ([[slot(v) for v in vectors] if vectors is not None else None
+                                  for vectors in self._signals] if self._signals is not None else (None, None))
+        peak_slots = {key: slot(peak) for key, peak in self.peaks.take().items()} if self.peaks is not None else {}
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -560,6 +590,7 @@ class StepWatcher:
         for entry, (v, g) in zip(out.params, histogram_slots):
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
+        _attach_signals(out, values, dot_slots, adam_slots, peak_slots)
         return out
 
 
@@ -580,6 +611,124 @@ def lr_scales(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[st
         for p in group["params"]:
             scale_of[id(p)] = scale
     return [scale_of.get(id(p)) for _, p in params]
+
+
+class ChannelPeaks:
+    """Each selected output's largest magnitude per channel on a logged step (the massive_activation
+    rule's), on the device, the largest over the step's calls: a ``HookOptions.observe`` callback,
+    measuring only while ``active``. ``take()`` hands the step's peaks on by (module, output path)."""
+
+    def __init__(self, selection: Sequence[tuple[str, nn.Module]]) -> None:
+        self.dims = ChannelDims(dict(selection))
+        self.active = False
+        self.peaks: dict[tuple[str, str], torch.Tensor | None] = {}
+
+    def observe(self, name: str, _call: int, path: str, tensor: torch.Tensor) -> None:
+        if not self.active or not has_channels(tensor):
+            return
+        key, peak = (name, path), channel_abs_max(tensor, self.dims(name, tensor))
+        if key not in self.peaks:
+            self.peaks[key] = peak
+        elif (had := self.peaks[key]) is not None:  # an output whose channel count differs between calls: left out
+            self.peaks[key] = torch.maximum(had, peak) if had.shape == peak.shape else None
+
+    def begin(self, logged: bool) -> None:
+        """A step begins: measured when it is ``logged``."""
+        self.active, self.peaks = logged, {}
+
+    def take(self) -> dict[tuple[str, str], torch.Tensor]:
+        peaks, self.peaks = self.peaks, {}
+        return {key: peak for key, peak in peaks.items() if peak is not None}
+
+
+def _attach_signals(record: WatchStep, values: list[list[float]], dots: list[int | None] | None,
+                    adam: list[int | None] | None, peaks: dict[tuple[str, str], int | None]) -> None:
+    """Set the record's update-gradient cosines (the dot products over the update's and the gradient's
+    norms), Adam RMS and per-channel peaks from the step's transfer (a value that is not finite, a
+    parameter without one, stays None)."""
+    def finite(slots: list[int | None] | None, i: int, at: int = 0) -> float | None:
+        value = values[index][at] if slots is not None and i < len(slots) and (index := slots[i]) is not None \
+            else math.nan
+        return value if math.isfinite(value) else None
+
+    for i, entry in enumerate(record.params):
+        dot, norms = finite(dots, i), (entry.update_norm or 0.0) * _grad_norm(entry.grad)
+        entry.update_grad_cosine = max(-1.0, min(1.0, dot / norms)) if dot is not None and norms > 0 else None
+        entry.adam_rms, entry.adam_rms_without_eps = finite(adam, i), finite(adam, i, 1)
+    for layer in record.layers:
+        if (index := peaks.get((layer.name, layer.output))) is not None:
+            layer.channel_abs_max = values[index]
+
+
+def _grad_norm(grad: dict[str, Any] | None) -> float:
+    """A gradient's L2 norm from its statistics (rms * sqrt(count)); 0 when not finite or not known."""
+    if grad is None or grad.get("nan_count") or grad.get("inf_count") or not isinstance(grad.get("rms"), float):
+        return 0.0
+    norm = grad["rms"] * math.sqrt(grad["count"])
+    return norm if math.isfinite(norm) else 0.0
+
+
+def update_grad_dots(diffs: Sequence[torch.Tensor], params: Sequence[tuple[str, nn.Parameter]]) -> list[Vector]:
+    """Each parameter's dot product of its update (w_after - w_before; ``diffs`` hold w_before - w_after)
+    with its gradient as the step left it, as a one-element float32 vector on the device (one pass; NaN
+    without a gradient): over the update's and the gradient's norms, which the step transfers anyway,
+    it is their cosine (``_attach_signals``)."""
+    out: list[Vector] = []
+    for diff, (_, p) in zip(diffs, params):
+        grad = p.grad
+        if grad is None or grad.layout != torch.strided or grad.shape != diff.shape or diff.is_complex() \
+                or grad.is_complex():
+            out.append(torch.full((1,), math.nan, device=diff.device))
+            continue
+        d, g = diff.detach().reshape(-1), grad.detach().reshape(-1)
+        if d.dtype != torch.float32 or g.dtype != torch.float32:
+            d, g = d.float(), g.float()
+        out.append(torch.dot(d, g).neg().reshape(1))
+    return out
+
+
+def adam_rms(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]],
+             diffs: Sequence[torch.Tensor]) -> list[Vector] | None:
+    """Right after an Adam/AdamW step: each parameter's RMS of the normalised gradient
+    g / (sqrt(v_hat) + eps), with v_hat = exp_avg_sq / (1 - beta2^step) as the step used it (the
+    amsgrad maximum with ``amsgrad``; g with the coupled weight decay Adam adds, from w_before = w +
+    ``diffs``), and the same without eps (0 where v_hat is 0), as two-element vectors on the device
+    (NaN for a parameter it did not update), in float32 (a few passes over each parameter, no float64
+    copy). None for another optimizer. Reads the optimizer's state, never writes it."""
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(optimizer, "optimizer", None)  # a wrapper (Accelerate's, Lightning's)
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    out: list[Vector] = []
+    for diff, (_, p) in zip(diffs, params):
+        state, group, grad = optimizer.state.get(p), groups.get(id(p)), p.grad
+        v = state.get("max_exp_avg_sq" if group and group.get("amsgrad") else "exp_avg_sq") if state else None
+        if group is None or v is None or "step" not in state or grad is None or grad.layout != torch.strided \
+                or grad.is_complex() or grad.shape != v.shape:
+            out.append(torch.full((2,), math.nan, device=diff.device))
+            continue
+        out.append(_adam_rms_of(optimizer, group, p, grad, v, state["step"], diff))
+    return out
+
+
+def _adam_rms_of(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
+                 v: torch.Tensor, step: Any, diff: torch.Tensor) -> torch.Tensor:
+    """``adam_rms``'s two values for one parameter: with c = 1 - beta2^step, g / (sqrt(v / c) + eps) is
+    sqrt(c) g / (sqrt(v) + eps sqrt(c)), so the RMS is sqrt(c) ||g / (sqrt(v) + eps sqrt(c))|| / sqrt(n)."""
+    g = grad.detach().float()
+    decoupled = group.get("decoupled_weight_decay", False) or isinstance(optimizer, torch.optim.AdamW)
+    if group.get("weight_decay") and not decoupled:  # (its sign under ``maximize`` matters here only)
+        g = (g.neg() if group.get("maximize") else g) + group["weight_decay"] * (p.detach().float() + diff.float())
+    beta2 = group["betas"][1]
+    root_c = (1 - beta2 ** step.to(device=g.device, dtype=torch.float32)).sqrt() if torch.is_tensor(step) \
+        else torch.tensor(math.sqrt(1 - beta2 ** step), device=g.device)
+    scale = root_c / math.sqrt(max(g.numel(), 1))
+    root = v.detach().float().sqrt()  # (two temporaries the size of the parameter, reused)
+    ratio = torch.div(g, root).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    without_eps = torch.linalg.vector_norm(ratio) * scale
+    with_eps = torch.linalg.vector_norm(torch.div(g, root.add_(group["eps"] * root_c), out=ratio)) * scale
+    return torch.stack([with_eps, without_eps])
 
 
 def merged_outputs(calls: Sequence[Any]) -> _Groups:

@@ -29,7 +29,8 @@ from hookcli.records.core import (
 from hookcli.records.diff import DiffReport, DiffRow, Errors, Tolerance
 from hookcli.records.exports import ChannelRecord, FeatureExport, FeatureMaps, SavedTensor
 from hookcli.records.watch import (
-    WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchRun, WatchStep,
+    LAYER_KEYS, PARAM_KEYS, WATCH_SCHEMA, WATCH_STAT_KEYS, Finding, Histogram, NonfiniteCause, WatchLayer, WatchParam,
+    WatchRun, WatchStep, peak_ratio,
 )
 from hookcli.records.watch_report import ReportSeries, WatchReport
 
@@ -38,6 +39,6 @@ __all__ = [
     "GRAD_KEYS", "SCHEMA", "STAT_EXTRA_KEYS", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",
-    "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "Histogram", "NonfiniteCause", "WatchLayer", "WatchParam",
+    "LAYER_KEYS", "PARAM_KEYS", "peak_ratio", "WATCH_SCHEMA", "WATCH_STAT_KEYS", "Finding", "Histogram", "NonfiniteCause", "WatchLayer", "WatchParam",
     "WatchRun", "WatchStep", "ReportSeries", "WatchReport", "statistics",
 ]

@@ -47,6 +47,14 @@ class WatchLayer:
     channel_zero_fraction: list[float] | None = field(default=None, repr=False)
     #: The module's other names (a module reached along two paths: a tied ``lm_head``); None: it has one
     aliases: list[str] | None = None
+    #: Each channel's largest magnitude over the step's calls (for the massive_activation rule; not in
+    #: the log, which holds ``channel_peak_ratio``); None: not measured (no channels, under torchrun)
+    channel_abs_max: list[float] | None = field(default=None, repr=False)
+
+    @property
+    def channel_peak_ratio(self) -> float | None:
+        """``peak_ratio`` of ``channel_abs_max`` (None: not measured, or not a finite ratio)."""
+        return peak_ratio(self.channel_abs_max)[0] if self.channel_abs_max else None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "output": self.output, "type": self.type, "calls": self.calls,
@@ -55,9 +63,26 @@ class WatchLayer:
             out["placement"] = self.placement
         if self.channels is not None:
             out["dead_channels"], out["channels"] = self.dead_channels, self.channels
+        if self.channel_abs_max:
+            out["channel_peak_ratio"] = self.channel_peak_ratio
         if self.aliases:
             out["aliases"] = self.aliases
         return out
+
+
+def peak_ratio(peaks: list[float] | None) -> tuple[float | None, int | None]:
+    """The largest of an output's per-channel largest magnitudes over their median, and the channel
+    that holds it: ``(None, None)`` without a finite ratio (fewer than 2 channels, a NaN/Inf, a median
+    of 0: most channels all zeros, the dead_units rule's)."""
+    if not peaks or len(peaks) < 2 or not all(math.isfinite(v) for v in peaks):
+        return None, None
+    ordered = sorted(peaks)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    if median <= 0:
+        return None, None
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    return peaks[top] / median, top
 
 
 @dataclass
@@ -109,10 +134,26 @@ class WatchParam:
     #: the update (None: not asked, empty, or a value not finite); not in the log
     values_histogram: Histogram | None = field(default=None, repr=False)
     grad_histogram: Histogram | None = field(default=None, repr=False)
+    #: The RMS of Adam's normalised gradient g / (sqrt(v_hat) + eps) at the step (the update's size in
+    #: learning rates, before its first moment); None: not updated by Adam/AdamW, or under torchrun
+    adam_rms: float | None = None
+    #: The same without eps (g / sqrt(v_hat), 0 where v_hat is 0): how much eps shrinks the update
+    #: (the adam_rms rule's; not in the log)
+    adam_rms_without_eps: float | None = field(default=None, repr=False)
+    #: The cosine between the update (w_after - w_before) and the gradient: -1 for SGD; None without
+    #: an update, a gradient, or under torchrun
+    update_grad_cosine: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": self.shape, "norm": self.norm, "grad": self.grad,
-                "update_norm": self.update_norm, "update_ratio": self.update_ratio}
+                "update_norm": self.update_norm, "update_ratio": self.update_ratio,
+                "adam_rms": self.adam_rms, "update_grad_cosine": self.update_grad_cosine}
+
+
+#: What a parameter of the log has besides its gradient's statistics (``hookcli report --stat``), and
+#: what a layer has besides its output's and gradient's (docs/watch.md "The log").
+PARAM_KEYS = ("norm", "update_norm", "update_ratio", "adam_rms", "update_grad_cosine")
+LAYER_KEYS = ("dead_channels", "channel_peak_ratio")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from hookcli.records import Finding, ReportSeries, WatchReport
+from hookcli.records import PARAM_KEYS, Finding, ReportSeries, WatchReport
 from hookcli.render import summary
 from hookcli.render.columns import BOLD_RED, DIM, Cell, Column
 from hookcli.render.formats import format_number, plain
@@ -48,7 +48,7 @@ def what(report: WatchReport) -> str:
     """What the statistic describes: ``rms of each layer's output``, ``grad.rms of each output's gradient``."""
     if report.stat.startswith("param.grad.") :
         return f"{report.stat.removeprefix('param.grad.')} of each parameter's gradient"
-    if report.stat in ("norm", "update_norm", "update_ratio"):
+    if report.stat in PARAM_KEYS:
         return f"{report.stat} of each parameter"
     if report.stat.startswith("grad."):
         return f"{report.stat.removeprefix('grad.')} of the gradient of each layer's output"
