@@ -137,3 +137,20 @@ def test_op_count_per_tensor(dtype: torch.dtype) -> None:
     with Ops() as before:
         accelerator_vector(x.view(-1))
     assert len(before.compute) + len(before.views) >= 60, before.compute
+
+
+def test_a_vector_does_not_change_when_the_next_tensor_is_reduced() -> None:
+    """The ops write into one scratch vector per device and thread; each returned vector is the last op's
+    own, so reducing another tensor (of another size, on another thread) leaves it as it was."""
+    import threading
+
+    a, b = torch.randn(300, device=DEVICE) + 5, torch.tensor([math.nan, -1.0, math.inf], device=DEVICE)
+    first = reduce_lean(a)
+    kept = first.clone()
+    reduce_lean(b)
+    worker = threading.Thread(target=lambda: reduce_lean(b * 3))
+    worker.start()
+    worker.join()
+    assert torch.equal(first, kept)
+    assert_moments_match(to_host([first])[0], a, centre_error=CENTRE)
+    assert_moments_match(host(b), b, centre_error=CENTRE)
