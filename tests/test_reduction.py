@@ -167,3 +167,35 @@ def test_the_device_backend_runs_at_most_its_measured_op_count_per_tensor(env: p
     y = x * 1  # another tensor: not the one the reducer saw
     again = aten_op_counts(lambda: reduction.reduce(y, zeros=False, reducer=reducer))
     assert sum(again.values()) <= DEVICE_OPS_PER_TENSOR, again
+
+
+def test_histograms_with_triton_take_a_fixed_number_of_ops_and_equal_float64_torch(env: pytest.MonkeyPatch) -> None:
+    """With the ``triton`` backend the float16/bfloat16/float32 tensors of a step share the kernel's
+    launches: the compute ops (views apart) for eight tensors are those for two; each row equals float64
+    torch (buckets as torch.histc over the tensor's own range, min, max and count exactly, the sums to
+    float32 accuracy); float64, empty, integer and None entries keep their per-tensor answer."""
+    from reference import aten_op_counts
+
+    triton_runs_here("triton")
+    env.setenv(reduction.REDUCTION_ENV, "triton")
+    views = {"aten.select", "aten.slice", "aten.view", "aten.detach", "aten.as_strided", "aten.unbind",
+             "aten.alias", "aten.expand", "aten.unsqueeze"}
+
+    def compute_ops(ts: list[torch.Tensor]) -> int:
+        reduction.histograms(ts)  # address tables are built (and cached) once
+        return sum(n for op, n in aten_op_counts(lambda: reduction.histograms(ts)).items() if op not in views)
+
+    floats = [seeded(3 + k, 5) for k in range(8)]
+    assert compute_ops(floats) == compute_ops(floats[:2])
+    tensors = [seeded(40, 3), None, seeded(7, 5).bfloat16(), torch.empty(0), torch.arange(6), seeded(9, 2).double(),
+               seeded(6, 6).half().t()]
+    rows = reduction.histograms(tensors)
+    assert rows[1] is None and rows[3] is None and rows[4] is None
+    for t, row in zip(tensors, rows):
+        if t is None or not t.numel() or not t.is_floating_point():
+            continue
+        got, d = row.tolist(), t.double()
+        assert got[5:] == torch.histc(d, bins=30, min=float(d.min()), max=float(d.max())).tolist()
+        assert got[:3] == [float(d.min()), float(d.max()), float(d.numel())]
+        assert math.isclose(got[3], float(d.sum()), rel_tol=1e-6, abs_tol=1e-6 * float(d.abs().sum()))
+        assert math.isclose(got[4], float(d.square().sum()), rel_tol=1e-6)

@@ -26,7 +26,8 @@ tensors still take ``auto``'s choice; ``name_for`` says which one a run's device
 of every JSON report and watch log line.
 
 The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
-``histograms`` and ``channel_counts`` (many at once; they loop today).
+``histograms`` and ``channel_counts`` (many at once: ``norms`` in one op on an accelerator, ``histograms``
+in a fixed number of launches with the ``triton`` backend; ``channel_counts`` loops).
 """
 
 from __future__ import annotations
@@ -85,8 +86,32 @@ def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
 def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS
                ) -> list[torch.Tensor | None]:
     """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
-    non-float tensor)."""
-    return [stats.histogram(t, bins) if t is not None else None for t in tensors]
+    non-float tensor). Where the ``triton`` backend reduces their device, the float16/bfloat16/float32
+    tensors of one device take a fixed number of launches together (``reduce_triton.histograms``: one
+    counting launch per dtype, whatever their number; its sum and sum of squares are float32's); the
+    others (float64, or another backend) one ``stats.histogram`` each."""
+    out = [stats.histogram(t, bins) if t is not None and not _batched_histogram(t) else None for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and _batched_histogram(t):
+            by_device.setdefault(t.device, []).append(i)
+    for batch in by_device.values():
+        from hookcli.engine import reduce_triton
+
+        rows = reduce_triton.histograms([tensors[i].detach() for i in batch], bins)  # type: ignore[union-attr]
+        for i, row in zip(batch, rows.unbind(0)):
+            out[i] = row
+    return out
+
+
+def _batched_histogram(t: torch.Tensor) -> bool:
+    """Whether ``t``'s histogram is counted by the Triton kernel with others': the ``triton`` backend
+    reduces its device, the kernel reads it, and its buckets are float32's (float64 ones are not)."""
+    if not t.numel() or t.dtype == torch.float64 or t.device.type == "meta" or choose(t.device).name != "triton":
+        return False
+    from hookcli.engine import reduce_triton
+
+    return reduce_triton.available(t)
 
 
 def channel_counts(tensors: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
