@@ -199,3 +199,58 @@ def test_histograms_with_triton_take_a_fixed_number_of_ops_and_equal_float64_tor
         assert got[:3] == [float(d.min()), float(d.max()), float(d.numel())]
         assert math.isclose(got[3], float(d.sum()), rel_tol=1e-6, abs_tol=1e-6 * float(d.abs().sum()))
         assert math.isclose(got[4], float(d.square().sum()), rel_tol=1e-6)
+
+
+#: What launches nothing: views (and detach) are counted apart from the compute ops below.
+VIEWS = {"aten.select", "aten.slice", "aten.view", "aten.detach", "aten.as_strided", "aten.unbind", "aten.alias",
+         "aten.expand", "aten.unsqueeze", "aten._unsafe_view"}
+
+
+def compute_ops(fn) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    from reference import aten_op_counts
+
+    return {op: n for op, n in aten_op_counts(fn).items() if op not in VIEWS}
+
+
+@pytest.mark.parametrize("name", ["triton", "lean"])
+def test_an_activation_takes_the_backends_fixed_ops_through_the_public_face(env: pytest.MonkeyPatch,
+                                                                              name: str) -> None:
+    """Through ``reduction.reduce`` (what a hook calls), every layout and dtype: the ``triton`` backend is
+    one op to torch (its custom op) and the ``lean`` one at most 12, as the backends alone: an expanded
+    tensor is not reduced to its base and scaled after (two more ops), a gapped one not copied first
+    (the custom op copies it inside); each equals float64 torch."""
+    from reference import assert_moments_match
+
+    triton_runs_here(name)
+    env.setenv(reduction.REDUCTION_ENV, name)
+    base = seeded(4, 6, 5, 5)
+    for x in (seeded(50, 7), base.contiguous(memory_format=torch.channels_last), seeded(30).bfloat16(),
+              base[:, :, ::2], seeded(3, 1).expand(3, 40), base.transpose(0, 2).half()):
+        reduction.reduce(x, reducer=Reducer())  # constants and tables are built (and cached) once
+        ops = compute_ops(lambda x=x: reduction.reduce(x, reducer=Reducer()))
+        if name == "triton":
+            assert ops == {"hookcli.reduce_moments": 1}, ops
+        else:
+            assert sum(ops.values()) <= 12, ops
+        assert_moments_match(to_host([reduction.reduce(x, reducer=Reducer())])[0], x, centre_error=2.0 ** -23)
+
+
+def test_all_parameters_of_a_step_take_at_most_three_ops_with_triton(env: pytest.MonkeyPatch) -> None:
+    """Every parameter's statistics and norm for a step, through ``reduction`` (what a watch calls):
+    ``reduce_many`` and ``norms`` are at most 3 ops to torch with the ``triton`` backend, parameters that
+    require grad included; each equals float64 torch."""
+    triton_runs_here("triton")
+    env.setenv(reduction.REDUCTION_ENV, "triton")
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    params = list(model.parameters())
+    reducer = Reducer()
+    reduction.reduce_many(params, reducer=reducer)
+    ops = compute_ops(lambda: (reduction.reduce_many(params, reducer=reducer, zeros=False), reduction.norms(params)))
+    assert sum(ops.values()) <= 3, ops
+    rows = to_host(reduction.reduce_many(params, reducer=reducer, zeros=False))
+    for p, row, norm in zip(params, rows, to_host(reduction.norms(params))):
+        want = p.detach().double()
+        got = gradient_stats(row)
+        assert math.isclose(got["mean"], float(want.mean()), rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(got["std"], float(want.std(correction=0)), rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(norm[0], float(want.norm()), rel_tol=1e-12)

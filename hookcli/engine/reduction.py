@@ -55,6 +55,7 @@ def reduce_many(tensors: Sequence[torch.Tensor], *, zeros: bool = True, reducer:
                 ) -> list[stats.Vector]:
     """Each tensor's vector (``reduce``), e.g. a step's gradients; read them with one ``to_host``."""
     reducer = reducer or stats.Reducer()
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]
     if len(tensors) > 1 and reducer.device_backend.name == "triton" and _one_triton_device(tensors):
         from hookcli.engine import reduce_triton
 
@@ -73,9 +74,11 @@ def _one_triton_device(tensors: Sequence[torch.Tensor]) -> bool:
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     """Each tensor's L2 norm as a one-element vector (``engine.stats.l2_norm``: the C kernel's float64 sum
-    of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device)."""
-    if len(tensors) > 1 and all(not t.is_cpu and t.layout == torch.strided and t.is_floating_point()
-                                and t.device == tensors[0].device for t in tensors):
+    of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device; for
+    several tensors of an accelerator, or of the CPU where a device backend is forced there, one
+    ``torch._foreach_norm``)."""
+    if len(tensors) > 1 and all((not t.is_cpu or not choose("cpu").host) and t.layout == torch.strided
+                                and t.is_floating_point() and t.device == tensors[0].device for t in tensors):
         # an accelerator's: one multi-tensor op (torch._foreach_norm), not a launch per tensor
         return [n.reshape(1) for n in torch._foreach_norm([t.detach() for t in tensors], 2,
                                                           dtype=stats.device_float(tensors[0].device))]
