@@ -72,8 +72,8 @@ _LOCAL = threading.local()
 
 def reduce_lean(t: torch.Tensor, zeros: bool = True) -> torch.Tensor:
     """``t``'s statistics vector on its device (``device_float``), with no host synchronisation, in 12
-    torch ops whatever its dtype and layout (views apart; a layout with gaps that cannot be flattened
-    costs one copy); ``zeros=False`` leaves the zero count at 0."""
+    torch ops whatever its dtype and layout (views apart: a layout with gaps is read in place, its
+    dimensions put in memory order); ``zeros=False`` leaves the zero count at 0."""
     x = t.detach() if t.requires_grad else t
     if x.is_neg():
         x = x.resolve_neg()
@@ -81,7 +81,10 @@ def reduce_lean(t: torch.Tensor, zeros: bool = True) -> torch.Tensor:
         return empty_vector(x.device)
     x, repeats = unbroadcast(x)
     flat = dense_view(x)
-    x = flat if flat is not None else (x.view(1) if x.dim() == 0 else x)
+    if flat is None:  # a layout with gaps: its dimensions in memory order (a view), so that the rows below
+        x = x.view(1) if x.dim() == 0 else x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    else:  # are laid out row after row and flatten as views
+        x = flat
     acc = device_float(x.device)
     k = _constants(x.device, x.dtype, acc, x.dim(), x.numel(), repeats, zeros)
     s = _scratch(x.device, acc, torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).tiny)
