@@ -75,9 +75,9 @@ def _one_triton_device(tensors: Sequence[torch.Tensor]) -> bool:
 def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     """Each tensor's L2 norm as a one-element vector (``engine.stats.l2_norm``: the C kernel's float64 sum
     of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device; for
-    several tensors of an accelerator, or of the CPU where a device backend is forced there, one
-    ``torch._foreach_norm``)."""
-    if len(tensors) > 1 and all((not t.is_cpu or not choose("cpu").host) and t.layout == torch.strided
+    several tensors of an accelerator, or of the CPU where the ``triton`` backend runs there under
+    Triton's interpreter, one ``torch._foreach_norm``)."""
+    if len(tensors) > 1 and all((not t.is_cpu or choose("cpu").name == "triton") and t.layout == torch.strided
                                 and t.is_floating_point() and t.device == tensors[0].device for t in tensors):
         # an accelerator's: one multi-tensor op (torch._foreach_norm), not a launch per tensor
         return [n.reshape(1) for n in torch._foreach_norm([t.detach() for t in tensors], 2,
