@@ -774,7 +774,8 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     Two twin models (same seed, same batch, each with its own AdamW) train side by side: every round is
     a bare step of one, then a step of the other under the variant, so both see the same machine and
-    stay identical (the watch changes no number). Rows: a logged step (``every=1``) and an unlogged one
+    stay identical (the watch changes no number). Rows: a logged step (``every=1``), one with the transformer
+    signals off (their three rules off), and an unlogged one
     (``every`` huge, its logged step 0 left out), medians over rounds of variant / bare; ``every`` over
     ``steps`` (default 4 x every, ``--quick``: 1 x every, the same share of logged steps), total time
     over total bare time; peers: the articles' ``.item()`` forward hooks on every leaf module at every
@@ -785,6 +786,7 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     import hookcli
     import models
+    from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES
 
     config = config or models.WATCH_GPT
     steps = steps or (every if quick else 4 * every)
@@ -811,10 +813,13 @@ def bench_watch(repeats: int, quick: bool = False, *, config: Any = None, batch:
 
     with tempfile.TemporaryDirectory(prefix="hookcli-bench-watch-") as tmp:
         alternate_steps(bare.step, lambda i: twin.step(), 1)  # warm-up
-        for every_n, variant, goal in ((1, "logged step (every=1)", "<= 1.25"),
-                                       (10**9, "unlogged step", "<= 1.02")):
-            log = os.path.join(tmp, f"every{every_n}.jsonl")
-            with hookcli.watch(twin.model, twin.optimizer, every=every_n, out=log) as w:
+        # the rules that read the attention heads and output logits, all off: the signals are not measured
+        off = {rule: False for rule in TRANSFORMER_RULES}
+        for every_n, variant, goal, rules in ((1, "logged step (every=1)", "<= 1.35", None),
+                                              (1, "logged step, transformer signals off", "<= 1.25", off),
+                                              (10**9, "unlogged step", "<= 1.02", None)):
+            log = os.path.join(tmp, f"every{every_n}{'off' if rules else ''}.jsonl")
+            with hookcli.watch(twin.model, twin.optimizer, every=every_n, out=log, rules=rules) as w:
                 timed = alternate_steps(bare.step, lambda i, w=w: w.step(loss=twin.step()), 1 + repeats)
             per_step(variant, timed.tail(1), goal, "first round left out (step 0); ")
         with hookcli.watch(twin.model, twin.optimizer, every=every, out=os.path.join(tmp, "every.jsonl")) as w:

@@ -20,6 +20,7 @@ group, several ``hookcli.check`` cases, each rank on its own slice of the global
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -138,6 +139,8 @@ def main(out: Path) -> None:
     cases["shard_ddp"] = run(model=str(Path(__file__).with_name("sharded_models.py")) + ":build", shard="ddp",
                              input_shapes=["5x6"], checks={"output_shape": [5, 3]})
     (out / f"rank{rank}.json").write_text(json.dumps(cases))
+    del net
+    gc.collect()  # what the runs wrapped in DDP (its reducer holds the group) goes before the group
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ may) and buffer as the ranks hold them, to compare with a one-process build."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -79,6 +80,8 @@ def main(out: Path) -> None:
     except HookcliError as exc:
         failures["empty slice"] = [type(exc).__name__, exc.exit_code, exc.message]
     (out / f"failures{rank}.json").write_text(json.dumps(failures))
+    del model, attention
+    gc.collect()  # a DDP model's reducer holds the group: alive past destroy, it can abort a rank at exit
     dist.barrier()  # the group still works: the ranks are in step
     dist.destroy_process_group()
 

@@ -11,7 +11,8 @@ dimension ``dp`` x TP as ``tp`` over ``tp``; each TP group its half of the batch
 ``2.weight`` nudged after DDP's broadcast, a NaN in rank 1's input at step 1, and at step 2 an output
 on rank 1 that hookcli's hook cannot read) | ``count`` (DDP over 4, then 40 Linear layers: collectives
 per logged step; ``OUT/4/`` and ``OUT/40/``) | ``stats`` (``hookcli.stats`` on each rank's slice of step
-0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports).
+0's batch, as one tensor and as ``data`` in batches of 2: ``OUT/rank<r>.json`` holds both reports) | ``cause``
+(who made a NaN: ``made_in_a_parent``, then ``made_on_rank_one``).
 ``fsdp`` and ``tp`` also write TensorBoard histograms (``OUT/tb``, rank 0 alone asks); ``ddp`` then runs
 ``dead_units`` (``OUT/dead<r>.json``) and ``unused_branch`` (``OUT/branch/``), ``tp`` then ``sequence_parallel`` (``OUT/sp/``), ``fsdp_tp`` then
 ``sequence_parallel`` under FSDP2 x TP (``OUT/sp_fsdp/``): packed into those
@@ -20,11 +21,14 @@ launches, as each launch costs every rank a torch start-up.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,15 +93,17 @@ def refusals() -> list[tuple[str, int, str]]:
 
 
 class MaskedBlock(nn.Module):
-    """Its own forward multiplies its output by a NaN mask at step 2 (its Linear and Tanh stay finite)."""
+    """Its own forward multiplies its output by a NaN mask at step 2 (its Linear and Tanh stay finite),
+    on every rank or on rank ``rank`` only."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
         super().__init__()
-        self.lin, self.act, self.calls = nn.Linear(5, 5), nn.Tanh(), 0
+        self.lin, self.act, self.calls, self.rank = nn.Linear(5, 5), nn.Tanh(), 0, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, self.calls = self.act(self.lin(x)), self.calls + 1
-        return y * float("nan") if self.calls == 3 else y
+        here = self.rank is None or not dist.is_initialized() or dist.get_rank() == self.rank
+        return y * float("nan") if self.calls == 3 and here else y
 
 
 def made_in_a_parent(out: Path) -> None:
@@ -114,6 +120,44 @@ def made_in_a_parent(out: Path) -> None:
             optimizer.step()
             optimizer.zero_grad()
     (out / f"cause{dist.get_rank()}.json").write_text(json.dumps([f.to_dict() for f in w.findings]))
+
+
+def _nonfinite_output(bad: list[tuple[int, str]], at: list[int], name: str, _module: nn.Module, _args: Any,
+                      output: Any) -> None:
+    """The test's own forward hook: (step, module) when the module's output holds a NaN/Inf."""
+    if isinstance(output, torch.Tensor) and not bool(torch.isfinite(output).all()):
+        bad.append((at[0], name))
+
+
+def made_on_rank_one(out: Path) -> None:
+    """DDP, the NaN made in ``1``'s own forward at step 2 on rank 1 only (rank 0's forward stays finite;
+    DDP's averaged gradients carry it to rank 0's weights after the step): every step logged, then
+    unlogged with the flight recorder (``every=50, flight=4``). ``out/rank_one<r>.json``: each run's
+    findings, and plain torch's ground truth on this rank: the (step, module) of each module output
+    that was not finite, in call order, from the test's own forward hooks (an unwatched run)."""
+    said: dict[str, Any] = {}
+    for name, options in (("logged", {"every": 1}), ("flight", {"every": 50, "flight": 4}), ("plain", None)):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 5), MaskedBlock(rank=1), nn.Linear(5, 1))
+        wrapped = nn.parallel.DistributedDataParallel(net)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+        bad: list[tuple[int, str]] = []
+        at = [0]  # the step in progress, for the hooks
+        handles = [m.register_forward_hook(partial(_nonfinite_output, bad, at, n))
+                   for n, m in net.named_modules()] if options is None else []
+        with hookcli.watch(wrapped, optimizer, **options, on_finding="warn") if options else contextlib.nullcontext() as w:
+            for step in range(5):
+                at[0] = step
+                x, y = batch(step)
+                nn.functional.mse_loss(wrapped(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for handle in handles:
+            handle.remove()
+        said[name] = bad if options is None else [f.to_dict() for f in w.findings]
+        del wrapped
+        gc.collect()
+    (out / f"rank_one{dist.get_rank()}.json").write_text(json.dumps(said))
 
 
 def main(mode: str, out: Path) -> None:
@@ -137,6 +181,7 @@ def main(mode: str, out: Path) -> None:
         sequence_parallel(out, fsdp=True)
     if mode == "cause":
         made_in_a_parent(out)
+        made_on_rank_one(out)
     if mode == "faults":
         (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(refusals()))
     gc.collect()  # the watches and meshes (and their process groups) go before the groups are destroyed

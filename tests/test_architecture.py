@@ -252,3 +252,113 @@ def test_no_dead_code_every_top_level_name_is_used_somewhere() -> None:
                     for defined in _top_level_names(ast.parse(path.read_text(encoding="utf-8")))
                     if not defined.startswith("__") and words.get(defined, 0) <= 1)
     assert not unused, f"defined but never used (delete, or use it): {unused}"
+
+
+#: The most lines a function may take, from its ``def`` to its last line.
+MAX_FUNCTION_LINES = 80
+#: ``path:function`` allowed over it (none).
+LONG_FUNCTIONS: set[str] = set()
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """The functions (methods and nested ones too) of ``path`` longer than ``limit`` lines, with their
+    lengths (``def`` line to end line: decorators are not counted)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_is_over_80_lines() -> None:
+    found = {f"{path.relative_to(PACKAGE).as_posix()}:{name}": lines
+             for path in sorted(PACKAGE.rglob("*.py")) for name, lines in long_functions(path)}
+    over = sorted(f"{where} ({lines} lines)" for where, lines in found.items() if where not in LONG_FUNCTIONS)
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers):\n" + "\n".join(over)
+
+
+def test_the_function_length_check_counts_def_to_end(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    source.write_text(f"def long():\n{body}\n\nclass C:\n    def short(self):\n        return 1\n")
+    assert long_functions(source) == [("long", 81)]
+    assert long_functions(source, limit=81) == []
+
+
+def test_the_run_loop_takes_a_plan_not_per_feature_flags() -> None:
+    """``engine.run.run_step`` keeps its phases and hands what a run records to collectors
+    (``engine.collectors``): at most 8 parameters and under 60 lines."""
+    tree = ast.parse((PACKAGE / "engine" / "run.py").read_text())
+    (run_step,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "run_step"]
+    arguments = run_step.args
+    count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+    assert count <= 8 and arguments.vararg is None and arguments.kwarg is None, ast.dump(arguments)
+    assert run_step.end_lineno - run_step.lineno + 1 < 60
+
+
+#: Private attributes of other objects hookcli must write, each with its reason: (module, object
+#: expression, attribute) -> why. Everything else writes only its own (``self._x``, ``cls._x``).
+FOREIGN_PRIVATE_WRITES: dict[tuple[str, str, str], str] = {
+    ("hookcli.commands.diff", "fits", "_metadata"):
+        "torch's state dicts carry their modules' versions in this attribute, which load_state_dict reads "
+        "(torch sets it the same way); a filtered copy must keep it",
+    ("hookcli.commands.watch_tensorboard", "queue", "_writer"):
+        "TensorBoard's event-file writer has no public way to replace its record writer: the guard that "
+        "keeps a full disk from killing its thread goes in here",
+    ("hookcli.commands.watch_tensorboard", "worker", "_record_writer"):
+        "the same record writer as held by TensorBoard's writer thread (both must be the guard)",
+}
+
+
+def _private_writes(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
+    """(line, object expression, attribute) of each assignment to a private attribute (``_name``, not a
+    dunder) of an object other than ``self``/``cls``: an assigned, augmented or annotated target (inside
+    tuples and lists too) and ``setattr(obj, "_name", ...)`` with a literal name."""
+    def foreign(value: ast.expr) -> bool:
+        return not (isinstance(value, ast.Name) and value.id in ("self", "cls"))
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+    def targets(node: ast.expr) -> Iterator[ast.expr]:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for item in node.elts:
+                yield from targets(item)
+        elif isinstance(node, ast.Starred):
+            yield from targets(node.value)
+        else:
+            yield node
+
+    for node in ast.walk(tree):
+        found: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            found = [t for target in node.targets for t in targets(target)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            found = list(targets(node.target))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and private(node.args[1].value) and foreign(node.args[0])):
+            yield node.lineno, ast.unparse(node.args[0]), node.args[1].value
+        for target in found:
+            if isinstance(target, ast.Attribute) and private(target.attr) and foreign(target.value):
+                yield target.lineno, ast.unparse(target.value), target.attr
+
+
+def test_no_module_writes_another_objects_private_attributes() -> None:
+    """A private attribute (``_name``) is written by its own object only (``self._x = ...``): hookcli never
+    sets the inner state of another of its objects, of torch's or of a library's from outside, except the
+    few in ``FOREIGN_PRIVATE_WRITES``, each with its reason."""
+    wrong = []
+    for module, path in modules().items():
+        for line, obj, attr in _private_writes(ast.parse(path.read_text())):
+            if (module, obj, attr) not in FOREIGN_PRIVATE_WRITES:
+                wrong.append(f"{module}:{line}: {obj}.{attr}")
+    assert not wrong, "writes to another object's private attribute:\n" + "\n".join(wrong)
+
+
+def test_the_private_write_finder_finds_each_form() -> None:
+    source = ("a._x = 1\nself._ok = 2\nb.c._y += 1\nd._z: int = 3\ne, f._w = 1, 2\nsetattr(g, '_v', 1)\n"
+              "setattr(self, '_fine', 1)\ncls._fine = 1\nh.public = 1\nsetattr(i, 'public', 1)\nj.__dict__ = {}\n")
+    assert [(obj, attr) for _, obj, attr in _private_writes(ast.parse(source))] == [
+        ("a", "_x"), ("b.c", "_y"), ("d", "_z"), ("f", "_w"), ("g", "_v")]
+    assert set(FOREIGN_PRIVATE_WRITES) <= {(m, o, a) for m, p in modules().items()
+                                           for _, o, a in _private_writes(ast.parse(p.read_text()))}

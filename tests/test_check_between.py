@@ -34,7 +34,7 @@ def rows(result) -> dict[str, object]:
 
 
 def block_inputs(model: tb.Residual, x: torch.Tensor, doubled: bool) -> list[torch.Tensor]:
-    """The input of each block, in float64, as the parent's forward hands it on."""
+    """The input of each block and of the final norm, in float64, as the parent's forward hands it on."""
     model = copy.deepcopy(model).double()
     seen = []
     with torch.no_grad():
@@ -42,7 +42,7 @@ def block_inputs(model: tb.Residual, x: torch.Tensor, doubled: bool) -> list[tor
         for block in model.blocks:
             seen.append(h)
             h = h + block(h) if doubled else block(h)
-    return seen
+    return [*seen, h]
 
 
 # --------------------------------------------------------------------------- residual_growth
@@ -59,8 +59,9 @@ def test_a_doubled_residual_stream_fails_residual_growth_at_step_1_naming_the_bl
     top = [float(h.abs().max()) for h in seen]
     assert row.value == pytest.approx(min(b / a for a, b in zip(rms, rms[1:])), rel=1e-5)
     assert row.value > 1.9
-    assert f"at step 1 the input of blocks.0 .. blocks.5 grows {row.value:.4g}x or more at every block" in row.message
-    assert f"RMS {rms[0]:.4g} -> {rms[-1]:.4g}, max |x| {top[0]:.4g} -> {top[-1]:.4g}" in row.message
+    assert (f"at step 1 the input of blocks.0 .. blocks.5 and of norm grows {row.value:.4g}x or more at every block"
+            in row.message)
+    assert f"RMS {rms[0]:.4g} -> {rms[-1]:.4g}, max |x| {top[0]:.4g} -> {top[-1]:.4g} over 6 blocks and norm" in row.message
     # the one-step rules see module outputs only: they pass
     assert all(r.status in ("PASS", "SKIP") for r in result.rules if r.rule != "residual_growth"), result.rules
 
@@ -210,3 +211,80 @@ def test_configs_resnet18_spells_out_every_rule() -> None:
         spec = schema.SPEC[name]
         assert {k: v for k, v in table[name].items() if k != "ignore"} == {
             k: v for k, v in spec.defaults.items() if k != "enabled"}
+
+
+def _tiny_gpt2(doubled: bool) -> torch.nn.Module:
+    """A 4-block GPT-2 (random init, seed 0); ``doubled``: each block's output has its input added once
+    more (the residual added twice: the stream doubles at every block, up to ``ln_f``'s input)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    class DoubledBlock(GPT2Block):
+        def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            return hidden_states + super().forward(hidden_states, *args, **kwargs)
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    if doubled:
+        for i, block in enumerate(model.transformer.h):
+            twin = DoubledBlock(config, layer_idx=i)
+            twin.load_state_dict(block.state_dict())
+            model.transformer.h[i] = twin
+    return model
+
+
+def _stream(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Plain torch, float64: the input of each block and of ln_f at the model's weights (the test's own
+    forward pre-hooks)."""
+    model = copy.deepcopy(model).double().train()
+    seen: list[torch.Tensor] = []
+    modules = [*model.transformer.h, model.transformer.ln_f]
+    handles = [m.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0] if args else
+                                                                              kwargs["hidden_states"]),
+                                           with_kwargs=True) for m in modules]
+    torch.manual_seed(0)  # (dropout: the stream's scale is what is compared, not its values)
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("doubled", [True, False], ids=["doubled", "fixed"])
+def test_gpt2s_stream_is_watched_up_to_ln_fs_input(tmp_path: Path, doubled: bool) -> None:
+    """A tiny transformers GPT-2: the stream's last value is only ever ln_f's input, and it is part of
+    residual_growth. Doubled: it fails, at step 1, naming h.3 and ln_f, the RMS from h.0's input to ln_f's
+    (plain torch's, float64, at the initial weights); its fixed twin passes."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (4, 12))
+    torch.save(ids, tmp_path / "ids.pt")
+    model = _tiny_gpt2(doubled)
+    result = hookcli.check(model, inputs=[tmp_path / "ids.pt"], steps=6)
+    row = rows(result)["residual_growth"]
+    if not doubled:
+        assert row.status == "PASS" and row.value < 1.8, row
+        return
+    assert row.status == "FAIL" and row.offender == "transformer.h.3", row
+    rms = [float(h.pow(2).mean().sqrt()) for h in _stream(model, ids)]
+    assert len(rms) == 5 and min(b / a for a, b in zip(rms, rms[1:])) > 1.8  # the stream doubles, ln_f's input too
+    assert ("at step 1 the input of transformer.h.0 .. transformer.h.3 and of transformer.ln_f grows "
+            in row.message), row.message
+    assert f"(RMS {rms[0]:.4g} -> {rms[-1]:.4g}" in row.message, row.message
+
+
+def test_the_final_norm_is_the_one_the_stack_flows_into() -> None:
+    """Llama's ``model.norm`` after its ``layers``; a norm right after the blocks inside one Sequential;
+    none where the module after the stack is no norm."""
+    from hookcli.commands.check.between import final_norm, stacks
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    llama = transformers.LlamaForCausalLM(config)
+    assert [(s[-1], final_norm(llama, s)) for s in stacks(llama)] == [("model.layers.2", "model.norm")]
+    inline = torch.nn.Sequential(*(tb.ResidualBlock(8) for _ in range(3)), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    assert [final_norm(inline, s) for s in stacks(inline)] == ["3"]
+    headless = torch.nn.Sequential(torch.nn.Sequential(*(tb.ResidualBlock(8) for _ in range(3))), torch.nn.Linear(8, 2))
+    assert [final_norm(headless, s) for s in stacks(headless)] == [None]

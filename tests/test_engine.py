@@ -227,3 +227,120 @@ def test_every_call_of_every_resnet18_module_matches_plain_torch(kernel: str, mo
     assert {(r.name, r.call) for r in report.layers} == set(captured)
     for record in report.layers:
         assert_stats_match(record.stats, captured[(record.name, record.call)])
+
+
+def test_a_collector_sees_the_run_loops_events_in_order_and_gets_its_vectors_back() -> None:
+    """A collector added to a run's plan is called at each phase (the output at forward's end, inside the
+    forward context; backward inside its own) and its vectors come back from the run's one transfer:
+    here the output's float64-checked sum and the loss, equal to plain torch's."""
+    from contextlib import contextmanager
+
+    from hookcli.engine import run as engine
+    from hookcli.engine.collectors import Collector
+    from hookcli.options import RunOptions
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh()).double()
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    events: list[str] = []
+
+    @contextmanager
+    def around(name: str):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"leave {name}")
+
+    class Seen(Collector):
+        def begin(self, step, stack):
+            events.append("begin")
+
+        def forward(self, step):
+            return around("forward")
+
+        def forward_end(self, step, output):
+            events.append("forward_end")
+            self.total = output.detach().sum().reshape(1)
+
+        def backward(self, step):
+            return around("backward")
+
+        def ran(self, step):
+            events.append("ran")
+
+        def end(self, step):
+            events.append("end")
+
+        def vectors(self, step):
+            events.append("vectors")
+            return [self.total, step.loss.detach().reshape(1)]
+
+        def records(self, step, values):
+            events.append("records")
+            self.values = values
+
+    seen = Seen()
+    prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
+    plan = engine.RunPlan(loss=lambda out, a, k, m: (out.pow(2).mean(), "mine"), collectors=[seen], show_phase=False)
+    run = engine.run_model(prep, HookOptions(stats=True), plan)
+    assert events == ["begin", "enter forward", "forward_end", "leave forward", "enter backward", "leave backward",
+                      "ran", "end", "vectors", "records"]
+    with torch.no_grad():
+        expected = model(x)
+    assert seen.values[0][0] == pytest.approx(float(expected.sum()), rel=1e-12)
+    assert seen.values[1][0] == pytest.approx(float(expected.pow(2).mean()), rel=1e-12)
+    assert run.loss == "mine" and run.loss_value == pytest.approx(float(expected.pow(2).mean()), rel=1e-12)
+
+
+def test_a_collectors_own_failure_during_forward_is_hookclis_not_the_models() -> None:
+    """What a collector raises at forward's end is stored by the session and raised after the run as
+    hookcli's InternalError; the model is not blamed."""
+    from hookcli.engine import run as engine
+    from hookcli.engine.collectors import Collector
+    from hookcli.errors import InternalError
+    from hookcli.options import RunOptions
+
+    class Broken(Collector):
+        def forward_end(self, step, output):
+            step.session.call(lambda: 1 / 0, where="a broken collector")
+
+    prep = engine.prepare(RunOptions(model=nn.Linear(2, 2), input_shapes=["1x2"], seed=0))
+    with pytest.raises(InternalError, match="a broken collector"):
+        engine.run_model(prep, HookOptions(), engine.RunPlan(collectors=[Broken()], show_phase=False))
+
+
+def test_a_collector_sees_each_optimiser_step_with_the_steps_gradients_before_the_update() -> None:
+    """With optimiser steps, ``optimiser_step`` is called after each ``loss.backward()`` and before
+    ``optimizer.step()``: the weight's ``.grad`` there is torch's gradient of that step's loss, and
+    ``end`` comes after the plan's own ``finished``."""
+    from hookcli.engine import run as engine
+    from hookcli.engine.collectors import Collector
+    from hookcli.options import RunOptions
+
+    model = nn.Linear(3, 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reference = nn.Linear(3, 1).double()
+    reference.load_state_dict(model.state_dict())
+    events: list[str] = []
+    seen: list[torch.Tensor] = []
+
+    class Grads(Collector):
+        def optimiser_step(self, step):
+            events.append("optimiser_step")
+            seen.append(step.model.weight.grad.clone())
+
+        def end(self, step):
+            events.append("end")
+
+    steps = engine.OptimiserSteps(lambda: torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                                  finished=lambda: events.append("finished"))
+    plan = engine.RunPlan(loss=lambda out, a, k, m: (out.pow(2).mean(), None), steps=steps, collectors=[Grads()],
+                          show_phase=False)
+    prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
+    with engine.running(prep, keep_params=False) as (placed, args, kwargs):
+        engine.run_step(prep, placed, args, kwargs, HookOptions(), plan)
+    assert events == ["optimiser_step", "optimiser_step", "finished", "end"]
+    for got in seen:  # plain SGD steps on the reference, each step's gradient checked before its update
+        weight, bias = torch.autograd.grad(reference(x).pow(2).mean(), [reference.weight, reference.bias])
+        assert torch.allclose(got, weight, rtol=1e-12, atol=1e-15)
+        with torch.no_grad():
+            reference.weight -= 0.1 * weight
+            reference.bias -= 0.1 * bias

@@ -246,3 +246,42 @@ def test_a_hook_set_is_installed_once_and_records_only_once_installed() -> None:
             hooks.install(model, select_modules(model))
         assert model.conv._forward_hooks  # the refused second install took nothing away
     assert _hooked_anywhere(model, list(model.parameters())) == []
+
+
+def test_begin_step_switches_recording_and_channel_counts_and_the_training_root_leaves_validation_out() -> None:
+    """The session's step switches are its own (``begin_step``, ``go_idle``; ``idle`` is read-only): an idle
+    step records nothing, a recording step counts each output's nonzeros per channel only when asked (equal
+    to plain torch's count), and with a ``training_root`` a forward of that model in eval mode under
+    ``no_grad`` (validation) is left out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU())
+    x = torch.randn(4, 2, 5, 5)
+    hooks = HookSet().install(model, [("1", model[1])], HookOptions(stats=True, channel_zeros=True),
+                              training_root=model)
+    session = hooks.session
+    assert session is not None
+    try:
+        with pytest.raises(AttributeError):
+            session.idle = True  # type: ignore[misc]
+        session.begin_step(recording=False)
+        model(x)
+        assert session.idle and session.calls == []
+        session.begin_step(recording=True, count_channels=False)
+        model(x)
+        assert [c.outputs[0].nonzeros for c in session.calls] == [None]
+        hooks.end_step()
+        session.begin_step(recording=True, count_channels=True)
+        out = model(x)
+        expected = (out.detach() != 0).sum(dim=(0, 2, 3))
+        assert session.calls[0].outputs[0].nonzeros.tolist() == expected.tolist()
+        hooks.end_step()
+        model.eval()
+        with torch.no_grad():
+            model(x)  # validation: not the training's step
+        assert session.calls == []
+        model.train()
+        session.go_idle()
+        model(x)
+        assert session.calls == []
+    finally:
+        hooks.remove()

@@ -252,9 +252,6 @@ def test_lightning_several_optimizers_watch_with_no_optimizer_a_batch_a_step(tmp
         assert weight["update_norm"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="the watch reads a parameter's gradient at the optimizer's pre-step, before "
-                   "Lightning's closure adds the last micro-batch's: under accumulate_grad_batches the log's grad "
-                   "is the earlier micro-batches' only (hookcli.watch itself, not the callback)")
 def test_lightning_gradient_accumulation_logs_the_accumulated_gradient(tmp_path: Path) -> None:
     from hookcli.integrations.lightning import HookcliCallback
 

@@ -562,7 +562,7 @@ def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_dri
         return output.pow(2).mean(), None
 
     plan = engine.OptimiserSteps(lambda: torch.optim.SGD(model.parameters(), lr=0.5), 1)
-    result = engine.run_model(prep, HookOptions(), loss=loss, steps=plan, show_phase=False)
+    result = engine.run_model(prep, HookOptions(), engine.RunPlan(loss=loss, steps=plan, show_phase=False))
     assert result.cause is None
     w, b = (before[n].double().requires_grad_(True) for n in ("weight", "bias"))
     gw, gb = torch.autograd.grad((x.double() @ w.T + b).pow(2).mean(), (w, b))
@@ -573,7 +573,8 @@ def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_dri
     stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
     drift = model.register_forward_pre_hook(lambda m, a: m.weight.data.add_(1.0))
     try:
-        engine.run_model(engine.prepare(RunOptions(model=model, inputs=x, seed=0)), HookOptions(), show_phase=False)
+        engine.run_model(engine.prepare(RunOptions(model=model, inputs=x, seed=0)), HookOptions(),
+                         engine.RunPlan(show_phase=False))
     finally:
         drift.remove()
     assert torch.equal(model.weight, stepped["weight"]) and torch.equal(model.bias, stepped["bias"])

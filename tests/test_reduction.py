@@ -57,6 +57,18 @@ def test_stats_json_names_the_backend(cli, env: pytest.MonkeyPatch, name: str) -
     # outputs under HOOKCLI_REDUCTION=device in .ci/run)
 
 
+@pytest.mark.parametrize("name", ["torch", "device"])
+@pytest.mark.parametrize("command", ["diff", "features"])
+def test_diff_and_features_json_name_the_backend_in_force(cli, env: pytest.MonkeyPatch, tmp_path: Path,
+                                                           command: str, name: str) -> None:
+    env.setenv(reduction.REDUCTION_ENV, name)
+    extra = (["--vs-dtype", "float64"] if command == "diff"
+             else ["--output", str(tmp_path / "f.safetensors")])
+    result = cli(command, "tiny_models:Reused", "--input-shape", "3x4", *extra, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reduction"] == name
+
+
 def test_kernel_forced_where_it_is_off_is_one_line_exit_2(cli, env: pytest.MonkeyPatch) -> None:
     env.setenv(reduction.REDUCTION_ENV, "kernel")
     env.setenv(NO_KERNEL_ENV, "1")
@@ -115,6 +127,12 @@ def test_many_tensors_at_once_equal_float64_torch(env: pytest.MonkeyPatch, name:
         want = torch.histc(t.double(), bins=30, min=float(t.min()), max=float(t.max())) if t.numel() > 1 else None
         if want is not None:
             assert hist[5:] == want.tolist()
+    for t, (high, negated_low) in zip(tensors, to_host(reduction.extremes(tensors))):
+        assert (high, -negated_low) == (float(t.double().max()), float(t.double().min()))
+    bounds = [(float(t.min()) - 1.0, float(t.max()) + 0.5) for t in tensors]  # wider than each tensor's own
+    for t, (lo, hi), hist in zip(tensors, bounds, to_host(reduction.histograms(tensors, bounds=bounds))):
+        want = torch.histc(t.double(), bins=30, min=lo, max=hi)
+        assert hist[:2] == [lo, hi] and hist[5:] == want.tolist()
     x = seeded(4, 6, 5).relu()
     counts = to_host(reduction.channel_counts([(x, 1)]))[0]
     assert counts == [float((x[:, c] != 0).sum()) for c in range(6)]

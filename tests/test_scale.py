@@ -106,7 +106,7 @@ def test_7b_parameter_model_is_inspected_on_meta_without_allocating_weights() ->
 def test_no_host_synchronisation_per_layer_on_cuda() -> None:
     from torchvision.models import resnet18
 
-    from hookcli.commands.grads import build_loss
+    from hookcli.engine.losses import build_loss
     from hookcli.engine.session import HookOptions, attach
     from hookcli.engine.selection import select_modules
 
@@ -131,7 +131,7 @@ def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_hos
     leave every statistic a device tensor, read later in one transfer."""
     from torchvision.models import resnet18
 
-    from hookcli.commands.grads import build_loss
+    from hookcli.engine.losses import build_loss
     from hookcli.engine.selection import select_modules
     from hookcli.engine.session import HookOptions, attach
     from hookcli.engine.stats import SCALE, Reducer, merge

@@ -1072,6 +1072,65 @@ def test_a_closure_step_logs_the_gradients_it_applied(every: int) -> None:
     assert all("it has a gradient" in f.message for f in frozen)
 
 
+class _FreeingSGD(torch.optim.SGD):
+    """SGD that frees each gradient once its step has applied it, as memory-saving optimizers do."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return loss
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "frees its gradients"])
+def test_an_accumulated_step_whose_closure_runs_the_last_micro_batch_logs_the_summed_gradient(optimizer: str) -> None:
+    """Gradient accumulation with the last micro-batch's backward inside the closure of optimizer.step()
+    (Lightning's automatic optimisation under accumulate_grad_batches): the logged gradient is the sum over
+    every micro-batch (torch.autograd.grad of the summed losses at the step's weights, float64), not the
+    earlier micro-batches' seen at the pre-step; read when the closure returns, so an optimizer that frees
+    .grad in its step changes nothing. The loop's numbers are those of the unwatched loop."""
+
+    def run(watch: bool) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = (_FreeingSGD if optimizer != "sgd" else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
+        losses: list[float] = []
+        with hookcli.watch(model, opt, every=1) if watch else contextlib.nullcontext() as w:
+            for step in range(4):
+                (x0, y0), (x1, y1) = batches(step, micro=2)
+                reference_model = copy.deepcopy(model).double()
+                total = sum(nn.functional.mse_loss(reference_model(x.double()), y.double()) / 2
+                            for x, y in ((x0, y0), (x1, y1)))
+                expected = dict(zip([n for n, _ in model.named_parameters()],
+                                    torch.autograd.grad(total, list(reference_model.parameters()))))
+                (nn.functional.mse_loss(model(x0), y0) / 2).backward()
+
+                def closure(x: torch.Tensor = x1, y: torch.Tensor = y1) -> torch.Tensor:
+                    loss = nn.functional.mse_loss(model(x), y) / 2
+                    loss.backward()
+                    return loss
+
+                losses.append(float(opt.step(closure).detach()))
+                opt.zero_grad()
+                if watch:
+                    w.step()
+                    assert w.last is not None and w.last.step == step
+                    for p in w.last.params:
+                        want = expected[p.name]
+                        assert p.grad is not None and p.grad["count"] == want.numel()
+                        assert p.grad["rms"] == pytest.approx(float(want.pow(2).mean().sqrt()), rel=1e-5)
+                        assert p.grad["max"] == pytest.approx(float(want.max()), rel=1e-5, abs=1e-7)
+        return losses, model, opt
+
+    plain, plain_model, _ = run(False)
+    watched, watched_model, opt = run(True)
+    assert watched == plain
+    assert_same_state(plain_model, watched_model)
+    no_hooks_left(watched_model, opt)
+
+
 def test_w_step_at_the_top_of_the_loop_is_warned_once() -> None:
     """``w.step()`` first in each iteration (before the forward) ends an empty step 0 and makes every
     logged line hold the step before its number: warned once as a StepOrderWarning at that line (it was

@@ -6,6 +6,7 @@ a backward cause; and the watched run computes what the twin computes, bit for b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -265,6 +266,181 @@ def test_the_code_that_made_a_nan_is_named_with_its_step(case: str) -> None:
     assert w.findings[0].message.startswith(f"first NaN/Inf of the run at step {STEP}: {words}")
 
 
+class LevelGate(nn.Module):
+    """fc, then its own ``log`` of a buffer the loop sets to 0 at STEP (log 0 = -inf; no Python state for
+    Dynamo to guard on: one compiled graph for every step), then out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("level", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)) + torch.log(self.level))
+
+
+class LevelNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gate, self.head = nn.Linear(4, 8), LevelGate(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.embed(x)))
+
+
+def train_level(model: LevelNet, steps: int, watch: dict[str, Any] | None, *, compiled: bool = False,
+                scaler: torch.amp.GradScaler | None = None, hooks: bool = False
+                ) -> tuple[list[torch.Tensor], Any, list[tuple[int, str, str, bool]]]:
+    """``steps`` seeded SGD steps of ``model`` (its gate's level 0 at STEP), through
+    ``torch.compile(model, backend="aot_eager")`` or under float16 autocast with ``scaler``; watched
+    (``watch``) or not. The losses, the watch, and with ``hooks`` plain torch's ground truth: the test's
+    own forward hooks on every module, (step, module, "in"/"out", finite) for each call."""
+    torch.compiler.reset()
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    losses: list[torch.Tensor] = []
+    events: list[tuple[int, str, str, bool]] = []
+    handles = []
+    if hooks:
+        def finite(v: Any) -> bool:
+            return all(bool(torch.isfinite(t).all()) for t in (v if isinstance(v, tuple) else (v,)))
+
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, n=name: events.append((len(losses), n, "in", finite(a)))))
+            handles.append(module.register_forward_hook(
+                lambda m, a, o, n=name: events.append((len(losses), n, "out", finite(o)))))
+    with hookcli.watch(run, opt, **watch) if watch else contextlib.nullcontext() as w:
+        for step in range(steps):
+            model.gate.level.fill_(0.0 if step == STEP else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                loss = run(torch.randn(16, 4, generator=g)).float().pow(2).mean()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if w is not None:
+                w.step(loss=losses[-1])
+    for handle in handles:
+        handle.remove()
+    if watch:
+        no_hooks_left(model, opt)
+    return losses, w, events
+
+
+def first_bad(events: list[tuple[int, str, str, bool]]) -> tuple[int, str, str]:
+    return next((step, name, kind) for step, name, kind, ok in events if not ok)
+
+
+def test_under_torch_compile_the_first_output_that_holds_a_nan_is_not_blamed() -> None:
+    """A compiled model (aot_eager: one graph, the module boundaries inside it gone) is not traced (the
+    tracer's hooks on every module would break the graph at each). Plain torch (an eager twin's own
+    hooks): the log(0) is made in gate's own forward, between gate.fc (finite) and gate.out (its input
+    not finite). The finding is at STEP, located at gate.out's output where it is first seen, and says
+    that gate.out or code before it made it, gate.fc's output the last finite one: what the compiled run
+    can tell, no module blamed. The watched compiled run computes what the unwatched one does."""
+    torch.manual_seed(0)
+    _, _, events = train_level(LevelNet(), STEP + 1, None, hooks=True)
+    assert first_bad(events) == (STEP, "gate.out", "in")
+    assert (STEP, "gate.fc", "out", True) in events
+
+    torch.manual_seed(0)
+    plain = LevelNet()
+    want, _, _ = train_level(copy.deepcopy(plain), STEP + 3, None, compiled=True)
+    for watch in ({"every": 50, "flight": 4}, {"every": 1}):  # a flight recorder's step, a logged one
+        got, w, _ = train_level(copy.deepcopy(plain), STEP + 3, {**watch, "on_finding": "warn"}, compiled=True)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=0, equal_nan=True)
+        nonfinite = [f for f in w.findings if f.rule == "nonfinite"]
+        assert [(f.step, f.layer, f.direction) for f in nonfinite] == [(STEP, "gate.out", "forward")]
+        assert nonfinite[0].message == (
+            f"first NaN/Inf of the run at step {STEP}: not traced under torch.compile: made by gate.out or by code "
+            "that ran before it (every output before it is finite, the last gate.fc's); first seen in gate.out's "
+            "output (128 non-finite values)")
+
+
+def test_under_a_grad_scaler_the_maker_of_a_forward_nan_is_named_and_a_skip_is_no_nan_of_the_run() -> None:
+    """float16 autocast and a GradScaler on CPU; gate's own log(0) at STEP. Plain torch: the first
+    non-finite value is gate.out's input at STEP (an eager twin's own hooks), the scaler skips that step
+    (its scale halves there only) and the weights stay finite. With the flight recorder the maker is
+    named at STEP; logged every 5 steps (STEP unlogged) nothing is reported: the logged steps and the
+    weights are finite, the scaler threw the NaN step away. The watched loop computes the same losses."""
+    def scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+    torch.manual_seed(0)
+    twin, twin_scaler = LevelNet(), scaler()
+    scales = []
+    want, _, events = train_level(twin, STEP + 1, None, scaler=twin_scaler, hooks=True)
+    assert first_bad(events) == (STEP, "gate.out", "in")
+    assert twin_scaler.get_scale() == 2.0 ** 7  # halved once: the NaN step skipped
+    assert all(bool(torch.isfinite(p).all()) for p in twin.parameters())
+
+    for watch, findings in (({"every": 50, "flight": 4}, [("nonfinite", STEP, "gate", "forward")]),
+                            ({"every": 5}, [])):
+        torch.manual_seed(0)
+        model, model_scaler = LevelNet(), scaler()
+        got, w, _ = train_level(model, STEP + 3, {**watch, "on_finding": "warn"}, scaler=model_scaler)
+        scales.append(model_scaler.get_scale())
+        torch.testing.assert_close(torch.stack(got[:STEP + 1]), torch.stack(want), rtol=0, atol=0, equal_nan=True)
+        assert [(f.rule, f.step, f.layer, f.direction) for f in w.findings if f.rule == "nonfinite"] == findings
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        if findings:
+            assert w.findings[0].message.startswith(
+                f"first NaN/Inf of the run at step {STEP}: made in gate's own forward (between gate.fc and gate.out)")
+    assert scales == [2.0 ** 7, 2.0 ** 7]
+
+
+def test_a_grad_scaler_skipping_overflowing_steps_is_no_nan_of_the_run(tmp_path: Any) -> None:
+    """float16 autocast, a GradScaler whose first scale (2^30) overflows the scaled gradients for several
+    steps: plain torch (the test's own tensor hook) sees the model output's gradient non-finite, the
+    scaler halves its scale and the weights stay unchanged and finite. Every step logged and with the
+    flight recorder: each line says skipped and holds the infinite output gradients, and there is no
+    nonfinite finding: the scaler skipping by design is not a NaN of the run."""
+    import json
+
+    def run(watch: dict[str, Any] | None, out: Any = None) -> tuple[list[bool], list[float], nn.Module, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)
+        g = torch.Generator().manual_seed(0)
+        finite_grads, scales = [], []
+        with hookcli.watch(model, opt, **watch, out=out) if watch else contextlib.nullcontext() as w:
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    y = model(torch.randn(16, 4, generator=g))
+                y.register_hook(lambda grad: finite_grads.append(bool(torch.isfinite(grad).all())))
+                loss = y.float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+                if w is not None:
+                    w.step(loss=loss.detach())
+        return finite_grads, scales, model, w
+
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    finite_grads, scales, model, _ = run(None)
+    assert finite_grads == [False] * 4 and scales == [2.0 ** 29, 2.0 ** 28, 2.0 ** 27, 2.0 ** 26]
+    assert all(torch.equal(a, b) for a, b in zip(initial.parameters(), model.parameters()))
+    for i, watch in enumerate(({"every": 1}, {"every": 50, "flight": 4})):
+        log = tmp_path / f"log{i}.jsonl"
+        _, watched_scales, _, w = run({**watch, "on_finding": "warn"}, log)
+        assert watched_scales == scales
+        assert [f.rule for f in w.findings if f.rule == "nonfinite"] == []
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [line["step"] for line in lines] == ([0, 1, 2, 3] if i == 0 else [0])
+        assert all(line["skipped"] for line in lines)
+        assert all(line["layers"][-1]["grad"]["inf_count"] > 0 for line in lines)
+
+
 def test_a_custom_backward_that_makes_a_nan_is_named() -> None:
     """The forward of STEP is finite; plain torch's gradients: finite with respect to the block's output,
     NaN with respect to block.lin's (the custom Function between them, in the block's own code)."""
@@ -308,7 +484,8 @@ def test_unlogged_steps_have_no_cause_hooks() -> None:
             w.step()
     modules = len(list(model.modules()))
     selected = len(w.last.layers)  # the watch's own per-module hooks: one pre-hook per selected module
-    assert hooked == [modules + selected, selected, selected, modules + selected]
+    # a logged step: the tracer's pre-hook and the attention probe's (engine.attention) on every module
+    assert hooked == [2 * modules + selected, selected, selected, 2 * modules + selected]
 
 
 def test_a_tracer_on_a_healthy_step_finds_nothing() -> None:

@@ -498,3 +498,25 @@ def test_watch_model_whose_forward_raises_exits_1_naming_the_step_and_module(cli
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("Error: step 0: the model raised in forward at bad (CheckedLinear)")
+
+
+def test_watch_model_runs_one_hook_set_for_the_whole_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``watch MODEL --steps N`` installs the watch's hook set once and its run loop hooks nothing of its
+    own: no one-shot hook set inside the watch at every step; every step is still logged with its rows."""
+    from hookcli.engine.session import HookSet
+
+    installs: list[int] = []
+    install = HookSet.install
+
+    def counted(self: HookSet, *args: Any, **kwargs: Any) -> HookSet:
+        installs.append(len(args[1]))  # (how many modules it hooks)
+        return install(self, *args, **kwargs)
+
+    monkeypatch.setattr(HookSet, "install", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    run = hookcli.watch_model(model, steps=4, input_shapes=["4x4"], out=tmp_path / "log.jsonl")
+    assert run.steps == 4 and len(installs) == 1 and installs[0] > 0
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "layers" in line]
+    assert [line["step"] for line in steps] == [0, 1, 2, 3] and all(line["layers"] for line in steps)

@@ -238,6 +238,56 @@ def test_a_hook_that_fails_stops_the_watch_not_the_loop(tmp_path: Path, call_ste
     assert not model.fc._forward_hooks and not model.fc._forward_pre_hooks
 
 
+def test_a_failure_reading_a_closures_gradients_stops_the_watch_not_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hookcli's own failure when the closure handed to optimizer.step() returns (reading the gradients it
+    left, at step 1): the closure's loss reaches the optimizer, the loop runs its 4 steps with the unwatched
+    run's losses and weights, no exception reaches it, one WatchWarning says why, the log holds step 0."""
+    from hookcli.engine.session import HookSet
+
+    def run(watched: bool) -> tuple[list[float], nn.Module, list[str], Path]:
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses: list[float] = []
+        log = tmp_path / f"{watched}.jsonl"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with hookcli.watch(model, opt, out=log) if watched else contextlib.nullcontext() as w:
+                torch.manual_seed(1)
+                for _ in range(4):
+                    x = torch.randn(32, 4)
+
+                    def closure(x: torch.Tensor = x) -> torch.Tensor:
+                        opt.zero_grad()
+                        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                        loss.backward()
+                        return loss
+
+                    losses.append(float(opt.step(closure)))
+                    if w is not None:
+                        w.step()
+        return losses, model, watch_warnings(caught), log
+
+    want, plain, _, _ = run(False)
+    reads = {"n": 0}
+    original = HookSet.param_vectors
+
+    def failing(self: HookSet) -> Any:
+        reads["n"] += 1
+        if reads["n"] == 4:  # step 0: the pre-step's, the closure's; step 1: the pre-step's, then this
+            raise RuntimeError("the gradients cannot be read")
+        return original(self)
+
+    monkeypatch.setattr(HookSet, "param_vectors", failing)
+    got, model, said, log = run(True)
+    assert got == want
+    assert_same(plain.state_dict(), model)
+    assert len(said) == 1 and said[0].startswith("hookcli.watch stopped at step 1: internal error: "), said
+    assert "the gradients cannot be read" in said[0]
+    assert [line["step"] for line in whole_lines(log)] == [0]
+
+
 class Complex(nn.Module):
     """A complex weight (a unitary-style layer), a real loss."""
 

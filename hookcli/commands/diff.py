@@ -28,6 +28,7 @@ from hookcli.engine.run import (
     new_report,
     prepare,
     require_values,
+    RunPlan,
     run_model,
 )
 from hookcli.engine.selection import module_depth
@@ -140,7 +141,8 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
          *, grads: bool, compile_model: bool) -> tuple[list[LayerRecord], dict[str, Any] | None]:
     """One run with ``keep`` on every selected output (and ``keep_grad`` on their gradients with
     ``grads``); its records and the loss. The model raising is a ModelRaisedError naming the run."""
-    from hookcli.commands.grads import loss_for, no_gradients
+    from hookcli.commands.grads import no_gradients
+    from hookcli.engine.losses import loss_for
 
     opts = prep.options
     refuse_torchscript(prep.loaded.model, prep.selection)
@@ -151,8 +153,8 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
             raise no_gradients(prep)
         return choice.value, choice
 
-    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad), loss=loss if grads else None,
-                    compiled=compile_model, show_phase=False)
+    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad),
+                    RunPlan(loss=loss if grads else None, compiled=compile_model, show_phase=False))
     if run.failure is not None:
         failure = run.failure
         raise ModelRaisedError(f"run {label}: {failure_message(failure)}", module=failure.module,
@@ -239,8 +241,8 @@ def diff_report(opts: RunOptions, vs: VsOptions) -> DiffReport:
     report = DiffReport(model=prep_a.info, vs_model=prep_b.info, changes=vs.changes(), grads=vs.grads,
                         notes=notes)
     head_a, head_b = new_report(prep_a, "diff"), new_report(prep_b, "diff")
-    report.inputs, report.device, report.mode, report.version = (head_a.inputs, head_a.device, head_a.mode,
-                                                                 head_a.version)
+    report.inputs, report.device, report.mode, report.version, report.reduction = (
+        head_a.inputs, head_a.device, head_a.mode, head_a.version, head_a.reduction)
     report.vs_device = head_b.device
     store, grad_store = DiskStore(), DiskStore()
     try:

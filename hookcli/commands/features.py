@@ -44,6 +44,7 @@ from hookcli.engine.run import (
     prepare,
     raise_failure,
     require_values,
+    RunPlan,
     run_step,
     running,
 )
@@ -379,7 +380,7 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
         for index in range(max(1, len(batches))):
             if index > 0:
                 args, kwargs = place_inputs(prep, make_inputs(prep.loaded, files=batches[index]))
-            run = run_step(prep, model, args, kwargs, HookOptions(keep=store.keep), show_phase=False)
+            run = run_step(prep, model, args, kwargs, HookOptions(keep=store.keep), RunPlan(show_phase=False))
             if run.failure is not None:  # the user's model raised or exited: nothing is saved
                 report.layers = run.layers
                 if batches:
@@ -393,6 +394,7 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
         inputs=_inputs(prep, batches, label),
         device=report.device,
         mode=report.mode,
+        reduction=report.reduction,
         not_called=store.not_called,
         batches=max(1, len(batches)),
         batch_size=len(batches[0]) if batches else None,

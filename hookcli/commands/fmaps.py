@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from hookcli._version import __version__
-from hookcli.engine.run import forward_report, prepare, require_values
+from hookcli.engine.run import Prepared, forward_report, prepare, require_values
 from hookcli.errors import OutputError, UsageError
 from hookcli.options import MAX_FMAP_SCALE, RunOptions, output_key_path
 from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name, shape_of
-from hookcli.records import ChannelRecord, FeatureMaps
+from hookcli.records import ChannelRecord, FeatureMaps, LayerRecord, Report
 
 DEFAULT_CHANNELS = 64
 MIN_TILE = 32  # px: smaller maps are upscaled so each tile is at least this big
@@ -313,41 +313,15 @@ def _run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathL
         raise UsageError(f"--layer {spec.layer!r} matches {len(prep.selection)} modules ({names})",
                          hint="fmaps draws one module: give its exact name")
     name, module = prep.selection[0]
-    captured: dict[str, _Captured] = {}
-
-    def keep(_name: str, call: int, path: str, tensor: torch.Tensor) -> None:
-        if call != spec.call:
-            return
-        take = tensor.dim() >= 1 and tensor.shape[0] > spec.sample and tensor.is_floating_point()
-        sample = tensor.detach()[spec.sample].to("cpu", copy=True) if take else None
-        captured[path] = _Captured(shape_of(tensor), tensor.dtype, sample)
-
-    report = forward_report(prep, "fmaps", stats=False, keep=keep)  # raises ModelRaisedError
-    records = report.layers
-    calls = max((r.calls for r in records), default=0)
+    report, captured = _capture(prep, spec)
     label = name or "(model)"
-    if calls == 0 or not any(r.called for r in records):
-        raise UsageError(f"{label} was not called by the model's forward", hint="choose a module that runs")
-    if spec.call >= calls:
-        raise UsageError(f"--call {spec.call}: {label} was called {calls} time{'s' if calls > 1 else ''}"
-                         f" (calls 0-{calls - 1})", hint=f"give --call 0 to {calls - 1}")
-    if not captured:
-        raise UsageError(f"{label} returned no tensor on call {spec.call}",
-                         hint="choose a module that returns a tensor (hookcli shapes MODEL --all shows them)")
+    calls = _called(report.layers, captured, spec, label)
     path, got = _pick(captured, spec.output_key, label)
     shown_label = (f"{label}#{spec.call}" if calls > 1 else label) + path
     result = FeatureMaps(model=prep.info, layer=name, type=type(module).__name__, inputs=list(prep.inputs.infos),
                          device=report.device, mode=report.mode, call=spec.call, calls=calls, output=path,
                          shape=got.shape, dtype=dtype_name(got.dtype), sample=spec.sample, version=__version__)
-    x = _drawable(got, shown_label, spec.sample)
-    if x.dim() == 3 and _channels_last(got.shape, spec.channel_dim):
-        x = x.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
-        how = "--channel-dim" if spec.channel_dim is not None else "its dims 1 and 2 are equal; --channel-dim 1 says otherwise"
-        result.notes.append(f"{shown_label}: [{', '.join(map(str, got.shape))}] drawn as channels-last "
-                            f"[batch, height, width, channels] ({how})")
-    if x.dim() == 3 and x.shape[1] * x.shape[2] == 1:
-        x = x.reshape(-1)
-        result.notes.append(f"{shown_label}: maps of 1x1 drawn as bars")
+    x = _maps(got, shown_label, spec, result)
     kind = "bars" if x.dim() == 1 else "grid"
     unit = "feature" if kind == "bars" else "channel"
     count = x.shape[0]
@@ -363,14 +337,73 @@ def _run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathL
         for i in range(count)
     ]
     _check_image_size(kind, x.shape, len(chosen), spec.scale)
+    _draw(result, kind, x, chosen, spec.scale)
+    if target is not None:
+        from hookcli.output import write_atomic
+
+        data = encode_png(result.image)
+        write_atomic(target, data)
+        result.path, result.file_bytes = os.fspath(output), len(data)  # type: ignore[arg-type]
+    return result
+
+
+def _capture(prep: Prepared, spec: FmapOptions) -> tuple[Report, dict[str, _Captured]]:
+    """The forward report of the one selected module, and each output tensor of its call ``spec.call``
+    by output path (the wanted sample copied to the CPU); ModelRaisedError when the model raises."""
+    captured: dict[str, _Captured] = {}
+
+    def keep(_name: str, call: int, path: str, tensor: torch.Tensor) -> None:
+        if call != spec.call:
+            return
+        take = tensor.dim() >= 1 and tensor.shape[0] > spec.sample and tensor.is_floating_point()
+        sample = tensor.detach()[spec.sample].to("cpu", copy=True) if take else None
+        captured[path] = _Captured(shape_of(tensor), tensor.dtype, sample)
+
+    report = forward_report(prep, "fmaps", stats=False, keep=keep)  # raises ModelRaisedError
+    return report, captured
+
+
+def _called(records: Sequence[LayerRecord], captured: dict[str, _Captured], spec: FmapOptions, label: str) -> int:
+    """How many times the module ran; UsageError when it never ran, ran fewer times than ``--call``
+    asks, or returned no tensor on that call."""
+    calls = max((r.calls for r in records), default=0)
+    if calls == 0 or not any(r.called for r in records):
+        raise UsageError(f"{label} was not called by the model's forward", hint="choose a module that runs")
+    if spec.call >= calls:
+        raise UsageError(f"--call {spec.call}: {label} was called {calls} time{'s' if calls > 1 else ''}"
+                         f" (calls 0-{calls - 1})", hint=f"give --call 0 to {calls - 1}")
+    if not captured:
+        raise UsageError(f"{label} returned no tensor on call {spec.call}",
+                         hint="choose a module that returns a tensor (hookcli shapes MODEL --all shows them)")
+    return calls
+
+
+def _maps(got: _Captured, shown_label: str, spec: FmapOptions, result: FeatureMaps) -> torch.Tensor:
+    """The sample as maps to draw, (C, H, W), or as features drawn as bars, (C,): a channels-last
+    output permuted and maps of 1x1 flattened, each with its note in ``result``."""
+    x = _drawable(got, shown_label, spec.sample)
+    if x.dim() == 3 and _channels_last(got.shape, spec.channel_dim):
+        x = x.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
+        how = "--channel-dim" if spec.channel_dim is not None else "its dims 1 and 2 are equal; --channel-dim 1 says otherwise"
+        result.notes.append(f"{shown_label}: [{', '.join(map(str, got.shape))}] drawn as channels-last "
+                            f"[batch, height, width, channels] ({how})")
+    if x.dim() == 3 and x.shape[1] * x.shape[2] == 1:
+        x = x.reshape(-1)
+        result.notes.append(f"{shown_label}: maps of 1x1 drawn as bars")
+    return x
+
+
+def _draw(result: FeatureMaps, kind: str, x: torch.Tensor, chosen: list[int], scale: int | None) -> None:
+    """The image of the ``chosen`` channels of ``x`` (``kind``: "bars" or "grid") and its layout, into
+    ``result``; ``scale``: the one asked for, else the automatic one."""
     selected = x[chosen]
     if kind == "bars":
-        scale = spec.scale or 1
+        scale = scale or 1
         image = bar_image(selected, scale)
         tile = [BAR_HEIGHT * scale, BAR_WIDTH * scale]
         grid = [1, len(chosen)]
     else:
-        scale = spec.scale or auto_scale(int(x.shape[1]), int(x.shape[2]))
+        scale = scale or auto_scale(int(x.shape[1]), int(x.shape[2]))
         image = grid_image(normalize_maps(selected), scale)
         tile = [int(x.shape[1]) * scale, int(x.shape[2]) * scale]
         cols = min(math.ceil(math.sqrt(len(chosen))), len(chosen))
@@ -378,13 +411,6 @@ def _run_fmaps(options: RunOptions, fmap: FmapOptions, *, output: str | os.PathL
     result.kind, result.scale, result.tile, result.grid = kind, scale, tile, grid
     result.image_size = [int(image.shape[2]), int(image.shape[1])]
     result.image = image
-    if target is not None:
-        from hookcli.output import write_atomic
-
-        data = encode_png(image)
-        write_atomic(target, data)
-        result.path, result.file_bytes = os.fspath(output), len(data)  # type: ignore[arg-type]
-    return result
 
 
 def _channels_last(shape: Sequence[int], channel_dim: int | None) -> bool:

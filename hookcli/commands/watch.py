@@ -19,6 +19,7 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.selection import owners_and_activations, select_modules
+from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES
 from hookcli.commands.watch_rules import Rules, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import StepWatcher, compiled_inner
@@ -72,6 +73,7 @@ class Watch:
         self._watcher = StepWatcher(model, optimizer, selection, every, self._logged, flight=flight,
                                     histograms=tensorboard_dir is not None,  # under torchrun: on every rank
                                     channels="dead_units" in self._rules.settings,
+                                    attention=any(rule in self._rules.settings for rule in TRANSFORMER_RULES),
                                     on_failure=lambda why, step: self._tell(
                                         f"hookcli.watch stopped at step {step}: {why}; nothing from step {step} "
                                         "on is logged, and the loop runs on unchanged"))

@@ -3,8 +3,8 @@
 The engine's run loop (``run_step`` with ``OptimiserSteps``, one step per call, no hooks of its own)
 trains the model on the same inputs ``grads`` and ``check`` use (dummy, ``--input`` files, or one
 batch of ``--data`` per step) with their loss (``--loss``, ``--target``, ``--output-key``), and a
-``hookcli.watch`` on (model, optimizer) logs it. A model passed in from Python is never changed: a
-copy is trained.
+``hookcli.watch`` on (model, optimizer) logs it: its one hook set, installed once, records every step.
+A model passed in from Python is never changed: a copy is trained.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.commands.grads import loss_for, no_gradients
+from hookcli.commands.grads import no_gradients
 from hookcli.commands.watch import Watch, check_arguments, check_path
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import run as engine
 from hookcli.engine.loading import refuse_torchscript
-from hookcli.engine.session import HookOptions, training_runs
+from hookcli.engine.losses import loss_for
 from hookcli.engine.state import copy_model
 from hookcli.errors import ModelRaisedError, UnsupportedError, UsageError
 from hookcli.options import RunOptions
@@ -97,7 +97,7 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
 
     # (keep_params=False: the training's updates are what it leaves, as an unwatched loop's would)
     with torch.inference_mode(False), engine.running(prep, keep_params=False) as (model, first_args, first_kwargs), \
-            ExitStack() as stack, training_runs():
+            ExitStack() as stack:
         made: list[tuple[torch.optim.Optimizer, Watch]] = []
 
         def make() -> torch.optim.Optimizer:
@@ -113,8 +113,8 @@ def watch_model(options: RunOptions, *, steps: int, lr: float | None = None, opt
 
         shown = 0
         for step, args, kwargs in _batches(prep, first_args, first_kwargs, steps):
-            result = engine.run_step(prep, model, args, kwargs, HookOptions(), loss=loss,
-                                     steps=engine.OptimiserSteps(make, 1), show_phase=False)
+            result = engine.run_step(prep, model, args, kwargs, None,  # (no hooks but the watch's own)
+                                     engine.RunPlan(loss=loss, steps=engine.OptimiserSteps(make, 1), show_phase=False))
             if result.failure is not None:
                 raise ModelRaisedError(f"step {step}: {engine.failure_message(result.failure)}",
                                        module=result.failure.module, input_shapes=result.failure.input_shapes,

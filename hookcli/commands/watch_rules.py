@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookcli.commands.check.rules import overflowed_update, rounded_away
+from hookcli.commands.watch_transformer_rules import CHECKS as TRANSFORMER_CHECKS
+from hookcli.commands.watch_transformer_rules import TRANSFORMER_RULES, TransformerState
 from hookcli.config import Invalid, boolean, describe_value, integer, number
 from hookcli.errors import ConfigError, did_you_mean
 from hookcli.records import Finding, WatchParam, WatchStep
@@ -32,6 +34,7 @@ RULES: dict[str, dict[str, tuple[Any, Callable[[Any], Any]]]] = {
     "grad_depth": {"low": (1e-6, number(0, low_open=True)), "high": (1e6, number(1, low_open=True))},
     "dead_units": {"fraction": (0.99, number(0, 1)), "steps": (3, integer(1))},
     "activation_growth": {"ratio": (40.0, number(1, low_open=True))},
+    **TRANSFORMER_RULES,  # attention_entropy, attn_logit_growth, output_logit_drift
 }
 
 #: ``dead_units`` judges an output per channel when each channel held at least this many values in the
@@ -165,6 +168,7 @@ class _State:
     #: per channel of a layer's output: logged steps in a row that channel was mostly zeros
     channel_runs: dict[str, list[int]] = field(default_factory=dict)
     told: dict[str, set[str]] = field(default_factory=dict)  # rule -> the layers/parameters it named
+    transformer: TransformerState = field(default_factory=TransformerState)  # the transformer rules' early levels
 
 
 class Rules:
@@ -193,6 +197,9 @@ class Rules:
                             ("activation_growth", self._activation_growth)):
             if name in self.settings:
                 found.extend(check(record, self.settings[name]))
+        for name, rule in TRANSFORMER_CHECKS:
+            if name in self.settings:
+                found.extend(rule(self.state.transformer, record, self.settings[name], self._new))
         self.state.last_logged = record.step
         return found
 

@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookcli.engine.session import hook_calls, hook_tensor
 from hookcli.engine.stats import iter_tensors, to_host
-from hookcli.records import NonfiniteCause
+from hookcli.records import NonfiniteCause, WatchStep
 
 IN, OUT, GRAD_OUT, GRAD_IN = range(4)
 
@@ -135,6 +135,24 @@ def locate(calls: list[tuple[str, int]], events: list[tuple[int, int, int]], bad
         return NonfiniteCause(None, "backward", "made in the loss's backward (the gradient of the model's output)")
     return NonfiniteCause(calls[parent][0], "backward", f"made in {_name(calls[parent][0])}'s own backward "
                                                         f"(the gradient of {_name(name)}'s output)")
+
+
+def compiled_cause(record: WatchStep) -> NonfiniteCause | None:
+    """Under ``torch.compile`` (no ``CauseTracer``: its hooks on every module would break the graph at
+    each), what the selected outputs of ``record`` tell of its first forward NaN/Inf without blaming
+    the module that first holds it: that module made it, or code that ran before it (between modules,
+    in a parent's forward, or the batch); the outputs before it in execution order were finite. None
+    when every output is."""
+    bad = [bool(layer.stats and (layer.stats.get("nan_count") or layer.stats.get("inf_count")))
+           for layer in record.layers]
+    if True not in bad:
+        return None
+    first = bad.index(True)
+    name = _name(record.layers[first].name + record.layers[first].output)
+    before = (f" (every output before it is finite, the last {_name(record.layers[first - 1].name)}'s)"
+              if first else " (the first selected output)")
+    return NonfiniteCause(None, "forward", f"not traced under torch.compile: made by {name} or by code that ran "
+                                           f"before it{before}")
 
 
 class CauseTracer:

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, device_float, extras,
+from hookcli.engine import reduction as engine_reduction
+from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, extras,
                                   dtype_name,
                                   histogram, reduce_tensor, to_host,
                                   watch_stats)
@@ -439,7 +440,27 @@ class StepReduction:
                 ) -> tuple[StepResult, list[float], bool]:
         """The three collectives over ``plan``, ``tail`` summed in the first (``StepResult.extra``);
         ``more``: a rank has keys the layout lacks (the caller learns them and reduces again)."""
-        sum1: list[float] = [float(new), float(failed)]
+        sum1 = [float(new), float(failed), *self._first_sums(plan), *tail]
+        total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
+        if total1[1] > 0:
+            raise RanksFailed(f"the run failed on {int(total1[1])} of {self.world} ranks in this step (the model "
+                              "or hookcli's hooks raised there)",
+                              hint="the failed rank raised its own error: its output says what went wrong")
+        if total1[0] > 0:
+            return StepResult([], {}, {}), [], True
+        means, sum2 = _central_sums(plan, total1)
+        total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
+        total3 = self._all_reduce([*calls, *self._maxima(plan, total1)], torch.distributed.ReduceOp.MAX)
+        max_calls, extremes = total3[:len(calls)], total3[len(calls):]
+        result = _unpack(plan, total1, means, total2, extremes)
+        result.extra = total1[len(total1) - len(tail):]
+        return result, max_calls, False
+
+    def _first_sums(self, plan: Plan) -> list[float]:
+        """Each slot's values in the first SUM (``_width`` of them): presence and the additive
+        accumulators of a merged row, a norm's square, the loss, a ``SUMMED`` row, rank 0's replicated
+        row (zeros from the others)."""
+        sum1: list[float] = []
         for kind, row in zip(plan.kinds, plan.rows):
             present = row is not None
             if kind == MERGED:
@@ -458,28 +479,13 @@ class StepReduction:
                 mine = self.rank == 0 and present
                 sum1 += [float(mine), float(len(row)) if mine else 0.0]
                 sum1 += [float(v) for v in row] + [0.0] * (row_width() - len(row)) if mine else [0.0] * row_width()
-        sum1 += tail
-        total1 = self._all_reduce(sum1, torch.distributed.ReduceOp.SUM)
-        if total1[1] > 0:
-            raise RanksFailed(f"the run failed on {int(total1[1])} of {self.world} ranks in this step (the model "
-                              "or hookcli's hooks raised there)",
-                              hint="the failed rank raised its own error: its output says what went wrong")
-        if total1[0] > 0:
-            return StepResult([], {}, {}), [], True
-        # global means, then each rank's central sums about them
-        sum2: list[float] = []
-        means: list[float] = []
-        at = 2
-        for kind, row in zip(plan.kinds, plan.rows):
-            if kind == MERGED:
-                n, s = total1[at + 1], total1[at + 2]
-                mean = s / n if n else 0.0
-                means.append(mean)
-                sum2 += centred_about(as_moments(row) if row is not None else EMPTY, mean)
-            at += _width(kind, row)
-        total2 = self._all_reduce(sum2, torch.distributed.ReduceOp.SUM) if sum2 else []
-        # extremes, calls, the first rank with a NaN/Inf, desynced replicas
-        max1: list[float] = list(calls)
+        return sum1
+
+    def _maxima(self, plan: Plan, total1: Sequence[float]) -> list[float]:
+        """Each slot's values in the MAX: a merged row's extremes and the first rank with a NaN/Inf
+        there (negated), a replicated row's rank when this rank's copy differs from rank 0's
+        (``total1``: the first SUM's result, which carries rank 0's copy)."""
+        max1: list[float] = []
         at = 2
         for kind, row in zip(plan.kinds, plan.rows):
             if kind == MERGED:
@@ -492,45 +498,63 @@ class StepReduction:
                 differs = row is not None and total1[at] > 0 and not _same(row, theirs, self.rtol)
                 max1 += [float(self.rank) if differs else -1.0]
             at += _width(kind, row)
-        total3 = self._all_reduce(max1, torch.distributed.ReduceOp.MAX)
-        max_calls, extremes = total3[:len(calls)], total3[len(calls):]
-        rows: list[list[float] | None] = []
-        summed: dict[int, list[float]] = {}
-        nonfinite_rank: dict[int, int] = {}
-        desync_rank: dict[int, int] = {}
-        at, at2, at3 = 2, 0, 0
-        for slot, kind in enumerate(plan.kinds):
-            if kind == MERGED:
-                width = _width(kind, None)
-                rows.append(_merged_row(total1[at:at + width], extremes[at3:at3 + 2], means[at2 // 3],
-                                        total2[at2:at2 + 3]))
-                if extremes[at3 + 2] != -math.inf:  # the lowest rank with a NaN/Inf there, negated
-                    nonfinite_rank[slot] = int(-extremes[at3 + 2])
-                at, at2, at3 = at + width, at2 + 3, at3 + 3
-            elif kind == SHARDED_NORM:
-                present, squares = total1[at:at + 2]
-                rows.append([math.sqrt(squares)] if present else None)
-                at += 2
-            elif kind == RANK_MEAN:
-                present, value = total1[at:at + 2]
-                rows.append([value / present] if present else None)
-                at += 2
-            elif kind == SUMMED:
-                size = len(plan.rows[slot])  # type: ignore[arg-type]
-                values = total1[at + 1:at + size]
-                rows.append(host_row(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0])
-                            if total1[at] and values else None)
-                if rows[-1] is not None:
-                    summed[slot] = values
-                at += size
-            else:
-                present, size = total1[at:at + 2]
-                rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
-                if extremes[at3] >= 0:
-                    desync_rank[slot] = int(extremes[at3])
-                at, at3 = at + 2 + row_width(), at3 + 1
-        return StepResult(rows, nonfinite_rank, desync_rank, extra=total1[len(total1) - len(tail):],
-                          summed=summed), max_calls, False
+        return max1
+
+
+def _central_sums(plan: Plan, total1: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The global mean of each merged slot (from the first SUM's result ``total1``) and this rank's
+    central sums about it, the second SUM's values."""
+    sum2: list[float] = []
+    means: list[float] = []
+    at = 2
+    for kind, row in zip(plan.kinds, plan.rows):
+        if kind == MERGED:
+            n, s = total1[at + 1], total1[at + 2]
+            mean = s / n if n else 0.0
+            means.append(mean)
+            sum2 += centred_about(as_moments(row) if row is not None else EMPTY, mean)
+        at += _width(kind, row)
+    return means, sum2
+
+
+def _unpack(plan: Plan, total1: Sequence[float], means: Sequence[float], total2: Sequence[float],
+            extremes: Sequence[float]) -> StepResult:
+    """The global rows of ``plan``'s slots from the three collectives' results (``total1``: the first
+    SUM's, ``means`` and ``total2``: the merged slots' global means and summed central sums,
+    ``extremes``: the MAX's after the call counts); ``extra`` is the caller's to fill."""
+    result = StepResult([], {}, {})
+    at, at2, at3 = 2, 0, 0
+    for slot, kind in enumerate(plan.kinds):
+        if kind == MERGED:
+            width = _width(kind, None)
+            result.rows.append(_merged_row(total1[at:at + width], extremes[at3:at3 + 2], means[at2 // 3],
+                                           total2[at2:at2 + 3]))
+            if extremes[at3 + 2] != -math.inf:  # the lowest rank with a NaN/Inf there, negated
+                result.nonfinite_rank[slot] = int(-extremes[at3 + 2])
+            at, at2, at3 = at + width, at2 + 3, at3 + 3
+        elif kind == SHARDED_NORM:
+            present, squares = total1[at:at + 2]
+            result.rows.append([math.sqrt(squares)] if present else None)
+            at += 2
+        elif kind == RANK_MEAN:
+            present, value = total1[at:at + 2]
+            result.rows.append([value / present] if present else None)
+            at += 2
+        elif kind == SUMMED:
+            size = len(plan.rows[slot])  # type: ignore[arg-type]
+            values = total1[at + 1:at + size]
+            result.rows.append(host_row(to_host([reduce_tensor(torch.tensor(values, dtype=torch.float64))])[0])
+                               if total1[at] and values else None)
+            if result.rows[-1] is not None:
+                result.summed[slot] = values
+            at += size
+        else:
+            present, size = total1[at:at + 2]
+            result.rows.append(total1[at + 2: at + 2 + int(size)] if present else None)
+            if extremes[at3] >= 0:
+                result.desync_rank[slot] = int(extremes[at3])
+            at, at3 = at + 2 + row_width(), at3 + 1
+    return result
 
 
 
@@ -674,25 +698,21 @@ def global_histograms(reduction: StepReduction, tensors: Sequence[tuple[torch.Te
     parts = [t for pair in tensors for t in pair]
     counted = [t is not None and add and t.numel() > 0 and t.is_floating_point()
                for pair, add in zip(tensors, adds) for t in pair]
-    local_extremes = to_host([_max_and_negated_min(t) if c else (-math.inf, -math.inf)  # type: ignore[misc]
-                              for t, c in zip(parts, counted)])
+    mine = iter(engine_reduction.extremes([t for t, c in zip(parts, counted) if c]))  # type: ignore[misc]
+    local_extremes = to_host([next(mine) if c else (-math.inf, -math.inf)  # type: ignore[misc]
+                              for c in counted])
     flat = [v if math.isfinite(v) or v == -math.inf else math.inf  # a NaN/Inf: no histogram (inf wins the MAX)
             for row in local_extremes for v in row]
     extremes = reduction._all_reduce([float(v) for v in flat], torch.distributed.ReduceOp.MAX)
-    out: list[HistogramPart] = []
-    for index, (t, c) in enumerate(zip(parts, counted)):
+    bounds: list[tuple[float, float] | None] = []
+    for index in range(len(parts)):
         hi, lo = extremes[2 * index], -extremes[2 * index + 1]
-        if not (math.isfinite(hi) and math.isfinite(lo)):
-            out.append(None)
-            continue
-        out.append((lo, hi, histogram(local(t), bounds=(lo, hi)) if c else None))
+        bounds.append((lo, hi) if math.isfinite(hi) and math.isfinite(lo) else None)
+    drawn = [(local(t), b) for t, c, b in zip(parts, counted, bounds) if c and b is not None]  # type: ignore[arg-type]
+    counts = iter(engine_reduction.histograms([t for t, _ in drawn], bounds=[b for _, b in drawn]))
+    out: list[HistogramPart] = [None if b is None else (b[0], b[1], next(counts) if c else None)
+                                for c, b in zip(counted, bounds)]
     return list(zip(out[::2], out[1::2]))
-
-
-def _max_and_negated_min(t: torch.Tensor) -> torch.Tensor:
-    """``[max, -min]`` of ``t``'s values, on its device (MIN as MAX of ``-x``: exact)."""
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return torch.stack([hi, -lo])
 
 
 def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart, HistogramPart]],
@@ -942,12 +962,12 @@ def param_rows(params: Sequence[tuple[str, torch.Tensor]], grads: Mapping[str, t
     sharded = [group is not None and is_sharded(name, p) for name, p in params]
     replicated = [(name, p) for (name, p), shard in zip(params, sharded) if not shard]
     means = mean_over_ranks(replicated, {name: grads.get(name) for name, _ in replicated})
+    chosen = [grads.get(name) if shard else means.get(name) for (name, _), shard in zip(params, sharded)]
+    reduced = iter(engine_reduction.reduce_many([local(g.detach()) for g in chosen if g is not None], zeros=False))
+    norms = engine_reduction.norms([local(p.detach()) for _, p in params])
     vectors: list[Vector] = []
-    for (name, p), shard in zip(params, sharded):
-        g = grads.get(name) if shard else means.get(name)
-        if g is not None:
-            vectors.append(reduce_tensor(local(g.detach()), zeros=False))
-        vectors.append(torch.linalg.vector_norm(local(p.detach()), dtype=device_float(p.device)).reshape(1))
+    for g, norm in zip(chosen, norms):
+        vectors += [next(reduced), norm] if g is not None else [norm]
     host = iter(to_host(vectors))  # one transfer
     rows: dict[str, tuple[list[float] | None, float]] = {}
     for (name, _), shard in zip(params, sharded):
@@ -1056,8 +1076,8 @@ def replica_desync(params: Sequence[tuple[str, torch.Tensor]], rtol: float = DES
     if group is None:
         return [], []
     compared: list[str] = []
-    vectors: list[Vector] = []
-    grads: list[bool] = []
+    values: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
     for name, p in params:
         try:
             if is_sharded(name, p):
@@ -1065,15 +1085,15 @@ def replica_desync(params: Sequence[tuple[str, torch.Tensor]], rtol: float = DES
         except UnsupportedError:  # a layout the watch refuses: not a plain copy either
             continue
         compared.append(name)
-        vectors.append(reduce_tensor(local(p.detach())))
-        grads.append(p.grad is not None)
-        if p.grad is not None:
-            vectors.append(reduce_tensor(local(p.grad.detach())))
-    host = iter(to_host(vectors))
+        values.append(local(p.detach()))
+        grads.append(local(p.grad.detach()) if p.grad is not None else None)
+    present = [g for g in grads if g is not None]
+    host = to_host(engine_reduction.reduce_many([*values, *present]))  # one call, one transfer
+    value_rows, grad_rows = iter(host[:len(values)]), iter(host[len(values):])
     plan = Plan()
-    for has_grad in grads:
-        plan.add(REPLICATED, next(host))
-        plan.add(REPLICATED, next(host) if has_grad else None)
+    for g in grads:
+        plan.add(REPLICATED, next(value_rows))
+        plan.add(REPLICATED, next(grad_rows) if g is not None else None)
     reduction = StepReduction(group)
     reduction.rtol = rtol
     _, result = reduction.reduce({}, plan, None)

@@ -26,8 +26,8 @@ tensors still take ``auto``'s choice; ``name_for`` says which one a run's device
 of every JSON report and watch log line.
 
 The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
-``histograms`` and ``channel_counts`` (many at once: ``norms`` in one op on an accelerator, ``histograms``
-in a fixed number of launches with the ``triton`` backend; ``channel_counts`` loops).
+``histograms``, ``extremes`` and ``channel_counts`` (many at once: ``norms`` in one op on an accelerator,
+``histograms`` in a fixed number of launches with the ``triton`` backend; the others loop).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from hookcli.engine import stats
 from hookcli.engine.backends import BACKENDS, REDUCTION_ENV, Backend, choose, name_for
 from hookcli.engine.channels import channel_nonzeros
 
-__all__ = ["BACKENDS", "REDUCTION_ENV", "Backend", "channel_counts", "choose", "histograms", "name_for", "norms",
-           "reduce", "reduce_many"]
+__all__ = ["BACKENDS", "REDUCTION_ENV", "Backend", "channel_counts", "choose", "extremes", "histograms", "name_for",
+           "norms", "reduce", "reduce_many"]
 
 
 def reduce(t: torch.Tensor, *, zeros: bool = True, reducer: stats.Reducer | None = None) -> stats.Vector:
@@ -86,18 +86,22 @@ def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     return [stats.l2_norm(t, use_kernel=use_kernel) for t in tensors]
 
 
-def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS
-               ) -> list[torch.Tensor | None]:
+def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGRAM_BINS,
+               bounds: Sequence[tuple[float, float]] | None = None) -> list[torch.Tensor | None]:
     """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
-    non-float tensor). Where the ``triton`` backend reduces their device, the float16/bfloat16/float32
-    tensors of one device take a fixed number of launches together (``reduce_triton.histograms``: one
-    counting launch per dtype, whatever their number; its sum and sum of squares are float32's); the
-    others (float64, or another backend) one ``stats.histogram`` each."""
-    out = [stats.histogram(t, bins) if t is not None and not _batched_histogram(t) else None for t in tensors]
+    non-float tensor). ``bounds``: each tensor's buckets' ``(min, max)`` instead of its own (parts whose
+    counts add up: ``engine.distributed.global_histograms``). Without ``bounds``, where the ``triton``
+    backend reduces their device, the float16/bfloat16/float32 tensors of one device take a fixed number
+    of launches together (``reduce_triton.histograms``: one counting launch per dtype, whatever their
+    number; its sum and sum of squares are float32's); the others one ``stats.histogram`` each."""
+    spans: Sequence[tuple[float, float] | None] = bounds if bounds is not None else [None] * len(tensors)
+    batched = [bounds is None and t is not None and _batched_histogram(t) for t in tensors]
+    out = [stats.histogram(t, bins, span) if t is not None and not together else None
+           for t, span, together in zip(tensors, spans, batched)]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t is not None and _batched_histogram(t):
-            by_device.setdefault(t.device, []).append(i)
+        if batched[i]:
+            by_device.setdefault(t.device, []).append(i)  # type: ignore[union-attr]
     for batch in by_device.values():
         from hookcli.engine import reduce_triton
 
@@ -115,6 +119,16 @@ def _batched_histogram(t: torch.Tensor) -> bool:
     from hookcli.engine import reduce_triton
 
     return reduce_triton.available(t)
+
+
+def extremes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each non-empty tensor's ``[max, -min]`` on its device, no transfer (MIN as MAX of ``-x``: exact, so
+    one MAX merges them over ranks: ``engine.distributed.global_histograms``)."""
+    out = []
+    for t in tensors:
+        lo, hi = torch.aminmax(t.detach().reshape(-1))
+        out.append(torch.stack([hi, -lo]))
+    return out
 
 
 def channel_counts(tensors: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:

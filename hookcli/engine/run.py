@@ -9,12 +9,13 @@ raised, or hookcli did). Commands build on this; the public API (``hookcli.api``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sysconfig
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -28,8 +29,9 @@ from hookcli.errors import (
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, reduction, sharding
+from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.session import (
-    HookOptions, KeepFn, ParamReads, RunObserver, attach, clipped_gradients, is_compiled, reducible,
+    HookOptions, HookSession, KeepFn, attach,
 )
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
@@ -38,12 +40,11 @@ from hookcli.engine.loading import LoadedModel, from_instance, load_model, refus
 from hookcli.engine.quiet import quiet
 from hookcli.engine.meta_values import meta_values
 from hookcli.options import RunOptions, Shard, model_is_instance
-from hookcli.engine.stats import Vector, device_float, gradient_stats, iter_tensors, map_tensors, shape_of
+from hookcli.engine.stats import iter_tensors, map_tensors, shape_of
 from hookcli.records import (
     LayerRecord,
     FailureInfo,
     ModelInfo,
-    ParamRecord,
     Report,
 )
 from hookcli.engine.selection import select_modules
@@ -464,44 +465,27 @@ LossFn = Callable[[Any, tuple[Any, ...], dict[str, Any], nn.Module], tuple[torch
 
 
 @dataclass
-class RunResult:
-    """What one run gathered (``run_step``): plain data, read after the hooks are gone.
-
-    ``layers``: one record per call of a selected module, also when the model raised (then ``failure``
-    says where, ``cause`` is the exception). With a loss: ``loss`` is the loss function's second value,
-    ``loss_value`` the loss, ``params`` the reported parameters' gradient statistics (``other_outputs``
-    left for the caller), ``reached`` whether backward reached any parameter or input at all, and
-    ``unreached`` the reported trainable parameters no gradient reached (name -> parameter).
-    """
-
-    layers: list[LayerRecord]
-    failure: FailureInfo | None = None
-    cause: BaseException | None = None
-    flops: dict[str, Any] | None = None
-    loss: Any = None
-    loss_value: float | None = None
-    params: list[ParamRecord] = field(default_factory=list)
-    reached: bool = True
-    unreached: dict[str, nn.Parameter] = field(default_factory=dict)
-    #: With ``merge``: each output tensor's (statistics, gradient) vectors (``HookSession.vectors``) and each
-    #: of ``params``' gradient tensor (None where backward did not reach it), to merge over batches
-    vectors: dict[tuple[str, int, str], tuple[Vector | None, Vector | None]] | None = None
-    gradients: dict[str, torch.Tensor | None] | None = None
-
-
-@dataclass
-class OptimiserSteps:
+class OptimiserSteps(Collector):
     """Training steps instead of one ``autograd.grad`` (``run_step``): ``count`` times forward, loss,
     ``loss.backward()`` into ``.grad`` and ``optimizer.step()``. ``optimizer`` makes the optimiser once
     the model is placed; ``after_backward`` runs under ``torch.no_grad`` after each backward (to read
-    ``.grad``); ``finished`` once after the last step (none failed), while the model is still placed
-    (to read what the steps changed). What ``after_backward`` raises is blamed like the model's code
-    (``blame``), what ``finished`` raises is passed on."""
+    ``.grad``: the ``optimiser_step`` event); ``finished`` once after the last step (none failed), while
+    the model is still placed (to read what the steps changed: the ``end`` event, before the other
+    collectors'). What ``after_backward`` raises is blamed like the model's code (``blame``), what
+    ``finished`` raises is passed on."""
 
     optimizer: Callable[[], torch.optim.Optimizer]
     count: int = 1
     after_backward: Callable[[], None] | None = None
     finished: Callable[[], None] | None = None
+
+    def optimiser_step(self, step: Step) -> None:
+        if self.after_backward is not None:
+            self.after_backward()
+
+    def end(self, step: Step) -> None:
+        if self.finished is not None and step.result.failure is None:
+            self.finished()
 
 
 def require_grad(obj: Any) -> Any:
@@ -548,14 +532,14 @@ def _no_reentrant_checkpoint() -> UnsupportedError:
 
 
 def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], inputs: Any,
-               flops: Any, spin: Callable[[str], Any], *, fsdp2: bool = False) -> dict[int, torch.Tensor | None]:
+               around: AbstractContextManager[Any], *, fsdp2: bool = False) -> dict[int, torch.Tensor | None]:
     """``torch.autograd.grad`` of ``value`` w.r.t. every trainable parameter and input (``.grad``
-    untouched): leaf id -> gradient, None where backward did not reach it. ``fsdp2``: an FSDP2 model
-    under torchrun, whose gradients only its own backward makes (``distributed.fsdp2_gradients``;
+    untouched), inside ``around``: leaf id -> gradient, None where backward did not reach it. ``fsdp2``: an
+    FSDP2 model under torchrun, whose gradients only its own backward makes (``distributed.fsdp2_gradients``;
     ``.grad`` put back as it was)."""
     leaves = [p for _, p in params if p.requires_grad]
     leaves += [t for _, t in iter_tensors(inputs) if t.requires_grad]
-    with flops or nullcontext(), spin("backward"), warnings.catch_warnings():
+    with around, warnings.catch_warnings():
         # ops without a backward (quantized ones) give no gradient: said by the report
         # (a note, or UnsupportedError when nothing got one), not by torch's warning
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
@@ -564,161 +548,140 @@ def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], 
     return {id(leaf): g for leaf, g in zip(leaves, results)}
 
 
-def run_model(prep: Prepared, hooks: HookOptions, **step: Any) -> RunResult:
+@dataclass
+class RunPlan:
+    """How ``run_step`` runs, beyond the hooks: ``loss`` (differentiated once with ``torch.autograd.grad``,
+    or with ``steps`` by optimiser steps), what it records beyond the hooked activations (``collectors``:
+    parameter statistics, the observer, merged vectors...; FLOPs come from ``HookOptions.flops`` and the
+    loss value from ``loss``), ``compiled``: run ``torch.compile(model)``, and ``show_phase``: the
+    forward/backward spinners (off where a command shows its own progress)."""
+
+    loss: LossFn | None = None
+    steps: OptimiserSteps | None = None
+    collectors: Sequence[Collector] = ()
+    compiled: bool = False
+    show_phase: bool = True
+
+    def all_collectors(self, hooks: HookOptions) -> list[Collector]:
+        """The collectors of a run with ``hooks``: the optimiser steps, FLOPs (``hooks.flops``), the loss,
+        then the plan's own."""
+        return [*([self.steps] if self.steps is not None else []), *([FlopCount()] if hooks.flops else []),
+                *([LossValue()] if self.loss is not None else []), *self.collectors]
+
+
+def run_model(prep: Prepared, hooks: HookOptions, plan: RunPlan | None = None) -> RunResult:
     """``run_step`` on ``prep``'s model and inputs, placed for the run (``running``) and restored after
-    (the weights as the optimiser ``steps`` leave them, when given: a copy's training is kept)."""
-    with running(prep, keep_params=step.get("steps") is None) as (model, args, kwargs):
-        return run_step(prep, model, args, kwargs, hooks, **step)
+    (the weights as the plan's optimiser ``steps`` leave them, when given: a copy's training is kept)."""
+    with running(prep, keep_params=plan is None or plan.steps is None) as (model, args, kwargs):
+        return run_step(prep, model, args, kwargs, hooks, plan)
 
 
-def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], hooks: HookOptions,
-             *, loss: LossFn | None = None, params: Sequence[tuple[str, nn.Parameter]] = (),
-             clip: float | None = None, observer: RunObserver | None = None, compiled: bool = False,
-             show_phase: bool = True, steps: OptimiserSteps | None = None, merge: bool = False) -> RunResult:
+def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             hooks: HookOptions | None, plan: RunPlan | None = None) -> RunResult:
     """THE run loop: one forward pass of an already placed model (``running``) with the session's
-    hooks on ``prep.selection`` and, with ``loss``, the loss and one backward pass; failures blamed.
+    hooks on ``prep.selection`` and, with the plan's ``loss``, the loss and one backward pass; failures
+    blamed. The plan's collectors (``engine.collectors``) see each phase and fill the result.
 
-    Without ``loss`` forward runs under ``torch.no_grad``. With it, gradients are enabled, floating
-    inputs require grad where needed (``inputs_for_backward``), and ``torch.autograd.grad`` takes the gradients of every
-    trainable parameter and input (the model's ``.grad`` is never written); ``params`` (of the placed
-    model) get gradient statistics in ``RunResult.params``, and ``clip`` clamps every parameter
-    gradient to [-clip, clip] (``clipped_gradients``). ``hooks.flops`` counts FLOPs per call (forward;
-    backward too with a loss). ``observer`` sees every selected output (when it wants them), the
-    model's output, the completion order and (``wants_param_reads``) which trainable parameters
-    forward read (``ParamRecord.unused``). ``compiled``: run ``torch.compile(model)``.
-    ``show_phase``: the forward/backward spinners (off where a command shows its own progress).
-    ``steps`` (with ``loss``): optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``;
-    the inputs as they are, no gradient statistics). ``merge``: also hand back what a run over many
-    batches merges (``RunResult.vectors`` and ``gradients``).
+    Without a loss forward runs under ``torch.no_grad``. With it, gradients are enabled, floating
+    inputs require grad where needed (``inputs_for_backward``), and ``torch.autograd.grad`` takes the
+    gradients of every trainable parameter and input (the model's ``.grad`` is never written). With the
+    plan's ``steps``: optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``; the inputs as
+    they are, no gradients to collect). ``hooks`` None: the run attaches no hooks of its own (a loop a
+    watch's own hook set records, ``watch MODEL``: no one-shot run inside it).
 
     The model raising or exiting gives ``failure`` (``blame``; in backward, the module whose gradient
-    arrived last) and the rows gathered up to it; hookcli's own failures (hooks, observer) raise after
+    arrived last) and the rows gathered up to it; hookcli's own failures (hooks, collectors) raise after
     the run: InternalError, or the HookcliError raised. UnsupportedError for reentrant checkpointing
     (it refuses ``autograd.grad``). One host transfer for every number.
     """
-    if observer is not None and observer.wants_tensors:
-        hooks = dataclasses.replace(hooks, observe=observer.tensor)
-    if observer is not None and observer.wants_inputs:
-        hooks = dataclasses.replace(hooks, observe_input=observer.input)
-    if loss is not None and steps is None:
+    plan = plan or RunPlan()
+    hooked, hooks = hooks is not None, hooks or HookOptions()
+    collectors = plan.all_collectors(hooks)
+    for collector in collectors:
+        hooks = collector.options(hooks)
+    if plan.loss is not None and plan.steps is None:
         hooks = dataclasses.replace(hooks, grads=True)
         args, kwargs = inputs_for_backward(args, kwargs, model, hooks.input_grads)
-    result = RunResult([])
-    fn: Callable[..., Any] = torch.compile(model) if compiled else model
-    all_params = prep.index.named_parameters()
-    spin = progress.phase if show_phase else (lambda _name: nullcontext())
-    choice: Any = None
-    value: torch.Tensor | None = None
-    grads: dict[int, torch.Tensor | None] = {}
-    # which trainable parameters forward reads: one without a gradient is unused rather than cut off
-    reads = ParamReads([p for _, p in all_params if p.requires_grad]) if (
-        loss is not None and observer is not None and observer.wants_param_reads
-        and not is_compiled(model, prep.selection)) else None
-    with clipped_gradients(all_params if loss is not None else [], clip) as clipped, \
-            attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=compiled) as session:
-        forward_flops = backward_flops = None
-        if hooks.flops:  # (torch.utils.flop_counter is imported only when counting: 0.15 s)
-            from hookcli.engine.flops import FlopCounter
+    with attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=plan.compiled) \
+            if hooked else nullcontext(HookSession(prep.selection, hooks)) as session, ExitStack() as stack:
+        step = Step(model, prep.selection, prep.index.named_parameters(), session, plan.loss is not None)
+        for collector in collectors:
+            collector.begin(step, stack)
+        _phases(plan, step, collectors, args, kwargs)
+        for collector in collectors:
+            collector.end(step)
+        parts = [collector.vectors(step) for collector in collectors]
+        step.result.layers, values = session.records(params_by_module(prep), [v for part in parts for v in part])
+        for collector, part in zip(collectors, parts):
+            collector.records(step, values[:len(part)])
+            values = values[len(part):]
+    return step.result
 
-            forward_flops = FlopCounter(session.add_flops)
-            backward_flops = FlopCounter() if loss is not None else None
-        optimizer = steps.optimizer() if steps is not None else None
-        phase = "forward"
-        try:
-            for _ in range(steps.count if steps is not None else 1):
-                phase = "forward"
-                if optimizer is not None:
-                    optimizer.zero_grad(set_to_none=True)
-                with torch.enable_grad() if loss is not None else torch.no_grad():
-                    with forward_flops or nullcontext(), spin("forward"), reads or nullcontext():
-                        output = fn(*args, **kwargs)
-                        if observer is not None:
-                            session.call(observer.output, output, where="observer of the model output")
-                    if loss is not None:
-                        session.raise_error()
-                        value, choice = loss(output, args, kwargs, model)
-                        del output
-                        phase = "backward"
-                        if optimizer is not None:
-                            value.backward()
-                        else:
-                            grads = _gradients(value, all_params, (args, kwargs), backward_flops, spin,
-                                               fsdp2=distributed.uses_fsdp2(model))
-                            result.reached = any(g is not None for g in grads.values())
-                if optimizer is not None and steps is not None:
-                    if steps.after_backward is not None:
-                        with torch.no_grad():
-                            steps.after_backward()
-                    optimizer.step()
+
+def _phases(plan: RunPlan, step: Step, collectors: Sequence[Collector], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> None:
+    """The run's phases, ``plan.steps.count`` times (once without steps): forward, the loss, backward or
+    the optimiser's step. The model raising is blamed into ``step.result``; hookcli's failures raise."""
+    steps, session = plan.steps, step.session
+    fn: Callable[..., Any] = torch.compile(step.model) if plan.compiled else step.model
+    optimizer = steps.optimizer() if steps is not None else None
+    try:
+        for _ in range(steps.count if steps is not None else 1):
+            step.phase = "forward"
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
-            session.raise_error()
-            for counter in (forward_flops, backward_flops):
-                if counter is not None:
-                    counter.raise_error()
-        except HookcliError:
+            _forward_backward(plan, step, collectors, fn, (args, kwargs), optimizer is not None)
+            if optimizer is not None:
+                with torch.no_grad():
+                    for collector in collectors:
+                        collector.optimiser_step(step)
+                optimizer.step()
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        session.raise_error()
+        for collector in collectors:
+            collector.ran(step)
+    except HookcliError:
+        raise
+    except BaseException as exc:  # the user's model raised or exited: keep what we have
+        if isinstance(exc, INTERRUPTS):
             raise
-        except BaseException as exc:  # the user's model raised or exited: keep what we have
-            if isinstance(exc, INTERRUPTS):
-                raise
-            session.raise_error()  # unless one of hookcli's hooks failed first
-            if phase == "backward" and optimizer is None and _reentrant_checkpoint(exc):
-                raise _no_reentrant_checkpoint() from None
-            result.failure, result.cause = blame(exc, model, phase), exc
-            last = session.last_grad_call if phase == "backward" else None
-            if last is not None:  # backward raised: the module whose gradient arrived last
-                result.failure.module = last.name or None
-                result.failure.module_type = last.type
-                result.failure.input_shapes = last.input_shapes
-        if steps is not None and steps.finished is not None and result.failure is None:
-            steps.finished()
-        if observer is not None:
-            observer.finished(session.completion_order())
-        extra: list[Vector] = []
-        plan: list[tuple[str, nn.Parameter, int | None, int, int | None]] = []
-        for name, p in params:
-            g = grads.get(id(p))
-            g_slot = None
-            if g is not None:  # a DTensor's: this rank's part (merged over the ranks by the caller)
-                extra.append(session.reducer.reduce(reducible(distributed.local(g)), zeros=False))
-                g_slot = len(extra) - 1
-            extra.append(torch.linalg.vector_norm(reducible(distributed.local(p.detach())), dtype=device_float(p.device))
-                         .reshape(1))
-            n_slot = len(extra) - 1
-            c_slot = None
-            if name in clipped:
-                extra.append(clipped[name].reshape(1))
-                c_slot = len(extra) - 1
-            plan.append((name, p, g_slot, n_slot, c_slot))
-        if value is not None:
-            extra.append(value.detach().reshape(1))
-        if merge:
-            result.vectors = session.vectors()
-            result.gradients = {name: grads.get(id(p)) for name, p in params}
-        result.layers, values = session.records(params_by_module(prep), extra)
-    for name, p, g_slot, n_slot, c_slot in plan:
-        result.params.append(ParamRecord(
-            name=name,
-            shape=shape_of(p),
-            requires_grad=p.requires_grad,
-            norm=values[n_slot][0],
-            grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
-            clipped=int(values[c_slot][0]) if c_slot is not None else (0 if clip and p.requires_grad else None),
-        ))
-        if result.failure is None and p.requires_grad and g_slot is None:
-            result.unreached[name] = p
-            if reads is not None and id(p) not in reads.read:
-                result.params[-1].unused = True
-    if value is not None:
-        result.loss, result.loss_value = choice, values[-1][0]
-    if forward_flops is not None:
-        if backward_flops is not None:
-            result.flops = forward_flops.summary(backward=backward_flops.total)
-            result.flops["partial"] = forward_flops.partial or backward_flops.partial
-            result.flops["missing_ops"] = sorted(forward_flops.missing | backward_flops.missing)
-        else:
-            result.flops = forward_flops.summary()
-    return result
+        session.raise_error()  # unless one of hookcli's hooks failed first
+        if step.phase == "backward" and optimizer is None and _reentrant_checkpoint(exc):
+            raise _no_reentrant_checkpoint() from None
+        result = step.result
+        result.failure, result.cause = blame(exc, step.model, step.phase), exc
+        last = session.last_grad_call if step.phase == "backward" else None
+        if last is not None:  # backward raised: the module whose gradient arrived last
+            result.failure.module = last.name or None
+            result.failure.module_type = last.type
+            result.failure.input_shapes = last.input_shapes
+
+
+def _forward_backward(plan: RunPlan, step: Step, collectors: Sequence[Collector], fn: Callable[..., Any],
+                      inputs: tuple[tuple[Any, ...], dict[str, Any]], optimised: bool) -> None:
+    """One forward pass (inside the collectors' ``forward`` contexts), then with the plan's loss the loss
+    and backward: ``loss.backward()`` when ``optimised`` (optimiser steps), else ``torch.autograd.grad``
+    into ``step.grads`` (inside their ``backward`` contexts)."""
+    spin = progress.phase if plan.show_phase else (lambda _name: nullcontext())
+    args, kwargs = inputs
+    with torch.enable_grad() if plan.loss is not None else torch.no_grad():
+        with entered(collector.forward(step) for collector in collectors), spin("forward"):
+            output = fn(*args, **kwargs)
+            for collector in collectors:
+                collector.forward_end(step, output)
+        if plan.loss is None:
+            return
+        step.session.raise_error()
+        step.loss, step.choice = plan.loss(output, args, kwargs, step.model)
+        del output
+        step.phase = "backward"
+        if optimised:
+            step.loss.backward()
+            return
+        around = entered(itertools.chain((collector.backward(step) for collector in collectors), [spin("backward")]))
+        step.grads = _gradients(step.loss, step.params, inputs, around, fsdp2=distributed.uses_fsdp2(step.model))
+        step.result.reached = any(g is not None for g in step.grads.values())
 
 
 def raise_failure(report: Report, failure: FailureInfo, cause: BaseException | None, *, where: str = "",
@@ -748,7 +711,8 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     report = new_report(prep, command)
     ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
-    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep), merge=ranks)
+    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep),
+                    RunPlan(collectors=[Merged()] if ranks else []))
     report.layers = run.layers
     if ranks:
         rows = MergedRows()
@@ -861,7 +825,8 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs), keep_rows(prep, report, rows, ranks=ranks, tp=tp):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
-            run = run_step(prep, model, args, kwargs, HookOptions(stats=True), show_phase=False, merge=True)
+            run = run_step(prep, model, args, kwargs, HookOptions(stats=True),
+                           RunPlan(collectors=[Merged()], show_phase=False))
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             advance(1)
     report.layers = global_rows(prep, rows.records(ranks=ranks, tp=tp))

@@ -72,7 +72,7 @@ class HookOptions:
     #: Count the zeros of gradients too (``hookcli.watch``; the commands' gradient tables show none).
     grad_zeros: bool = False
     #: Count each selected output's nonzero values per channel (``hookcli.watch``'s dead units; the
-    #: channel dimension as ``ChannelDims`` finds it), while the session's ``count_channels`` is on.
+    #: channel dimension as ``ChannelDims`` finds it), in the steps its ``begin_step`` counts them.
     channel_zeros: bool = False
     #: Called from the forward pre-hook with each selected call's first input tensor (name, call,
     #: "[0]", tensor): what a parent's forward hands a module (a residual stream) is no module's output.
@@ -152,7 +152,8 @@ _one_shot = threading.local()
 class HookSession:
     """Collects the calls of the selected modules during one run (one step of a ``HookSet``)."""
 
-    def __init__(self, selection: Sequence[tuple[str, nn.Module]], options: HookOptions) -> None:
+    def __init__(self, selection: Sequence[tuple[str, nn.Module]], options: HookOptions, *,
+                 training_root: nn.Module | None = None) -> None:
         self.selection = list(selection)
         self.options = options
         self.calls: list[_Call] = []
@@ -173,19 +174,35 @@ class HookSession:
         #: (hooks on activations go with the graph).
         self.leaf_hooks: list[RemovableHandle] = []
         #: While True every hook returns at once: no record, no statistics, no tensor hook, no host
-        #: synchronisation (a watch's unlogged steps). Switched only between steps.
-        self.idle = False
+        #: synchronisation (a watch's unlogged steps). Switched by ``begin_step`` and ``go_idle`` only.
+        self._idle = False
         #: With ``channel_zeros``: whether outputs are counted per channel now (a watch's logged steps
-        #: only; its flight recorder's unlogged steps are not). Switched only between steps.
-        self.count_channels = options.channel_zeros
+        #: only; its flight recorder's unlogged steps are not). Switched by ``begin_step`` only.
+        self._count_channels = options.channel_zeros
         self.channel_dims = ChannelDims(dict(self.selection)) if options.channel_zeros else None
         #: A watch's model (the module it names layers from). A call made while it is in eval mode
         #: (``training`` False) with autograd off (``torch.no_grad()``, ``torch.inference_mode()``) is a
         #: validation forward inside the training loop: every hook returns at once, as when idle. Either
         #: alone is training: a frozen backbone run under ``no_grad`` in a model in train mode, a frozen
         #: BatchNorm in eval mode, a loop that trains with the model in eval mode (no dropout). None:
-        #: every call is recorded (the commands' one-shot runs).
-        self.training_root: nn.Module | None = None
+        #: every call is recorded (the commands' one-shot runs). Given at construction (``HookSet.install``).
+        self.training_root = training_root
+
+    @property
+    def idle(self) -> bool:
+        """Whether every hook returns at once in the step in progress (``begin_step``, ``go_idle``)."""
+        return self._idle
+
+    def begin_step(self, *, recording: bool = True, count_channels: bool = True) -> None:
+        """How the step that begins now is recorded (called between steps only): ``recording`` False makes
+        the session idle (a watch's unlogged step: every hook returns at once); ``count_channels``: each
+        output is counted per channel in it (with ``HookOptions.channel_zeros``: a watch's logged steps)."""
+        self._idle = not recording
+        self._count_channels = count_channels and self.options.channel_zeros
+
+    def go_idle(self) -> None:
+        """Every hook returns at once from now on, in the step in progress too (a watch that stopped)."""
+        self._idle = True
 
     def reset(self) -> None:
         """Empty the per-step state (a hook set's step boundary): the calls, their counts, the stored
@@ -250,7 +267,7 @@ class HookSession:
         type_name_cache: dict[str, str] = {}
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.idle or _graph_task_id() != -1 or self.validating():  # idle, a recomputation, validation
+            if self._idle or _graph_task_id() != -1 or self.validating():  # idle, a recomputation, validation
                 return
             try:
                 self._pre(name, module, args, kwargs, type_name_cache)
@@ -273,7 +290,7 @@ class HookSession:
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             name = names.get(id(module))
-            if name is None or self.idle or _graph_task_id() != -1 or self.validating():
+            if name is None or self._idle or _graph_task_id() != -1 or self.validating():
                 return
             try:
                 self._pre(name, module, args, {}, type_names)
@@ -283,7 +300,7 @@ class HookSession:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
             # (kwargs, output); torch passes (output) alone when forward raised
             name = names.get(id(module))
-            if name is None or self.idle or _graph_task_id() != -1 or self.validating():
+            if name is None or self._idle or _graph_task_id() != -1 or self.validating():
                 return
             try:
                 if len(rest) == 2 and rest[0] and (stack := self._open.get(name)):
@@ -325,7 +342,7 @@ class HookSession:
 
     def forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self.idle or _graph_task_id() != -1 or self.validating():  # paired with the pre-hook's skip
+            if self._idle or _graph_task_id() != -1 or self.validating():  # paired with the pre-hook's skip
                 return
             try:
                 self._post(name, output)
@@ -359,7 +376,7 @@ class HookSession:
             floating = tensor.is_floating_point() or tensor.is_complex()  # (inline: once per output tensor)
             if options.stats and floating and not tensor.is_meta:
                 entry.stats = self.reducer.reduce(reducible(distributed.local(tensor)))  # a DTensor: this rank's part
-            if self.count_channels and self.channel_dims is not None and has_channels(tensor):
+            if self._count_channels and self.channel_dims is not None and has_channels(tensor):
                 part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
                 entry.nonzeros = reduction.channel_counts([(part, self.channel_dims(call.name, part))])[0]
             if options.grads and floating and tensor.requires_grad:
@@ -609,14 +626,22 @@ def _as_is(fn: Callable[..., None]) -> Callable[..., None]:
     return fn
 
 
+#: The hook functions hookcli registered on modules and has not dropped yet (held weakly: a hook goes
+#: with its handle's removal).
+_OURS: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()
+
+
 def _ours(hook: Callable[..., None]) -> Callable[..., None]:
     """Mark ``hook`` as hookcli's: a copy of its module leaves it out (``_NotCopied``)."""
-    hook._hookcli_hook = True  # type: ignore[attr-defined]
+    _OURS.add(hook)
     return hook
 
 
 def _is_ours(hook: Any) -> bool:
-    return getattr(hook, "_hookcli_hook", False) is True
+    try:
+        return hook in _OURS
+    except TypeError:  # a hook of the user's that cannot be weakly referenced (a callable object) is theirs
+        return False
 
 
 #: A module's hook tables and the tables of marks keyed by the same hook ids.
@@ -753,14 +778,16 @@ class HookSet:
         params: Sequence[tuple[str, nn.Parameter]] = (),
         model_modules: int | None = None,
         compiled: bool = False,
+        training_root: nn.Module | None = None,
     ) -> HookSet:
         """Hook the selected modules (and the ``params``' gradient accumulation) until ``remove``.
 
-        ``model_modules`` and ``compiled`` as for ``attach``. UsageError when installed already;
-        what registration raises leaves nothing hooked."""
+        ``model_modules`` and ``compiled`` as for ``attach``; ``training_root``: the module a watch names
+        layers from, whose validation forwards are left out (``HookSession.training_root``). UsageError
+        when installed already; what registration raises leaves nothing hooked."""
         if self.session is not None:
             raise UsageError("this hook set is installed already", hint="make a new HookSet for another model")
-        self.session = HookSession(selection, options or HookOptions())
+        self.session = HookSession(selection, options or HookOptions(), training_root=training_root)
         try:
             self.compiled = compiled or is_compiled(model, selection)
             self._hook_modules(selection, model_modules, self.compiled)
@@ -904,6 +931,28 @@ class HookSet:
         self._handles.append(optimizer.register_step_pre_hook(outer.pre))
         self._handles.append(optimizer.register_step_post_hook(outer.post))
 
+    def observe_closures(self, optimizer: torch.optim.Optimizer, wanted: Callable[[], bool],
+                         returned: Callable[[], None]) -> None:
+        """Until ``remove``, call ``returned()`` each time the closure of ``optimizer.step(closure)``
+        returns, in the steps where ``wanted()`` says so at the pre-step (a pre-step hook hands the step
+        a wrapper: the closure's result and exceptions stay the loop's own; ``returned`` must not
+        raise). Where a closure runs the step's backward (LBFGS, Lightning's automatic optimisation,
+        whose closure adds gradient accumulation's last micro-batch), the gradients the step applies
+        exist only once it has returned: not at the pre-step, and the optimizer may change or free
+        ``.grad`` before its post-step."""
+
+        def pre(_optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+            # (args[0] is the optimizer; a subclass's super().step() gets the closure already wrapped)
+            closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+            if not callable(closure) or isinstance(closure, ObservedClosure) or not wanted():
+                return None
+            observed = ObservedClosure(closure, returned)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": observed}
+            return (args[0], observed, *args[2:]), kwargs
+
+        self._handles.append(optimizer.register_step_pre_hook(pre))
+
     def remove(self) -> None:
         """Take every hook of the set away (module, process-wide, parameter and leaf-tensor hooks);
         the session's records of the step in progress stay readable. Safe to call twice."""
@@ -947,15 +996,14 @@ def attach(
     are per module and run eagerly (``torch.compiler.disable``), never traced into the graph.
     """
     hooks = HookSet()
-    counted = 0 if getattr(_one_shot, "training", False) else 1
-    _one_shot.runs = getattr(_one_shot, "runs", 0) + counted  # a watch around it leaves its calls out
+    _one_shot.runs = getattr(_one_shot, "runs", 0) + 1  # a watch around it leaves its calls out
     try:
         with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
                                                     compiled=compiled):
             assert hooks.session is not None
             yield hooks.session
     finally:
-        _one_shot.runs -= counted
+        _one_shot.runs -= 1
     session = hooks.session
     # the model (or the module torch.compile wraps) runs whenever the model does: when it is selected
     # and its hook never fired, torch ran a stale graph (a selection of unused modules alone is fine)
@@ -963,18 +1011,6 @@ def attach(
     must_run = {name for name, module in selection if module is model or module is inner}
     if hooks.compiled and must_run and not must_run & set(session._counts) and session.error is None:
         raise stale_graph_error()
-
-
-@contextmanager
-def training_runs() -> Iterator[None]:
-    """The runs (``attach``) inside the block are the training a watch records (``hookcli watch MODEL``'s
-    own loop), not one-shot runs made inside a watched loop, whose calls a watch leaves out."""
-    saved = getattr(_one_shot, "training", False)
-    _one_shot.training = True
-    try:
-        yield
-    finally:
-        _one_shot.training = saved
 
 
 def hook_calls(modules: Sequence[nn.Module], pre: Callable[..., None], post: Callable[..., None]
@@ -1051,6 +1087,19 @@ class ParamReads:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+
+class ObservedClosure:
+    """A closure handed to ``optimizer.step()`` (``HookSet.observe_closures``), called as it is;
+    ``returned()`` is called each time it has returned (not when it raised)."""
+
+    def __init__(self, closure: Callable[[], Any], returned: Callable[[], None]) -> None:
+        self.closure, self.returned = closure, returned
+
+    def __call__(self) -> Any:
+        out = self.closure()
+        self.returned()
+        return out
 
 
 class OuterStep:

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -174,6 +175,71 @@ def _seeded(seed: int, devices: Iterable[torch.device]) -> Iterator[None]:
 # --------------------------------------------------------------------------- model state
 
 
+@dataclass
+class _Saved:
+    """What ``preserved`` puts back after a run: each module's mode, the parameter and buffer slots (in
+    ``index``), each parameter's storage, ``requires_grad`` and ``.grad``, and the values of the buffers
+    and parameters a run may change in place."""
+
+    index: ModelIndex
+    modules: list[nn.Module]
+    training: list[bool]
+    #: whether the run converts the model (``.to``: its tensors are not all on ``device``/``dtype``)
+    convert: bool
+    #: (parameter, its data when converted, requires_grad, .grad, the gradient's data when converted)
+    param_state: list[tuple[Any, ...]]
+    buffer_values: list[tuple[torch.Tensor, torch.Tensor]]
+    param_values: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def take(cls, index: ModelIndex, device: torch.device | str | None, dtype: torch.dtype | None,
+             keep_params: bool) -> _Saved:
+        modules = index.modules
+        params = index.params
+        # ``.to`` changes the storage of each tensor; skipped when every one is there already (walking
+        # the modules to change nothing costs more than a small model's forward pass)
+        convert = (device is not None or dtype is not None) and not _placed(
+            [*params, *(p.grad for p in params if p.grad is not None), *index.buffers],
+            None if device is None else torch.device(device), dtype)
+        param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
+                        p.grad.data if convert and p.grad is not None else None) for p in params]
+        # a forward may update buffers in place in either mode (BatchNorm's running statistics in
+        # train mode, a user's step counter or moving average in any); the native batch_norm does so
+        # without bumping the version counter, so every buffer's values are kept and copied back
+        with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
+            buffer_values = [(b, b.clone()) for b in index.buffers]
+            # so may it a parameter (an update under no_grad, through .data, which no version counter
+            # sees): the values are kept and copied back (converted ones get their own storage back).
+            # An accelerator's weights are kept in host memory: the run's device memory stays its own
+            param_values = [] if convert or not keep_params else [
+                (p, p.clone() if p.is_cpu else p.detach().to("cpu", copy=True)) for p in params
+                if type(p.detach()) is torch.Tensor and not p.is_meta]
+        return cls(index, modules, [m.training for m in modules], convert, param_state, buffer_values,
+                   param_values)
+
+    def restore(self) -> None:
+        for m, name, p in self.index.param_slots:
+            m._parameters[name] = p
+        for m, name, b in self.index.buffer_slots:
+            m._buffers[name] = b
+        # after the slots are back: then a module with more entries than indexed holds added ones
+        self.index.restore_structure()  # submodules, None entries, what the forward added
+        for p, data, requires_grad, grad, grad_data in self.param_state:
+            if data is not None:
+                p.data = data
+            if grad is not None and grad_data is not None:
+                grad.data = grad_data
+            if p.grad is not grad:
+                p.grad = grad
+            if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
+                p.requires_grad_(requires_grad)
+        _copy_back(self.buffer_values)
+        _copy_back(self.param_values)  # (an inference tensor's parameter: inside inference_mode)
+        for m, was_training in zip(self.modules, self.training):
+            if m.training != was_training:
+                m.training = was_training
+
+
 @contextmanager
 def preserved(
     model: nn.Module,
@@ -202,29 +268,8 @@ def preserved(
     """
     with _RUN_LOCK:
         index = index if index is not None and index.model is model else ModelIndex.of(model)
-        modules = index.modules
-        training = [m.training for m in modules]
-        param_slots, buffer_slots = index.param_slots, index.buffer_slots
-        params = index.params
-        # ``.to`` changes the storage of each tensor; skipped when every one is there already (walking
-        # the modules to change nothing costs more than a small model's forward pass)
-        convert = (device is not None or dtype is not None) and not _placed(
-            [*params, *(p.grad for p in params if p.grad is not None), *index.buffers],
-            None if device is None else torch.device(device), dtype)
-        param_state = [(p, p.data if convert else None, p.requires_grad, p.grad,
-                        p.grad.data if convert and p.grad is not None else None) for p in params]
-        # a forward may update buffers in place in either mode (BatchNorm's running statistics in
-        # train mode, a user's step counter or moving average in any); the native batch_norm does so
-        # without bumping the version counter, so every buffer's values are kept and copied back
-        with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
-            buffer_values = [(b, b.clone()) for b in index.buffers]
-            # so may it a parameter (an update under no_grad, through .data, which no version counter
-            # sees): the values are kept and copied back (converted ones get their own storage back).
-            # An accelerator's weights are kept in host memory: the run's device memory stays its own
-            param_values = [] if convert or not keep_params else [
-                (p, p.clone() if p.is_cpu else p.detach().to("cpu", copy=True)) for p in params
-                if type(p.detach()) is torch.Tensor and not p.is_meta]
-        devices = {p.device for p in params}
+        saved = _Saved.take(index, device, dtype, keep_params)
+        devices = {p.device for p, *_ in saved.param_state}
         if device is not None:
             devices.add(torch.device(device))
         running = _running_here()
@@ -232,32 +277,13 @@ def preserved(
         try:
             with seeded_rng(seed, devices) if seed is not None else nullcontext():
                 try:
-                    if convert:
+                    if saved.convert:
                         model.to(device=device, dtype=dtype)
-                    if not _in_mode(modules, training, train):
+                    if not _in_mode(saved.modules, saved.training, train):
                         model.train(train)
                     yield model
                 finally:
-                    for m, name, p in param_slots:
-                        m._parameters[name] = p
-                    for m, name, b in buffer_slots:
-                        m._buffers[name] = b
-                    # after the slots are back: then a module with more entries than indexed holds added ones
-                    index.restore_structure()  # submodules, None entries, what the forward added
-                    for p, data, requires_grad, grad, grad_data in param_state:
-                        if data is not None:
-                            p.data = data
-                        if grad is not None and grad_data is not None:
-                            grad.data = grad_data
-                        if p.grad is not grad:
-                            p.grad = grad
-                        if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
-                            p.requires_grad_(requires_grad)
-                    _copy_back(buffer_values)
-                    _copy_back(param_values)  # (an inference tensor's parameter: inside inference_mode)
-                    for m, was_training in zip(modules, training):
-                        if m.training != was_training:
-                            m.training = was_training
+                    saved.restore()
         finally:
             running.pop()
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
-from hookcli.engine.cause import CauseTrace, CauseTracer
+from hookcli.engine.attention import AttentionProbe
+from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
@@ -94,7 +95,8 @@ class StepWatcher:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  selection: Sequence[tuple[str, nn.Module]], every: int,
                  on_step: Callable[[WatchStep], None], flight: int | None = None, histograms: bool = False,
-                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None) -> None:
+                 channels: bool = True, on_failure: Callable[[str, int], None] | None = None,
+                 attention: bool = True) -> None:
         self.model, self.optimizer, self.selection = model, optimizer, list(selection)
         #: ``flight=K``: every step's output statistics in a ring of K steps, written (as records marked
         #: ``flight``, through ``on_step``) when a NaN/Inf appears or the loop raises (engine.flight)
@@ -103,6 +105,9 @@ class StepWatcher:
         #: flight recorder's steps' traces are kept as long as the ring keeps them
         self.cause: CauseTracer | None = None
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
+        #: the attention heads and output logits of logged steps (engine.attention; not compiled, not torchrun)
+        self.attention: AttentionProbe | None = None
+        self._attention = attention  # (off: every rule that reads them is)
         #: the first step whose loss was not finite: a device scalar updated at every step's end (-1: none
         #: yet; ``torch.where``, no host synchronisation), read at logged steps; or the host's, for a number
         self._loss_first: torch.Tensor | None = None
@@ -145,7 +150,9 @@ class StepWatcher:
         self._updates: list[Vector] | None = None
         self._pending: WatchStep | None = None
         self._lr_scales: list[float | None] | None = None
-        self._backward_before = False
+        #: a logged step's gradients as the closure handed to its optimizer.step() left them
+        #: (``HookSet.observe_closures``)
+        self._closure_grads: list[Vector | None] | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -170,23 +177,30 @@ class StepWatcher:
 
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
+        # (training_root: the model's .eval() with no_grad is a validation forward, left out)
         self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
                                                               channel_zeros=self.channels),
-                           params=self.params)
+                           params=self.params, training_root=compiled_inner(self.model))
         assert self.hooks.session is not None
-        self.hooks.session.training_root = compiled_inner(self.model)  # its .eval() (and no_grad): validation
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
             self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
+            if self.reduction is None and self._attention:
+                self.attention = AttentionProbe(compiled_inner(self.model), self.hooks.session.validating)
         try:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
                                           self._guarded(self._post_step))
+                returned = self._guarded(self._closure_returned)
+                self.hooks.observe_closures(self.optimizer, lambda: self._param_vectors is not None,
+                                            lambda: returned(self.optimizer, (), {}))
             self._begin()
             self.roots.install()
         except BaseException:
             self.hooks.remove()
             if self.cause is not None:
                 self.cause.remove()
+            if self.attention is not None:
+                self.attention.remove()
             raise
 
     def _begin(self) -> None:
@@ -194,16 +208,18 @@ class StepWatcher:
         assert self.hooks.session is not None
         halted = self.error is not None or self.stopped is not None
         self.logged = not halted and self.step % self.every == 0
-        self.hooks.session.idle = not self.logged and (halted or self.flight is None)
-        self.hooks.session.count_channels = self.logged and self.hooks.session.options.channel_zeros
+        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None),
+                                      count_channels=self.logged)
         if self.cause is not None:
             self.cause.arm(not self.hooks.session.idle)
+        if self.attention is not None:
+            self.attention.arm(self.logged)
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
+        self._closure_grads = None
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
-        self._backward_before = False  # a backward reached the parameters before the logged step's pre-step
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -231,7 +247,7 @@ class StepWatcher:
         self.stopped = exc.message if isinstance(exc, InternalError) else f"{exc.message} ({exc.hint})"
         self.logged = False
         if self.hooks.session is not None:
-            self.hooks.session.idle = True
+            self.hooks.session.go_idle()
         self.on_failure(self.stopped, self.step if step is None else step)
 
     def _pre_step(self) -> None:
@@ -241,7 +257,6 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
-            self._backward_before = self.hooks.backward_reached
             self._lr_scales = lr_scales(self.optimizer, self.params)
             self._param_vectors = self.hooks.param_vectors()
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
@@ -254,12 +269,11 @@ class StepWatcher:
             self._updates = reduction.norms([reducible(before.sub_(distributed.local(p.detach())))
                                              for before, (_, p) in zip(self._before, self.params)])
             self._before = None
-        if self._param_vectors is not None and not self._backward_before and self.hooks.backward_reached:
-            # a closure ran the step's backward inside optimizer.step() (LBFGS, Lightning's automatic
-            # optimisation): the gradients it applied are read now (the last closure call's); the norms
-            # stay the pre-step's
-            for entry, now in zip(self._param_vectors, self.hooks.param_vectors()):
-                entry.grad = now.grad
+        if self._param_vectors is not None and self._closure_grads is not None:
+            # the step's closure ran (a backward) inside optimizer.step(): the gradients it applied are
+            # those its last call left; the norms stay the pre-step's
+            for entry, grad in zip(self._param_vectors, self._closure_grads):
+                entry.grad = grad
         if self.user_steps:
             session = self.hooks.session
             # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
@@ -271,6 +285,18 @@ class StepWatcher:
             self._pending = record or WatchStep(-1)  # step -1: an unlogged step, nothing to hand on
         elif record is not None:
             self.on_step(record)
+
+    def _closure_returned(self) -> None:
+        """The closure handed to a logged step's ``optimizer.step()`` returned (``HookSet.observe_closures``):
+        it may have run a backward (LBFGS, Lightning's automatic optimisation: the step's only backward,
+        or gradient accumulation's last micro-batch), so the gradients the step applies are read now, as
+        the pre-step reads them; a later call (LBFGS) reads them again."""
+        if self._param_vectors is None:
+            return
+        self._closure_grads = [entry.grad for entry in self.hooks.param_vectors()]
+        if self.reduction is not None:
+            self._partial = distributed.partial_grads(self.params)
+        self._histograms = self._param_histograms()
 
     def user_step(self, loss: Any = None) -> None:
         """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
@@ -375,6 +401,8 @@ class StepWatcher:
             self.roots.remove()
             if self.cause is not None:
                 self.cause.remove()
+            if self.attention is not None:
+                self.attention.remove()
             self._before = self._param_vectors = self._updates = None
 
     def raise_error(self) -> None:
@@ -467,6 +495,8 @@ class StepWatcher:
         for record in flight_records(flight.unwritten(before, upto)):
             if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
                 record.cause = trace.cause()  # one more transfer, once a run
+            elif record.step == flight.first_bad and self.hooks.compiled:
+                record.cause = compiled_cause(record)
             self.on_step(record)
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
@@ -503,6 +533,7 @@ class StepWatcher:
         histogram_slots = [(slot(v), slot(g)) for v, g in histograms] if histograms is not None else []
         cause_slots = [slot(v) for v in trace.vectors()] if trace is not None else []
         loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
+        attention = self.attention.slots(slot) if self.attention is not None else None
         values = transfer.run()  # the step's one transfer
         layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
                   for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
@@ -515,6 +546,10 @@ class StepWatcher:
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
+        elif self.hooks.compiled:
+            out.cause = compiled_cause(out)
+        if attention is not None:
+            out.attention, out.output_logits = attention(values)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
             norm = values[n][0]  # type: ignore[index]

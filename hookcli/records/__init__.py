@@ -6,6 +6,7 @@ here, so ``from hookcli.records import Report`` works for all of them.
 """
 
 from hookcli.records import statistics
+from hookcli.records.attention import AttentionLayer, OutputLogits
 from hookcli.records.checks import CheckResult, RuleResult
 from hookcli.records.core import (
     GRAD_KEYS,
@@ -33,6 +34,7 @@ from hookcli.records.watch import (
 from hookcli.records.watch_report import ReportSeries, WatchReport
 
 __all__ = [
+    "AttentionLayer", "OutputLogits",
     "GRAD_KEYS", "SCHEMA", "STAT_EXTRA_KEYS", "STAT_KEYS", "ChannelRecord", "CheckResult", "DiffReport", "DiffRow", "Errors", "FailureInfo", "FeatureExport",
     "FeatureMaps", "GradStats", "InputInfo", "LayerRecord", "ModelInfo", "ModelList", "ModuleRow",
     "ModuleTree", "ParamRecord", "Report", "RuleResult", "SavedTensor", "Shape", "Stats", "Tolerance",

@@ -138,6 +138,8 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)
     version: str = ""
     command: str = "diff"
+    #: the reduction backend in force for run A's device (``engine.reduction``), as every report names it
+    reduction: str | None = None
 
     @property
     def first_divergence(self) -> DiffRow | None:
@@ -172,6 +174,8 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode)
+        if self.reduction is not None:
+            data["reduction"] = self.reduction
         first = self.first_divergence
         first_grad = self.first_grad_divergence
         data.update({

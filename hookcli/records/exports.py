@@ -56,12 +56,15 @@ class FeatureExport:
     notes: list[str] = field(default_factory=list)
     version: str = ""
     command: str = "features"
+    #: the reduction backend in force for the run's device (``engine.reduction``), as every report names it
+    reduction: str | None = None
     #: label -> CPU tensor, for Python callers (not serialised, never rendered).
     tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **envelope(self.version, self.command, self.model, self.inputs, self.device, self.mode),
+            **({"reduction": self.reduction} if self.reduction is not None else {}),
             "file": {"path": self.path, "format": self.format, "bytes": self.file_bytes},
             "batches": self.batches,
             "batch_size": self.batch_size,

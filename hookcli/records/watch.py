@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookcli.records import statistics
+from hookcli.records.attention import AttentionLayer, OutputLogits
 from hookcli.records.core import sanitize
 
 WATCH_SCHEMA = 1
@@ -173,6 +174,10 @@ class WatchStep:
     #: the first step whose loss was not finite, when known by this step (the watch's device flag on
     #: every step's loss); not in the log
     loss_nonfinite_at: int | None = field(default=None, repr=False)
+    #: the transformer signals of a logged step (``engine.attention``): each attention module's heads, and
+    #: the model's output logits (in the log only when there are any)
+    attention: list[AttentionLayer] = field(default_factory=list)
+    output_logits: OutputLogits | None = None
 
     def to_dict(self) -> dict[str, Any]:
         line = {"schema": WATCH_SCHEMA, "step": self.step, "loss": self.loss,
@@ -185,6 +190,10 @@ class WatchStep:
             line["skipped"] = True
         if self.reduction is not None:
             line["reduction"] = self.reduction
+        if self.attention:
+            line["attention"] = [layer.to_dict() for layer in self.attention]
+        if self.output_logits is not None:
+            line["output_logits"] = self.output_logits.to_dict()
         return line
 
     def to_json_line(self) -> str:

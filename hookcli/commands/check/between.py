@@ -4,7 +4,9 @@ A module's output is what the other rules see; three faults live elsewhere:
 
 - ``residual_growth``: a residual stream (``x = x + block(x)`` in the parent's forward) is only ever a
   module's *input*. ``StepWatch`` records the RMS and max |x| of the first input of every block of a
-  repeated stack (consecutive children of one class of a ``ModuleList``/``Sequential``), at every step.
+  repeated stack (consecutive children of one class of a ``ModuleList``/``Sequential``), and of the
+  final norm the stack flows into (GPT-2's ``ln_f``, Llama's ``norm``: the stream's last value is only
+  ever its input), at every step.
 - ``dead_units``: a unit behind a functional ``F.relu`` is no module's output. ``StepWatch`` records,
   per output channel of each ``Linear``/``Conv``, whether it was ever positive and whether its weights
   ever got a nonzero gradient: never either, over every step, is a unit dead behind a gate.
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
+from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.engine.stats import to_host
 from hookcli.errors import describe_exception
@@ -52,6 +54,28 @@ def stacks(model: nn.Module) -> list[list[str]]:
     return found
 
 
+def final_norm(model: nn.Module, stack: list[str]) -> str | None:
+    """The normalisation layer the stack's stream flows into: the module registered right after the
+    stack's last block (in its container; after the container, in the container's parent, when the
+    block is the container's last), when it is a norm (GPT-2's ``ln_f``, Llama's ``norm``, T5's
+    ``final_layer_norm``, a ViT's ``norm``). None otherwise."""
+    modules = dict(model.named_modules())
+    name = stack[-1]
+    while True:
+        parent = name.rpartition(".")[0]
+        children = [f"{parent}.{c}" if parent else c for c, _ in modules[parent].named_children()]
+        after = children[children.index(name) + 1:]
+        if after:
+            return after[0] if _is_norm(modules[after[0]]) else None
+        if name != stack[-1] or not parent:
+            return None
+        name = parent  # the stack's container: what comes after it
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
 def units(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Each ``UNIT_TYPES`` layer: (its channel dimension in the output, its output channels)."""
     found = {}
@@ -64,15 +88,16 @@ def units(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 class StepWatch(RunObserver):
-    """Per step: the first input of each stack block; per channel of each unit layer, ever positive
-    (any sample, any position) and ever a nonzero weight gradient."""
+    """Per step: the first input of each stack block and of its final norm; per channel of each unit
+    layer, ever positive (any sample, any position) and ever a nonzero weight gradient."""
 
     wants_tensors = True
     wants_inputs = True
 
     def __init__(self, model: nn.Module) -> None:
         self.stacks = stacks(model)
-        self.blocks = {b for s in self.stacks for b in s}
+        self.norms = [final_norm(model, s) for s in self.stacks]
+        self.blocks = {b for s in self.stacks for b in s} | {n for n in self.norms if n is not None}
         self.units = units(model)
         modules = dict(model.named_modules())
         self.selection = [(n, modules[n]) for n in modules if n in self.blocks or n in self.units]
@@ -127,18 +152,21 @@ class StepWatch(RunObserver):
         pass
 
     def host(self) -> dict[str, Any]:
-        """The plain values the rules read: ``stacks`` (blocks of one input shape, their per-step RMS and
-        max |input|) and ``units`` (channels, dead channels, the fewest values per channel in a step)."""
+        """The plain values the rules read: ``stacks`` (blocks of one input shape and the final norm
+        after the last of them, ``norm``, or None; per step the RMS and max |input| of each, the norm's
+        last) and ``units`` (channels, dead channels, the fewest values per channel in a step)."""
         blocks = [b for b in self.inputs if self.inputs[b]]
         stats = dict(zip(blocks, to_host([torch.cat(self.inputs[b]) for b in blocks]))) if blocks else {}
         found = []
-        for stack in self.stacks:
+        for stack, norm in zip(self.stacks, self.norms):
             run: list[str] = []
-            for name in [*stack, None]:
+            for name in [*stack, norm, None] if norm is not None else [*stack, None]:
                 ok = name in stats and len(stats[name]) == 2 * self.step
                 if run and (not ok or self.shapes[name] != self.shapes[run[-1]]):
-                    if len(run) >= 2:
-                        found.append({"blocks": run, "rms": [[stats[b][2 * s] for b in run] for s in range(self.step)],
+                    last = run[-1] if run[-1] == norm else None
+                    if len(run) - (last is not None) >= 2:
+                        found.append({"blocks": run[:-1] if last else run, "norm": last,
+                                      "rms": [[stats[b][2 * s] for b in run] for s in range(self.step)],
                                       "max": [[stats[b][2 * s + 1] for b in run] for s in range(self.step)]})
                     run = []
                 if ok:
@@ -185,7 +213,7 @@ def fresh_losses(prep: engine.Prepared, model: nn.Module, batches: int) -> dict[
             return {"skip": "the inputs were not generated from a seed (files, --data, tensors given, the model's example "
                             "inputs): no fresh batch to make"}
         run = engine.run_model(replace(prep, loaded=replace(prep.loaded, model=model), inputs=fresh, selection=[]),
-                               HookOptions(), loss=loss, show_phase=False)
+                               HookOptions(), engine.RunPlan(loss=loss, show_phase=False))
         if run.cause is not None:
             return {"skip": f"the model raised on a fresh batch: {describe_exception(run.cause)}"}
         chance, task = seen[0][1]

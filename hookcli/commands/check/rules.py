@@ -860,11 +860,13 @@ def residual_growth(rule: RuleConfig, report: Report, obs: Observations) -> Rule
             if g > worst[0]:
                 worst = (g, blocks[-1], step)
             if g > limit or math.isinf(g):
+                norm = f" and of {s['norm']}" if s.get("norm") else ""
                 bad.append(_violation(blocks[-1], g, limit, f"at step {step} the input of {blocks[0]} .. "
-                                      f"{blocks[-1]} grows {_fmt(g)}x or more at every block (RMS {_fmt(rms[0])} -> "
-                                      f"{_fmt(rms[-1])}, max |x| {_fmt(top[0])} -> {_fmt(top[-1])} over "
-                                      f"{len(blocks)} blocks; limit {limit:g}x): a residual stream that is never "
-                                      "normalised or scaled (x = x + block(x) with block(x) as large as x)?"))
+                                      f"{blocks[-1]}{norm} grows {_fmt(g)}x or more at every block (RMS {_fmt(rms[0])} "
+                                      f"-> {_fmt(rms[-1])}, max |x| {_fmt(top[0])} -> {_fmt(top[-1])} over "
+                                      f"{len(blocks)} blocks{norm.replace(' of', '')}; limit {limit:g}x): a residual "
+                                      "stream that is never normalised or scaled (x = x + block(x) with block(x) as "
+                                      "large as x)?"))
                 break
     g, where, step = worst
     return _result(rule, sorted(bad, key=lambda v: -v["value"]), ok_where=where, ok_value=g, limit=limit,

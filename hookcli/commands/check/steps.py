@@ -31,8 +31,9 @@ from torch import nn
 from hookcli.commands.check.between import StepWatch, fresh_losses
 from hookcli.commands.check.rules import ParamTrace, Training
 from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
-from hookcli.commands.grads import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine import run as engine
+from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
+from hookcli.engine.collectors import Observed
 from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
@@ -152,6 +153,57 @@ class _Run:
     between: dict[str, Any] | None = None
 
 
+class _ParamTracker:
+    """What a training run measures of each parameter of its copy: the steps with a gradient, the
+    largest |gradient|, whether its values went NaN/Inf before its gradient did (the update did it),
+    and its largest change over the run; device flags and maxima, on the host once (``finished``)."""
+
+    def __init__(self, clone: nn.Module, watcher: StepWatch | None) -> None:
+        self.watcher = watcher
+        self.named = list(clone.named_parameters())
+        self.before = [p.detach().clone() for _, p in self.named]
+        self.gmax: dict[str, torch.Tensor] = {}
+        #: the values were NaN/Inf at a backward before any gradient of theirs was (the update did it)
+        self.values_first: dict[str, torch.Tensor] = {}
+        self.grad_bad: dict[str, torch.Tensor] = {}
+        self.grad_steps = {n: 0 for n, _ in self.named}
+        self.host: list[list[float]] = []
+
+    def after_backward(self) -> None:
+        if self.watcher is not None:
+            self.watcher.gradients()
+        gmax, values_first, grad_bad = self.gmax, self.values_first, self.grad_bad
+        for n, p in self.named:
+            if p.grad is not None:
+                self.grad_steps[n] += 1
+                g = p.grad.detach().abs().max().float() if p.grad.numel() else torch.zeros(())
+                gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
+                with torch.no_grad():  # device flags: no host synchronisation per step
+                    earlier = grad_bad.get(n, torch.zeros((), dtype=torch.bool, device=g.device))
+                    values = ~torch.isfinite(p.detach()).all() if p.numel() else torch.zeros_like(earlier)
+                    values_first[n] = values_first.get(n, torch.zeros_like(earlier)) | (values & ~earlier)
+                    grad_bad[n] = earlier | ~torch.isfinite(g)
+
+    def finished(self) -> None:
+        with torch.no_grad():
+            deltas = [(widened(p.detach()) - widened(b)).abs().max().reshape(1) if p.numel() else torch.zeros(1)
+                      for (_, p), b in zip(self.named, self.before)]
+        self.host.extend(to_host(deltas + [self.gmax[n].reshape(1) for n in self.gmax]
+                                 + [self.values_first[n].float().reshape(1) for n in self.values_first]))
+
+    def traces(self, made: list[torch.optim.Optimizer]) -> dict[str, ParamTrace]:
+        """Each parameter's ``ParamTrace`` (``made``: the optimisers the run built; the first one's
+        parameters are the ones it trains)."""
+        named, gmax, host = self.named, self.gmax, self.host
+        in_opt = {id(p) for group in made[0].param_groups for p in group["params"]} if made else set()
+        changes = host[:len(named)]
+        maxima = dict(zip(gmax, (v[0] for v in host[len(named):len(named) + len(gmax)])))
+        overflowed = {n for n, v in zip(self.values_first, host[len(named) + len(gmax):]) if v[0]}
+        return {n: ParamTrace(p.requires_grad, id(p) in in_opt, self.grad_steps[n], maxima.get(n, 0.0), c[0],
+                              str(p.dtype).removeprefix("torch."), n in overflowed)
+                for (n, p), c in zip(named, changes)}
+
+
 class _Trainer:
     """Runs of ``count`` steps on fresh copies, the first one also telling the task (``init_loss``)."""
 
@@ -186,73 +238,52 @@ class _Trainer:
         self.task = (task, math.log(classes) if classes > 1 else None,
                      None if classes > 1 else "one class: no chance level", probabilities, list(out.shape))
 
-    def run(self, count: int, lr: float | None, watch: bool = False) -> _Run:
+    def _step_loss(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
+                   ) -> torch.Tensor:
+        """The loss of one training step: yours (``loss_fn``, checked to be a scalar float tensor) or
+        ``build_loss``'s; the first one also tells the task (``_learn_task``)."""
         opts = self.prep.options
+        if self.given.loss_fn is not None:
+            value = self.given.loss_fn(output, *args, **kwargs)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+                raise UsageError(f"loss_fn must return a scalar float tensor, got "
+                                 f"{type(value).__name__}{list(value.shape) if isinstance(value, torch.Tensor) else ''}",
+                                 hint="e.g. loss_fn=lambda out, x: out.pow(2).mean()")
+            value = value.reshape(())
+            if self.task is None:
+                self._learn_task(output, None)
+            return value
+        choice = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
+                            inputs=(args, kwargs), model=model, seed=opts.seed)
+        if self.task is None:
+            self._learn_task(output, choice)
+        return choice.value
+
+    def run(self, count: int, lr: float | None, watch: bool = False) -> _Run:
         clone = _copy(self.prep.loaded.model)
         watcher = StepWatch(clone) if watch else None
         self.trained = clone
-        named = list(clone.named_parameters())
-        before = [p.detach().clone() for _, p in named]
+        tracker = _ParamTracker(clone, watcher)
         made: list[torch.optim.Optimizer] = []
         build = self.optimiser.make(clone, lr)
         losses: list[torch.Tensor] = []
-        gmax: dict[str, torch.Tensor] = {}
-        #: the values were NaN/Inf at a backward before any gradient of theirs was (the update did it)
-        values_first: dict[str, torch.Tensor] = {}
-        grad_bad: dict[str, torch.Tensor] = {}
-        grad_steps = {n: 0 for n, _ in named}
-        host: list[list[float]] = []
 
         def optimizer() -> torch.optim.Optimizer:
             made.append(build())
             return made[-1]
 
         def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module) -> tuple[torch.Tensor, None]:
-            if self.given.loss_fn is not None:
-                value = self.given.loss_fn(output, *args, **kwargs)
-                if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-                    raise UsageError(f"loss_fn must return a scalar float tensor, got "
-                                     f"{type(value).__name__}{list(value.shape) if isinstance(value, torch.Tensor) else ''}",
-                                     hint="e.g. loss_fn=lambda out, x: out.pow(2).mean()")
-                value = value.reshape(())
-                if self.task is None:
-                    self._learn_task(output, None)
-            else:
-                choice = build_loss(output, loss=opts.loss, target=opts.target, output_key=opts.output_key,
-                                    inputs=(args, kwargs), model=model, seed=opts.seed)
-                value = choice.value
-                if self.task is None:
-                    self._learn_task(output, choice)
+            value = self._step_loss(output, args, kwargs, model)
             losses.append(value.detach().float().reshape(1))
             return value, None
 
-        def after_backward() -> None:
-            if watcher is not None:
-                watcher.gradients()
-            for n, p in named:
-                if p.grad is not None:
-                    grad_steps[n] += 1
-                    g = p.grad.detach().abs().max().float() if p.grad.numel() else torch.zeros(())
-                    gmax[n] = torch.maximum(gmax[n], g) if n in gmax else g
-                    with torch.no_grad():  # device flags: no host synchronisation per step
-                        earlier = grad_bad.get(n, torch.zeros((), dtype=torch.bool, device=g.device))
-                        values = ~torch.isfinite(p.detach()).all() if p.numel() else torch.zeros_like(earlier)
-                        values_first[n] = values_first.get(n, torch.zeros_like(earlier)) | (values & ~earlier)
-                        grad_bad[n] = earlier | ~torch.isfinite(g)
-
-        def finished() -> None:
-            with torch.no_grad():
-                deltas = [(widened(p.detach()) - widened(b)).abs().max().reshape(1) if p.numel() else torch.zeros(1)
-                          for (_, p), b in zip(named, before)]
-            host.extend(to_host(deltas + [gmax[n].reshape(1) for n in gmax]
-                                + [values_first[n].float().reshape(1) for n in values_first]))
-
-        plan = engine.OptimiserSteps(optimizer, count, after_backward, finished)
+        plan = engine.OptimiserSteps(optimizer, count, tracker.after_backward, tracker.finished)
         try:
             prepared = self.prepared(clone)
             if watcher is not None:
                 prepared = replace(prepared, selection=watcher.selection)
-            result = engine.run_model(prepared, HookOptions(), loss=loss, steps=plan, show_phase=False, observer=watcher)
+            result = engine.run_model(prepared, HookOptions(), engine.RunPlan(
+                loss=loss, steps=plan, collectors=[Observed(watcher)] if watcher is not None else [], show_phase=False))
         except UsageError:
             raise
         except HookcliError as exc:
@@ -264,14 +295,7 @@ class _Trainer:
             where = result.failure.module if result.failure is not None else None
             return _Run([], {}, f"the training run on a copy raised {describe_exception(result.cause)}"
                         + (f" in {where}" if where else ""), where)
-        in_opt = {id(p) for group in made[0].param_groups for p in group["params"]} if made else set()
-        changes = host[:len(named)]
-        maxima = dict(zip(gmax, (v[0] for v in host[len(named):len(named) + len(gmax)])))
-        overflowed = {n for n, v in zip(values_first, host[len(named) + len(gmax):]) if v[0]}
-        params = {n: ParamTrace(p.requires_grad, id(p) in in_opt, grad_steps[n], maxima.get(n, 0.0), c[0],
-                                str(p.dtype).removeprefix("torch."), n in overflowed)
-                  for (n, p), c in zip(named, changes)}
-        return _Run([row[0] for row in to_host(losses)] if losses else [], params,
+        return _Run([row[0] for row in to_host(losses)] if losses else [], tracker.traces(made),
                     between=watcher.host() if watcher is not None else None)
 
     def first_difference(self) -> str | None:
@@ -281,7 +305,7 @@ class _Trainer:
         for _ in range(2):
             watch = _Checksums()
             engine.run_model(self.prepared(_copy(self.prep.loaded.model), hooked=True), HookOptions(),
-                             observer=watch, show_phase=False)
+                             engine.RunPlan(collectors=[Observed(watch)], show_phase=False))
             sums.append(watch.host())
         a, b = sums
         for key in sorted(a, key=lambda k: a[k][0]):
