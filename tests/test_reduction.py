@@ -185,3 +185,96 @@ def test_the_device_backend_runs_at_most_its_measured_op_count_per_tensor(env: p
     y = x * 1  # another tensor: not the one the reducer saw
     again = aten_op_counts(lambda: reduction.reduce(y, zeros=False, reducer=reducer))
     assert sum(again.values()) <= DEVICE_OPS_PER_TENSOR, again
+
+
+def test_histograms_with_triton_take_a_fixed_number_of_ops_and_equal_float64_torch(env: pytest.MonkeyPatch) -> None:
+    """With the ``triton`` backend the float16/bfloat16/float32 tensors of a step share the kernel's
+    launches: the compute ops (views apart) for eight tensors are those for two; each row equals float64
+    torch (buckets as torch.histc over the tensor's own range, min, max and count exactly, the sums to
+    float32 accuracy); float64, empty, integer and None entries keep their per-tensor answer."""
+    triton_runs_here("triton")
+    env.setenv(reduction.REDUCTION_ENV, "triton")
+
+    def ops(ts: list[torch.Tensor]) -> int:
+        reduction.histograms(ts)  # address tables are built (and cached) once
+        return sum(compute_ops(lambda: reduction.histograms(ts)).values())
+
+    floats = [seeded(3 + k, 5) for k in range(8)]
+    assert ops(floats) == ops(floats[:2])
+    tensors = [seeded(40, 3), None, seeded(7, 5).bfloat16(), torch.empty(0), torch.arange(6), seeded(9, 2).double(),
+               seeded(6, 6).half().t()]
+    rows = reduction.histograms(tensors)
+    assert rows[1] is None and rows[3] is None and rows[4] is None
+    for t, row in zip(tensors, rows):
+        if t is None or not t.numel() or not t.is_floating_point():
+            continue
+        got, d = row.tolist(), t.double()
+        assert got[5:] == torch.histc(d, bins=30, min=float(d.min()), max=float(d.max())).tolist()
+        assert got[:3] == [float(d.min()), float(d.max()), float(d.numel())]
+        assert math.isclose(got[3], float(d.sum()), rel_tol=1e-6, abs_tol=1e-6 * float(d.abs().sum()))
+        assert math.isclose(got[4], float(d.square().sum()), rel_tol=1e-6)
+
+
+def compute_ops(fn) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """How many times ``fn()`` runs each aten op that is not a view (views launch nothing)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                self.counts[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        fn()
+    return dict(ops.counts)
+
+
+@pytest.mark.parametrize("name", ["triton", "lean"])
+def test_an_activation_takes_the_backends_fixed_ops_through_the_public_face(env: pytest.MonkeyPatch,
+                                                                              name: str) -> None:
+    """Through ``reduction.reduce`` (what a hook calls), every layout and dtype: the ``triton`` backend is
+    one op to torch (its custom op) and the ``lean`` one at most 12, as the backends alone: an expanded
+    tensor is not reduced to its base and scaled after (two more ops), a gapped one not copied first
+    (the custom op copies it inside); each equals float64 torch."""
+    from reference import assert_moments_match
+
+    triton_runs_here(name)
+    env.setenv(reduction.REDUCTION_ENV, name)
+    base = seeded(4, 6, 5, 5)
+    for x in (seeded(50, 7), base.contiguous(memory_format=torch.channels_last), seeded(30).bfloat16(),
+              base[:, :, ::2], seeded(3, 1).expand(3, 40), base.transpose(0, 2).half()):
+        reduction.reduce(x, reducer=Reducer())  # constants and tables are built (and cached) once
+        ops = compute_ops(lambda x=x: reduction.reduce(x, reducer=Reducer()))
+        if name == "triton":
+            assert ops == {"hookcli.reduce_moments": 1}, ops
+        else:
+            assert sum(ops.values()) <= 12, ops
+        assert_moments_match(to_host([reduction.reduce(x, reducer=Reducer())])[0], x, centre_error=2.0 ** -23)
+
+
+def test_all_parameters_of_a_step_take_at_most_three_ops_with_triton(env: pytest.MonkeyPatch) -> None:
+    """Every parameter's statistics and norm for a step, through ``reduction`` (what a watch calls):
+    ``reduce_many`` and ``norms`` are at most 3 ops to torch with the ``triton`` backend, parameters that
+    require grad included; each equals float64 torch."""
+    triton_runs_here("triton")
+    env.setenv(reduction.REDUCTION_ENV, "triton")
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    params = list(model.parameters())
+    reducer = Reducer()
+    reduction.reduce_many(params, reducer=reducer)
+    ops = compute_ops(lambda: (reduction.reduce_many(params, reducer=reducer, zeros=False), reduction.norms(params)))
+    assert sum(ops.values()) <= 3, ops
+    rows = to_host(reduction.reduce_many(params, reducer=reducer, zeros=False))
+    for p, row, norm in zip(params, rows, to_host(reduction.norms(params))):
+        want = p.detach().double()
+        got = gradient_stats(row)
+        assert math.isclose(got["mean"], float(want.mean()), rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(got["std"], float(want.std(correction=0)), rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(norm[0], float(want.norm()), rel_tol=1e-12)

@@ -31,6 +31,10 @@ class Backend:
     unavailable: Callable[[], str | None] = lambda: None
     #: whether ``vector`` reads float16/bfloat16 itself (else it is given a float32 copy)
     reads_half: bool = False
+    #: whether ``vector`` takes a tensor of any strided layout, expanded (stride-0) ones included, and
+    #: reduces it without its repeats itself (else it is given a 1-D view of the values without them, and
+    #: its additive fields are scaled after: two more ops); such a backend reads float16/bfloat16 too
+    reads_layouts: bool = False
 
     def vector_fn(self) -> Callable[[torch.Tensor, bool], torch.Tensor]:
         """The function ``vector`` names."""
@@ -58,8 +62,10 @@ BACKENDS: dict[str, Backend] = {
     "torch": Backend("torch", host=True),
     "device": Backend("device", host=False, vector="hookcli.engine.stats:device_vector"),
     "triton": Backend("triton", host=False, vector="hookcli.engine.reduce_triton:backend_vector",
-                      unavailable=_call("hookcli.engine.reduce_triton:backend_unavailable"), reads_half=True),
-    "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean", reads_half=True),
+                      unavailable=_call("hookcli.engine.reduce_triton:backend_unavailable"), reads_half=True,
+                      reads_layouts=True),
+    "lean": Backend("lean", host=False, vector="hookcli.engine.reduce_lean:reduce_lean", reads_half=True,
+                    reads_layouts=True),
 }
 
 

@@ -26,7 +26,8 @@ tensors still take ``auto``'s choice; ``name_for`` says which one a run's device
 of every JSON report and watch log line.
 
 The public face: ``reduce`` (one tensor), ``reduce_many`` (a step's tensors), ``norms``,
-``histograms``, ``extremes`` and ``channel_counts`` (many at once; they loop today).
+``histograms``, ``extremes`` and ``channel_counts`` (many at once: ``norms`` in one op on an accelerator,
+``histograms`` in a fixed number of launches with the ``triton`` backend; the others loop).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def reduce_many(tensors: Sequence[torch.Tensor], *, zeros: bool = True, reducer:
                 ) -> list[stats.Vector]:
     """Each tensor's vector (``reduce``), e.g. a step's gradients; read them with one ``to_host``."""
     reducer = reducer or stats.Reducer()
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]
     if len(tensors) > 1 and reducer.device_backend.name == "triton" and _one_triton_device(tensors):
         from hookcli.engine import reduce_triton
 
@@ -72,9 +74,11 @@ def _one_triton_device(tensors: Sequence[torch.Tensor]) -> bool:
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[stats.Vector]:
     """Each tensor's L2 norm as a one-element vector (``engine.stats.l2_norm``: the C kernel's float64 sum
-    of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device)."""
-    if len(tensors) > 1 and all(not t.is_cpu and t.layout == torch.strided and t.is_floating_point()
-                                and t.device == tensors[0].device for t in tensors):
+    of squares where the ``kernel`` backend reduces CPU tensors, else ``vector_norm`` on the device; for
+    several tensors of an accelerator, or of the CPU where the ``triton`` backend runs there under
+    Triton's interpreter, one ``torch._foreach_norm``)."""
+    if len(tensors) > 1 and all((not t.is_cpu or choose("cpu").name == "triton") and t.layout == torch.strided
+                                and t.is_floating_point() and t.device == tensors[0].device for t in tensors):
         # an accelerator's: one multi-tensor op (torch._foreach_norm), not a launch per tensor
         return [n.reshape(1) for n in torch._foreach_norm([t.detach() for t in tensors], 2,
                                                           dtype=stats.device_float(tensors[0].device))]
@@ -86,9 +90,35 @@ def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGR
                bounds: Sequence[tuple[float, float]] | None = None) -> list[torch.Tensor | None]:
     """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
     non-float tensor). ``bounds``: each tensor's buckets' ``(min, max)`` instead of its own (parts whose
-    counts add up: ``engine.distributed.global_histograms``)."""
+    counts add up: ``engine.distributed.global_histograms``). Without ``bounds``, where the ``triton``
+    backend reduces their device, the float16/bfloat16/float32 tensors of one device take a fixed number
+    of launches together (``reduce_triton.histograms``: one counting launch per dtype, whatever their
+    number; its sum and sum of squares are float32's); the others one ``stats.histogram`` each."""
     spans: Sequence[tuple[float, float] | None] = bounds if bounds is not None else [None] * len(tensors)
-    return [stats.histogram(t, bins, span) if t is not None else None for t, span in zip(tensors, spans)]
+    batched = [bounds is None and t is not None and _batched_histogram(t) for t in tensors]
+    out = [stats.histogram(t, bins, span) if t is not None and not together else None
+           for t, span, together in zip(tensors, spans, batched)]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if batched[i]:
+            by_device.setdefault(t.device, []).append(i)  # type: ignore[union-attr]
+    for batch in by_device.values():
+        from hookcli.engine import reduce_triton
+
+        rows = reduce_triton.histograms([tensors[i].detach() for i in batch], bins)  # type: ignore[union-attr]
+        for i, row in zip(batch, rows.unbind(0)):
+            out[i] = row
+    return out
+
+
+def _batched_histogram(t: torch.Tensor) -> bool:
+    """Whether ``t``'s histogram is counted by the Triton kernel with others': the ``triton`` backend
+    reduces its device, the kernel reads it, and its buckets are float32's (float64 ones are not)."""
+    if not t.numel() or t.dtype == torch.float64 or t.device.type == "meta" or choose(t.device).name != "triton":
+        return False
+    from hookcli.engine import reduce_triton
+
+    return reduce_triton.available(t)
 
 
 def extremes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

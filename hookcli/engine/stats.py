@@ -247,12 +247,14 @@ class Reducer:
 
     def _reduce_accelerator(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
         """The vector of a non-empty, strided tensor, as a tensor on its device (no host synchronisation)."""
-        x, repeats = unbroadcast(x)
         backend = self.device_backend
-        if x.dtype not in (torch.float32, torch.float64) and not backend.reads_half:
-            x = x.float()  # (a backend that reads 16-bit floats widens them as it reads: no copy)
         if self._device_vector is None:
             self._device_vector = backend.vector_fn()
+        if backend.reads_layouts:  # its own fixed ops (1 for triton, 12 for lean), whatever the layout
+            return self._device_vector(x, zeros)
+        x, repeats = unbroadcast(x)
+        if x.dtype not in (torch.float32, torch.float64) and not backend.reads_half:
+            x = x.float()  # (a backend that reads 16-bit floats widens them as it reads: no copy)
         vector = self._device_vector(flat_view(x), zeros)
         if repeats != 1:
             vector[ADDITIVE] *= repeats  # a Python scalar: no host synchronisation
