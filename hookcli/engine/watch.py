@@ -463,7 +463,10 @@ class StepWatcher:
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
             if self.reduction is not None and self.flight is not None and self.reduction.flagged:
-                self._agree_flight()  # a rank's flight recorder found a NaN/Inf (every rank knows it)
+                # a rank's flight recorder found a NaN/Inf (every rank knows it): when at an earlier step,
+                # its flight line names the rank that made the run's first, not this step's lowest rank
+                if (first := self._agree_flight()) is not None and first < step:
+                    record.findings = [f for f in record.findings if f.rule != "nonfinite_rank"]
             if self.reduction is not None and self.cause is not None and _nonfinite(record):
                 record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
             for entry, scale in zip(record.params, self._lr_scales or ()):
@@ -530,29 +533,32 @@ class StepWatcher:
         if flight.first_bad is not None and not flight.dumped and self._held is None:
             self._held = self._flight_lines(flight.unwritten(before, flight.first_bad))
 
-    def _agree_flight(self) -> None:
+    def _agree_flight(self) -> int | None:
         """Under torchrun, where every rank meets (a logged step at which a rank's flight recorder had
         found a NaN/Inf, said in the step's first SUM; the block's end): the ranks agree on the run's
         first NaN/Inf step and the lowest rank that had it (one MIN ``all_reduce``); every rank then
-        writes that rank's held records (one ``all_gather_object``): the same maker, step and rank on all."""
+        writes that rank's held records (one ``all_gather_object``): the same maker, step and rank on all.
+        Returns the step agreed on now (None: none)."""
         flight, ranks = self.flight, self.reduction
         assert flight is not None and ranks is not None
         if flight.dumped:
-            return
+            return None
         flight.read()
         self._hold_flight()
         found = ranks.first_rank(flight.first_bad)
         if found is None:
-            return
+            return None
         step, maker = found
         held: list[Any] = [None] * ranks.world
         torch.distributed.all_gather_object(held, self._held if ranks.rank == maker else None, group=ranks.group)
         ranks.collectives += 2  # (the objects' sizes, then the objects)
         flight.first_bad, flight.dumped, self._held = step, True, None
+        ranks.nonfinite_seen = True  # (a later logged step's nonfinite_rank would name a later rank's)
         for record in held[maker]:
             if record.step == step and (cause := record.cause) is not None:
                 record.cause = NonfiniteCause(cause.layer, cause.direction, f"{cause.text} on rank {maker}")
             self.on_step(record)
+        return step
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
         """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
