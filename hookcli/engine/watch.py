@@ -105,8 +105,7 @@ class StepWatcher:
         #: flight recorder's steps' traces are kept as long as the ring keeps them
         self.cause: CauseTracer | None = None
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
-        #: under torchrun: this rank's flight records up to its own first NaN/Inf, held until the ranks
-        #: agree whose was the run's first (``_agree_flight``)
+        #: under torchrun: this rank's flight records up to its own first NaN/Inf (``_agree_flight``)
         self._held: list[WatchStep] | None = None
         #: the attention heads and output logits of logged steps (engine.attention; not compiled, not torchrun)
         self.attention: AttentionProbe | None = None
@@ -440,17 +439,11 @@ class StepWatcher:
                 if trace is not None:
                     self._traces.append((step, trace))
                 self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
-                if not self.logged:  # under torchrun held: the ranks agree where they meet
-                    if self.reduction is None:
-                        self._write_flight()
-                    else:
-                        self._hold_flight()
+                if not self.logged:
+                    self._flight_found()
                     return None
                 self.flight.read()  # a logged step transfers anyway
-                if self.reduction is None:
-                    self._write_flight(before=step)
-                else:
-                    self._hold_flight(before=step)
+                self._flight_found(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
             if self.reduction is not None and self._param_vectors is None:
@@ -463,10 +456,7 @@ class StepWatcher:
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
             if self.reduction is not None and self.flight is not None and self.reduction.flagged:
-                # a rank's flight recorder found a NaN/Inf (every rank knows it): when at an earlier step,
-                # its flight line names the rank that made the run's first, not this step's lowest rank
-                if (first := self._agree_flight()) is not None and first < step:
-                    record.findings = [f for f in record.findings if f.rule != "nonfinite_rank"]
+                self._agree_flight(record)  # a rank's flight recorder found a NaN/Inf (every rank knows it)
             if self.reduction is not None and self.cause is not None and _nonfinite(record):
                 record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
             for entry, scale in zip(record.params, self._lr_scales or ()):
@@ -524,6 +514,14 @@ class StepWatcher:
                 record.cause = compiled_cause(record)
         return records
 
+    def _flight_found(self, before: int | None = None) -> None:
+        """The ring's steps up to the first NaN/Inf, once known: written; under torchrun held, as the ranks
+        agree where they meet (``_agree_flight``)."""
+        if self.reduction is None:
+            self._write_flight(before=before)
+        else:
+            self._hold_flight(before)
+
     def _hold_flight(self, before: int | None = None) -> None:
         """Under torchrun, once this rank's flight recorder knows its first NaN/Inf: the K steps up to it
         as records (before ``before``: that step's own line follows), held, not written: the NaN may have
@@ -533,32 +531,34 @@ class StepWatcher:
         if flight.first_bad is not None and not flight.dumped and self._held is None:
             self._held = self._flight_lines(flight.unwritten(before, flight.first_bad))
 
-    def _agree_flight(self) -> int | None:
+    def _agree_flight(self, record: WatchStep | None = None) -> None:
         """Under torchrun, where every rank meets (a logged step at which a rank's flight recorder had
         found a NaN/Inf, said in the step's first SUM; the block's end): the ranks agree on the run's
         first NaN/Inf step and the lowest rank that had it (one MIN ``all_reduce``); every rank then
         writes that rank's held records (one ``all_gather_object``): the same maker, step and rank on all.
-        Returns the step agreed on now (None: none)."""
+        At a logged step (``record``) after the agreed one, the step's ``nonfinite_rank`` goes: the flight
+        line named the rank that made the run's first NaN/Inf, not this step's lowest rank with one."""
         flight, ranks = self.flight, self.reduction
         assert flight is not None and ranks is not None
         if flight.dumped:
-            return None
+            return
         flight.read()
         self._hold_flight()
         found = ranks.first_rank(flight.first_bad)
         if found is None:
-            return None
+            return
         step, maker = found
         held: list[Any] = [None] * ranks.world
         torch.distributed.all_gather_object(held, self._held if ranks.rank == maker else None, group=ranks.group)
         ranks.collectives += 2  # (the objects' sizes, then the objects)
         flight.first_bad, flight.dumped, self._held = step, True, None
         ranks.nonfinite_seen = True  # (a later logged step's nonfinite_rank would name a later rank's)
-        for record in held[maker]:
-            if record.step == step and (cause := record.cause) is not None:
-                record.cause = NonfiniteCause(cause.layer, cause.direction, f"{cause.text} on rank {maker}")
-            self.on_step(record)
-        return step
+        for line in held[maker]:
+            if line.step == step and (cause := line.cause) is not None:
+                line.cause = NonfiniteCause(cause.layer, cause.direction, f"{cause.text} on rank {maker}")
+            self.on_step(line)
+        if record is not None and step < record.step:
+            record.findings = [f for f in record.findings if f.rule != "nonfinite_rank"]
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
         """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
