@@ -132,11 +132,17 @@ def _nonfinite_output(bad: list[tuple[int, str]], at: list[int], name: str, _mod
 def made_on_rank_one(out: Path) -> None:
     """DDP, the NaN made in ``1``'s own forward at step 2 on rank 1 only (rank 0's forward stays finite;
     DDP's averaged gradients carry it to rank 0's weights after the step): every step logged, then
-    unlogged with the flight recorder (``every=50, flight=4``). ``out/rank_one<r>.json``: each run's
-    findings, and plain torch's ground truth on this rank: the (step, module) of each module output
-    that was not finite, in call order, from the test's own forward hooks (an unwatched run)."""
-    said: dict[str, Any] = {}
-    for name, options in (("logged", {"every": 1}), ("flight", {"every": 50, "flight": 4}), ("plain", None)):
+    unlogged with the flight recorder (``every=50, flight=4``), then with the flight recorder and a logged
+    step after the NaN (``every=3, flight=2``). ``out/rank_one<r>.json``: each run's findings, and plain
+    torch's ground truth on this rank: the (step, module) of each module output that was not finite, in
+    call order, from the test's own forward hooks (an unwatched run); ``collectives``: each run's
+    collectives on the process group (its own sequence number, DDP's included) in each step, then
+    at the watch's end."""
+    said: dict[str, Any] = {"collectives": {}}
+    group = dist.group.WORLD
+    runs = (("logged", {"every": 1}), ("flight", {"every": 50, "flight": 4}),
+            ("flight_logged", {"every": 3, "flight": 2}), ("plain", None))
+    for name, options in runs:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(3, 5), MaskedBlock(rank=1), nn.Linear(5, 1))
         wrapped = nn.parallel.DistributedDataParallel(net)
@@ -145,13 +151,18 @@ def made_on_rank_one(out: Path) -> None:
         at = [0]  # the step in progress, for the hooks
         handles = [m.register_forward_hook(partial(_nonfinite_output, bad, at, n))
                    for n, m in net.named_modules()] if options is None else []
+        counts = said["collectives"][name] = []
         with hookcli.watch(wrapped, optimizer, **options, on_finding="warn") if options else contextlib.nullcontext() as w:
             for step in range(5):
                 at[0] = step
                 x, y = batch(step)
+                before = group._get_sequence_number_for_group()
                 nn.functional.mse_loss(wrapped(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+                counts.append(group._get_sequence_number_for_group() - before)
+            before = group._get_sequence_number_for_group()
+        counts.append(group._get_sequence_number_for_group() - before)
         for handle in handles:
             handle.remove()
         said[name] = bad if options is None else [f.to_dict() for f in w.findings]

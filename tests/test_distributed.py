@@ -598,13 +598,52 @@ def test_a_nan_made_on_rank_one_only_is_named_by_rank_one_with_the_flight_record
     assert rank1["flight"][0]["message"].startswith("first NaN/Inf of the run at step 2: made in 1's own forward")
 
 
-@pytest.mark.xfail(strict=True, reason="the flight recorder is each rank's own: rank 0, whose forward stays finite "
-                   "until the averaged gradient's NaN reaches its weights, calls step 3 the first NaN/Inf of the "
-                   "run and blames 0 (the ranks do not agree on the first non-finite step, and its maker, "
-                   "unlogged)")
 def test_under_torchrun_every_rank_s_flight_recorder_names_the_run_s_first_nan(launched: Any) -> None:
-    rank0 = _rank_one(launched("cause"))[0]
-    assert [(f["rule"], f["step"], f["layer"]) for f in rank0["flight"]] == [("nonfinite", 2, "1")]
+    """The same run unlogged (``every=50, flight=4``): rank 0's own forward stays finite until the averaged
+    gradient's NaN reaches its weights, yet every rank's flight recorder names the run's first NaN/Inf,
+    the earliest (step, rank) of plain torch's first non-finite output over the ranks, by the same maker,
+    step and rank (the ranks agree where they meet: here at the block's end)."""
+    ranks = _rank_one(launched("cause"))
+    step, rank, layer = min((said["plain"][0][0], r, said["plain"][0][1]) for r, said in enumerate(ranks))
+    assert (step, rank) == (2, 1)  # (not rank 0's first: its NaN comes a step later, from rank 1)
+    messages = set()
+    for said in ranks:
+        assert [(f["rule"], f["step"], f["layer"], f["direction"]) for f in said["flight"]] == [
+            ("nonfinite", step, layer, "forward")]
+        messages.add(said["flight"][0]["message"])
+    assert len(messages) == 1
+    assert messages.pop().startswith(f"first NaN/Inf of the run at step {step}: made in {layer}'s own forward "
+                                     f"(after {layer}.act) on rank {rank}; first seen in 2's output")
+
+
+def test_the_flight_recorders_agree_at_the_next_logged_step(launched: Any) -> None:
+    """The same run with ``every=3, flight=2``: the ranks agree at logged step 3 (rank 1's flag rides in the
+    step's first SUM), and every rank's flight line names the earliest (step, rank) of plain torch's
+    first non-finite outputs, by its maker and rank; step 3's record (NaN on every rank by then, first in
+    rank 0's ``0`` output) says no ``nonfinite_rank``: the flight line named the rank of the run's first."""
+    ranks = _rank_one(launched("cause"))
+    step, rank, layer = min((said["plain"][0][0], r, said["plain"][0][1]) for r, said in enumerate(ranks))
+    assert all(said["plain"][0][0] <= 3 for said in ranks)  # (every rank's output is NaN by logged step 3)
+    for said in ranks:
+        nonfinite = said["flight_logged"]
+        assert [(f["rule"], f["step"], f["layer"], f["direction"]) for f in nonfinite] == [
+            ("nonfinite", step, layer, "forward")]
+        assert nonfinite[0]["message"].startswith(f"first NaN/Inf of the run at step {step}: made in {layer}'s own "
+                                                  f"forward (after {layer}.act) on rank {rank}; first seen in 2's")
+
+
+def test_the_flight_recorders_agreement_costs_collectives_only_where_the_ranks_meet(launched: Any) -> None:
+    """Counted by the process group's own sequence number (DDP's included) against the unwatched run's:
+    an unlogged step adds none; a logged step adds what it adds without the flight recorder, except the
+    one where the ranks agree (one MIN, one ``all_gather_object``: 3); the watch's end adds the vote (1),
+    then the gather when the NaN was not agreed on before (2), nothing once it was."""
+    for said in _rank_one(launched("cause")):
+        counts = said["collectives"]
+        plain, logged = counts["plain"], counts["logged"]
+        assert plain[-1] == logged[-1] == 0
+        assert [a - p for a, p in zip(counts["flight"], plain)] == [logged[0] - plain[0], 0, 0, 0, 0, 1 + 2]
+        extra = [a - p for a, p in zip(counts["flight_logged"], plain)]
+        assert extra == [logged[0] - plain[0], 0, 0, logged[3] - plain[3] + 3, 0, 0]
 
 
 def test_replicas_are_compared_by_value() -> None:

@@ -320,6 +320,8 @@ class StepReduction:
         self.channel_sizes: dict[tuple[str, str], int | None] = {}
         self.collectives = 0
         self.nonfinite_seen = False
+        #: the ranks' summed ``flag`` at the last ``watch_step`` (riding in its first SUM)
+        self.flagged = 0.0
         #: replicated rows that differ by more than this (relative) are a desync (``_same``)
         self.rtol = DESYNC_RTOL
         backend = torch.distributed.get_backend(group)
@@ -429,6 +431,13 @@ class StepReduction:
         """Whether ``flag`` is true on some rank (one collective, when the watch starts): every rank
         then takes part in what one rank asked for (``tensorboard_dir=`` given to rank 0 alone)."""
         return self._all_reduce([float(flag)], torch.distributed.ReduceOp.MAX)[0] > 0
+
+    def first_rank(self, step: int | None) -> tuple[int, int] | None:
+        """The earliest of the ranks' ``step`` (None: this rank has none) and the lowest rank that had it,
+        None where no rank has one (one MIN collective)."""
+        mine = float(step * self.world + self.rank) if step is not None else math.inf
+        least = self._all_reduce([mine], torch.distributed.ReduceOp.MIN)[0]
+        return None if least == math.inf else divmod(int(least), self.world)
 
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
         buffer = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -646,7 +655,7 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
                loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None,
                channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
                histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
-               partial: Sequence[PartialGrad] | None = None) -> WatchStep:
+               partial: Sequence[PartialGrad] | None = None, flag: bool = False) -> WatchStep:
     """A watched step's record over every rank (``StepWatcher._collect``'s counterpart under
     ``torchrun``): the local vectors to the host in one transfer, then ``StepReduction.reduce``.
     ``groups``: ``merged_outputs``; ``params``: ``ParamVectors`` in attach order; ``sharded``: which
@@ -654,8 +663,9 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
     ``failed``: hookcli's hooks failed on this rank in the step; ``channels``: ``merged_channels``
     (the per-channel nonzero counts, summed over the ranks in the first SUM); ``histograms``: each
     parameter's and gradient's ``global_histograms`` part (the bucket counts summed in the first SUM
-    too); ``partial``: ``partial_grads`` (those gradients' values summed in the first SUM). Every rank
-    gets the same record; rank diagnostics are findings."""
+    too); ``partial``: ``partial_grads`` (those gradients' values summed in the first SUM); ``flag``:
+    this rank's, counted over the ranks in the first SUM too (``reduction.flagged``). Every rank gets
+    the same record; rank diagnostics are findings."""
     try:
         rows = _local_rows(groups, params, sharded, updates, loss, owned, channels, histograms, partial)
     except Exception:  # this rank cannot make its rows: the others are told (no rank waits), then it raises
@@ -666,12 +676,14 @@ def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str]
                 plan.add(SUMMED if summed else kind, [0.0] * (1 + partial[i][1].numel()) if summed else None)
         try:
             reduction.reduce({}, plan, None, failed=True,
-                             extra=[0.0] * (2 * HISTOGRAM_PART * len(histograms)) if histograms is not None else ())
+                             extra=[0.0] * (2 * HISTOGRAM_PART * len(histograms) if histograms is not None else 0) + [0.0])
         except RanksFailed:
             pass
         raise
     layer_rows, plan, loss_row, channel_rows, extra = rows
-    layers, result = reduction.reduce(layer_rows, plan, loss_row, failed=failed, channels=channel_rows, extra=extra)
+    layers, result = reduction.reduce(layer_rows, plan, loss_row, failed=failed, channels=channel_rows,
+                                      extra=[*extra, float(flag)])
+    reduction.flagged = result.extra[-1]
     record = _record(reduction, step, layers, params, result)
     if histograms is not None:
         _add_histograms(record, histograms, result.extra)

@@ -22,7 +22,7 @@ from hookcli.engine import distributed, reduction
 from hookcli.engine.attention import AttentionProbe
 from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
-from hookcli.engine.flight import FlightRecorder, flight_records
+from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
 from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
@@ -110,6 +110,8 @@ class StepWatcher:
         #: flight recorder's steps' traces are kept as long as the ring keeps them
         self.cause: CauseTracer | None = None
         self._traces: deque[tuple[int, CauseTrace]] = deque(maxlen=2 * flight if flight else 1)
+        #: under torchrun: this rank's flight records up to its own first NaN/Inf (``_agree_flight``)
+        self._held: list[WatchStep] | None = None
         #: the attention heads and output logits of logged steps (engine.attention; not compiled, not torchrun)
         self.attention: AttentionProbe | None = None
         self._attention = attention  # (off: every rule that reads them is)
@@ -415,9 +417,13 @@ class StepWatcher:
                 elif raised and self.flight is not None and self.hooks.session is not None \
                         and self.hooks.session.calls:
                     self.flight.push(self.step, merged_outputs(self.hooks.session.calls), None)
-                if self.flight is not None:
+                if self.flight is not None and self.reduction is not None and not raised:
+                    self._agree_flight()  # every rank ends its block: the ranks agree there
+                elif self.flight is not None:
                     if not raised:
                         self.flight.read()
+                    for record in self._held or ():  # (under torchrun, not agreed: this rank's own)
+                        self.on_step(record)
                     self._write_flight(everything=raised)
         except _RAISED:
             raise
@@ -461,10 +467,10 @@ class StepWatcher:
                     self._traces.append((step, trace))
                 self.flight.push(step, groups, _loss_vector(loss) if loss is not None else None)
                 if not self.logged:
-                    self._write_flight()
+                    self._flight_found()
                     return None
                 self.flight.read()  # a logged step transfers anyway
-                self._write_flight(before=step)
+                self._flight_found(before=step)
                 self.flight.written = step
             params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
             if self.reduction is not None and self._param_vectors is None:
@@ -476,6 +482,8 @@ class StepWatcher:
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
             record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
+            if self.reduction is not None and self.flight is not None and self.reduction.flagged:
+                self._agree_flight(record)  # a rank's flight recorder found a NaN/Inf (every rank knows it)
             if self.reduction is not None and self.cause is not None and _nonfinite(record):
                 record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
             for entry, scale in zip(record.params, self._lr_scales or ()):
@@ -518,13 +526,66 @@ class StepWatcher:
             return
         flight.dumped = flight.first_bad is not None
         upto = None if everything else flight.first_bad  # the K steps up to the first NaN/Inf, as on CPU
-        traces = dict(self._traces)
-        for record in flight_records(flight.unwritten(before, upto)):
-            if record.step == flight.first_bad and (trace := traces.get(record.step)) is not None:
-                record.cause = trace.cause()  # one more transfer, once a run
-            elif record.step == flight.first_bad and self.hooks.compiled:
-                record.cause = compiled_cause(record)
+        for record in self._flight_lines(flight.unwritten(before, upto)):
             self.on_step(record)
+
+    def _flight_lines(self, entries: list[Entry]) -> list[WatchStep]:
+        """The ring's ``entries`` as flight records, the first NaN/Inf's step with its maker."""
+        assert self.flight is not None
+        traces = dict(self._traces)
+        records = flight_records(entries)
+        for record in records:
+            if record.step == self.flight.first_bad and (trace := traces.get(record.step)) is not None:
+                record.cause = trace.cause()  # one more transfer, once a run
+            elif record.step == self.flight.first_bad and self.hooks.compiled:
+                record.cause = compiled_cause(record)
+        return records
+
+    def _flight_found(self, before: int | None = None) -> None:
+        """The ring's steps up to the first NaN/Inf, once known: written; under torchrun held, as the ranks
+        agree where they meet (``_agree_flight``)."""
+        if self.reduction is None:
+            self._write_flight(before=before)
+        else:
+            self._hold_flight(before)
+
+    def _hold_flight(self, before: int | None = None) -> None:
+        """Under torchrun, once this rank's flight recorder knows its first NaN/Inf: the K steps up to it
+        as records (before ``before``: that step's own line follows), held, not written: the NaN may have
+        been made earlier on another rank (DDP's averaged gradient carries it to every rank's weights)."""
+        flight = self.flight
+        assert flight is not None
+        if flight.first_bad is not None and not flight.dumped and self._held is None:
+            self._held = self._flight_lines(flight.unwritten(before, flight.first_bad))
+
+    def _agree_flight(self, record: WatchStep | None = None) -> None:
+        """Under torchrun, where every rank meets (a logged step at which a rank's flight recorder had
+        found a NaN/Inf, said in the step's first SUM; the block's end): the ranks agree on the run's
+        first NaN/Inf step and the lowest rank that had it (one MIN ``all_reduce``); every rank then
+        writes that rank's held records (one ``all_gather_object``): the same maker, step and rank on all.
+        At a logged step (``record``) after the agreed one, the step's ``nonfinite_rank`` goes: the flight
+        line named the rank that made the run's first NaN/Inf, not this step's lowest rank with one."""
+        flight, ranks = self.flight, self.reduction
+        assert flight is not None and ranks is not None
+        if flight.dumped:
+            return
+        flight.read()
+        self._hold_flight()
+        found = ranks.first_rank(flight.first_bad)
+        if found is None:
+            return
+        step, maker = found
+        held: list[Any] = [None] * ranks.world
+        torch.distributed.all_gather_object(held, self._held if ranks.rank == maker else None, group=ranks.group)
+        ranks.collectives += 2  # (the objects' sizes, then the objects)
+        flight.first_bad, flight.dumped, self._held = step, True, None
+        ranks.nonfinite_seen = True  # (a later logged step's nonfinite_rank would name a later rank's)
+        for line in held[maker]:
+            if line.step == step and (cause := line.cause) is not None:
+                line.cause = NonfiniteCause(cause.layer, cause.direction, f"{cause.text} on rank {maker}")
+            self.on_step(line)
+        if record is not None and step < record.step:
+            record.findings = [f for f in record.findings if f.rule != "nonfinite_rank"]
 
     def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
         """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
@@ -544,9 +605,12 @@ class StepWatcher:
                  loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
                  trace: CauseTrace | None = None) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
+            # this rank's flight recorder found a NaN/Inf not yet agreed on: the first SUM tells every rank
+            flagged = self.flight is not None and self.flight.first_bad is not None and not self.flight.dumped
             return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
                                           failed=self.hooks.session.error is not None, owned=self.owned,
+                                          flag=flagged,
                                           channels=merged_channels(self.hooks.session.calls) if self.channels else None,
                                           histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
         transfer = Transfer()
