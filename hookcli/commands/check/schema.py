@@ -324,9 +324,9 @@ TRAINING_SPECS: tuple[RuleSpec, ...] = (
         evaluator="residual_growth", needs_steps=True,
         default_doc="with `--steps`, error, `value = 1.8`, `min_blocks = 3`",
         doc="at some step, the RMS of the input of every block of a repeated stack (`min_blocks`+ consecutive "
-            "children of one class with one input shape in a `ModuleList`/`Sequential`) is more than `value` "
-            "times the previous block's: a residual stream multiplied at every block ([between "
-            "modules](#between-modules))",
+            "children of one class with one input shape in a `ModuleList`/`Sequential`), and of the final norm "
+            "after it, is more than `value` times the previous one's: a residual stream multiplied at every "
+            "block ([between modules](#between-modules))",
         offender="the stack's last block, and the first step"),
     RuleSpec(
         "dead_units", {"enabled": False, "severity": "error", "value": 0.5, "min_values": 16},
