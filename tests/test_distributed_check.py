@@ -7,7 +7,6 @@ One torchrun run (tests/distributed_check_worker.py) for every case.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from hookcli.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_check_worker as worker  # noqa: E402
-from torchrun_launch import close, launch  # noqa: E402
+from torchrun_launch import close, rank_results  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -33,9 +32,7 @@ WORLD = 2
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's cases (the worker's ``rank<r>.json``): one torchrun of 2 ranks."""
     out = tmp_path_factory.mktemp("check")
-    done = launch([str(Path(worker.__file__)), str(out)], WORLD)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_results(str(Path(worker.__file__)), out, WORLD)
 
 
 def rule(result: dict[str, Any], name: str) -> dict[str, Any]:

@@ -5,7 +5,6 @@ torch over the global batch. One 2-rank torchrun (tests/distributed_reduction_wo
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_reduction_worker as worker  # noqa: E402
 from distributed_api_worker import batch, model  # noqa: E402
-from torchrun_launch import close, launch  # noqa: E402
+from torchrun_launch import close, rank_results  # noqa: E402
 
 from hookcli.engine.stats import HISTOGRAM_BINS  # noqa: E402
 
@@ -28,9 +27,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("reduction")
-    done = launch([str(Path(worker.__file__)), str(out)], WORLD)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_results(str(Path(worker.__file__)), out, WORLD)
 
 
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -3,12 +3,14 @@ on localhost, and comparing what the ranks report with plain torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from timeouts import scaled_timeout
@@ -78,3 +80,10 @@ def torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int, world: int = 2) -> 
     for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, str(value))
+
+
+def rank_results(worker: str, out: Path, world: int = 2) -> list[dict[str, Any]]:
+    """Launch ``worker OUT`` on ``world`` ranks (it must succeed) and read each rank's ``OUT/rank<r>.json``."""
+    done = launch([worker, str(out)], world)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
