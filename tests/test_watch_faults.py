@@ -468,6 +468,60 @@ def test_a_signal_ends_the_watched_script_as_it_ends_python(tmp_path: Path, sig:
     assert steps[:3] == [0, 1, 2] and steps == list(range(len(steps)))
 
 
+#: The loop above, but its Ctrl-C comes as hookcli's function ``sys.argv[1]`` begins, in its third step: a
+#: profile function (the script's own) interrupts the main thread, as a SIGINT's handler would there.
+LOOPS_INTERRUPTED_IN_HOOKCLI = """\
+import _thread
+import os
+import sys
+
+import torch
+from torch import nn
+
+
+def interrupt_in_hookcli(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == sys.argv[1] and \\
+            os.sep + "hookcli" + os.sep in frame.f_code.co_filename:
+        sys.setprofile(None)
+        _thread.interrupt_main()
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 4)
+step = 0
+while True:
+    if step == 3:
+        sys.setprofile(interrupt_in_hookcli)
+    nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    step += 1
+"""
+
+
+@pytest.mark.parametrize("where", ["_pre_step", "_post_step", "write_line"])
+def test_a_ctrl_c_inside_hookcli_s_step_code_shows_the_script_s_traceback_only(tmp_path: Path, where: str) -> None:
+    """Ctrl-C while the main thread runs hookcli's hooks (the watch's pre-step, its post-step, the log's
+    write): exit 130, the script's KeyboardInterrupt traceback with hookcli's frames left out (the
+    script's and torch's kept), the note, and a log of whole lines -- the same wherever the Ctrl-C lands."""
+    (tmp_path / "loops.py").write_text(LOOPS_INTERRUPTED_IN_HOOKCLI)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "hookcli", "watch", "--every", "1", "--out", "log.jsonl", "--",
+                             "python", "loops.py", where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=scaled_timeout(120))
+    assert result.returncode == 130, result.stderr
+    assert "hookcli watch: the script was stopped by SIGINT after 3 steps" in result.stderr
+    assert "hookcli/" not in result.stderr, result.stderr
+    traceback_text = result.stderr[result.stderr.index("Traceback (most recent call last):"):]
+    line = LOOPS_INTERRUPTED_IN_HOOKCLI.splitlines().index("    optimizer.step()") + 1
+    assert traceback_text.splitlines()[1:3] == [f'  File "loops.py", line {line}, in <module>', "    optimizer.step()"]
+    assert "torch/optim/optimizer.py" in traceback_text and "\nKeyboardInterrupt\n" in traceback_text
+    steps = [line["step"] for line in whole_lines(tmp_path / "log.jsonl")]
+    assert steps == [0, 1, 2]  # (step 3's line was not written yet)
+
+
 # -- 5. a log that cannot seek ---------------------------------------------------------------------------------
 
 

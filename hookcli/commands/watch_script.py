@@ -20,7 +20,6 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from hookcli.commands.watch import Watch, check_arguments
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import distributed
 from hookcli.engine.session import ProcessHooks
-from hookcli.errors import HookcliError, Terminated, UsageError, internal_error
+from hookcli.errors import INTERRUPTS, HookcliError, Terminated, UsageError, internal_error
 from hookcli.options import torchrun_env, torchrun_rank
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchRun
@@ -205,12 +204,32 @@ def _exit_code(exc: SystemExit) -> tuple[int, str | None]:
 
 def _script_traceback(exc: BaseException) -> str:
     """The traceback python would print for the script's uncaught exception: from the script's own
-    frames on (hookcli's and runpy's frames above them left out)."""
-    tb: TracebackType | None = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (runpy.__file__, "<frozen runpy>")
-                              or tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames on (hookcli's and runpy's frames above them left out). A Ctrl-C's leaves out hookcli's frames
+    below the script's too: it may land inside hookcli's hooks of the script's step, as it would have
+    landed in the script's (or torch's) code unwatched -- no failure of hookcli's to show."""
+    shown = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen: set[int] = set()
+    pending: list[tuple[traceback.TracebackException, BaseException]] = [(shown, exc)]
+    while pending:  # (and the exceptions chained to it)
+        current, raised = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        frames = list(current.stack)
+        while frames and _hidden(frames[0].filename):
+            frames.pop(0)
+        if isinstance(raised, INTERRUPTS):
+            frames = [frame for frame in frames if not _hidden(frame.filename)]
+        current.stack = traceback.StackSummary.from_list(frames)
+        for chained, cause in ((current.__cause__, raised.__cause__), (current.__context__, raised.__context__)):
+            if chained is not None and cause is not None:
+                pending.append((chained, cause))
+    return "".join(shown.format())
+
+
+def _hidden(filename: str) -> bool:
+    """Whether a frame is runpy's or hookcli's own."""
+    return filename in (runpy.__file__, "<frozen runpy>") or filename.startswith(_PACKAGE_DIR)
 
 
 def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike[str] | None = None,
