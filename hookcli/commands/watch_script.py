@@ -17,6 +17,7 @@ import re
 import runpy
 import signal
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from hookcli.records import Finding, WatchRun
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 #: The exit status of a script stopped by a signal (128 + its number, as shells give it), and its name.
 _SIGNALLED = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+#: Where python's own modules and the installed packages are (a frame there is a library's).
+_LIBRARY_DIRS = tuple(sorted({os.path.join(sysconfig.get_path(name), "") for name in ("stdlib", "purelib", "platlib")}))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 COMMAND_HINT = "e.g. hookcli watch --every 50 -- python train.py --lr 3e-4 (or -- python -m pkg.train ...)"
 
@@ -219,12 +222,28 @@ def _script_traceback(exc: BaseException) -> str:
         while frames and _hidden(frames[0].filename):
             frames.pop(0)
         if isinstance(raised, INTERRUPTS):
-            frames = [frame for frame in frames if not _hidden(frame.filename)]
+            frames = _outside_hookcli(frames)
         current.stack = traceback.StackSummary.from_list(frames)
         for chained, cause in ((current.__cause__, raised.__cause__), (current.__context__, raised.__context__)):
             if chained is not None and cause is not None:
                 pending.append((chained, cause))
     return "".join(shown.format())
+
+
+def _outside_hookcli(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """The frames of a Ctrl-C's traceback less hookcli's and those of the libraries hookcli called (a
+    library frame -- python's own or an installed package's -- whose nearest caller outside the libraries
+    is hookcli's): where the script's frames and its libraries' end, the Ctrl-C is shown to land."""
+    kept: list[traceback.FrameSummary] = []
+    in_hookcli = False
+    for frame in frames:
+        if _hidden(frame.filename):
+            in_hookcli = True
+        elif not frame.filename.startswith(_LIBRARY_DIRS):
+            in_hookcli = False  # (the script's own code, called back by hookcli: a closure)
+        if not in_hookcli:
+            kept.append(frame)
+    return kept
 
 
 def _hidden(filename: str) -> bool:
