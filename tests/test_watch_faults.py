@@ -468,6 +468,63 @@ def test_a_signal_ends_the_watched_script_as_it_ends_python(tmp_path: Path, sig:
     assert steps[:3] == [0, 1, 2] and steps == list(range(len(steps)))
 
 
+#: The loop above, but a real SIGINT comes as hookcli's function ``sys.argv[1]`` (a qualified name) begins,
+#: in its third step: a profile function (the script's own) sends it, at a moment no timing could pick.
+LOOPS_INTERRUPTED_IN_HOOKCLI = """\
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+
+def interrupt_in_hookcli(frame, event, arg):
+    if event == "call" and frame.f_code.co_qualname == sys.argv[1] and \\
+            os.sep + "hookcli" + os.sep in frame.f_code.co_filename:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 4)
+step = 0
+while True:
+    if step == 3:
+        sys.setprofile(interrupt_in_hookcli)
+    nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    step += 1
+"""
+
+
+@pytest.mark.parametrize(("where", "logged"), [("StepWatcher._pre_step", 3), ("StepWatcher._post_step", 3),
+                                               ("LineLog.write_line", 3), ("OutputStream.write", 4)])
+def test_a_ctrl_c_inside_hookcli_s_step_code_shows_the_script_s_traceback_only(tmp_path: Path, where: str,
+                                                                                logged: int) -> None:
+    """SIGINT while the main thread runs hookcli's hooks (the watch's pre-step, its post-step, the log's
+    line before it is written, and while it is written with SIGINT held: step 3's line is written whole
+    first): exit 130, the script's KeyboardInterrupt traceback with hookcli's frames and those of what
+    hookcli called left out (the script's and torch's kept), the note, and a log of whole lines."""
+    (tmp_path / "loops.py").write_text(LOOPS_INTERRUPTED_IN_HOOKCLI)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "hookcli", "watch", "--every", "1", "--out", "log.jsonl", "--",
+                             "python", "loops.py", where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=scaled_timeout(120))
+    assert result.returncode == 130, result.stderr
+    assert "hookcli watch: the script was stopped by SIGINT after 3 steps" in result.stderr
+    assert "hookcli/" not in result.stderr, result.stderr
+    traceback_text = result.stderr[result.stderr.index("Traceback (most recent call last):"):]
+    line = LOOPS_INTERRUPTED_IN_HOOKCLI.splitlines().index("    optimizer.step()") + 1
+    assert traceback_text.splitlines()[1:3] == [f'  File "loops.py", line {line}, in <module>', "    optimizer.step()"]
+    assert "torch/optim/optimizer.py" in traceback_text and "\nKeyboardInterrupt\n" in traceback_text
+    assert "contextlib.py" not in traceback_text and "signal.py" not in traceback_text, traceback_text
+    assert [line["step"] for line in whole_lines(tmp_path / "log.jsonl")] == list(range(logged))
+
+
 # -- 5. a log that cannot seek ---------------------------------------------------------------------------------
 
 

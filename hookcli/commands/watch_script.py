@@ -17,10 +17,10 @@ import re
 import runpy
 import signal
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from hookcli.commands.watch import Watch, check_arguments
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import distributed
 from hookcli.engine.session import ProcessHooks
-from hookcli.errors import HookcliError, Terminated, UsageError, internal_error
+from hookcli.errors import INTERRUPTS, HookcliError, Terminated, UsageError, internal_error
 from hookcli.options import torchrun_env, torchrun_rank
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchRun
@@ -39,6 +39,8 @@ from hookcli.records import Finding, WatchRun
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 #: The exit status of a script stopped by a signal (128 + its number, as shells give it), and its name.
 _SIGNALLED = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+#: Where python's own modules and the installed packages are (a frame there is a library's).
+_LIBRARY_DIRS = tuple(sorted({os.path.join(sysconfig.get_path(name), "") for name in ("stdlib", "purelib", "platlib")}))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 COMMAND_HINT = "e.g. hookcli watch --every 50 -- python train.py --lr 3e-4 (or -- python -m pkg.train ...)"
 
@@ -205,12 +207,48 @@ def _exit_code(exc: SystemExit) -> tuple[int, str | None]:
 
 def _script_traceback(exc: BaseException) -> str:
     """The traceback python would print for the script's uncaught exception: from the script's own
-    frames on (hookcli's and runpy's frames above them left out)."""
-    tb: TracebackType | None = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (runpy.__file__, "<frozen runpy>")
-                              or tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames on (hookcli's and runpy's frames above them left out). A Ctrl-C's leaves out hookcli's frames
+    below the script's too: it may land inside hookcli's hooks of the script's step, as it would have
+    landed in the script's (or torch's) code unwatched -- no failure of hookcli's to show."""
+    shown = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen: set[int] = set()
+    pending: list[tuple[traceback.TracebackException, BaseException]] = [(shown, exc)]
+    while pending:  # (and the exceptions chained to it)
+        current, raised = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        frames = list(current.stack)
+        while frames and _hidden(frames[0].filename):
+            frames.pop(0)
+        if isinstance(raised, INTERRUPTS):
+            frames = _outside_hookcli(frames)
+        current.stack = traceback.StackSummary.from_list(frames)
+        for chained, cause in ((current.__cause__, raised.__cause__), (current.__context__, raised.__context__)):
+            if chained is not None and cause is not None:
+                pending.append((chained, cause))
+    return "".join(shown.format())
+
+
+def _outside_hookcli(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """The frames of a Ctrl-C's traceback less hookcli's and those of the libraries hookcli called (a
+    library frame -- python's own or an installed package's -- whose nearest caller outside the libraries
+    is hookcli's): where the script's frames and its libraries' end, the Ctrl-C is shown to land."""
+    kept: list[traceback.FrameSummary] = []
+    in_hookcli = False
+    for frame in frames:
+        if _hidden(frame.filename):
+            in_hookcli = True
+        elif not frame.filename.startswith(_LIBRARY_DIRS):
+            in_hookcli = False  # (the script's own code, called back by hookcli: a closure)
+        if not in_hookcli:
+            kept.append(frame)
+    return kept
+
+
+def _hidden(filename: str) -> bool:
+    """Whether a frame is runpy's or hookcli's own."""
+    return filename in (runpy.__file__, "<frozen runpy>") or filename.startswith(_PACKAGE_DIR)
 
 
 def run_script(command: Sequence[str], *, every: int = 1, out: str | os.PathLike[str] | None = None,
