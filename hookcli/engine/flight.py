@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from hookcli.engine.stats import INFS, NANS, Transfer, Vector, to_host
-from hookcli.records import WatchLayer, WatchStep
+from hookcli.engine.steps import watch_layers
+from hookcli.records import WatchStep
 
 #: One step in the ring: (step, its merged outputs as ``merged_outputs`` gives them, its loss vector or None).
 Entry = tuple[int, dict[tuple[str, str], list[Any]], Vector | None]
@@ -112,14 +113,13 @@ def flight_records(entries: Sequence[Entry]) -> list[WatchStep]:
     """The ring's steps as ``WatchStep`` records marked ``flight`` (layers and loss; no parameters),
     with one transfer for them all."""
     transfer = Transfer()
-    slot, stats = transfer.slot, transfer.stats
-    plan = [(step, [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()], slot(loss))
+    slot, row = transfer.slot, transfer.row
+    plan = [(step, groups, [(slot(group[4]), slot(group[5])) for group in groups.values()], slot(loss))
             for step, groups, loss in entries]
     values = transfer.run()
     records = []
-    for step, layers, loss_slot in plan:
+    for step, groups, layers, loss_slot in plan:
         record = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, flight=True)
-        record.layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
-                         for (name, path), (typ, shape, dtype, calls, _, _), s, g in layers]
+        record.layers = watch_layers(groups.items(), [(row(s), row(g)) for s, g in layers])
         records.append(record)
     return records

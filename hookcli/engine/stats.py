@@ -697,8 +697,8 @@ def watch_stats(values: Sequence[float]) -> dict[str, float | int | None]:
 
 class Transfer:
     """Small result vectors gathered for one host transfer: ``slot(vector)`` is the vector's index in it
-    (None for None); ``run()`` makes the transfer (``to_host``); then ``stats(index)`` is a slot's
-    watch statistics (None for None) and ``values`` every slot's host values."""
+    (None for None); ``run()`` makes the transfer (``to_host``); then ``row(index)`` is a slot's host
+    values (None for None) and ``values`` every slot's."""
 
     def __init__(self) -> None:
         self.vectors: list[Vector] = []
@@ -714,8 +714,8 @@ class Transfer:
         self.values = to_host(self.vectors)
         return self.values
 
-    def stats(self, index: int | None) -> dict[str, Any] | None:
-        return watch_stats(self.values[index]) if index is not None else None
+    def row(self, index: int | None) -> list[float] | None:
+        return self.values[index] if index is not None else None
 
 
 def to_host(vectors: Sequence[Vector]) -> list[list[float]]:

@@ -25,10 +25,11 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
-from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
+from hookcli.engine.steps import watch_layers, watch_param
+from hookcli.engine.stats import Transfer, Vector, merge, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
                             internal_error)
-from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, NonfiniteCause, WatchStep
 
 #: What a logged step can gather for the rules besides the statistics (``WatchRule.needs``): each output's
 #: per-channel largest magnitudes, Adam's normalised-gradient RMS, the cosines of update and gradient
@@ -550,7 +551,7 @@ class StepWatcher:
                                           channels=merged_channels(self.hooks.session.calls) if self.channels else None,
                                           histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
         transfer = Transfer()
-        slot, stats = transfer.slot, transfer.stats
+        slot = transfer.slot
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
         channels = merged_channels(self.hooks.session.calls)
         channel_slots = {key: (slot(nonzeros), per) for key, (nonzeros, per) in channels.items()}
@@ -565,14 +566,9 @@ class StepWatcher:
                                   for vectors in self._signals] if self._signals is not None else (None, None))
         peak_slots = {key: slot(peak) for key, peak in self.peaks.take().items()} if self.peaks is not None else {}
         values = transfer.run()  # the step's one transfer
-        layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
-                  for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
-        for layer in layers:
-            if (found := channel_slots.get((layer.name, layer.output))) is not None:
-                index, per = found
-                zeros = [1.0 - nonzero / per for nonzero in values[index]]  # type: ignore[index]
-                layer.channels, layer.channel_zero_fraction = len(zeros), zeros
-                layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
+        host = transfer.row
+        layers = watch_layers(groups.items(), [(host(s), host(g)) for _, _, s, g in layer_slots],
+                              {key: (per, values[index]) for key, (index, per) in channel_slots.items()})  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
@@ -582,11 +578,7 @@ class StepWatcher:
             out.attention, out.output_logits = attention(values)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
-            norm = values[n][0]  # type: ignore[index]
-            update = values[u][0] if u is not None else None
-            out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
-                                         update / norm if update is not None and norm else None,
-                                         dtype_name(p.param.dtype)))
+            out.params.append(watch_param(p, values[n][0], host(g), values[u][0] if u is not None else None))  # type: ignore[index]
         for entry, (v, g) in zip(out.params, histogram_slots):
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
