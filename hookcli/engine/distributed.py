@@ -42,7 +42,7 @@ from torch import nn
 from hookcli.engine import reduction as engine_reduction
 from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, extras,
                                   histogram, reduce_tensor, to_host)
-from hookcli.engine.steps import watch_layers, watch_param
+from hookcli.engine.steps import Groups, watch_layers, watch_param
 from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, Histogram, WatchStep, statistics
 
@@ -640,7 +640,7 @@ def partial_grads(params: Sequence[tuple[str, torch.Tensor]]) -> list[PartialGra
 HistogramPart = tuple[float, float, torch.Tensor | None] | None
 
 
-def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
+def watch_step(reduction: StepReduction, step: int, groups: Groups,
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
                loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None,
                channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
@@ -726,7 +726,7 @@ def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart,
         entry.values_histogram, entry.grad_histogram = found
 
 
-def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
+def _local_rows(groups: Groups, params: Sequence[Any], sharded: Sequence[bool],
                 updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None,
                 channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
                 histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,

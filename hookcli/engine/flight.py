@@ -1,7 +1,7 @@
 """The flight recorder of ``hookcli.watch(flight=K)`` (docs/watch.md#flight-recorder).
 
 Every step's merged output and output-gradient statistics (the vectors a logged step makes, see
-``engine.watch.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
+``engine.steps.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
 on CPU, small tensors on an accelerator (no transfer). Whether a step held a NaN or Inf is known at
 once on CPU (the ring holds K steps); on an accelerator a device scalar keeps the first such step
 (``torch.where``, no host synchronisation) and is read when the watch transfers anyway (a logged step,
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from hookcli.engine.stats import INFS, NANS, Transfer, Vector, to_host
-from hookcli.engine.steps import watch_layers
+from hookcli.engine.steps import Groups, watch_layers
 from hookcli.records import WatchStep
 
 #: One step in the ring: (step, its merged outputs as ``merged_outputs`` gives them, its loss vector or None).
-Entry = tuple[int, dict[tuple[str, str], list[Any]], Vector | None]
+Entry = tuple[int, Groups, Vector | None]
 
 
 class FlightRecorder:
@@ -44,7 +44,7 @@ class FlightRecorder:
         self._device_first: dict[torch.device, torch.Tensor] = {}  # per device: first bad step, -1: none
         self._unread = 0  # steps pushed since the device flags were last read
 
-    def push(self, step: int, groups: dict[tuple[str, str], list[Any]], loss: Vector | None) -> None:
+    def push(self, step: int, groups: Groups, loss: Vector | None) -> None:
         """Keep ``step``'s statistics (the oldest step drops out) and note whether one is not finite.
 
         A step's device vectors are stacked into one tensor per device (``groups`` then holds its rows):

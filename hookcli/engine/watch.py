@@ -25,8 +25,8 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
-from hookcli.engine.steps import watch_layers, watch_param
-from hookcli.engine.stats import Transfer, Vector, merge, to_host
+from hookcli.engine.steps import Groups, merged_channels, merged_outputs, watch_layers, watch_param
+from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
                             internal_error)
 from hookcli.records import Histogram, NonfiniteCause, WatchStep
@@ -34,9 +34,6 @@ from hookcli.records import Histogram, NonfiniteCause, WatchStep
 #: What a logged step can gather for the rules besides the statistics (``WatchRule.needs``): each output's
 #: per-channel largest magnitudes, Adam's normalised-gradient RMS, the cosines of update and gradient
 SIGNALS = ("peaks", "adam", "cosines")
-
-#: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
-_Groups = dict[tuple[str, str], list[Any]]
 
 
 #: What the watch tells about a loop that calls ``w.step()`` where its steps come out shifted against
@@ -541,7 +538,7 @@ class StepWatcher:
         grads = reduction.histograms([p.grad for _, p in self.params])
         return list(zip(values, grads))
 
-    def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
+    def _collect(self, step: int, groups: Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
                  trace: CauseTrace | None = None) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
@@ -723,56 +720,11 @@ def _adam_rms_of(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: tor
     return torch.stack([with_eps, without_eps])
 
 
-def merged_outputs(calls: Sequence[Any]) -> _Groups:
-    """The step's calls grouped by (module, output path), their statistics and gradients merged
-    (``merge``: exact counts and extremes, Pebay's moments): micro-batches and reuses of a module are
-    one entry, as a training log wants. Calls that raised or never returned are left out."""
-    groups: _Groups = {}
-    for call in calls:
-        if call.raised or not call.finished:
-            continue
-        for out in call.outputs:
-            group = groups.get((call.name, out.path))
-            if group is None:
-                groups[(call.name, out.path)] = [call.type, out.shape, out.dtype, 1, out.stats, out.grad]
-                continue
-            group[3] += 1
-            group[4] = _merged(group[4], out.stats)
-            group[5] = _merged(group[5], out.grad)
-    return groups
-
-
-def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
-    """The step's per-channel nonzero counts by (module, output path), summed over its calls, and how
-    many values each channel held in all: an output whose channel count differs between calls (or that
-    some call did not count) is left out, as is a call that raised or never returned."""
-    out: dict[tuple[str, str], tuple[torch.Tensor, int] | None] = {}
-    for call in calls:
-        if call.raised or not call.finished:
-            continue
-        for t in call.outputs:
-            key, nonzeros = (call.name, t.path), t.nonzeros
-            if key in out and out[key] is None:
-                continue
-            if nonzeros is None:
-                out[key] = None
-                continue
-            per = math.prod(t.shape) // nonzeros.numel()
-            had = out.get(key)
-            out[key] = (nonzeros, per) if had is None else \
-                (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
-    return {key: value for key, value in out.items() if value is not None}
-
-
 def _nonfinite(record: WatchStep) -> bool:
     """Whether a record holds a NaN/Inf in an output, a gradient or the loss."""
     stats = [layer.stats for layer in record.layers] + [layer.grad for layer in record.layers]
     return any(s is not None and (s.get("nan_count") or s.get("inf_count")) for s in stats) or \
         (record.loss is not None and not math.isfinite(record.loss))
-
-
-def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
-    return b if a is None else a if b is None else merge(a, b)
 
 
 def check_loss(loss: Any) -> None:
