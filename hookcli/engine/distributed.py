@@ -42,7 +42,7 @@ from torch import nn
 from hookcli.engine import reduction as engine_reduction
 from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, extras,
                                   histogram, reduce_tensor, to_host)
-from hookcli.engine.steps import Groups, watch_layers, watch_param
+from hookcli.engine.step_rows import Groups, watch_layers, watch_param
 from hookcli.errors import RanksFailed, UnsupportedError
 from hookcli.records import Finding, Histogram, WatchStep, statistics
 

@@ -1,7 +1,7 @@
 """The flight recorder of ``hookcli.watch(flight=K)`` (docs/watch.md#flight-recorder).
 
 Every step's merged output and output-gradient statistics (the vectors a logged step makes, see
-``engine.steps.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
+``engine.step_rows.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
 on CPU, small tensors on an accelerator (no transfer). Whether a step held a NaN or Inf is known at
 once on CPU (the ring holds K steps); on an accelerator a device scalar keeps the first such step
 (``torch.where``, no host synchronisation) and is read when the watch transfers anyway (a logged step,
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hookcli.engine.stats import INFS, NANS, Transfer, Vector, to_host
-from hookcli.engine.steps import Groups, watch_layers
+from hookcli.engine.step_rows import Groups, watch_layers
 from hookcli.records import WatchStep
 
 #: One step in the ring: (step, its merged outputs as ``merged_outputs`` gives them, its loss vector or None).

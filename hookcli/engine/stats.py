@@ -459,6 +459,12 @@ def merge(a: Vector, b: Vector) -> Vector:
     return (*core, *(x + y for x, y in zip(extra_a, extra_b)))  # type: ignore[return-value]
 
 
+def merged(a: Vector | None, b: Vector | None) -> Vector | None:
+    """``merge`` where either side may have no statistics (None): the other as it is. What merging a
+    watch step's calls (``step_rows.merged_outputs``) and a run's batches (``batches.MergedRows``) is."""
+    return b if a is None else a if b is None else merge(a, b)
+
+
 def _split(vector: Vector, count: int) -> tuple[Vector, Any]:
     """A vector's ``Moments`` (device: with ``SCALE``) and its ``count`` extra accumulators (zeros where it
     has none)."""

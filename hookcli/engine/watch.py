@@ -25,7 +25,7 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
-from hookcli.engine.steps import Groups, merged_channels, merged_outputs, watch_layers, watch_param
+from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
 from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
                             internal_error)

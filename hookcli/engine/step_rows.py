@@ -1,7 +1,7 @@
 """A watched step's records: its calls merged per output, then its rows from their host values.
 
 ``merged_outputs`` and ``merged_channels`` merge the step's calls (a ``HookSession``'s) per (module,
-output path) on the device (``stats.merge``, the merge of calls, batches and steps alike). From the
+output path) on the device (``stats.merged``, as a run's batches are merged). From the
 host values of what they give, ``watch_layers`` and ``watch_param`` are the one builder of
 ``WatchLayer`` and ``WatchParam``: a logged step (``engine.watch``), a flight recorder's steps
 (``engine.flight``) and a step merged over the ranks under torchrun (``engine.distributed``) each bring
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookcli.engine.stats import Vector, dtype_name, merge, watch_stats
+from hookcli.engine.stats import dtype_name, merged, watch_stats
 from hookcli.records import WatchLayer, WatchParam
 
 #: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
@@ -31,7 +31,7 @@ ChannelRows = Mapping[tuple[str, str], tuple[float, Sequence[float]]]
 
 def merged_outputs(calls: Sequence[Any]) -> Groups:
     """The step's calls grouped by (module, output path), their statistics and gradients merged
-    (``merge``: exact counts and extremes, Pebay's moments): micro-batches and reuses of a module are
+    (``stats.merged``: exact counts and extremes, Pebay's moments): micro-batches and reuses of a module are
     one entry, as a training log wants. Calls that raised or never returned are left out."""
     groups: Groups = {}
     for call in calls:
@@ -43,8 +43,8 @@ def merged_outputs(calls: Sequence[Any]) -> Groups:
                 groups[(call.name, out.path)] = [call.type, out.shape, out.dtype, 1, out.stats, out.grad]
                 continue
             group[3] += 1
-            group[4] = _merged(group[4], out.stats)
-            group[5] = _merged(group[5], out.grad)
+            group[4] = merged(group[4], out.stats)
+            group[5] = merged(group[5], out.grad)
     return groups
 
 
@@ -68,10 +68,6 @@ def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.T
             out[key] = (nonzeros, per) if had is None else \
                 (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
     return {key: value for key, value in out.items() if value is not None}
-
-
-def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
-    return b if a is None else a if b is None else merge(a, b)
 
 
 def stats_of(row: Row) -> dict[str, Any] | None:
