@@ -185,6 +185,18 @@ def test_only_the_engine_session_registers_hooks(name: str) -> None:
     assert callers <= {"hookcli.engine.session"}, f"{name} called outside the engine session: {callers}"
 
 
+@pytest.mark.parametrize("name", ["WatchLayer", "WatchParam"])
+def test_a_watched_step_s_rows_are_built_in_one_place(name: str) -> None:
+    """A logged step, the flight recorder's steps and a step merged over the ranks all make their rows
+    with ``engine.step_rows`` (``watch_layers``, ``watch_param``): no other module constructs them."""
+    callers = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                callers.add(module)
+    assert callers == {"hookcli.engine.step_rows"}, f"{name} built outside engine.step_rows: {callers}"
+
+
 def test_every_public_api_function_is_on_the_package_without_importing_torch() -> None:
     """``hookcli.X`` is ``hookcli.api.X`` for every name the API exports, and importing the package
     (what ``hookcli --help`` does) leaves torch unimported."""
