@@ -185,6 +185,21 @@ def test_only_the_engine_session_registers_hooks(name: str) -> None:
     assert callers <= {"hookcli.engine.session"}, f"{name} called outside the engine session: {callers}"
 
 
+@pytest.mark.parametrize(("name", "builder"), [("WatchLayer", "hookcli.engine.step_rows"),
+                                               ("WatchParam", "hookcli.engine.step_rows"),
+                                               ("ParamRecord", "hookcli.engine.session")])
+def test_a_step_s_rows_are_built_in_one_place(name: str, builder: str) -> None:
+    """A logged step, the flight recorder's steps and a step merged over the ranks all make their rows
+    with ``engine.step_rows`` (``watch_layers``, ``watch_param``); a run's parameters, a hook set's step
+    and ``grads`` over batches with ``session.param_record``: no other module constructs them."""
+    callers = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                callers.add(module)
+    assert callers == {builder}, f"{name} built outside {builder}: {callers}"
+
+
 def test_every_public_api_function_is_on_the_package_without_importing_torch() -> None:
     """``hookcli.X`` is ``hookcli.api.X`` for every name the API exports, and importing the package
     (what ``hookcli --help`` does) leaves torch unimported."""

@@ -19,10 +19,10 @@ from torch import nn
 from hookcli.errors import UnsupportedError, UsageError
 from hookcli.engine.losses import LossChoice, loss_for
 from hookcli.engine.model_index import ModelIndex
-from hookcli.engine.session import HookOptions, RunObserver
+from hookcli.engine.session import HookOptions, RunObserver, param_record
 from hookcli.options import GradSort, RunOptions, Shard, values_of
 from hookcli.records import ParamRecord, Report
-from hookcli.engine.stats import gradient_stats, iter_tensors, shape_of
+from hookcli.engine.stats import gradient_stats, iter_tensors
 
 #: Modules of these packages compute on quantized tensors: no backward.
 _QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized",
@@ -352,9 +352,7 @@ def _mean_gradient_records(prep: Any, reported: list[tuple[str, nn.Parameter]], 
     over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
     if prep.options.params == "none":
         return None
-    return [ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=over[name][1],
-                        grad=gradient_stats(over[name][0], abs_max=True) if over[name][0] is not None else None)
-            for name, p in reported]
+    return [param_record(name, p, over[name][1], over[name][0]) for name, p in reported]
 
 
 def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = False) -> Report:

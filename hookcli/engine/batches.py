@@ -32,7 +32,7 @@ from hookcli.engine.input_types import (
     pack_inputs,
     plural,
 )
-from hookcli.engine.stats import (Vector, activation_stats, gradient_stats, iter_tensors, map_tensors, merge,
+from hookcli.engine.stats import (Vector, activation_stats, gradient_stats, iter_tensors, map_tensors, merged,
                                   to_host)
 from hookcli.errors import InputError, UnsupportedError, describe_exception
 from hookcli.records import LayerRecord
@@ -298,7 +298,7 @@ Key = tuple[str, int, str]
 
 class MergedRows:
     """The rows of a run over many batches: one per (module, call index, output path), its statistics
-    and output-gradient statistics each merged over every batch that had them (``stats.merge``: exact
+    and output-gradient statistics each merged over every batch that had them (``stats.merged``: exact
     counts and extremes), the rest (shape, input shapes, dtype) as the first batch that had it gave it.
 
     Holds one row and two statistics vectors per key, and a count: nothing grows with the number of
@@ -329,10 +329,9 @@ class MergedRows:
             if rec.called:
                 self._seen[key] = self._seen.get(key, 0) + 1
         for key, pair in vectors.items():
-            for merged, vector in zip((self._stats, self._grads), pair):
+            for into, vector in zip((self._stats, self._grads), pair):
                 if vector is not None:
-                    have = merged.get(key)
-                    merged[key] = vector if have is None else merge(have, vector)
+                    into[key] = merged(into.get(key), vector)  # type: ignore[assignment]
 
     def records(self, *, ranks: bool = False, failed: bool = False, tp: list[list[int]] | None = None
                 ) -> list[LayerRecord]:

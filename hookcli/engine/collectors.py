@@ -32,9 +32,9 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.session import (
-    HookOptions, HookSession, ParamReads, RunObserver, clipped_gradients, is_compiled, reducible,
+    HookOptions, HookSession, ParamReads, RunObserver, clipped_gradients, is_compiled, param_record, reducible,
 )
-from hookcli.engine.stats import Vector, device_float, gradient_stats, shape_of
+from hookcli.engine.stats import Vector, device_float
 from hookcli.records import FailureInfo, LayerRecord, ParamRecord
 
 
@@ -214,12 +214,8 @@ class ParamStats(Collector):
     def records(self, step: Step, values: list[list[float]]) -> None:
         result = step.result
         for name, p, g_slot, n_slot, c_slot in self.slots:
-            result.params.append(ParamRecord(
-                name=name,
-                shape=shape_of(p),
-                requires_grad=p.requires_grad,
-                norm=values[n_slot][0],
-                grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None,
+            result.params.append(param_record(
+                name, p, values[n_slot][0], values[g_slot] if g_slot is not None else None,
                 clipped=int(values[c_slot][0]) if c_slot is not None
                 else (0 if self.clip and p.requires_grad else None),
             ))

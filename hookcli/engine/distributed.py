@@ -41,11 +41,10 @@ from torch import nn
 
 from hookcli.engine import reduction as engine_reduction
 from hookcli.engine.stats import (EMPTY, HISTOGRAM_BINS, Moments, Vector, as_moments, extras,
-                                  dtype_name,
-                                  histogram, reduce_tensor, to_host,
-                                  watch_stats)
+                                  histogram, reduce_tensor, to_host)
+from hookcli.engine.step_rows import Groups, watch_layers, watch_param
 from hookcli.errors import RanksFailed, UnsupportedError
-from hookcli.records import Finding, Histogram, WatchLayer, WatchParam, WatchStep, statistics
+from hookcli.records import Finding, Histogram, WatchStep, statistics
 
 #: Slot kinds: rows each rank holds part of (merged), rows every rank holds a copy of (rank 0's is
 #: reported, the others are compared with it), norms of shards (root of the summed squares), and
@@ -650,7 +649,7 @@ def partial_grads(params: Sequence[tuple[str, torch.Tensor]]) -> list[PartialGra
 HistogramPart = tuple[float, float, torch.Tensor | None] | None
 
 
-def watch_step(reduction: StepReduction, step: int, groups: dict[tuple[str, str], list[Any]],
+def watch_step(reduction: StepReduction, step: int, groups: Groups,
                params: Sequence[Any], sharded: Sequence[bool], updates: Sequence[Vector] | None,
                loss: Vector | None, *, failed: bool = False, owned: Sequence[bool] | None = None,
                channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
@@ -739,7 +738,7 @@ def _add_histograms(record: WatchStep, histograms: Sequence[tuple[HistogramPart,
         entry.values_histogram, entry.grad_histogram = found
 
 
-def _local_rows(groups: dict[tuple[str, str], list[Any]], params: Sequence[Any], sharded: Sequence[bool],
+def _local_rows(groups: Groups, params: Sequence[Any], sharded: Sequence[bool],
                 updates: Sequence[Vector] | None, loss: Vector | None, owned: Sequence[bool] | None = None,
                 channels: dict[tuple[str, str], tuple[torch.Tensor, int]] | None = None,
                 histograms: Sequence[tuple[HistogramPart, HistogramPart]] | None = None,
@@ -796,28 +795,15 @@ def _record(reduction: StepReduction, step: int, layers: Sequence[tuple[tuple[st
             params: Sequence[Any], result: StepResult) -> WatchStep:
     """The step's record from the global rows (the same on every rank)."""
     rows = result.rows
-
-    def stats_of(slot: int) -> dict[str, Any] | None:
-        return watch_stats(rows[slot]) if rows[slot] is not None else None
-
     record = WatchStep(step, rows[-1][0] if rows[-1] is not None else None)
-    for i, ((name, path), (typ, shape, dtype, calls)) in enumerate(layers):
-        placement = reduction.placement.get((name, path)) if reduction.tp is not None else None
-        layer = WatchLayer(name, typ, path, calls, shape, dtype, stats_of(Slots.of_layer(i, "stats")),
-                           stats_of(Slots.of_layer(i, "grad")), placement)
-        if (counts := result.channels.get((name, path))) is not None:  # as StepWatcher._collect makes them
-            per, nonzeros = counts
-            layer.channels, layer.channel_zero_fraction = len(nonzeros), [1.0 - n / per for n in nonzeros]
-            layer.dead_channels = sum(n == 0 for n in nonzeros)
-        record.layers.append(layer)
+    record.layers = watch_layers(layers, [(rows[Slots.of_layer(i, "stats")], rows[Slots.of_layer(i, "grad")])
+                                          for i in range(len(layers))],
+                                 result.channels, reduction.placement if reduction.tp is not None else None)
     slots = Slots(len(layers))
     for i, p in enumerate(params):
         g, n, u = (slots.of_param(i, what) for what in Slots.PARAM)
-        norm = rows[n][0] if rows[n] is not None else math.nan
-        update = rows[u][0] if rows[u] is not None else None
-        record.params.append(WatchParam(p.name, list(p.param.shape), norm, stats_of(g), update,
-                                        update / norm if update is not None and norm else None,
-                                        dtype_name(p.param.dtype)))
+        record.params.append(watch_param(p, rows[n][0] if rows[n] is not None else math.nan, rows[g],
+                                         rows[u][0] if rows[u] is not None else None))
     record.findings = _rank_findings(reduction, step, layers, params, slots, result)
     return record
 

@@ -1,7 +1,7 @@
 """The flight recorder of ``hookcli.watch(flight=K)`` (docs/watch.md#flight-recorder).
 
 Every step's merged output and output-gradient statistics (the vectors a logged step makes, see
-``engine.watch.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
+``engine.step_rows.merged_outputs``) go into a ring of the last steps, where they are: host ``Moments``
 on CPU, small tensors on an accelerator (no transfer). Whether a step held a NaN or Inf is known at
 once on CPU (the ring holds K steps); on an accelerator a device scalar keeps the first such step
 (``torch.where``, no host synchronisation) and is read when the watch transfers anyway (a logged step,
@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from hookcli.engine.stats import INFS, NANS, Transfer, Vector, to_host
-from hookcli.records import WatchLayer, WatchStep
+from hookcli.engine.step_rows import Groups, watch_layers
+from hookcli.records import WatchStep
 
 #: One step in the ring: (step, its merged outputs as ``merged_outputs`` gives them, its loss vector or None).
-Entry = tuple[int, dict[tuple[str, str], list[Any]], Vector | None]
+Entry = tuple[int, Groups, Vector | None]
 
 
 class FlightRecorder:
@@ -43,7 +44,7 @@ class FlightRecorder:
         self._device_first: dict[torch.device, torch.Tensor] = {}  # per device: first bad step, -1: none
         self._unread = 0  # steps pushed since the device flags were last read
 
-    def push(self, step: int, groups: dict[tuple[str, str], list[Any]], loss: Vector | None) -> None:
+    def push(self, step: int, groups: Groups, loss: Vector | None) -> None:
         """Keep ``step``'s statistics (the oldest step drops out) and note whether one is not finite.
 
         A step's device vectors are stacked into one tensor per device (``groups`` then holds its rows):
@@ -112,14 +113,13 @@ def flight_records(entries: Sequence[Entry]) -> list[WatchStep]:
     """The ring's steps as ``WatchStep`` records marked ``flight`` (layers and loss; no parameters),
     with one transfer for them all."""
     transfer = Transfer()
-    slot, stats = transfer.slot, transfer.stats
-    plan = [(step, [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()], slot(loss))
+    slot, row = transfer.slot, transfer.row
+    plan = [(step, groups, [(slot(group[4]), slot(group[5])) for group in groups.values()], slot(loss))
             for step, groups, loss in entries]
     values = transfer.run()
     records = []
-    for step, layers, loss_slot in plan:
+    for step, groups, layers, loss_slot in plan:
         record = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, flight=True)
-        record.layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
-                         for (name, path), (typ, shape, dtype, calls, _, _), s, g in layers]
+        record.layers = watch_layers(groups.items(), [(row(s), row(g)) for s, g in layers])
         records.append(record)
     return records

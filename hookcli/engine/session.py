@@ -500,6 +500,15 @@ class HookSession:
         return records, extra_values
 
 
+def param_record(name: str, p: torch.Tensor, norm: float | None, grad: Sequence[float] | None,
+                 **more: Any) -> ParamRecord:
+    """A parameter's row from host values (a run's ``ParamStats``, a hook set's step, ``grads`` over
+    batches): its norm and its gradient's statistics (``gradient_stats`` of a parameter; ``grad`` None:
+    it has none); ``more``: the row's other fields (``clipped``)."""
+    return ParamRecord(name=name, shape=shape_of(p), requires_grad=p.requires_grad, norm=norm,
+                       grad=gradient_stats(grad, abs_max=True) if grad is not None else None, **more)
+
+
 def reducible(t: torch.Tensor) -> torch.Tensor:
     """The real tensor whose statistics stand for ``t``: a complex tensor's magnitude ``|z|`` (its mean,
     spread and extremes of size; the L2 norm of ``|z|`` is that of ``z``), anything else as it is. The
@@ -900,9 +909,7 @@ class HookSet:
                 vectors.append(entry.norm)
                 plan.append((entry, g_slot, len(vectors) - 1))
             layers, values = session.records(params_by_name, vectors)
-            records = [ParamRecord(name=e.name, shape=shape_of(e.param), requires_grad=e.param.requires_grad,
-                                   norm=values[n_slot][0],
-                                   grad=gradient_stats(values[g_slot], abs_max=True) if g_slot is not None else None)
+            records = [param_record(e.name, e.param, values[n_slot][0], values[g_slot] if g_slot is not None else None)
                        for e, g_slot, n_slot in plan]
             return StepRecords(self.step, layers, records, dict(self._accumulated), values[: len(extra)])
         finally:

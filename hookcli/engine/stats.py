@@ -459,6 +459,12 @@ def merge(a: Vector, b: Vector) -> Vector:
     return (*core, *(x + y for x, y in zip(extra_a, extra_b)))  # type: ignore[return-value]
 
 
+def merged(a: Vector | None, b: Vector | None) -> Vector | None:
+    """``merge`` where either side may have no statistics (None): the other as it is. What merging a
+    watch step's calls (``step_rows.merged_outputs``) and a run's batches (``batches.MergedRows``) is."""
+    return b if a is None else a if b is None else merge(a, b)
+
+
 def _split(vector: Vector, count: int) -> tuple[Vector, Any]:
     """A vector's ``Moments`` (device: with ``SCALE``) and its ``count`` extra accumulators (zeros where it
     has none)."""
@@ -697,8 +703,8 @@ def watch_stats(values: Sequence[float]) -> dict[str, float | int | None]:
 
 class Transfer:
     """Small result vectors gathered for one host transfer: ``slot(vector)`` is the vector's index in it
-    (None for None); ``run()`` makes the transfer (``to_host``); then ``stats(index)`` is a slot's
-    watch statistics (None for None) and ``values`` every slot's host values."""
+    (None for None); ``run()`` makes the transfer (``to_host``); then ``row(index)`` is a slot's host
+    values (None for None) and ``values`` every slot's."""
 
     def __init__(self) -> None:
         self.vectors: list[Vector] = []
@@ -714,8 +720,8 @@ class Transfer:
         self.values = to_host(self.vectors)
         return self.values
 
-    def stats(self, index: int | None) -> dict[str, Any] | None:
-        return watch_stats(self.values[index]) if index is not None else None
+    def row(self, index: int | None) -> list[float] | None:
+        return self.values[index] if index is not None else None
 
 
 def to_host(vectors: Sequence[Vector]) -> list[list[float]]:

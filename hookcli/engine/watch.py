@@ -25,17 +25,15 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
-from hookcli.engine.stats import Transfer, Vector, dtype_name, merge, to_host
+from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
+from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
                             internal_error)
-from hookcli.records import Histogram, NonfiniteCause, WatchLayer, WatchParam, WatchStep
+from hookcli.records import Histogram, NonfiniteCause, WatchStep
 
 #: What a logged step can gather for the rules besides the statistics (``WatchRule.needs``): each output's
 #: per-channel largest magnitudes, Adam's normalised-gradient RMS, the cosines of update and gradient
 SIGNALS = ("peaks", "adam", "cosines")
-
-#: (name, output path) -> [type, shape, dtype, calls, merged stats vector, merged gradient vector]
-_Groups = dict[tuple[str, str], list[Any]]
 
 
 #: What the watch tells about a loop that calls ``w.step()`` where its steps come out shifted against
@@ -601,7 +599,7 @@ class StepWatcher:
         grads = reduction.histograms([p.grad for _, p in self.params])
         return list(zip(values, grads))
 
-    def _collect(self, step: int, groups: _Groups, params: list[ParamVectors], updates: list[Vector] | None,
+    def _collect(self, step: int, groups: Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
                  trace: CauseTrace | None = None) -> WatchStep:
         if self.reduction is not None:  # under torchrun: over every rank
@@ -614,7 +612,7 @@ class StepWatcher:
                                           channels=merged_channels(self.hooks.session.calls) if self.channels else None,
                                           histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
         transfer = Transfer()
-        slot, stats = transfer.slot, transfer.stats
+        slot = transfer.slot
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
         channels = merged_channels(self.hooks.session.calls)
         channel_slots = {key: (slot(nonzeros), per) for key, (nonzeros, per) in channels.items()}
@@ -629,14 +627,9 @@ class StepWatcher:
                                   for vectors in self._signals] if self._signals is not None else (None, None))
         peak_slots = {key: slot(peak) for key, peak in self.peaks.take().items()} if self.peaks is not None else {}
         values = transfer.run()  # the step's one transfer
-        layers = [WatchLayer(name, typ, path, calls, shape, dtype, stats(s), stats(g))
-                  for (name, path), (typ, shape, dtype, calls, _, _), s, g in layer_slots]
-        for layer in layers:
-            if (found := channel_slots.get((layer.name, layer.output))) is not None:
-                index, per = found
-                zeros = [1.0 - nonzero / per for nonzero in values[index]]  # type: ignore[index]
-                layer.channels, layer.channel_zero_fraction = len(zeros), zeros
-                layer.dead_channels = sum(nonzero == 0 for nonzero in values[index])  # type: ignore[index]
+        host = transfer.row
+        layers = watch_layers(groups.items(), [(host(s), host(g)) for _, _, s, g in layer_slots],
+                              {key: (per, values[index]) for key, (index, per) in channel_slots.items()})  # type: ignore[index]
         out = WatchStep(step, values[loss_slot][0] if loss_slot is not None else None, layers)
         if trace is not None:
             out.cause = trace.cause([values[i] for i in cause_slots])  # type: ignore[index]
@@ -646,11 +639,7 @@ class StepWatcher:
             out.attention, out.output_logits = attention(values)
         out.loss_nonfinite_at = self._loss_first_step(values[loss_first_slot] if loss_first_slot is not None else None)
         for p, g, n, u in param_slots:
-            norm = values[n][0]  # type: ignore[index]
-            update = values[u][0] if u is not None else None
-            out.params.append(WatchParam(p.name, list(p.param.shape), norm, stats(g), update,
-                                         update / norm if update is not None and norm else None,
-                                         dtype_name(p.param.dtype)))
+            out.params.append(watch_param(p, values[n][0], host(g), values[u][0] if u is not None else None))  # type: ignore[index]
         for entry, (v, g) in zip(out.params, histogram_slots):
             entry.values_histogram = Histogram.from_values(values[v]) if v is not None else None
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
@@ -795,56 +784,11 @@ def _adam_rms_of(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: tor
     return torch.stack([with_eps, without_eps])
 
 
-def merged_outputs(calls: Sequence[Any]) -> _Groups:
-    """The step's calls grouped by (module, output path), their statistics and gradients merged
-    (``merge``: exact counts and extremes, Pebay's moments): micro-batches and reuses of a module are
-    one entry, as a training log wants. Calls that raised or never returned are left out."""
-    groups: _Groups = {}
-    for call in calls:
-        if call.raised or not call.finished:
-            continue
-        for out in call.outputs:
-            group = groups.get((call.name, out.path))
-            if group is None:
-                groups[(call.name, out.path)] = [call.type, out.shape, out.dtype, 1, out.stats, out.grad]
-                continue
-            group[3] += 1
-            group[4] = _merged(group[4], out.stats)
-            group[5] = _merged(group[5], out.grad)
-    return groups
-
-
-def merged_channels(calls: Sequence[Any]) -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
-    """The step's per-channel nonzero counts by (module, output path), summed over its calls, and how
-    many values each channel held in all: an output whose channel count differs between calls (or that
-    some call did not count) is left out, as is a call that raised or never returned."""
-    out: dict[tuple[str, str], tuple[torch.Tensor, int] | None] = {}
-    for call in calls:
-        if call.raised or not call.finished:
-            continue
-        for t in call.outputs:
-            key, nonzeros = (call.name, t.path), t.nonzeros
-            if key in out and out[key] is None:
-                continue
-            if nonzeros is None:
-                out[key] = None
-                continue
-            per = math.prod(t.shape) // nonzeros.numel()
-            had = out.get(key)
-            out[key] = (nonzeros, per) if had is None else \
-                (had[0] + nonzeros, had[1] + per) if had[0].shape == nonzeros.shape else None
-    return {key: value for key, value in out.items() if value is not None}
-
-
 def _nonfinite(record: WatchStep) -> bool:
     """Whether a record holds a NaN/Inf in an output, a gradient or the loss."""
     stats = [layer.stats for layer in record.layers] + [layer.grad for layer in record.layers]
     return any(s is not None and (s.get("nan_count") or s.get("inf_count")) for s in stats) or \
         (record.loss is not None and not math.isfinite(record.loss))
-
-
-def _merged(a: Vector | None, b: Vector | None) -> Vector | None:
-    return b if a is None else a if b is None else merge(a, b)
 
 
 def check_loss(loss: Any) -> None:
