@@ -153,7 +153,7 @@ def test_adam_rms_is_the_same_however_the_parameters_are_cut_into_pieces(monkeyp
 
 def test_adam_rms_names_the_step_where_the_gradient_outruns_the_second_moment() -> None:
     """The loss scaled 1000x from step 60 (beta2 0.999: the second moment follows slowly): adam_rms jumps
-    at step 60, one finding naming the parameter whose RMS rose the most over the median of its previous
+    at step 60, one finding naming the parameter whose RMS rose the most over the largest of its previous
     10 logged values, with that ratio (from the float64 reference); none before."""
     torch.manual_seed(0)
     model, loss = mlp()
@@ -168,12 +168,14 @@ def test_adam_rms_names_the_step_where_the_gradient_outruns_the_second_moment() 
     found = [f for f in w.findings if f.rule == "adam_rms"]
     ratios = []
     for name in reference.params:
-        previous = sorted(reference.want[(step, name)][0] for step in range(50, 60))
-        ratios.append((reference.want[(60, name)][0] / ((previous[4] + previous[5]) / 2), name))
+        previous = max(reference.want[(step, name)][0] for step in range(50, 60))
+        ratios.append((reference.want[(60, name)][0] / previous, name))
     ratio, name = max(ratios)
     assert [(f.step, f.layer) for f in found] == [(60, name)]
     assert found[0].value == pytest.approx(ratio, rel=1e-4) and ratio > 5
-    assert found[0].message.startswith(f"6 parameters' (the most: {name}'s) Adam normalised gradient RMS jumped")
+    jumped = sum(r > 5 for r, _ in ratios)
+    assert jumped > 1 and found[0].message.startswith(
+        f"{jumped} parameters' (the most: {name}'s) Adam normalised gradient RMS jumped")
 
 
 def test_beta2_of_0_5_keeps_adam_rms_bounded() -> None:
