@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcli
+from hookcli.commands.watch_rules import SPECS, rule_settings
 from hookcli.engine.attention import ROWS, head_stats
 from hookcli.errors import ConfigError
 
@@ -490,16 +491,22 @@ HEALTHY = {  # name: (build, step, attention modules a logged step names)
 }
 
 
+HEALTHY_STEPS, HEALTHY_EVERY = 200, 1
+
+
 @pytest.mark.parametrize("name", list(HEALTHY))
 def test_healthy_transformers_train_without_findings(tmp_path, name):
-    """150 steps of AdamW at a sane learning rate over 4 fixed batches (they are learnt: attention
-    sharpens, logits grow): no rule speaks, and every logged step measured every attention module."""
+    """200 steps of AdamW at a sane learning rate over 4 fixed batches (they are learnt: attention
+    sharpens, logits grow) with every rule at its defaults (the attention rules, adam_rms,
+    update_grad_cosine, massive_activation, loss_spike and the others): no rule speaks, every logged step
+    measured every attention module, and the signals the rules judge were there to judge."""
     build, step, modules = HEALTHY[name]
+    assert set(rule_settings(None)) == {spec.name for spec in SPECS}  # the defaults enable every rule
     torch.manual_seed(0)
     model = build().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with hookcli.watch(model, opt, every=5, out=tmp_path / "log.jsonl", on_finding="warn") as w:
-        for batch in tokens(150, length=16):
+    with hookcli.watch(model, opt, every=HEALTHY_EVERY, out=tmp_path / "log.jsonl", on_finding="warn") as w:
+        for batch in tokens(HEALTHY_STEPS, length=16):
             loss = step(model, batch)
             loss.backward()
             opt.step()
@@ -507,10 +514,13 @@ def test_healthy_transformers_train_without_findings(tmp_path, name):
             w.step(loss=loss)
     assert [f.line() for f in w.findings] == []
     lines = log_lines(tmp_path / "log.jsonl")
-    assert len(lines) == 30 and lines[-1]["loss"] < lines[0]["loss"]
+    assert len(lines) == HEALTHY_STEPS // HEALTHY_EVERY and lines[-1]["loss"] < lines[0]["loss"]
     assert all(len(line["attention"]) == modules and line["output_logits"] is not None for line in lines)
     heads = [h for line in lines for a in line["attention"] for h in a["entropy"]]
     assert all(h is not None and h >= 0 for h in heads)
+    for line in lines[1:]:  # (the first logged step: Adam's first update, its cosine and RMS are measured too)
+        assert all(p["adam_rms"] is not None and p["update_grad_cosine"] is not None for p in line["params"])
+        assert any(layer.get("channel_peak_ratio") is not None for layer in line["layers"])
 
 
 def test_unlogged_steps_run_torch_own_function_without_the_probe_hooks(tmp_path):

@@ -380,9 +380,11 @@ def _activation_growth(rec: WatchStep, cfg: Settings, state: Any) -> list[Findin
 def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
     """Adam's normalised gradient g / (sqrt(v_hat) + eps): its median RMS over the parameters below
     ``low`` of the same without eps (eps dominates the second moment: eps too large for gradients
-    of this size), told once a run; or a parameter's RMS above ``ratio`` x the median of its previous
+    of this size), told once a run; or a parameter's RMS above ``ratio`` x the largest of its previous
     ``window`` logged values (after ``warmup`` of them): its gradient grew faster than the second
-    moment follows (the update is that many times its usual size), told once a parameter."""
+    moment follows (the update is that many times any recent one), told once a parameter. The largest,
+    not the median: a healthy run whose batches differ (one harder than the others, every few steps)
+    has a few parameters' RMS 7.7x its median at that batch, never above 2.3x its recent largest."""
     measured = [p for p in rec.params if _finite(p.adam_rms) and _finite(p.adam_rms_without_eps)
                 and p.adam_rms_without_eps > 0]  # type: ignore[operator]
     found: list[Finding] = []
@@ -396,7 +398,7 @@ def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
     jumps = []
     for p in measured:
         history = state.history.setdefault(p.name, deque(maxlen=cfg["window"]))
-        level = _median(sorted(history)) if len(history) >= cfg["warmup"] else None
+        level = max(history) if len(history) >= cfg["warmup"] else None
         history.append(float(p.adam_rms))  # type: ignore[arg-type]
         if level and p.adam_rms > cfg["ratio"] * level and state.new(p.name):  # type: ignore[operator]
             jumps.append((p.adam_rms / level, p.name, p.adam_rms, level))  # type: ignore[operator]
@@ -405,8 +407,8 @@ def _adam_rms(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
         who = f"{name}'s" if len(jumps) == 1 else f"{len(jumps)} parameters' (the most: {name}'s)"
         found.append(Finding("adam_rms", "warning", rec.step, name, "update", ratio, cfg["ratio"],
                              f"{who} Adam normalised gradient RMS jumped to {value:.3g}, {ratio:.3g}x its recent "
-                             f"median {level:.3g}: the gradient grew faster than Adam's second moment follows (the "
-                             "update is that many times its usual size; a loss spike ahead?)"))
+                             f"largest {level:.3g}: the gradient grew faster than Adam's second moment follows (the "
+                             "update is that many times any recent one; a loss spike ahead?)"))
     return found
 
 
@@ -509,8 +511,9 @@ SPECS: tuple[WatchRule, ...] = (
         "Adam's (and AdamW's) normalised gradient g / (sqrt(v̂) + eps), whose RMS is the log's `adam_rms` (arXiv "
         "2304.13013): its median over the parameters below `low` of the same without eps (eps dominates v̂: eps too "
         "large for the gradients, the updates shrink to lr·g/eps), told once; or a parameter's above `ratio` × the "
-        "median of its previous `window` logged values, after `warmup` of them (its gradient grew faster than the "
-        "second moment follows), told once a parameter; several at a step are one finding, naming the largest jump"),
+        "largest of its previous `window` logged values, after `warmup` of them (its gradient grew faster than the "
+        "second moment follows; the largest, as a batch harder than the others makes healthy jumps of 7x the "
+        "median, below 2.3x the largest), told once a parameter; several at a step are one finding, naming the largest jump"),
         state=lambda _cfg: _HistoryState(), finish=_ordered("warmup", "window", "{'warmup': 3, 'window': 10}",
                                                             equal=True)("adam_rms"), needs="adam"),
     WatchRule("update_grad_cosine", {"high": (-0.05, number(-1, 1)), "window": (5, integer(1))}, _update_grad_cosine, (

@@ -740,48 +740,104 @@ def update_grad_dots(diffs: Sequence[torch.Tensor], params: Sequence[tuple[str, 
     return out
 
 
+#: ``adam_rms`` works through the parameters in pieces of at most this many elements (a parameter larger
+#: than it split into flat slices, smaller ones packed together), each piece's few passes one
+#: ``torch._foreach_*`` call each: its temporaries (2 MiB apiece in float32) stay in the cache, so the
+#: gradient and the second moment are read from memory once.
+ADAM_RMS_PIECE = 1 << 19
+
+
 def adam_rms(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]],
              diffs: Sequence[torch.Tensor]) -> list[Vector] | None:
     """Right after an Adam/AdamW step: each parameter's RMS of the normalised gradient
     g / (sqrt(v_hat) + eps), with v_hat = exp_avg_sq / (1 - beta2^step) as the step used it (the
     amsgrad maximum with ``amsgrad``; g with the coupled weight decay Adam adds, from w_before = w +
     ``diffs``), and the same without eps (0 where v_hat is 0), as two-element vectors on the device
-    (NaN for a parameter it did not update), in float32 (a few passes over each parameter, no float64
-    copy). None for another optimizer. Reads the optimizer's state, never writes it."""
+    (NaN for a parameter it did not update), in float32 (``_adam_sums``: all parameters at once, no
+    float64 copy, no host synchronisation). None for another optimizer. Reads the optimizer's state,
+    never writes it."""
     while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = getattr(optimizer, "optimizer", None)  # a wrapper (Accelerate's, Lightning's)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return None
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    out: list[Vector] = []
-    for diff, (_, p) in zip(diffs, params):
+    out: list[Vector] = [torch.full((2,), math.nan, device=diff.device) for diff in diffs]
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor, float, Any]]] = {}
+    for i, (diff, (_, p)) in enumerate(zip(diffs, params)):
         state, group, grad = optimizer.state.get(p), groups.get(id(p)), p.grad
         v = state.get("max_exp_avg_sq" if group and group.get("amsgrad") else "exp_avg_sq") if state else None
         if group is None or v is None or "step" not in state or grad is None or grad.layout != torch.strided \
-                or grad.is_complex() or grad.shape != v.shape:
-            out.append(torch.full((2,), math.nan, device=diff.device))
+                or grad.is_complex() or grad.shape != v.shape or v.device != grad.device:
             continue
-        out.append(_adam_rms_of(optimizer, group, p, grad, v, state["step"], diff))
+        g = grad.detach()
+        decoupled = group.get("decoupled_weight_decay", False) or isinstance(optimizer, torch.optim.AdamW)
+        if group.get("weight_decay") and not decoupled:  # (its sign under ``maximize`` matters here only)
+            g = (g.float().neg() if group.get("maximize") else g.float()) + \
+                group["weight_decay"] * (p.detach().float() + diff.float())
+        by_device.setdefault(g.device, []).append((i, g, v.detach(), group["eps"],
+                                                   _root_c(group["betas"][1], state["step"])))
+    for device, entries in by_device.items():
+        for (i, *_), row in zip(entries, _adam_sums(device, entries).unbind()):
+            out[i] = row
     return out
 
 
-def _adam_rms_of(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
-                 v: torch.Tensor, step: Any, diff: torch.Tensor) -> torch.Tensor:
-    """``adam_rms``'s two values for one parameter: with c = 1 - beta2^step, g / (sqrt(v / c) + eps) is
-    sqrt(c) g / (sqrt(v) + eps sqrt(c)), so the RMS is sqrt(c) ||g / (sqrt(v) + eps sqrt(c))|| / sqrt(n)."""
-    g = grad.detach().float()
-    decoupled = group.get("decoupled_weight_decay", False) or isinstance(optimizer, torch.optim.AdamW)
-    if group.get("weight_decay") and not decoupled:  # (its sign under ``maximize`` matters here only)
-        g = (g.neg() if group.get("maximize") else g) + group["weight_decay"] * (p.detach().float() + diff.float())
-    beta2 = group["betas"][1]
-    root_c = (1 - beta2 ** step.to(device=g.device, dtype=torch.float32)).sqrt() if torch.is_tensor(step) \
-        else torch.tensor(math.sqrt(1 - beta2 ** step), device=g.device)
-    scale = root_c / math.sqrt(max(g.numel(), 1))
-    root = v.detach().float().sqrt()  # (two temporaries the size of the parameter, reused)
-    ratio = torch.div(g, root).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    without_eps = torch.linalg.vector_norm(ratio) * scale
-    with_eps = torch.linalg.vector_norm(torch.div(g, root.add_(group["eps"] * root_c), out=ratio)) * scale
-    return torch.stack([with_eps, without_eps])
+def _root_c(beta2: float, step: Any) -> Any:
+    """sqrt(1 - beta2^step), Adam's square-rooted bias correction: a float, or a 0-dim float32 tensor on
+    the device where the step count lives there (``capturable``, ``fused``: read without a host sync)."""
+    if torch.is_tensor(step) and step.device.type != "cpu":
+        return (1 - beta2 ** step.to(dtype=torch.float32)).sqrt()
+    return math.sqrt(1 - beta2 ** float(step))
+
+
+def _adam_sums(device: torch.device, entries: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, Any]]
+               ) -> torch.Tensor:
+    """``adam_rms``'s (with eps, without eps) for each entry (index, g, v, eps, sqrt(c)), a (n, 2) float32
+    tensor on ``device``: with c = 1 - beta2^step, g / (sqrt(v / c) + eps) is sqrt(c) g / (sqrt(v) + eps
+    sqrt(c)), so the RMS is sqrt(c) ||g / (sqrt(v) + eps sqrt(c))|| / sqrt(n). By pieces of at most
+    ``ADAM_RMS_PIECE`` elements, each a handful of ``torch._foreach_*`` passes; the slices' squared
+    norms summed back by parameter."""
+    slices: list[tuple[torch.Tensor, torch.Tensor, Any, int]] = []
+    for owner, (_, g, v, eps, root_c) in enumerate(entries):
+        if g.numel() > ADAM_RMS_PIECE and g.is_contiguous() and v.is_contiguous():
+            slices += [(gs, vs, eps * root_c, owner)
+                       for gs, vs in zip(g.view(-1).split(ADAM_RMS_PIECE), v.view(-1).split(ADAM_RMS_PIECE))]
+        else:
+            slices.append((g, v, eps * root_c, owner))
+    norms: list[torch.Tensor] = []
+    start = 0
+    while start < len(slices):
+        end, size = start + 1, slices[start][0].numel()
+        while end < len(slices) and size + slices[end][0].numel() <= ADAM_RMS_PIECE:
+            size, end = size + slices[end][0].numel(), end + 1
+        norms += _adam_piece(slices[start:end])
+        start = end
+    owners = torch.tensor([owner for *_, owner in slices], device=device)
+    squares = torch.stack(norms).square_().view(-1, 2)
+    sums = torch.zeros(len(entries), 2, device=device).index_add_(0, owners, squares)
+    root_c = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for *_, c in entries]) \
+        if any(torch.is_tensor(c) for *_, c in entries) else torch.tensor([c for *_, c in entries], device=device)
+    counts = torch.tensor([max(g.numel(), 1) for _, g, *_ in entries], dtype=torch.float32, device=device)
+    return sums.sqrt_().mul_((root_c / counts.sqrt()).unsqueeze(1))
+
+
+def _adam_piece(piece: Sequence[tuple[torch.Tensor, torch.Tensor, Any, int]]) -> list[torch.Tensor]:
+    """One piece's norms of g / (sqrt(v) + shift) and of g / sqrt(v) (0 where that is not finite: v = 0)
+    per slice, interleaved (with, without, with, ...)."""
+    grads = [g if g.dtype == torch.float32 else g.float() for g, *_ in piece]
+    roots = torch._foreach_sqrt([v if v.dtype == torch.float32 else v.float() for _, v, *_ in piece])
+    ratios = torch._foreach_div(grads, roots)
+    for ratio in ratios:
+        ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    without = torch._foreach_norm(ratios)
+    del ratios
+    shifts = [shift for _, _, shift, _ in piece]
+    if any(torch.is_tensor(s) for s in shifts):
+        torch._foreach_add_(roots, [torch.as_tensor(s, dtype=torch.float32, device=roots[0].device) for s in shifts])
+    else:
+        torch._foreach_add_(roots, shifts)
+    with_eps = torch._foreach_norm(torch._foreach_div(grads, roots))
+    return [norm for pair in zip(with_eps, without) for norm in pair]
 
 
 def _nonfinite(record: WatchStep) -> bool:
