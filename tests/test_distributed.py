@@ -25,10 +25,9 @@ from hookcli.engine import distributed, stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker as worker  # noqa: E402
-from torchrun_launch import close, launch  # noqa: E402
+from torchrun_launch import NEEDS_GLOO, close, launch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo")
+pytestmark = NEEDS_GLOO
 WORLD = 2
 
 

@@ -20,10 +20,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_api_worker as worker  # noqa: E402
-from torchrun_launch import close, launch  # noqa: E402
+from torchrun_launch import NEEDS_GLOO, close, launch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo")
+pytestmark = NEEDS_GLOO
 #: case -> how many parts the global batch is split into (data-parallel ranks, or TP groups; 1: every
 #: rank the whole batch), and the placement of each layer's output under tensor parallelism
 PARTS = {"ddp": 2, "fsdp": 2, "tp": 1, "tp_replicate": 1, "fsdp_tp": 2}

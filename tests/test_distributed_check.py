@@ -21,10 +21,9 @@ from hookcli.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_check_worker as worker  # noqa: E402
-from torchrun_launch import close, rank_results  # noqa: E402
+from torchrun_launch import NEEDS_GLOO, close, rank_results  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo")
+pytestmark = NEEDS_GLOO
 WORLD = 2
 
 

@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sharded_models  # noqa: E402
-from torchrun_launch import launch, torchrun_env  # noqa: E402
+from torchrun_launch import NEEDS_GLOO, launch, torchrun_env  # noqa: E402
 from timeouts import scaled_timeout
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo")
+pytestmark = NEEDS_GLOO
 WORLD = 2
 REL = 1e-5
 MODELS = Path(sharded_models.__file__)

@@ -15,12 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_reduction_worker as worker  # noqa: E402
 from distributed_api_worker import batch, model  # noqa: E402
-from torchrun_launch import close, rank_results  # noqa: E402
+from torchrun_launch import NEEDS_GLOO, close, rank_results  # noqa: E402
 
 from hookcli.engine.stats import HISTOGRAM_BINS  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo")
+pytestmark = NEEDS_GLOO
 WORLD = 2
 
 

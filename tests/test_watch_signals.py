@@ -79,6 +79,15 @@ def test_healthy_adamw_runs_give_no_finding_of_the_new_rules(make: Callable[...,
     assert any(layer.channel_peak_ratio is not None for layer in w.last.layers)
 
 
+def assert_adam_rms(records: dict[int, Any], reference: Any, rel: float) -> None:
+    """Each logged parameter's adam_rms (with and without eps) equals the float64 recomputation."""
+    for step, record in records.items():
+        for entry in record.params:
+            rms, without = reference.want[(step, entry.name)]
+            assert entry.adam_rms == pytest.approx(rms, rel=rel)
+            assert entry.adam_rms_without_eps == pytest.approx(without, rel=rel)
+
+
 class AdamReference:
     """Adam's normalised-gradient RMS computed here in float64 from the gradients the loop saw (not from
     the optimizer's state): call it after ``optimizer.step()``; ``want[(step, name)]`` is (RMS of
@@ -109,11 +118,7 @@ def test_adam_rms_is_the_normalised_gradients_rms_from_the_gradients_seen() -> N
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=eps)
         w, records = train(model, loss, optimizer, 6, after=reference)
         assert sorted(records) == list(range(6))
-        for step, record in records.items():
-            for entry in record.params:
-                rms, without = reference.want[(step, entry.name)]
-                assert entry.adam_rms == pytest.approx(rms, rel=1e-4)
-                assert entry.adam_rms_without_eps == pytest.approx(without, rel=1e-4)
+        assert_adam_rms(records, reference, 1e-4)
         found = [f for f in w.findings if f.rule == "adam_rms"]
         shares = sorted((reference.want[(0, n)][0] / reference.want[(0, n)][1], n) for n in reference.params)
         if eps == 1e-8:
@@ -144,11 +149,7 @@ def test_adam_rms_is_the_same_however_the_parameters_are_cut_into_pieces(monkeyp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
     _, records = train(model, loss, optimizer, 4, after=reference)
     assert sorted(records) == list(range(4))
-    for step, record in records.items():
-        for entry in record.params:
-            rms, without = reference.want[(step, entry.name)]
-            assert entry.adam_rms == pytest.approx(rms, rel=1e-5)
-            assert entry.adam_rms_without_eps == pytest.approx(without, rel=1e-5)
+    assert_adam_rms(records, reference, 1e-5)
 
 
 def test_adam_rms_names_the_step_where_the_gradient_outruns_the_second_moment() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from timeouts import scaled_timeout
 
 ROOT = Path(__file__).parents[1]
@@ -87,3 +88,8 @@ def rank_results(worker: str, out: Path, world: int = 2) -> list[dict[str, Any]]
     done = launch([worker, str(out)], world)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+#: A test module's ``pytestmark`` where it launches ranks: torch.distributed with gloo.
+NEEDS_GLOO = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo")
