@@ -7,7 +7,10 @@ errors, 1 when the model itself failed or a check failed.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +174,25 @@ class WatchWarning(UserWarning):
     """``hookcli.watch``: part of the watch stopped (writing its log or TensorBoard scalars: no space
     left, its folder gone; recording: hookcli's own failure inside a hook), said once, with why. The
     loop goes on, its numbers unchanged: a monitor never takes down the run it watches."""
+
+
+class WeightsChangedWarning(UserWarning):
+    """A run of a caller's model changed a weight in place where earlier runs of the model changed none,
+    so no copy was kept to put it back (docs/api.md "What a run leaves of your model"). Said once per
+    such run, naming the weights; the model's weights are copied on every later run."""
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside hookcli, torch and ``contextlib``: the
+    caller's line that was running when hookcli had something to say. Call it as warn's argument."""
+    torch = sys.modules.get("torch")
+    roots = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep if m is not contextlib
+                  else os.path.abspath(m.__file__) for m in (sys.modules[__package__], torch, contextlib)
+                  if m is not None and m.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Terminated(BaseException):

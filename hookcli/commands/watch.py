@@ -23,7 +23,7 @@ from hookcli.commands.watch_rules import Rules, needed, rule_settings
 from hookcli.commands.watch_tensorboard import TensorBoardLog
 from hookcli.engine.watch import SIGNALS, StepWatcher, compiled_inner
 from hookcli.errors import (CheckFailedError, OutputError, StepOrderWarning, UsageError, WatchWarning,
-                            describe_exception)
+                            describe_exception, user_stacklevel)
 from hookcli.escape import escape_control
 from hookcli.output import LineLog
 from hookcli.records import Finding, WatchStep
@@ -127,7 +127,7 @@ class Watch:
             self._untold.append(message)
         while self._untold:
             try:
-                warnings.warn(self._untold[0], WatchWarning, stacklevel=_user_frame())
+                warnings.warn(self._untold[0], WatchWarning, stacklevel=user_stacklevel())
             except Exception:
                 if raising:
                     self._untold.pop(0)
@@ -196,19 +196,6 @@ class Watch:
                     board.close()
                 self._tell(f"hookcli.watch stopped writing TensorBoard scalars at step {record.step}: "
                            f"{_why(exc)}; the loop runs on unchanged")
-
-
-_HOOKCLI = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _user_frame() -> int:
-    """The ``stacklevel`` of the first frame outside hookcli and torch: the user's line that was running
-    (``w.step()``, ``optimizer.step()``, a forward) when the watch had something to say."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith((_HOOKCLI, _TORCH)):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _why(exc: Exception) -> str:

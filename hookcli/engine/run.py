@@ -28,7 +28,7 @@ from hookcli.errors import (
     INTERRUPTS, DataError, HookcliError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
-from hookcli.engine import distributed, reduction, sharding
+from hookcli.engine import distributed, reduction, sharding, weight_guard
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.session import (
     HookOptions, HookSession, KeepFn, attach,
@@ -112,7 +112,7 @@ def prepare(options: RunOptions, *, default_batch: int | None = None, meta: bool
 def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batch: int | None, meta: bool,
              batched: bool) -> Prepared:
     opts = options.validate()  # a fresh copy: safe to adjust
-    agreement.start(sharding.options_fingerprint(opts))
+    agreement.start(lambda: sharding.options_fingerprint(opts))
     if opts.data is not None and not batched:
         raise UsageError("--data (a data set run in batches) is taken by stats, grads and check only",
                          hint="give this command one batch with --input or --input-shape")
@@ -157,7 +157,7 @@ def _prepare(options: RunOptions, agreement: sharding.Agreement, *, default_batc
     hint = default_input_hint(loaded.model, inputs, batch or 1) if defaults else None
     check_signature(loaded.model, inputs, how=(data.how or DATA_SIGNATURE_HOW) if data is not None else None,
                     where="batch 0: " if data is not None else "", hint=hint)  # too many / too few: exit 2, before running
-    agreement.ready(sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None, index))
+    agreement.ready(lambda: sharding.ready_fingerprint(loaded.model, inputs, opts.shard is not None, index))
     if opts.shard is not None:
         inputs = sharding.rank_slice(inputs, opts.shard)
         if data is not None:
@@ -274,6 +274,7 @@ def locate_failure(exc: BaseException, model: nn.Module, phase: str) -> FailureI
     and finds the failing module even when it was not selected for hooks. A ``SystemExit`` (the
     model called ``sys.exit``) is recorded with its exit status as the message.
     """
+    weight_guard.ran_partly(model)
     names = {id(m): n for n, m in model.named_modules()}
     module_name: str | None = None
     module_type: str | None = None

@@ -278,9 +278,11 @@ __all__ = ["TIMEOUT", "agree", "global_shape", "load_sharded", "process_group", 
 _settled = False
 
 
-def vote(failure: BaseException | None, what: str, fingerprint: Mapping[str, str] | None = None) -> None:
+def vote(failure: BaseException | None, what: str,
+         fingerprint: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None) -> None:
     """Every rank's word at one checkpoint before a run's collectives, in one ``all_gather_object``: whether
-    its part failed (and why) and what it is about to run (``fingerprint``: a name -> its value on this rank).
+    its part failed (and why) and what it is about to run (``fingerprint``: a name -> its value on this rank,
+    or a function giving it, called only under a process group).
 
     A rank whose part failed raises its own error after the vote (the caller re-raises it); the others
     raise ``RanksFailed`` naming the failed rank and its reason. When every part succeeded but the
@@ -294,6 +296,8 @@ def vote(failure: BaseException | None, what: str, fingerprint: Mapping[str, str
     if group is None:
         return
     reason = None if failure is None else _reason(failure)
+    if callable(fingerprint):
+        fingerprint = fingerprint()
     votes: list[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(votes, (reason, dict(fingerprint or {})), group=group)
     failed = [(rank, text) for rank, (text, _) in enumerate(votes) if text is not None]
@@ -335,10 +339,10 @@ class Agreement:
     """The checkpoints of one ``prepare`` under a process group: ``start`` (the options each rank runs
     with) and ``ready`` (the model it built and the batch it read), each a ``vote``."""
 
-    def start(self, fingerprint: Mapping[str, str]) -> None:
+    def start(self, fingerprint: Mapping[str, str] | Callable[[], Mapping[str, str]]) -> None:
         vote(None, "preparing the run", fingerprint)
 
-    def ready(self, fingerprint: Mapping[str, str]) -> None:
+    def ready(self, fingerprint: Mapping[str, str] | Callable[[], Mapping[str, str]]) -> None:
         global _settled
         vote(None, "preparing the run", fingerprint)
         _settled = True

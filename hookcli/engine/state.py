@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hookcli.errors import UsageError, safe_str
+from hookcli.engine import weight_guard
 from hookcli.engine.model_index import ModelIndex
 
 #: Held for every run: the RNG states are process-wide, and so is a model two threads share.
@@ -189,11 +190,9 @@ class _Saved:
     #: (parameter, its data when converted, requires_grad, .grad, the gradient's data when converted)
     param_state: list[tuple[Any, ...]]
     buffer_values: list[tuple[torch.Tensor, torch.Tensor]]
-    param_values: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
-    def take(cls, index: ModelIndex, device: torch.device | str | None, dtype: torch.dtype | None,
-             keep_params: bool) -> _Saved:
+    def take(cls, index: ModelIndex, device: torch.device | str | None, dtype: torch.dtype | None) -> _Saved:
         modules = index.modules
         params = index.params
         # ``.to`` changes the storage of each tensor; skipped when every one is there already (walking
@@ -208,16 +207,11 @@ class _Saved:
         # without bumping the version counter, so every buffer's values are kept and copied back
         with torch.no_grad():  # (a clone outside autograd: no detach per buffer)
             buffer_values = [(b, b.clone()) for b in index.buffers]
-            # so may it a parameter (an update under no_grad, through .data, which no version counter
-            # sees): the values are kept and copied back (converted ones get their own storage back).
-            # An accelerator's weights are kept in host memory: the run's device memory stays its own
-            param_values = [] if convert or not keep_params else [
-                (p, p.clone() if p.is_cpu else p.detach().to("cpu", copy=True)) for p in params
-                if type(p.detach()) is torch.Tensor and not p.is_meta]
-        return cls(index, modules, [m.training for m in modules], convert, param_state, buffer_values,
-                   param_values)
+        return cls(index, modules, [m.training for m in modules], convert, param_state, buffer_values)
 
-    def restore(self) -> None:
+    def restore(self, weights: weight_guard.Guard | None) -> None:
+        """Put everything back; with ``weights``, the weights a run changed in place too (the
+        parameters are the indexed ones again by then)."""
         for m, name, p in self.index.param_slots:
             m._parameters[name] = p
         for m, name, b in self.index.buffer_slots:
@@ -234,7 +228,8 @@ class _Saved:
             if p.requires_grad != requires_grad:  # (an inference tensor refuses even a no-op set)
                 p.requires_grad_(requires_grad)
         _copy_back(self.buffer_values)
-        _copy_back(self.param_values)  # (an inference tensor's parameter: inside inference_mode)
+        if weights is not None:
+            _copy_back(weights.to_put_back())  # (an inference tensor's parameter: inside inference_mode)
         for m, was_training in zip(self.modules, self.training):
             if m.training != was_training:
                 m.training = was_training
@@ -259,8 +254,10 @@ def preserved(
     (``.to`` may replace them), each parameter's storage
     (device and dtype), ``requires_grad`` and ``.grad`` (object and data), and the values of the
     buffers and parameters the run changed in place (BatchNorm statistics in train mode, a counter or
-    moving average a forward updates in any mode, a weight a forward changes under ``no_grad``; ``keep_params=False``
-    leaves the weights' values out: a model hookcli built itself, which no caller sees again). With ``seed`` the RNGs are seeded for the block and restored after
+    moving average a forward updates in any mode; a weight a forward changes under ``no_grad`` or through
+    ``.data``: ``weight_guard``, which copies a model's weights on its first run only). ``keep_params=False``
+    leaves the weights' values out: a model hookcli built itself, which no caller sees again, or optimiser
+    steps, whose update is the run's purpose. With ``seed`` the RNGs are seeded for the block and restored after
     (``seeded_rng``). Reads the model through ``index`` (one traversal, made here when not given);
     the run lock is held and the model is marked as running in this thread (see ``exclusive``).
 
@@ -268,22 +265,27 @@ def preserved(
     """
     with _RUN_LOCK:
         index = index if index is not None and index.model is model else ModelIndex.of(model)
-        saved = _Saved.take(index, device, dtype, keep_params)
+        saved = _Saved.take(index, device, dtype)
+        guard = weight_guard.guarded(model, index.params) if keep_params and not saved.convert else nullcontext()
         devices = {p.device for p, *_ in saved.param_state}
         if device is not None:
             devices.add(torch.device(device))
         running = _running_here()
         running.append(model)
         try:
-            with seeded_rng(seed, devices) if seed is not None else nullcontext():
+            with seeded_rng(seed, devices) if seed is not None else nullcontext(), guard as weights:
+                completed = False
                 try:
                     if saved.convert:
                         model.to(device=device, dtype=dtype)
                     if not _in_mode(saved.modules, saved.training, train):
                         model.train(train)
                     yield model
+                    completed = True
                 finally:
-                    saved.restore()
+                    saved.restore(weights)
+                    if weights is not None:
+                        weights.settle(completed)
         finally:
             running.pop()
 

@@ -154,9 +154,18 @@ def statistic(name: str) -> Statistic:
 
 
 def statistics_for(direction: str, *, extra: bool = True) -> tuple[Statistic, ...]:
-    """The statistics of ``direction`` in key order: its columns, then (``extra``) its JSON-only ones."""
-    columns = tuple(s for s in _TABLE if direction in s.directions)
-    return columns + tuple(s for s in _TABLE if direction in s.extra_in) if extra else columns
+    """The statistics of ``direction`` in key order: its columns, then (``extra``) its JSON-only ones.
+    (Read for every row of a run: kept per direction until the table changes.)"""
+    key = (direction, extra)
+    found = _FOR.get(key)
+    if found is None:
+        columns = tuple(s for s in _TABLE if direction in s.directions)
+        found = _FOR[key] = columns + tuple(s for s in _TABLE if direction in s.extra_in) if extra else columns
+    return found
+
+
+#: ``statistics_for``'s answers since the table last changed.
+_FOR: dict[tuple[str, bool], tuple[Statistic, ...]] = {}
 
 
 def keys(direction: str, *, extra: bool = True) -> tuple[str, ...]:
@@ -172,7 +181,7 @@ def extra_accumulators() -> tuple[Accumulator, ...]:
 def stats_dict(row: Sequence[float], direction: str, *, missing: float | None = None) -> dict[str, Value]:
     """A host row of accumulators (``ACCUMULATORS``, then ``extra_accumulators()``) as ``direction``'s
     statistics dict."""
-    names = ACCUMULATORS + tuple(a.name for a in _EXTRA_ACCUMULATORS)
+    names = ACCUMULATORS + tuple(a.name for a in _EXTRA_ACCUMULATORS) if _EXTRA_ACCUMULATORS else ACCUMULATORS
     s = Summary(dict(zip(names, row)), missing)
     return {stat.name: stat.value(s) for stat in statistics_for(direction)}
 
@@ -182,6 +191,7 @@ def register_accumulator(accumulator: Accumulator) -> None:
     if accumulator.name in ACCUMULATORS or any(a.name == accumulator.name for a in _EXTRA_ACCUMULATORS):
         raise ValueError(f"accumulator {accumulator.name!r} is declared already")
     _EXTRA_ACCUMULATORS.append(accumulator)
+    _FOR.clear()
 
 
 def register(stat: Statistic, *, after: str | None = None) -> None:
@@ -190,9 +200,11 @@ def register(stat: Statistic, *, after: str | None = None) -> None:
         raise ValueError(f"statistic {stat.name!r} is declared already")
     at = len(_TABLE) if after is None else [s.name for s in _TABLE].index(after) + 1
     _TABLE.insert(at, stat)
+    _FOR.clear()
 
 
 def unregister(name: str) -> None:
     """Remove a statistic or an extra accumulator added by ``register`` / ``register_accumulator``."""
     _TABLE[:] = [s for s in _TABLE if s.name != name]
     _EXTRA_ACCUMULATORS[:] = [a for a in _EXTRA_ACCUMULATORS if a.name != name]
+    _FOR.clear()
