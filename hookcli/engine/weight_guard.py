@@ -60,6 +60,12 @@ def _plain(p: torch.Tensor) -> bool:
     return type(p.detach()) is torch.Tensor and not p.is_meta
 
 
+def _version(p: torch.Tensor) -> int:
+    """``p``'s version counter; 0 for an inference tensor, which keeps none (such a model is copied on
+    every run: its writes could not be seen)."""
+    return 0 if p.is_inference() else p._version
+
+
 def _copy(p: torch.Tensor) -> torch.Tensor:
     """``p``'s values, outside autograd; an accelerator's in host memory (the run's device memory
     stays its own)."""
@@ -90,7 +96,7 @@ class Guard:
             if id(p) in self.covered:
                 return
             self.covered.add(id(p))
-            if p._version == self.versions[next(i for i, q in enumerate(self.params) if q is p)]:
+            if _version(p) == self.versions[next(i for i, q in enumerate(self.params) if q is p)]:
                 self.kept.append((p, _copy(p)))
 
     changed: list[int] = field(default_factory=list)
@@ -101,10 +107,10 @@ class Guard:
         ``changed`` the positions a first run changed, and those a later run changed with no copy."""
         if not self.speculating:
             self.changed = [i for i, (p, v) in enumerate(self.kept)
-                            if p._version != self.versions[i] or not _same(p, v)]
+                            if _version(p) != self.versions[i] or not _same(p, v)]
             return [self.kept[i] for i in self.changed]
         kept = {id(p) for p, _ in self.kept}
-        self.changed = [i for i, p in enumerate(self.params) if p._version != self.versions[i] and id(p) not in kept]
+        self.changed = [i for i, p in enumerate(self.params) if _version(p) != self.versions[i] and id(p) not in kept]
         return self.kept
 
     def settle(self, completed: bool) -> None:
@@ -155,10 +161,11 @@ def guarded(model: nn.Module, params: list[torch.Tensor]) -> Iterator[Guard]:
     ``guard.to_put_back()`` (with the buffers, once the parameters are the indexed ones again), then
     calls ``guard.settle``."""
     params = [p for p in params if _plain(p)]
-    guard = Guard(model, params, speculating=_remembered(model, params))
+    guard = Guard(model, params,
+                  speculating=_remembered(model, params) and not any(p.is_inference() for p in params))
     if not guard.speculating:
         guard.kept = [(p, _copy(p)) for p in params]
-    guard.versions = [p._version for p in params]
+    guard.versions = [_version(p) for p in params]
     outer = _RUNS.get(id(model))
     _RUNS[id(model)] = guard
     try:
