@@ -5,7 +5,8 @@
 #   HOOKCLI_REDUCTION=triton bash benchmarks/gpu_check.sh  # a backend by name, where this checkout has it
 #
 # 1. the CUDA tests: tests/test_cuda.py, and the Triton and lean reductions' tests on the GPU
-#    (tests/test_reduce_triton.py, tests/test_reduce_lean.py: compiled Triton, TRITON_INTERPRET=0);
+#    (tests/test_reduce_triton.py, tests/test_reduce_lean.py: compiled Triton, TRITON_INTERPRET=0), and
+#    a caller's CUDA weights copied on a model's first run only (tests/test_weight_guard.py);
 # 2. the GPU rows of benchmarks/bench.py (--quick): stats on resnet50 b32 and on a ~1.1B-parameter
 #    GPT-2-style model in bfloat16 (b1 s1024) against their bare forwards, the .item()-hooks peer and
 #    peak device memory of each (section gpu); a watch's logged and unlogged step on the watch rows'
@@ -58,7 +59,7 @@ run() {
 }
 
 run cuda-tests 140 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_cuda.py tests/test_reduce_triton.py \
-    tests/test_reduce_lean.py
+    tests/test_reduce_lean.py tests/test_weight_guard.py
 run gpu-rows 140 "$PY" benchmarks/bench.py --quick --only gpu --only watch_gpu --json "$OUT/rows.json"
 run launches 30 "$PY" benchmarks/launch_count.py --json "$OUT/launches-default.json"
 if [ "${HOOKCLI_REDUCTION:-}" != "triton" ] && knows triton; then
