@@ -175,14 +175,24 @@ HOOK_CALLS = ("register_forward_hook", "register_forward_pre_hook", "register_fu
               "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook")
 
 
+#: The modules that register hooks: ``engine.session`` (the recording's gradient hooks on output and input
+#: tensors, ``--clip``'s on parameters) and ``engine.hooks`` (everything put on a model, an optimizer or the
+#: process, and taken off again).
+HOOK_MODULES = {"hookcli.engine.session", "hookcli.engine.hooks"}
+
+
 @pytest.mark.parametrize("name", HOOK_CALLS)
-def test_only_the_engine_session_registers_hooks(name: str) -> None:
+def test_only_the_engine_hook_modules_register_hooks(name: str) -> None:
+    """No module but ``HOOK_MODULES`` names a hook-registration function: as a method or attribute
+    (``module.register_forward_hook``), a bare name or an imported one (``register_module_forward_hook``)."""
     callers = set()
     for module, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == name:
+            if ((isinstance(node, ast.Attribute) and node.attr == name)
+                    or (isinstance(node, ast.Name) and node.id == name)
+                    or (isinstance(node, ast.alias) and node.name.rsplit(".", 1)[-1] == name)):
                 callers.add(module)
-    assert callers <= {"hookcli.engine.session"}, f"{name} called outside the engine session: {callers}"
+    assert callers <= HOOK_MODULES, f"{name} called outside the engine's hook modules: {callers - HOOK_MODULES}"
 
 
 @pytest.mark.parametrize(("name", "builder"), [("WatchLayer", "hookcli.engine.step_rows"),

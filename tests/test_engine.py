@@ -12,7 +12,8 @@ import hookcli
 import tiny_models as tm
 from reference import dummy, float64_stats
 from hookcli.errors import LayerNotFoundError, ModelRaisedError
-from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.hooks import attach
+from hookcli.engine.session import HookOptions
 from hookcli.engine.selection import select_modules
 
 

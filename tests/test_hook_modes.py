@@ -19,9 +19,10 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import hookcli
-from hookcli.engine import session as engine_session
+from hookcli.engine import hooks as engine_hooks
 from hookcli.engine.selection import select_modules
-from hookcli.engine.session import HookOptions, attach
+from hookcli.engine.hooks import attach
+from hookcli.engine.session import HookOptions
 from hookcli.records import LayerRecord
 
 from tests.reference import float64_stats, forward_with
@@ -83,7 +84,7 @@ def run(model: nn.Module, x: torch.Tensor, *, globally: bool, fail_at: int | Non
 @pytest.fixture(autouse=True)
 def small_models_hook_globally(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test models are small: let them take the process-wide path too."""
-    monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 1)
+    monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 1)
 
 
 def calls_by_hand(model: nn.Module, x: torch.Tensor) -> list[tuple[str, list[list[int]], list[torch.Tensor]]]:
@@ -166,13 +167,13 @@ def test_a_call_that_raises_is_recorded_alike_and_every_hook_is_removed() -> Non
 
 
 def test_small_or_partial_selections_keep_module_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 32)
+    monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 32)
     options = HookOptions()
-    assert not engine_session.hooked_globally(31, 40, options)
-    assert not engine_session.hooked_globally(32, 100, options)  # most modules unselected
-    assert not engine_session.hooked_globally(200, None, options)  # the caller did not say
-    assert not engine_session.hooked_globally(200, 208, HookOptions(input_grads=True))
-    assert engine_session.hooked_globally(200, 208, options)
+    assert not engine_hooks.hooked_globally(31, 40, options)
+    assert not engine_hooks.hooked_globally(32, 100, options)  # most modules unselected
+    assert not engine_hooks.hooked_globally(200, None, options)  # the caller did not say
+    assert not engine_hooks.hooked_globally(200, 208, HookOptions(input_grads=True))
+    assert engine_hooks.hooked_globally(200, 208, options)
 
 
 def test_the_public_api_reports_the_same_rows_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +181,7 @@ def test_the_public_api_reports_the_same_rows_both_ways(monkeypatch: pytest.Monk
     model = Tree(3, 2).eval()
     spec = ["2x6"]
     process_wide = hookcli.stats(model, input_shapes=spec, all_modules=True).to_dict()
-    monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 10**9)
+    monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 10**9)
     per_module = hookcli.stats(model, input_shapes=spec, all_modules=True).to_dict()
     assert process_wide["layers"] == per_module["layers"]
 
@@ -254,9 +255,9 @@ def test_third_party_models_give_the_same_rows_both_ways(monkeypatch: pytest.Mon
         model = transformers.T5ForConditionalGeneration(config).eval()
         spec = ["input_ids=1x8:int64", "decoder_input_ids=1x4:int64"]
     for command in (hookcli.stats, hookcli.grads):
-        monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 1)
+        monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 1)
         process_wide = command(model, input_shapes=spec, all_modules=True).to_dict()["layers"]
-        monkeypatch.setattr(engine_session, "GLOBAL_MIN_MODULES", 10**9)
+        monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 10**9)
         per_module = command(model, input_shapes=spec, all_modules=True).to_dict()["layers"]
         assert json.dumps(process_wide, sort_keys=True) == json.dumps(per_module, sort_keys=True)
         assert any(len(r["input_shapes"]) > 1 for r in process_wide) or case == "timm resnet18"

@@ -1,4 +1,4 @@
-"""The long-lived hook set (``engine.session.HookSet``): installed once around the user's own training
+"""The long-lived hook set (``engine.hooks.HookSet``): installed once around the user's own training
 loop, records per step, hands the step back at the boundary and empties itself; parameter gradients
 from the user's own ``backward()`` (accumulation included); checkpoint reruns not counted; nothing left
 hooked after removal. Numbers are checked against plain torch (``torch.autograd.grad``)."""
@@ -21,7 +21,8 @@ from torch.nn.modules import module as torch_module
 from reference import float64_stats
 from transcripts import one_thread
 from hookcli.engine.selection import select_modules
-from hookcli.engine.session import HookOptions, HookSet
+from hookcli.engine.hooks import HookSet
+from hookcli.engine.session import HookOptions
 from hookcli.engine.state import run_lock
 from hookcli.errors import UsageError
 from tiny_models import Checkpointed

@@ -107,7 +107,8 @@ def test_no_host_synchronisation_per_layer_on_cuda() -> None:
     from torchvision.models import resnet18
 
     from hookcli.engine.losses import build_loss
-    from hookcli.engine.session import HookOptions, attach
+    from hookcli.engine.hooks import attach
+    from hookcli.engine.session import HookOptions
     from hookcli.engine.selection import select_modules
 
     model = resnet18().cuda().eval()
@@ -133,7 +134,8 @@ def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_hos
 
     from hookcli.engine.losses import build_loss
     from hookcli.engine.selection import select_modules
-    from hookcli.engine.session import HookOptions, attach
+    from hookcli.engine.hooks import attach
+    from hookcli.engine.session import HookOptions
     from hookcli.engine.stats import SCALE, Reducer, merge
 
     base = torch.empty(4, 8, 6, 5, device="meta")

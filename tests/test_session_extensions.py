@@ -1,4 +1,4 @@
-"""The engine session's extension points (issue 12: one module registers hooks).
+"""The engine session's extension points (issue 12: only the engine's hook modules register hooks).
 
 ``check`` measures through a ``RunObserver`` (completion order, selected output tensors, the model's
 output) and ``grads --clip`` through ``clipped_gradients``; neither registers hooks of its own. Each
@@ -19,7 +19,8 @@ from torch import nn
 from hookcli.commands.grads import backward_report
 from hookcli.engine.run import prepare
 from hookcli.engine.selection import select_modules
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, attach
+from hookcli.engine.hooks import attach
+from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
 from hookcli.errors import InternalError
 from hookcli.options import RunOptions
 

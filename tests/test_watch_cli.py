@@ -503,7 +503,7 @@ def test_watch_model_whose_forward_raises_exits_1_naming_the_step_and_module(cli
 def test_watch_model_runs_one_hook_set_for_the_whole_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``watch MODEL --steps N`` installs the watch's hook set once and its run loop hooks nothing of its
     own: no one-shot hook set inside the watch at every step; every step is still logged with its rows."""
-    from hookcli.engine.session import HookSet
+    from hookcli.engine.hooks import HookSet
 
     installs: list[int] = []
     install = HookSet.install

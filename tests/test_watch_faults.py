@@ -243,7 +243,7 @@ def test_a_failure_reading_a_closures_gradients_stops_the_watch_not_the_loop(
     """hookcli's own failure when the closure handed to optimizer.step() returns (reading the gradients it
     left, at step 1): the closure's loss reaches the optimizer, the loop runs its 4 steps with the unwatched
     run's losses and weights, no exception reaches it, one WatchWarning says why, the log holds step 0."""
-    from hookcli.engine.session import HookSet
+    from hookcli.engine.hooks import HookSet
 
     def run(watched: bool) -> tuple[list[float], nn.Module, list[str], Path]:
         torch.manual_seed(0)

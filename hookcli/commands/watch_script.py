@@ -29,7 +29,7 @@ from torch import nn
 from hookcli.commands.watch import Watch, check_arguments
 from hookcli.commands.watch_rules import rule_settings
 from hookcli.engine import distributed
-from hookcli.engine.session import ProcessHooks
+from hookcli.engine.hooks import ProcessHooks
 from hookcli.errors import INTERRUPTS, HookcliError, Terminated, UsageError, internal_error
 from hookcli.options import torchrun_env, torchrun_rank
 from hookcli.output import LineLog

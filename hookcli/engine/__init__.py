@@ -1,2 +1,3 @@
-"""The engine: load a model, build its inputs, select modules, run it with hooks (``session``, the only
-module that registers hooks), reduce tensors to statistics, and hand the model back as it came."""
+"""The engine: load a model, build its inputs, select modules, run it with hooks (``session`` records a
+run, ``hooks`` attaches the hooks: the only modules that register hooks), reduce tensors to statistics,
+and hand the model back as it came."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine.session import hook_calls
+from hookcli.engine.hooks import hook_calls
 from hookcli.engine.stats import Vector
 from hookcli.records import AttentionLayer, OutputLogits
 

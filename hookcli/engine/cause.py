@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookcli.engine.session import hook_calls, hook_tensor
+from hookcli.engine.hooks import hook_calls, hook_tensor
 from hookcli.engine.stats import iter_tensors, to_host
 from hookcli.records import NonfiniteCause, WatchStep
 

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed
+from hookcli.engine.hooks import ParamReads, is_compiled
 from hookcli.engine.session import (
-    HookOptions, HookSession, ParamReads, RunObserver, clipped_gradients, is_compiled, param_record, reducible,
+    HookOptions, HookSession, RunObserver, clipped_gradients, param_record, reducible,
 )
 from hookcli.engine.stats import Vector, device_float
 from hookcli.records import FailureInfo, LayerRecord, ParamRecord

@@ -30,8 +30,9 @@ from hookcli.errors import (
 )
 from hookcli.engine import distributed, reduction, sharding, weight_guard
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
+from hookcli.engine.hooks import attach
 from hookcli.engine.session import (
-    HookOptions, HookSession, KeepFn, attach,
+    HookOptions, HookSession, KeepFn,
 )
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note

@@ -107,7 +107,7 @@ def exclusive(model: Any = None) -> Iterator[None]:
 
 
 def run_lock() -> threading.RLock:
-    """The process-wide run lock (re-entrant): held by ``exclusive``, ``preserved`` and ``session.attach``."""
+    """The process-wide run lock (re-entrant): held by ``exclusive``, ``preserved`` and ``hooks.attach``."""
     return _RUN_LOCK
 
 

@@ -24,7 +24,8 @@ from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
-from hookcli.engine.session import HookOptions, HookSet, ParamVectors, reducible, stale_graph_error
+from hookcli.engine.hooks import HookSet, ParamVectors, stale_graph_error
+from hookcli.engine.session import HookOptions, reducible
 from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
 from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
