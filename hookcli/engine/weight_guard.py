@@ -135,9 +135,10 @@ class Guard:
 
 
 def _same(p: torch.Tensor, values: torch.Tensor) -> bool:
-    """``p`` holds ``values`` bit for bit (NaN where NaN was: compared as integers when the widths match)."""
+    """``p`` holds ``values`` bit for bit (NaN where NaN was, -0.0 where -0.0 was: compared as integers when
+    the widths match; a same-width dtype view takes any strides, a transposed weight's too)."""
     now = p.detach() if p.is_cpu else p.detach().cpu()
-    if now.dtype.is_floating_point and now.dtype.itemsize in _INTS and now.is_contiguous() and values.is_contiguous():
+    if now.dtype == values.dtype and now.dtype.is_floating_point and now.dtype.itemsize in _INTS:
         now, values = now.view(_INTS[now.dtype.itemsize]), values.view(_INTS[now.dtype.itemsize])
     return torch.equal(now, values)
 

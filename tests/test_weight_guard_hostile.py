@@ -1,0 +1,60 @@
+"""The weight guard (``hookcli.engine.weight_guard``) against forwards that write their weights in ways
+its speculation could miss: each test runs a model several times (a first run copies, later ones do not)
+and compares every weight bit for bit with a copy the test took itself."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import hookcli
+from hookcli.engine import weight_guard
+from hookcli.errors import WeightsChangedWarning
+
+
+def _bits(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter and buffer's bytes (a contiguous copy: NaN and -0.0 compared as they are)."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {n: t.detach().contiguous().clone().view(-1).view(torch.uint8) for n, t in tensors}
+
+
+def _assert_bits(before: dict[str, torch.Tensor], model: nn.Module) -> None:
+    now = _bits(model)
+    assert now.keys() == before.keys()
+    for name, values in before.items():
+        assert torch.equal(now[name], values), name
+    assert "data" not in nn.Parameter.__dict__ and "data" not in torch.Tensor.__dict__
+
+
+def _runs(model: nn.Module, times: int = 3, **options: Any) -> list[Any]:
+    """``hookcli.stats`` ``times`` times, none of them saying a weight changed, each handing the weights
+    back as they were."""
+    before = _bits(model)
+    reports = []
+    for _ in range(times):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", WeightsChangedWarning)
+            reports.append(hookcli.stats(model, **({"input_shapes": ["2x6"]} | options)))
+        _assert_bits(before, model)
+    return reports
+
+
+def test_a_first_run_that_flips_the_sign_of_a_zero_in_a_transposed_weight_puts_it_back() -> None:
+    """A non-contiguous weight is compared bit for bit too (-0.0 == 0.0 as floats)."""
+
+    class FlipsZeros(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(3, 6).T)  # (6, 3), strides (1, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.weight.data.mul_(-1.0)
+            return x @ self.weight
+
+    model = FlipsZeros()
+    assert not model.weight.is_contiguous()
+    _runs(model, times=3)
+    assert weight_guard.copying(model)  # (seen writing on its first run)
