@@ -5,8 +5,10 @@ and compares every weight bit for bit with a copy the test took itself."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,6 +42,36 @@ def _runs(model: nn.Module, times: int = 3, **options: Any) -> list[Any]:
             reports.append(hookcli.stats(model, **({"input_shapes": ["2x6"]} | options)))
         _assert_bits(before, model)
     return reports
+
+
+class _WritesFromItsSecondRun(nn.Module):
+    """A linear layer whose forward, from its second call on, writes its weight as ``write`` does."""
+
+    def __init__(self, write: Callable[[nn.Parameter], None], weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(3, 6) if weight is None else weight)
+        self.write = write
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= 2:
+            self.write(self.weight)
+        return x @ self.weight.T
+
+
+@pytest.mark.parametrize("write", [
+    lambda w: w[0].data.mul_(2.0),        # a row of it
+    lambda w: w.T.data.mul_(2.0),         # its transpose
+    lambda w: w.view(-1).data.zero_(),    # a flat view
+], ids=["row", "transpose", "flat"])
+def test_a_later_write_through_data_of_a_view_of_a_weight_is_put_back(write: Callable[[Any], None]) -> None:
+    """``.data`` of a view bumps no version counter, like ``.data`` of the weight itself."""
+    model = _WritesFromItsSecondRun(write)
+    reports = _runs(model, times=3)
+    # the run saw the write, as an unwatched forward would
+    assert reports[1].layers[0].stats != reports[0].layers[0].stats
 
 
 def test_a_first_run_that_flips_the_sign_of_a_zero_in_a_transposed_weight_puts_it_back() -> None:

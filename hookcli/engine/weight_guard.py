@@ -10,9 +10,10 @@ after every run:
 - **A model's first run** copies its weights (an accelerator's to host memory) and puts back every one
   the run changed. A model whose first run changed none (same values, no version counter moved) is
   remembered, weakly and with its parameter objects, as one whose forward *keeps its weights*.
-- **A later run of such a model** copies nothing up front. While it runs, ``nn.Parameter.data`` copies
-  the parameter it is read from on its first read (a write through ``.data`` bumps no version counter,
-  so it is caught here) and the copy is put back after the run. Every other in-place write to a parameter
+- **A later run of such a model** copies nothing up front. While it runs, ``torch.Tensor.data`` copies
+  the parameter it is read from (or from a view of: ``w[0].data``, ``w.T.data``) on its first read (a
+  write through ``.data`` bumps no version counter, so it is caught here) and the copy is put back after
+  the run. Every other in-place write to a parameter
   or a view of it (under ``no_grad``: ``clamp_``, ``embedding_renorm_``, an init function) bumps the
   parameter's version counter: after the run a moved counter means a write made with no copy to put
   back. It is said (``WeightsChangedWarning``: which parameters) and the model is copied on every
@@ -199,17 +200,24 @@ def _names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
 # --------------------------------------------------------------------------- .data, while runs go on
 
 
-def _get_data(self: torch.Tensor) -> torch.Tensor:
-    guard = _WATCHED.get(id(self))
+def _watch_read(t: torch.Tensor) -> None:
+    """Copy the watched parameter ``t`` is, or is a view of (``_base``: the parameter itself), before
+    its ``.data`` is read: ``.data`` of a view shares the weight's memory and not its version counter."""
+    guard = _WATCHED.get(id(t))
+    if guard is None and t._base is not None:
+        t = t._base
+        guard = _WATCHED.get(id(t))
     if guard is not None:
-        guard.keep(self)
+        guard.keep(t)
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    _watch_read(self)
     return _DATA.__get__(self)
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-    guard = _WATCHED.get(id(self))
-    if guard is not None:
-        guard.keep(self)
+    _watch_read(self)
     _DATA.__set__(self, value)
 
 
@@ -219,14 +227,14 @@ _DATA_PROPERTY = property(_get_data, _set_data, doc=_DATA.__doc__)
 @contextmanager
 def _watching(guard: Guard) -> Iterator[None]:
     """While the block runs, ``guard``'s parameters are copied on their first ``.data`` read (a later
-    run's only copy). ``nn.Parameter.data`` is this module's property while any guard watches; nested
+    run's only copy). ``torch.Tensor.data`` is this module's property while any guard watches; nested
     runs (another model from inside a forward) share it."""
     if not guard.speculating:
         yield
         return
     with _LOCK:
-        if not _WATCHED and nn.Parameter.__dict__.get("data") is not _DATA_PROPERTY:
-            nn.Parameter.data = _DATA_PROPERTY  # type: ignore[assignment,method-assign]
+        if not _WATCHED and torch.Tensor.__dict__.get("data") is not _DATA_PROPERTY:
+            torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment,method-assign]
         mine = [id(p) for p in guard.params if id(p) not in _WATCHED]
         for key in mine:
             _WATCHED[key] = guard
@@ -236,5 +244,5 @@ def _watching(guard: Guard) -> Iterator[None]:
         with _LOCK:
             for key in mine:
                 _WATCHED.pop(key, None)
-            if not _WATCHED and nn.Parameter.__dict__.get("data") is _DATA_PROPERTY:
-                del nn.Parameter.data
+            if not _WATCHED and torch.Tensor.__dict__.get("data") is _DATA_PROPERTY:
+                del torch.Tensor.data
