@@ -39,7 +39,7 @@ def _runs(model: nn.Module, times: int = 3, **options: Any) -> list[Any]:
     for _ in range(times):
         with warnings.catch_warnings():
             warnings.simplefilter("error", WeightsChangedWarning)
-            reports.append(hookcli.stats(model, **({"input_shapes": ["2x6"]} | options)))
+            reports.append(hookcli.stats(model, **(options if "inputs" in options else {"input_shapes": ["2x6"]} | options)))
         _assert_bits(before, model)
     return reports
 
@@ -90,3 +90,40 @@ def test_a_first_run_that_flips_the_sign_of_a_zero_in_a_transposed_weight_puts_i
     assert not model.weight.is_contiguous()
     _runs(model, times=3)
     assert weight_guard.copying(model)  # (seen writing on its first run)
+
+
+class _TiesThroughData(nn.Module):
+    """Legacy weight tying in the forward: the head's ``.data`` set to the embedding's."""
+
+    def __init__(self, from_call: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(5, 6)
+        self.head = nn.Linear(6, 5, bias=False)
+        self.from_call = from_call
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= self.from_call:
+            self.head.weight.data = self.emb.weight.data
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("from_call", [1, 2], ids=["first-run", "later-run"])
+def test_a_weight_whose_data_the_forward_replaces_gets_its_own_memory_back(from_call: int) -> None:
+    """Putting the head's values back into the embedding's memory would overwrite the embedding."""
+    model = _TiesThroughData(from_call)
+    head, emb = model.head.weight, model.emb.weight
+    pointers = (head.data_ptr(), emb.data_ptr())
+    _runs(model, times=3, inputs=torch.tensor([[0, 1, 4]]))
+    assert model.head.weight is head and (head.data_ptr(), emb.data_ptr()) == pointers
+
+
+@pytest.mark.parametrize("from_call", [1, 2], ids=["first-run", "later-run"])
+def test_a_weight_whose_data_the_forward_replaces_with_another_shape_comes_back_whole(from_call: int) -> None:
+    model = _WritesFromItsSecondRun(lambda w: setattr(w, "data", torch.zeros(2, 6)))
+    model.calls = 2 - from_call  # (writes from its ``from_call``-th run on)
+    shape = model.weight.shape
+    _runs(model, times=3)
+    assert model.weight.shape == shape

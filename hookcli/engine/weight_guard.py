@@ -19,6 +19,8 @@ after every run:
   back. It is said (``WeightsChangedWarning``: which parameters) and the model is copied on every
   later run.
 - A model whose parameters changed (a layer swapped) since it was remembered is treated as new.
+- A parameter whose ``.data`` a run set (legacy tying in a forward, ``head.weight.data = emb.weight.data``)
+  gets its own memory back before its values are put back (``Guard.memory``).
 
 What no guard sees: a write through memory torch does not track (``.numpy()``, ``untyped_storage()``,
 a C extension's pointer) in a later run of a model whose first run wrote nothing.
@@ -89,6 +91,10 @@ class Guard:
     partly: bool = False
     #: ids of the parameters a later run has seen through ``.data``
     covered: set[int] = field(default_factory=set)
+    #: id -> (parameter, its ``.data`` before the run): every weight on a first run, those whose ``.data``
+    #: a later one set. A forward that sets it (``head.weight.data = emb.weight.data``) gets its own
+    #: memory back before its values: else they would be copied into the memory it was given.
+    memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def keep(self, p: torch.Tensor) -> None:
         """Copy ``p`` before a first read of its ``.data`` (idempotent). A copy taken after an earlier
@@ -106,6 +112,9 @@ class Guard:
         """After the run, the (parameter, values) pairs to copy back: on a first run those whose values
         or version counter changed; on a later one each parameter read through ``.data``. Notes in
         ``changed`` the positions a first run changed, and those a later run changed with no copy."""
+        for p, data in self.memory.values():
+            if not p.is_set_to(data):
+                _DATA.__set__(p, data)
         if not self.speculating:
             self.changed = [i for i, (p, v) in enumerate(self.kept)
                             if _version(p) != self.versions[i] or not _same(p, v)]
@@ -167,6 +176,7 @@ def guarded(model: nn.Module, params: list[torch.Tensor]) -> Iterator[Guard]:
                   speculating=_remembered(model, params) and not any(p.is_inference() for p in params))
     if not guard.speculating:
         guard.kept = [(p, _copy(p)) for p in params]
+        guard.memory = {id(p): (p, _DATA.__get__(p)) for p in params}
     guard.versions = [_version(p) for p in params]
     outer = _RUNS.get(id(model))
     _RUNS[id(model)] = guard
@@ -218,6 +228,9 @@ def _get_data(self: torch.Tensor) -> torch.Tensor:
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
     _watch_read(self)
+    guard = _WATCHED.get(id(self))
+    if guard is not None:
+        guard.memory.setdefault(id(self), (self, _DATA.__get__(self)))
     _DATA.__set__(self, value)
 
 
