@@ -127,3 +127,29 @@ def test_a_weight_whose_data_the_forward_replaces_with_another_shape_comes_back_
     shape = model.weight.shape
     _runs(model, times=3)
     assert model.weight.shape == shape
+
+
+def test_a_model_made_under_inference_mode_is_copied_on_every_run() -> None:
+    """Its weights keep no version counter: a write on a later run could not be seen, so none is
+    speculated on (and ``copying`` says so)."""
+
+    class ScalesLater(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls >= 3:
+                with torch.inference_mode():
+                    self.lin.weight.mul_(-2.0)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = ScalesLater()
+    assert model.lin.weight.is_inference()
+    _runs(model, times=1)
+    assert weight_guard.copying(model)  # (though its first run wrote nothing)
+    _runs(model, times=3)

@@ -172,8 +172,7 @@ def guarded(model: nn.Module, params: list[torch.Tensor]) -> Iterator[Guard]:
     ``guard.to_put_back()`` (with the buffers, once the parameters are the indexed ones again), then
     calls ``guard.settle``."""
     params = [p for p in params if _plain(p)]
-    guard = Guard(model, params,
-                  speculating=_remembered(model, params) and not any(p.is_inference() for p in params))
+    guard = Guard(model, params, speculating=_speculates(model, params))
     if not guard.speculating:
         guard.kept = [(p, _copy(p)) for p in params]
         guard.memory = {id(p): (p, _DATA.__get__(p)) for p in params}
@@ -199,7 +198,13 @@ def ran_partly(model: nn.Module) -> None:
 
 def copying(model: nn.Module) -> bool:
     """True when the next run of ``model`` copies its weights up front (not seen to keep them)."""
-    return not _remembered(model, [p for p in ModelIndex.of(model).params if _plain(p)])
+    return not _speculates(model, [p for p in ModelIndex.of(model).params if _plain(p)])
+
+
+def _speculates(model: nn.Module, params: list[torch.Tensor]) -> bool:
+    """A run of ``model`` copies nothing up front: it was seen to keep these weights, and each keeps a
+    version counter (an inference tensor keeps none: such a model is copied on every run)."""
+    return _remembered(model, params) and not any(p.is_inference() for p in params)
 
 
 def _names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
