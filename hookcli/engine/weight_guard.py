@@ -10,14 +10,17 @@ after every run:
 - **A model's first run** copies its weights (an accelerator's to host memory) and puts back every one
   the run changed. A model whose first run changed none (same values, no version counter moved) is
   remembered, weakly and with its parameter objects, as one whose forward *keeps its weights*.
-- **A later run of such a model** copies nothing up front. While it runs, ``nn.Parameter.data`` copies
-  the parameter it is read from on its first read (a write through ``.data`` bumps no version counter,
-  so it is caught here) and the copy is put back after the run. Every other in-place write to a parameter
+- **A later run of such a model** copies nothing up front. While it runs, ``torch.Tensor.data`` copies
+  the parameter it is read from (or from a view of: ``w[0].data``, ``w.T.data``) on its first read (a
+  write through ``.data`` bumps no version counter, so it is caught here) and the copy is put back after
+  the run. Every other in-place write to a parameter
   or a view of it (under ``no_grad``: ``clamp_``, ``embedding_renorm_``, an init function) bumps the
   parameter's version counter: after the run a moved counter means a write made with no copy to put
   back. It is said (``WeightsChangedWarning``: which parameters) and the model is copied on every
   later run.
 - A model whose parameters changed (a layer swapped) since it was remembered is treated as new.
+- A parameter whose ``.data`` a run set (legacy tying in a forward, ``head.weight.data = emb.weight.data``)
+  gets its own memory back before its values are put back (``Guard.memory``).
 
 What no guard sees: a write through memory torch does not track (``.numpy()``, ``untyped_storage()``,
 a C extension's pointer) in a later run of a model whose first run wrote nothing.
@@ -88,6 +91,10 @@ class Guard:
     partly: bool = False
     #: ids of the parameters a later run has seen through ``.data``
     covered: set[int] = field(default_factory=set)
+    #: id -> (parameter, its ``.data`` before the run): every weight on a first run, those whose ``.data``
+    #: a later one set. A forward that sets it (``head.weight.data = emb.weight.data``) gets its own
+    #: memory back before its values: else they would be copied into the memory it was given.
+    memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def keep(self, p: torch.Tensor) -> None:
         """Copy ``p`` before a first read of its ``.data`` (idempotent). A copy taken after an earlier
@@ -105,6 +112,9 @@ class Guard:
         """After the run, the (parameter, values) pairs to copy back: on a first run those whose values
         or version counter changed; on a later one each parameter read through ``.data``. Notes in
         ``changed`` the positions a first run changed, and those a later run changed with no copy."""
+        for p, data in self.memory.values():
+            if not p.is_set_to(data):
+                _DATA.__set__(p, data)
         if not self.speculating:
             self.changed = [i for i, (p, v) in enumerate(self.kept)
                             if _version(p) != self.versions[i] or not _same(p, v)]
@@ -135,9 +145,10 @@ class Guard:
 
 
 def _same(p: torch.Tensor, values: torch.Tensor) -> bool:
-    """``p`` holds ``values`` bit for bit (NaN where NaN was: compared as integers when the widths match)."""
+    """``p`` holds ``values`` bit for bit (NaN where NaN was, -0.0 where -0.0 was: compared as integers when
+    the widths match; a same-width dtype view takes any strides, a transposed weight's too)."""
     now = p.detach() if p.is_cpu else p.detach().cpu()
-    if now.dtype.is_floating_point and now.dtype.itemsize in _INTS and now.is_contiguous() and values.is_contiguous():
+    if now.dtype == values.dtype and now.dtype.is_floating_point and now.dtype.itemsize in _INTS:
         now, values = now.view(_INTS[now.dtype.itemsize]), values.view(_INTS[now.dtype.itemsize])
     return torch.equal(now, values)
 
@@ -161,10 +172,10 @@ def guarded(model: nn.Module, params: list[torch.Tensor]) -> Iterator[Guard]:
     ``guard.to_put_back()`` (with the buffers, once the parameters are the indexed ones again), then
     calls ``guard.settle``."""
     params = [p for p in params if _plain(p)]
-    guard = Guard(model, params,
-                  speculating=_remembered(model, params) and not any(p.is_inference() for p in params))
+    guard = Guard(model, params, speculating=_speculates(model, params))
     if not guard.speculating:
         guard.kept = [(p, _copy(p)) for p in params]
+        guard.memory = {id(p): (p, _DATA.__get__(p)) for p in params}
     guard.versions = [_version(p) for p in params]
     outer = _RUNS.get(id(model))
     _RUNS[id(model)] = guard
@@ -187,7 +198,13 @@ def ran_partly(model: nn.Module) -> None:
 
 def copying(model: nn.Module) -> bool:
     """True when the next run of ``model`` copies its weights up front (not seen to keep them)."""
-    return not _remembered(model, [p for p in ModelIndex.of(model).params if _plain(p)])
+    return not _speculates(model, [p for p in ModelIndex.of(model).params if _plain(p)])
+
+
+def _speculates(model: nn.Module, params: list[torch.Tensor]) -> bool:
+    """A run of ``model`` copies nothing up front: it was seen to keep these weights, and each keeps a
+    version counter (an inference tensor keeps none: such a model is copied on every run)."""
+    return _remembered(model, params) and not any(p.is_inference() for p in params)
 
 
 def _names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
@@ -198,17 +215,27 @@ def _names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
 # --------------------------------------------------------------------------- .data, while runs go on
 
 
-def _get_data(self: torch.Tensor) -> torch.Tensor:
-    guard = _WATCHED.get(id(self))
+def _watch_read(t: torch.Tensor) -> None:
+    """Copy the watched parameter ``t`` is, or is a view of (``_base``: the parameter itself), before
+    its ``.data`` is read: ``.data`` of a view shares the weight's memory and not its version counter."""
+    guard = _WATCHED.get(id(t))
+    if guard is None and t._base is not None:
+        t = t._base
+        guard = _WATCHED.get(id(t))
     if guard is not None:
-        guard.keep(self)
+        guard.keep(t)
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    _watch_read(self)
     return _DATA.__get__(self)
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
+    _watch_read(self)
     guard = _WATCHED.get(id(self))
     if guard is not None:
-        guard.keep(self)
+        guard.memory.setdefault(id(self), (self, _DATA.__get__(self)))
     _DATA.__set__(self, value)
 
 
@@ -218,14 +245,14 @@ _DATA_PROPERTY = property(_get_data, _set_data, doc=_DATA.__doc__)
 @contextmanager
 def _watching(guard: Guard) -> Iterator[None]:
     """While the block runs, ``guard``'s parameters are copied on their first ``.data`` read (a later
-    run's only copy). ``nn.Parameter.data`` is this module's property while any guard watches; nested
+    run's only copy). ``torch.Tensor.data`` is this module's property while any guard watches; nested
     runs (another model from inside a forward) share it."""
     if not guard.speculating:
         yield
         return
     with _LOCK:
-        if not _WATCHED and nn.Parameter.__dict__.get("data") is not _DATA_PROPERTY:
-            nn.Parameter.data = _DATA_PROPERTY  # type: ignore[assignment,method-assign]
+        if not _WATCHED and torch.Tensor.__dict__.get("data") is not _DATA_PROPERTY:
+            torch.Tensor.data = _DATA_PROPERTY  # type: ignore[assignment,method-assign]
         mine = [id(p) for p in guard.params if id(p) not in _WATCHED]
         for key in mine:
             _WATCHED[key] = guard
@@ -235,5 +262,5 @@ def _watching(guard: Guard) -> Iterator[None]:
         with _LOCK:
             for key in mine:
                 _WATCHED.pop(key, None)
-            if not _WATCHED and nn.Parameter.__dict__.get("data") is _DATA_PROPERTY:
-                del nn.Parameter.data
+            if not _WATCHED and torch.Tensor.__dict__.get("data") is _DATA_PROPERTY:
+                del torch.Tensor.data
