@@ -95,6 +95,8 @@ class Guard:
     #: a later one set. A forward that sets it (``head.weight.data = emb.weight.data``) gets its own
     #: memory back before its values: else they would be copied into the memory it was given.
     memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: positions in ``params`` a run changed with no copy to undo it (a later run), or changed (a first)
+    changed: list[int] = field(default_factory=list)
 
     def keep(self, p: torch.Tensor) -> None:
         """Copy ``p`` before a first read of its ``.data`` (idempotent). A copy taken after an earlier
@@ -105,8 +107,6 @@ class Guard:
             self.covered.add(id(p))
             if _version(p) == self.versions[next(i for i, q in enumerate(self.params) if q is p)]:
                 self.kept.append((p, _copy(p)))
-
-    changed: list[int] = field(default_factory=list)
 
     def to_put_back(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """After the run, the (parameter, values) pairs to copy back: on a first run those whose values
