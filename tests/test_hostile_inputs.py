@@ -250,3 +250,45 @@ def test_closed_stdout_and_stderr_end_quietly_with_141(repo: Path, args: list[st
     """``hookcli ... 2>&1 | head -1`` when head has gone, also for an error's own lines."""
     code, _ = _closed_pipe_run(args, repo, stderr_too=True)
     assert code == 141
+
+
+UNHASHABLE = '''import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def __eq__(self, other):  # (and so no __hash__: Python drops it)
+        return isinstance(other, Block)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def whole():
+    return Block()
+
+
+def inner():
+    return nn.Sequential(nn.Identity(), Block())
+'''
+
+
+@pytest.mark.parametrize(("attr", "where"), [("whole", "(model) (Block)"), ("inner", "1 (Block)")])
+def test_a_module_class_with_eq_and_no_hash_is_one_line_exit_2(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              attr: str, where: str) -> None:
+    """torch's own ``named_modules`` (and ``parameters``) fail on such a module: one line naming it, exit 2,
+    the fix as the hint; through the API an UnsupportedError, not a raw TypeError."""
+    (tmp_path / "unhashable.py").write_text(UNHASHABLE)
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("unhashable", None)
+    out = cli("stats", f"unhashable.py:{attr}", "--input-shape", "2x4")
+    one_error(out, where, "__eq__ without __hash__")
+    assert "__hash__ = nn.Module.__hash__" in out.stderr
+    namespace: dict[str, object] = {}
+    exec(compile(UNHASHABLE, "unhashable", "exec"), namespace)
+    with pytest.raises(hookcli.HookcliError, match="__eq__ without __hash__"):
+        hookcli.stats(namespace[attr](), input_shapes=["2x4"])  # type: ignore[operator]

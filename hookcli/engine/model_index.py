@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
+from hookcli.errors import UnsupportedError
+
 #: (module, key in its ``_parameters`` or ``_buffers``, tensor): one entry per place a tensor is held.
 Slot = tuple[nn.Module, str, torch.Tensor]
 _MISSING = object()
@@ -53,8 +55,9 @@ class ModelIndex:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelIndex:
-        """Index ``model`` with one walk of its module tree."""
-        named = list(model.named_modules())
+        """Index ``model`` with one walk of its module tree. UnsupportedError for a tree torch cannot walk:
+        a module class that defines ``__eq__`` without ``__hash__`` (``named_modules`` keeps a set)."""
+        named = _named_modules(model)
         param_slots: list[Slot] = []
         buffer_slots: list[Slot] = []
         child_slots: list[tuple[nn.Module, str, nn.Module | None]] = []
@@ -184,3 +187,25 @@ class ModelIndex:
                         return None
                     total[id(module)] += total[id(child)]
         return total
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()``, or UnsupportedError naming the first module torch cannot hash (its class
+    defines ``__eq__`` and so, in Python, loses ``__hash__``: ``named_modules`` and ``parameters`` fail)."""
+    try:
+        return list(model.named_modules())
+    except TypeError:
+        stack: list[tuple[str, nn.Module]] = [("", model)]
+        while stack:
+            name, module = stack.pop()
+            try:
+                hash(module)
+            except TypeError:
+                kind = type(module).__name__
+                raise UnsupportedError(
+                    f"{name or '(model)'} ({kind}) cannot be hashed (its class defines __eq__ without __hash__), "
+                    "so torch cannot walk the model's modules (named_modules, parameters)",
+                    hint=f"add `__hash__ = nn.Module.__hash__` to class {kind}") from None
+            stack.extend((f"{name}.{key}" if name else key, child)
+                         for key, child in module._modules.items() if child is not None)
+        raise
