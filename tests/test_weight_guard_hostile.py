@@ -15,6 +15,7 @@ from torch import nn
 import hookcli
 from hookcli.engine import weight_guard
 from hookcli.errors import WeightsChangedWarning
+from timeouts import scaled_timeout
 
 
 def _bits(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -275,7 +276,8 @@ def test_two_threads_running_two_models_hand_both_back() -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=scaled_timeout(120))
+    assert not any(thread.is_alive() for thread in threads)
     assert not failures
     for model, bits in zip(models, before):
         _assert_bits(bits, model)
