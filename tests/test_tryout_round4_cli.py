@@ -76,3 +76,112 @@ def test_api_dtype_float64_leaves_a_complex_model_as_it_was() -> None:
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     assert model.training and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------- models no other test builds
+
+MODELS_FILE = '''
+import torch
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                        max_position_embeddings=64))
+
+
+def whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    torch.manual_seed(0)
+    return WhisperForConditionalGeneration(WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=20,
+        max_target_positions=16, vocab_size=100, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2))
+
+
+def effnet():
+    import timm
+    torch.manual_seed(0)
+    return timm.create_model("efficientnet_b0", pretrained=False, num_classes=10)
+'''
+
+
+@pytest.fixture
+def zoo(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``zoo.py`` with the models above, importable here too, in a scratch working directory."""
+    (tmp_path / "zoo.py").write_text(MODELS_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    import zoo as module
+
+    return importlib.reload(module)
+
+
+def _hooked(model: torch.nn.Module, names: list[str]) -> dict[str, Any]:
+    outputs: dict[str, Any] = {}
+    for name in names:
+        model.get_submodule(name).register_forward_hook(lambda m, a, o, n=name: outputs.__setitem__(n, o))
+    return outputs
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize(("name", "inputs", "layers"), [
+    ("llama", lambda g: {"input_ids": torch.randint(0, 100, (2, 8), generator=g)}, ["model.layers.0", "lm_head"]),
+    ("whisper", lambda g: {"input_features": torch.randn(1, 16, 40, generator=g),
+                           "decoder_input_ids": torch.randint(0, 100, (1, 6), generator=g)},
+     ["model.encoder.layers.0", "proj_out"]),
+], ids=["llama-gqa", "whisper"])
+def test_stats_and_grads_of_tiny_transformers_match_float64_torch(cli: Any, zoo: Any, name: str, inputs: Any,
+                                                                  layers: list[str]) -> None:
+    x = inputs(torch.Generator().manual_seed(1))
+    torch.save(x, "x.pt")
+    common = (f"zoo.py:{name}", "--input", "x.pt", "--layers", ",".join(layers), "-f", "json")
+    stats, grads = cli("stats", *common), cli("grads", *common, "--params", "none")
+    assert stats.exit_code == 0 and grads.exit_code == 0, stats.stderr + grads.stderr
+    model = getattr(zoo, name)().eval()
+    outputs = _hooked(model, layers)
+    logits = model(**x).logits
+    loss = _next_token_loss(logits, x["decoder_input_ids"] if "decoder_input_ids" in x else x["input_ids"])
+    report = json.loads(grads.stdout)
+    assert report["loss"]["value"] == pytest.approx(loss.item(), rel=1e-6)
+    wanted = torch.autograd.grad(loss, [_first(outputs[n]) for n in layers])
+    assert len(json.loads(stats.stdout)["layers"]) == len(report["layers"]) == len(layers)
+    for row, grad_row, layer, g in zip(json.loads(stats.stdout)["layers"], report["layers"], layers, wanted):
+        assert row["name"] == grad_row["name"] == layer
+        _close(row["stats"], expected_stats(_first(outputs[layer])))
+        _close(grad_row["grad"], expected_stats(g))
+
+
+def test_efficientnet_stats_grads_and_check_hand_the_model_back(zoo: Any) -> None:
+    model = zoo.effnet().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    layers = ["conv_stem", "blocks.6"]
+    stats = hookcli.stats(model, inputs=x, layers=layers)
+    grads = hookcli.grads(model, inputs=x, layers=layers, params="none")
+    hookcli.check(model, inputs=x)  # train mode and an SGD step, all undone
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert all(m.training for m in model.modules()) and all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+    ref = zoo.effnet().eval()
+    outputs = _hooked(ref, layers)
+    loss = torch.nn.functional.cross_entropy(ref(x), torch.zeros(2, dtype=torch.long))
+    assert grads.loss["value"] == pytest.approx(loss.item(), rel=1e-6)
+    wanted = torch.autograd.grad(loss, [outputs[n] for n in layers])
+    assert [r.name for r in stats.layers] == [r.name for r in grads.layers] == layers
+    for row, grad_row, layer, g in zip(stats.layers, grads.layers, layers, wanted):
+        _close(row.stats, expected_stats(outputs[layer]))
+        _close(grad_row.grad, expected_stats(g))
