@@ -14,6 +14,7 @@ import torch
 
 import hookcli
 import tiny_models
+from hookcli.engine.build_inputs import detection_targets
 from test_model_sources import expected_stats, reference_outputs
 
 FNO = "tiny_models:TinyFNO"
@@ -185,3 +186,27 @@ def test_efficientnet_stats_grads_and_check_hand_the_model_back(zoo: Any) -> Non
     for row, grad_row, layer, g in zip(stats.layers, grads.layers, layers, wanted):
         _close(row.stats, expected_stats(outputs[layer]))
         _close(grad_row.grad, expected_stats(g))
+
+
+@pytest.mark.parametrize("name", ["tiny_fasterrcnn", "tiny_maskrcnn"])
+def test_a_detection_models_input_shape_gets_targets_in_train_mode(cli: Any, name: str) -> None:
+    """``check --input-shape`` (and ``grads --train``) on a detection model: its default images got
+    synthetic targets, a batch of the user's shape none, so the model stopped with "targets should not be
+    none when in training mode" (exit 1, blamed on the model). The loss is the model's own, from plain torch."""
+    check = cli("check", f"tiny_models:{name}", "--input-shape", "2x3x64x48", "-f", "json")
+    assert check.exit_code in (0, 1), check.stderr  # (1: a rule's verdict on a tiny random model)
+    rules = {r["rule"]: r for r in json.loads(check.stdout)["rules"]}
+    assert rules["runs"]["status"] == "PASS", rules["runs"]
+    result = cli("grads", f"tiny_models:{name}", "--train", "--input-shape", "2x3x64x48", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["failure"] is None and report["loss"]["kind"] == "model_loss"
+    torch.manual_seed(0)  # as hookcli builds and runs it (seed 0)
+    model = getattr(tiny_models, name)().train()
+    gen = torch.Generator().manual_seed(0)
+    images = list(torch.randn(2, 3, 64, 48, generator=gen).unbind(0))
+    targets, _ = detection_targets(model, 48, 2, gen, 0)
+    assert all((t["boxes"][:, 2:] <= 48).all() for t in targets)
+    torch.manual_seed(0)
+    want = sum(model(images, targets).values()).item()
+    assert report["loss"]["value"] == pytest.approx(want, rel=1e-5)
