@@ -447,7 +447,7 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
     smallest position limit its config declares, see ``position_limit``). ``dtype``: the floating
     dtype the run computes in (``--dtype``), which the floating tensors of tensor files are cast to
     (``file_floats``); None: the model's own. ``train``: the inputs of a run in train mode (a
-    torchvision detection model's default images come with targets, ``detection_targets``; a
+    torchvision detection model's images, default or one ``--input-shape``, come with targets, ``detection_targets``; a
     segmentation model's are ``TRAIN_SEGMENTATION_SIZE`` on a side).
     """
     fill = member(Fill, fill, "fill")
@@ -461,7 +461,18 @@ def make_inputs(loaded: LoadedModel, *, shapes: Sequence[InputSpec] = (),
         return _file_inputs(loaded, files, trust_pickle, dtype)
     if not shapes:
         return _default_inputs(loaded, batch_size or 1, fill, gen, seed, seq_len, meta, train)
-    return _shape_inputs(loaded, shapes, batch_size, fill, gen, seed)
+    made = _shape_inputs(loaded, shapes, batch_size, fill, gen, seed)
+    return _with_targets(loaded, made, gen, seed) if train else made
+
+
+def _with_targets(loaded: LoadedModel, inputs: ModelInputs, gen: torch.Generator, seed: int) -> ModelInputs:
+    """A detection model's ``--input-shape`` batch in train mode as its default one: a list of images and
+    ``detection_targets`` for them (in train mode it refuses to run without targets). Anything else as given."""
+    if loaded.family != "detection" or inputs.kwargs or len(inputs.args) != 1 or inputs.args[0].dim() != 4:
+        return inputs
+    t = inputs.args[0]
+    images = (list(t.unbind(0)), f"{inputs.infos[0].source}, list of {plural(t.shape[0], 'image')}")
+    return pack_inputs([images, detection_targets(loaded.model, min(t.shape[-2:]), t.shape[0], gen, seed)])
 
 
 def _file_inputs(loaded: LoadedModel, files: Sequence[Any], trust_pickle: bool,

@@ -277,7 +277,7 @@ def preserved(
                 completed = False
                 try:
                     if saved.convert:
-                        model.to(device=device, dtype=dtype)
+                        _convert(model, device, dtype)
                     if not _in_mode(saved.modules, saved.training, train):
                         model.train(train)
                     yield model
@@ -305,12 +305,28 @@ def _copy_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                     b.copy_(v)
 
 
+#: The complex dtype of each real precision: a run in float64 computes a complex weight in complex128.
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _run_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` has in a run in ``dtype``: a floating tensor ``dtype``, a complex one the complex
+    dtype of that precision (its own where there is none, bfloat16), any other its own. ``Module.to(dtype)``
+    would cast a complex one to ``dtype`` itself, dropping its imaginary part."""
+    if dtype is None or not (t.is_floating_point() or t.is_complex()):
+        return t.dtype
+    return dtype if t.is_floating_point() else _COMPLEX_OF.get(dtype, t.dtype)
+
+
+def _convert(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    """``model.to(device=device, dtype=dtype)``, complex tensors to ``_run_dtype`` (``to``'s own walk)."""
+    model._apply(lambda t: t.to(device=device, dtype=_run_dtype(t, dtype)))
+
+
 def _placed(tensors: list[torch.Tensor], device: torch.device | None, dtype: torch.dtype | None) -> bool:
-    """True when ``model.to(device=device, dtype=dtype)`` would change none of ``tensors``: each is on
-    ``device`` already, and each floating or complex one has ``dtype`` (``.to`` casts only those)."""
-    return all((device is None or t.device == device)
-               and (dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex()))
-               for t in tensors)
+    """True when ``_convert(model, device, dtype)`` would change none of ``tensors``: each is on
+    ``device`` already and has its ``_run_dtype`` (only floating and complex ones are cast)."""
+    return all((device is None or t.device == device) and t.dtype == _run_dtype(t, dtype) for t in tensors)
 
 
 def _in_mode(modules: list[nn.Module], training: list[bool], train: bool) -> bool:
