@@ -135,3 +135,40 @@ def test_mistral_lr_blowup_nan_made_at_an_unlogged_step(tmp_path: Path) -> None:
     assert nonfinite.message.startswith("first NaN/Inf seen at logged step 6: ")
     assert "appeared between steps 4 and 6 (model.layers.1." in nonfinite.message
     assert not hookcli.report(log).ok
+
+
+def test_hf_trainer_logging_every_2_steps_each_line_has_its_steps_own_loss(tmp_path: Path) -> None:
+    """A Qwen2 under the Hugging Face Trainer with logging_steps=2, accumulation, clipping and a cosine
+    warmup: every watched line holds its own step's loss (the one backward() was called on, summed over
+    the micro-batches), so each pair's mean is the Trainer's logged loss for the two steps; the weights
+    are those of the unwatched Trainer bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from hookcli.integrations.transformers import HookcliTrainerCallback
+
+    def train(name: str, callbacks: list[Any]) -> Any:
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        ids = torch.randint(0, 64, (48, 8), generator=torch.Generator().manual_seed(3))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="cosine",
+            max_grad_norm=0.5, logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                                       callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    plain = train("plain", [])
+    log = tmp_path / "hf.jsonl"
+    watched = train("watched", [HookcliTrainerCallback(every=1, out=log, quiet=True)])
+    a, b = plain.model.state_dict(), watched.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logged = [entry["loss"] for entry in watched.state.log_history if "loss" in entry]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(6))
+    losses = [line["loss"] for line in lines]
+    assert None not in losses
+    assert [(losses[i] + losses[i + 1]) / 2 for i in (0, 2, 4)] == pytest.approx(logged, rel=1e-6)
