@@ -172,3 +172,54 @@ def test_hf_trainer_logging_every_2_steps_each_line_has_its_steps_own_loss(tmp_p
     losses = [line["loss"] for line in lines]
     assert None not in losses
     assert [(losses[i] + losses[i + 1]) / 2 for i in (0, 2, 4)] == pytest.approx(logged, rel=1e-6)
+
+
+def test_lightning_convnext_bf16_accumulation_clipping(tmp_path: Path) -> None:
+    """A timm ConvNeXt under a Lightning Trainer with bf16-mixed precision, accumulate_grad_batches=2,
+    gradient clipping and a StepLR: the weights are the unwatched Trainer's bit for bit, each layer's
+    ``calls`` is 2, and step 0's loss is the mean of its two micro-batches' cross-entropies under
+    bfloat16 autocast, computed here on the initial weights."""
+    lightning = pytest.importorskip("lightning")
+    timm = pytest.importorskip("timm")
+    from hookcli.integrations.lightning import HookcliCallback
+
+    class Net(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = timm.create_model("convnext_atto", pretrained=False, num_classes=4, dims=(8, 16, 24, 32),
+                                         depths=(1, 1, 1, 1))
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2)}
+
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(3, 32, 32, generator=gen), int(torch.randint(0, 4, (1,), generator=gen))) for _ in range(32)]
+    batches = list(torch.utils.data.DataLoader(data, batch_size=4))
+
+    def fit(callbacks: list[Any]) -> nn.Module:
+        torch.manual_seed(0)
+        model = Net()
+        trainer = lightning.Trainer(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed",
+                                    accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, callbacks=callbacks, default_root_dir=str(tmp_path))
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        return model
+
+    torch.manual_seed(0)
+    initial = Net()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = [initial.training_step(batch, i) for i, batch in enumerate(batches[:2])]
+    plain = fit([])
+    log = tmp_path / "pl.jsonl"
+    watched = fit([HookcliCallback(every=2, out=log, quiet=True)])
+    a, b = plain.state_dict(), watched.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 2]
+    assert all({layer["calls"] for layer in line["layers"]} == {2} for line in lines)
+    assert lines[0]["loss"] == (first[0] / 2 + first[1] / 2).item()
+    assert lines[0]["findings"] == [] and hookcli.report(log).ok
