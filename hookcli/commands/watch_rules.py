@@ -184,12 +184,17 @@ def _nonfinite(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
     skips = (f", at {skipped_in_a_row} logged steps in a row that the optimizer skipped (a GradScaler skips "
              "a few while it lowers its scale at the start; this many means the gradients stay NaN/Inf "
              "and the parameters no longer change)") if skipped_in_a_row and direction == "backward" else ""
+    # the loss's first non-finite step is not the NaN's first when the weights its forward used already
+    # held one: an earlier unlogged step's NaN gradient (its loss finite) made them NaN at its update
+    stale = [p.name for p in rec.params if p.norm is not None and not _finite(p.norm)]
     first = (rec.flight or rec.step == 0 or state.last_logged == rec.step - 1
-             or rec.loss_nonfinite_at == rec.step)
+             or (rec.loss_nonfinite_at == rec.step and not stale))
     if not first:  # a later step's victim: not called the first of the run
         since = (f"the loss turned non-finite at step {rec.loss_nonfinite_at}"
                  if rec.loss_nonfinite_at is not None and rec.loss_nonfinite_at < rec.step
                  else f"it appeared between steps {state.last_logged} and {rec.step}")
+        if stale and rec.loss_nonfinite_at == rec.step:  # the loss turned at this step, its weights before it
+            since += f" ({stale[0]} was already NaN/Inf in this step's forward)"
         return [Finding("nonfinite", "error", rec.step, name, direction, count, 0.0,
                         f"first NaN/Inf seen at logged step {rec.step}: {at}; {since}" + skips)]
     if rec.cause is not None and direction != "loss":  # the module whose code made it (engine.cause)

@@ -7,7 +7,7 @@
 accelerate's wrapper); a step is one optimizer step (``gradient_accumulation_steps`` micro-batches are
 one step). Its loss is the Trainer's own, bit for bit: the ``loss`` the Trainer logs for that step alone
 (``logging_steps=1``, or a step that the log's previous loss entry directly precedes); a step the
-Trainer logs no loss of its own for has none. A step ends at the Trainer's log of it, else when the next
+Trainer logs no loss of its own for has the one ``backward()`` was called on (the watch's own). A step ends at the Trainer's log of it, else when the next
 step begins, else at ``on_train_end``, which closes the watch.
 """
 
