@@ -223,3 +223,29 @@ def test_lightning_convnext_bf16_accumulation_clipping(tmp_path: Path) -> None:
     assert all({layer["calls"] for layer in line["layers"]} == {2} for line in lines)
     assert lines[0]["loss"] == (first[0] / 2 + first[1] / 2).item()
     assert lines[0]["findings"] == [] and hookcli.report(log).ok
+
+
+def test_without_an_optimizer_a_nan_made_at_a_logged_step_is_its_first(tmp_path: Path) -> None:
+    """A watch given no optimizer reads the weights' norms when the step ends, after the loop's own
+    update: weights that update made NaN are not a sign that the NaN came earlier. A NaN input at
+    logged step 4 (every=2) is the first of the run, made by the input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    finite_before = []
+    with hookcli.watch(model, every=2, out=tmp_path / "manual.jsonl") as w:
+        for step in range(6):
+            x = torch.randn(3, 4)
+            if step == 4:
+                x[0, 0] = float("nan")
+            finite_before.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            w.step(loss=loss)
+    assert finite_before == [True] * 5 + [False]  # the premise: NaN weights only after step 4's update
+    nonfinite = [f for f in w.findings if f.rule == "nonfinite"]
+    assert nonfinite and nonfinite[0].step == 4
+    assert nonfinite[0].message.startswith("first NaN/Inf of the run at step 4: already in the model's input")

@@ -185,8 +185,10 @@ def _nonfinite(rec: WatchStep, cfg: Settings, state: Any) -> list[Finding]:
              "a few while it lowers its scale at the start; this many means the gradients stay NaN/Inf "
              "and the parameters no longer change)") if skipped_in_a_row and direction == "backward" else ""
     # the loss's first non-finite step is not the NaN's first when the weights its forward used already
-    # held one: an earlier unlogged step's NaN gradient (its loss finite) made them NaN at its update
-    stale = [p.name for p in rec.params if p.norm is not None and not _finite(p.norm)]
+    # held one: an earlier unlogged step's NaN gradient (its loss finite) made them NaN at its update. A
+    # norm tells that only when taken at the optimizer's pre-step (its update measured); without an
+    # optimizer it is taken when the step ends, after the user's own update
+    stale = [p.name for p in rec.params if p.norm is not None and not _finite(p.norm) and p.update_norm is not None]
     first = (rec.flight or rec.step == 0 or state.last_logged == rec.step - 1
              or (rec.loss_nonfinite_at == rec.step and not stale))
     if not first:  # a later step's victim: not called the first of the run
