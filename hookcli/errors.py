@@ -178,7 +178,7 @@ class WatchWarning(UserWarning):
 
 class WeightsChangedWarning(UserWarning):
     """A run of a caller's model changed a weight in place where earlier runs of the model changed none,
-    so no copy was kept to put it back (docs/api.md "What a run leaves of your model"). Said once per
+    so no copy was kept to put it back (docs/python-api.md, "So are the weights' values"). Said once per
     such run, naming the weights; the model's weights are copied on every later run."""
 
 

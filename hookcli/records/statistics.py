@@ -181,7 +181,7 @@ def extra_accumulators() -> tuple[Accumulator, ...]:
 def stats_dict(row: Sequence[float], direction: str, *, missing: float | None = None) -> dict[str, Value]:
     """A host row of accumulators (``ACCUMULATORS``, then ``extra_accumulators()``) as ``direction``'s
     statistics dict."""
-    names = ACCUMULATORS + tuple(a.name for a in _EXTRA_ACCUMULATORS) if _EXTRA_ACCUMULATORS else ACCUMULATORS
+    names = ACCUMULATORS + tuple(a.name for a in _EXTRA_ACCUMULATORS)
     s = Summary(dict(zip(names, row)), missing)
     return {stat.name: stat.value(s) for stat in statistics_for(direction)}
 
