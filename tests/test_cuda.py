@@ -1,6 +1,6 @@
 """The watch, check and the distributed reduction on a real CUDA GPU (skipped without one: CI has none).
 
-The CPU suite runs the accelerator code paths on CPU tensors (``_reduce_device``, the flight
+The CPU suite runs the accelerator code paths on CPU tensors (the ``device`` backend, the flight
 recorder's device flag); here they run where they were written for, and every number is checked
 against plain torch in float64 as on CPU.
 """

@@ -13,7 +13,7 @@ import tiny_models as tm
 from reference import dummy, float64_stats
 from hookcli.errors import LayerNotFoundError, ModelRaisedError
 from hookcli.engine.hooks import attach
-from hookcli.engine.session import HookOptions
+from hookcli.engine.taps import Statistics
 from hookcli.engine.selection import select_modules
 
 
@@ -146,7 +146,7 @@ def test_model_restored_after_device_dtype_and_mode_change() -> None:
 
 def test_hooks_are_removed_and_engine_works_directly() -> None:
     model = tm.Reused()
-    with attach(model, select_modules(model), HookOptions(stats=True)) as session:
+    with attach(model, select_modules(model), [Statistics()]) as session:
         with torch.no_grad():
             model(torch.randn(2, 4))
         assert model.act._forward_hooks
@@ -281,7 +281,7 @@ def test_a_collector_sees_the_run_loops_events_in_order_and_gets_its_vectors_bac
     seen = Seen()
     prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
     plan = engine.RunPlan(loss=lambda out, a, k, m: (out.pow(2).mean(), "mine"), collectors=[seen], show_phase=False)
-    run = engine.run_model(prep, HookOptions(stats=True), plan)
+    run = engine.run_model(prep, [Statistics()], plan)
     assert events == ["begin", "enter forward", "forward_end", "leave forward", "enter backward", "leave backward",
                       "ran", "end", "vectors", "records"]
     with torch.no_grad():
@@ -305,7 +305,7 @@ def test_a_collectors_own_failure_during_forward_is_hookclis_not_the_models() ->
 
     prep = engine.prepare(RunOptions(model=nn.Linear(2, 2), input_shapes=["1x2"], seed=0))
     with pytest.raises(InternalError, match="a broken collector"):
-        engine.run_model(prep, HookOptions(), engine.RunPlan(collectors=[Broken()], show_phase=False))
+        engine.run_model(prep, [], engine.RunPlan(collectors=[Broken()], show_phase=False))
 
 
 def test_a_collector_sees_each_optimiser_step_with_the_steps_gradients_before_the_update() -> None:
@@ -337,7 +337,7 @@ def test_a_collector_sees_each_optimiser_step_with_the_steps_gradients_before_th
                           show_phase=False)
     prep = engine.prepare(RunOptions(model=model, inputs=x, seed=0))
     with engine.running(prep, keep_params=False) as (placed, args, kwargs):
-        engine.run_step(prep, placed, args, kwargs, HookOptions(), plan)
+        engine.run_step(prep, placed, args, kwargs, [], plan)
     assert events == ["optimiser_step", "optimiser_step", "finished", "end"]
     for got in seen:  # plain SGD steps on the reference, each step's gradient checked before its update
         weight, bias = torch.autograd.grad(reference(x).pow(2).mean(), [reference.weight, reference.bias])

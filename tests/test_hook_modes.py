@@ -22,7 +22,7 @@ import hookcli
 from hookcli.engine import hooks as engine_hooks
 from hookcli.engine.selection import select_modules
 from hookcli.engine.hooks import attach
-from hookcli.engine.session import HookOptions
+from hookcli.engine.taps import InputGradients, Statistics
 from hookcli.records import LayerRecord
 
 from tests.reference import float64_stats, forward_with
@@ -65,7 +65,7 @@ class Tree(nn.Module):
 def run(model: nn.Module, x: torch.Tensor, *, globally: bool, fail_at: int | None = None) -> list[LayerRecord]:
     selection = select_modules(model, all_modules=True)
     count = len(list(model.modules()))
-    with attach(model, selection, HookOptions(stats=True), model_modules=count if globally else None) as session:
+    with attach(model, selection, [Statistics()], model_modules=count if globally else None) as session:
         assert bool(torch_module._global_forward_hooks) is globally
         assert any(m._forward_hooks for _, m in selection) is not globally
         try:
@@ -168,12 +168,11 @@ def test_a_call_that_raises_is_recorded_alike_and_every_hook_is_removed() -> Non
 
 def test_small_or_partial_selections_keep_module_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_hooks, "GLOBAL_MIN_MODULES", 32)
-    options = HookOptions()
-    assert not engine_hooks.hooked_globally(31, 40, options)
-    assert not engine_hooks.hooked_globally(32, 100, options)  # most modules unselected
-    assert not engine_hooks.hooked_globally(200, None, options)  # the caller did not say
-    assert not engine_hooks.hooked_globally(200, 208, HookOptions(input_grads=True))
-    assert engine_hooks.hooked_globally(200, 208, options)
+    assert not engine_hooks.hooked_globally(31, 40)
+    assert not engine_hooks.hooked_globally(32, 100)  # most modules unselected
+    assert not engine_hooks.hooked_globally(200, None)  # the caller did not say
+    assert not engine_hooks.hooked_globally(200, 208, [Statistics(), InputGradients()])
+    assert engine_hooks.hooked_globally(200, 208, [Statistics()])
 
 
 def test_the_public_api_reports_the_same_rows_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ from reference import float64_stats
 from transcripts import one_thread
 from hookcli.engine.selection import select_modules
 from hookcli.engine.hooks import HookSet
-from hookcli.engine.session import HookOptions
+from hookcli.engine.taps import ChannelCounts, Gradients, InputGradients, Keep, Statistics
 from hookcli.engine.state import run_lock
 from hookcli.errors import UsageError
 from tiny_models import Checkpointed
@@ -79,7 +79,7 @@ def _thousand_steps() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, target = torch.randn(4, 2, 5, 5), torch.randn(4, 3)
     lock_free: list[bool] = []
-    hooks = HookSet().install(model, selection, HookOptions(stats=True, grads=True),
+    hooks = HookSet().install(model, selection, [Statistics(), Gradients()],
                               params=list(model.named_parameters()))
     assert hooks.session is not None
     with hooks:
@@ -130,7 +130,7 @@ def test_user_backward_with_accumulation_gives_the_gradient_of_the_summed_loss(
     model = ConvMLP()
     reference = copy.deepcopy(model)
     xs = [torch.randn(batch, 2, 5, 5) for _ in range(micro_steps)]
-    with HookSet().install(model, select_modules(model, layers=["fc1"]), HookOptions(stats=True, grads=True),
+    with HookSet().install(model, select_modules(model, layers=["fc1"]), [Statistics(), Gradients()],
                            params=list(model.named_parameters())) as hooks:
         for x in xs:
             model(x).pow(2).mean().backward()  # the user's own backward, .grad accumulating
@@ -157,7 +157,7 @@ def test_user_backward_with_accumulation_gives_the_gradient_of_the_summed_loss(
 def test_a_parameter_no_backward_of_the_step_reached_has_no_gradient_even_with_an_old_grad() -> None:
     torch.manual_seed(0)
     model = ConvMLP()
-    with HookSet().install(model, [], HookOptions(), params=list(model.named_parameters())) as hooks:
+    with HookSet().install(model, [], [], params=list(model.named_parameters())) as hooks:
         model(torch.randn(2, 2, 5, 5)).sum().backward()
         assert all(p.grad is not None for p in hooks.step_records().params)
         records = hooks.step_records()  # nothing ran in this step; the .grad of the last one is still there
@@ -172,7 +172,7 @@ def test_checkpoint_recomputation_is_not_counted_and_parameter_gradients_match(r
     plain = copy.deepcopy(model)
     plain.reentrant = None
     names = ["a", "block", "block.0", "block.1", "head"]
-    with HookSet().install(model, select_modules(model, all_modules=True), HookOptions(stats=True, grads=True),
+    with HookSet().install(model, select_modules(model, all_modules=True), [Statistics(), Gradients()],
                            params=list(model.named_parameters())) as hooks:
         for step in range(2):
             x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
@@ -203,7 +203,7 @@ def test_no_hook_is_left_after_removal_also_when_the_loop_raises(process_wide: b
     x = torch.randn(2, 4, requires_grad=True)  # a leaf input: its gradient hook is a leaf hook
     hooks = HookSet()
     with pytest.raises(Boom), hooks.install(
-            model, selection, HookOptions(stats=True, grads=True, input_grads=not process_wide),
+            model, selection, [Statistics(), Gradients(), *([] if process_wide else [InputGradients()])],
             params=list(model.named_parameters()), model_modules=len(list(model.modules())) if process_wide else None):
         assert bool(torch_module._global_forward_hooks) == process_wide
         model(x).sum().backward()
@@ -226,7 +226,7 @@ def test_a_hook_failure_is_raised_at_the_boundary_and_the_next_step_starts_clean
         if exc is not None:
             raise exc
 
-    with HookSet().install(model, select_modules(model, layers=["fc2"]), HookOptions(keep=keep)) as hooks:
+    with HookSet().install(model, select_modules(model, layers=["fc2"]), [Keep(keep)]) as hooks:
         with torch.no_grad():
             model(torch.randn(1, 2, 5, 5))
         with pytest.raises(Exception, match="broken keep"):
@@ -251,14 +251,14 @@ def test_a_hook_set_is_installed_once_and_records_only_once_installed() -> None:
 
 def test_begin_step_switches_recording_and_channel_counts_and_the_training_root_leaves_validation_out() -> None:
     """The session's step switches are its own (``begin_step``, ``go_idle``; ``idle`` is read-only): an idle
-    step records nothing, a recording step counts each output's nonzeros per channel only when asked (equal
-    to plain torch's count), and with a ``training_root`` a forward of that model in eval mode under
+    step records nothing, a recording step counts each output's nonzeros per channel only while its
+    ``ChannelCounts`` tap is counting (equal to plain torch's count), and with a ``training_root`` a forward of that model in eval mode under
     ``no_grad`` (validation) is left out."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU())
     x = torch.randn(4, 2, 5, 5)
-    hooks = HookSet().install(model, [("1", model[1])], HookOptions(stats=True, channel_zeros=True),
-                              training_root=model)
+    counts = ChannelCounts([("1", model[1])])
+    hooks = HookSet().install(model, [("1", model[1])], [Statistics(), counts], training_root=model)
     session = hooks.session
     assert session is not None
     try:
@@ -267,11 +267,13 @@ def test_begin_step_switches_recording_and_channel_counts_and_the_training_root_
         session.begin_step(recording=False)
         model(x)
         assert session.idle and session.calls == []
-        session.begin_step(recording=True, count_channels=False)
+        session.begin_step(recording=True)
+        counts.counting = False
         model(x)
         assert [c.outputs[0].nonzeros for c in session.calls] == [None]
         hooks.end_step()
-        session.begin_step(recording=True, count_channels=True)
+        session.begin_step(recording=True)
+        counts.counting = True
         out = model(x)
         expected = (out.detach() != 0).sum(dim=(0, 2, 3))
         assert session.calls[0].outputs[0].nonzeros.tolist() == expected.tolist()

@@ -549,7 +549,6 @@ def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_dri
     optimiser steps (check's SGD step on its copy, check --steps) keeps the steps' update: checked
     against one plain float64 SGD step of the same loss."""
     from hookcli.engine import run as engine
-    from hookcli.engine.session import HookOptions
     from hookcli.options import RunOptions
 
     torch.manual_seed(0)
@@ -562,7 +561,7 @@ def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_dri
         return output.pow(2).mean(), None
 
     plan = engine.OptimiserSteps(lambda: torch.optim.SGD(model.parameters(), lr=0.5), 1)
-    result = engine.run_model(prep, HookOptions(), engine.RunPlan(loss=loss, steps=plan, show_phase=False))
+    result = engine.run_model(prep, [], engine.RunPlan(loss=loss, steps=plan, show_phase=False))
     assert result.cause is None
     w, b = (before[n].double().requires_grad_(True) for n in ("weight", "bias"))
     gw, gb = torch.autograd.grad((x.double() @ w.T + b).pow(2).mean(), (w, b))
@@ -573,7 +572,7 @@ def test_optimiser_steps_on_a_callers_model_keep_their_update_and_a_forwards_dri
     stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
     drift = model.register_forward_pre_hook(lambda m, a: m.weight.data.add_(1.0))
     try:
-        engine.run_model(engine.prepare(RunOptions(model=model, inputs=x, seed=0)), HookOptions(),
+        engine.run_model(engine.prepare(RunOptions(model=model, inputs=x, seed=0)), [],
                          engine.RunPlan(show_phase=False))
     finally:
         drift.remove()

@@ -24,12 +24,8 @@ CENTRE = 2.0 ** -23
 
 
 def accelerator_vector(flat: torch.Tensor, zeros: bool = True) -> torch.Tensor:
-    """The accelerator path of ``engine.stats`` on a 1-D tensor (``device_vector``, the ``device`` backend;
-    ``Reducer._reduce_device`` in checkouts from before the backends)."""
-    device_vector = getattr(stats, "device_vector", None)
-    if device_vector is not None:
-        return device_vector(flat, zeros)
-    return stats.Reducer(kernel=False)._reduce_device(flat, zeros)
+    """The accelerator path of ``engine.stats`` on a 1-D tensor (``device_vector``, the ``device`` backend)."""
+    return stats.device_vector(flat, zeros)
 
 
 def host(t: torch.Tensor, zeros: bool = True) -> list[float]:

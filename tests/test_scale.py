@@ -108,12 +108,12 @@ def test_no_host_synchronisation_per_layer_on_cuda() -> None:
 
     from hookcli.engine.losses import build_loss
     from hookcli.engine.hooks import attach
-    from hookcli.engine.session import HookOptions
+    from hookcli.engine.taps import Gradients, Statistics
     from hookcli.engine.selection import select_modules
 
     model = resnet18().cuda().eval()
     x = torch.randn(2, 3, 64, 64, device="cuda", requires_grad=True)
-    with attach(model, select_modules(model, all_modules=True), HookOptions(stats=True, grads=True)) as session:
+    with attach(model, select_modules(model, all_modules=True), [Statistics(), Gradients()]) as session:
         torch.cuda.set_sync_debug_mode("error")  # any synchronising op inside raises
         try:
             loss = build_loss(model(x), loss="auto", target=0, output_key=None).value
@@ -135,7 +135,7 @@ def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_hos
     from hookcli.engine.losses import build_loss
     from hookcli.engine.selection import select_modules
     from hookcli.engine.hooks import attach
-    from hookcli.engine.session import HookOptions
+    from hookcli.engine.taps import Gradients
     from hookcli.engine.stats import SCALE, Reducer, merge
 
     base = torch.empty(4, 8, 6, 5, device="meta")
@@ -155,7 +155,7 @@ def test_device_statistics_and_gradient_hooks_never_read_a_value_back_on_the_hos
     model = resnet18().to("meta").eval()
     x = torch.randn(2, 3, 64, 64, device="meta", requires_grad=True)
     model_modules = 1 if hooks == "process-wide" else None  # (1: the whole model is selected)
-    with attach(model, select_modules(model, all_modules=True), HookOptions(grads=True),
+    with attach(model, select_modules(model, all_modules=True), [Gradients()],
                 model_modules=model_modules) as session:
         loss = build_loss(model(x), loss="auto", target=0, output_key=None).value
         torch.autograd.grad(loss, [x])

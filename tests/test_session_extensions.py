@@ -20,7 +20,7 @@ from hookcli.commands.grads import backward_report
 from hookcli.engine.run import prepare
 from hookcli.engine.selection import select_modules
 from hookcli.engine.hooks import attach
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.session import CompletionOrder, RunObserver
 from hookcli.errors import InternalError
 from hookcli.options import RunOptions
 
@@ -88,7 +88,7 @@ def test_completion_order_is_the_order_calls_return(depth: int, reuse: int) -> N
     model, x = Net(depth, reuse), torch.randn(2, 4)
     selection = select_modules(model, all_modules=True)
     expected = order_by_hand(model, x, {name for name, _ in selection})
-    with attach(model, selection, HookOptions()) as session, torch.no_grad():
+    with attach(model, selection, []) as session, torch.no_grad():
         model(x)
     records, _ = session.records()
     assert session.completion_order() == expected

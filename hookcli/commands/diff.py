@@ -1,6 +1,6 @@
 """``hookcli diff``: run a model twice (A, then B with the ``--vs-*`` changes) and find where they part.
 
-Both runs go through the engine (``prepare`` / ``running`` / ``attach`` with ``HookOptions.keep``): run A
+Both runs go through the engine (``prepare`` / ``running`` / ``attach`` with a ``Keep`` tap): run A
 writes every selected output tensor to a disk-backed store (one unnamed temporary file, closed in
 ``finally``; an output that is the same unchanged tensor object as an earlier one is written once);
 run B compares each of its outputs with A's stored values as it is produced, a chunk at a time, reduces
@@ -32,7 +32,7 @@ from hookcli.engine.run import (
     run_model,
 )
 from hookcli.engine.selection import module_depth
-from hookcli.engine.session import HookOptions
+from hookcli.engine.taps import Gradients, Keep
 from hookcli.engine.state import exclusive
 from hookcli.engine.stats import dtype_name
 from hookcli.options import DTYPES, RunOptions, model_is_instance
@@ -153,7 +153,7 @@ def _run(prep: Prepared, label: str, keep: Callable[..., None], keep_grad: Calla
             raise no_gradients(prep)
         return choice.value, choice
 
-    run = run_model(prep, HookOptions(keep=keep, keep_grad=keep_grad),
+    run = run_model(prep, [Keep(keep), *([Gradients(keep=keep_grad)] if grads else [])],
                     RunPlan(loss=loss if grads else None, compiled=compile_model, show_phase=False))
     if run.failure is not None:
         failure = run.failure

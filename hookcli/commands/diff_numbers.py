@@ -143,7 +143,7 @@ class DiskStore:
         self._buffer: torch.Tensor | None = None
 
     def put(self, name: str, call: int, path: str, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` under (name, call, path): a ``HookOptions.keep`` callback. A tensor seen
+        """Keep ``tensor`` under (name, call, path): a ``Keep`` tap's function. A tensor seen
         before and unchanged since is not written again."""
         key = (name, call, path)
         item = self._seen.get(tensor)

@@ -49,7 +49,7 @@ from hookcli.engine.run import (
     running,
 )
 from hookcli.errors import InputError, InternalError, OutputError, UnsupportedError
-from hookcli.engine.session import HookOptions
+from hookcli.engine.taps import Keep
 from hookcli.engine.read_inputs import list_input_files
 from hookcli.engine.build_inputs import make_inputs
 from hookcli.engine.loading import refuse_torchscript
@@ -380,7 +380,7 @@ def _run_features(opts: RunOptions, *, output: str | os.PathLike[str] | None, pr
         for index in range(max(1, len(batches))):
             if index > 0:
                 args, kwargs = place_inputs(prep, make_inputs(prep.loaded, files=batches[index]))
-            run = run_step(prep, model, args, kwargs, HookOptions(keep=store.keep), RunPlan(show_phase=False))
+            run = run_step(prep, model, args, kwargs, [Keep(store.keep)], RunPlan(show_phase=False))
             if run.failure is not None:  # the user's model raised or exited: nothing is saved
                 report.layers = run.layers
                 if batches:

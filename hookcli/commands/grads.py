@@ -19,7 +19,8 @@ from torch import nn
 from hookcli.errors import UnsupportedError, UsageError
 from hookcli.engine.losses import LossChoice, loss_for
 from hookcli.engine.model_index import ModelIndex
-from hookcli.engine.session import HookOptions, RunObserver, param_record
+from hookcli.engine.session import RunObserver, param_record
+from hookcli.engine.taps import InputGradients, Statistics, Tap
 from hookcli.options import GradSort, RunOptions, Shard, values_of
 from hookcli.records import ParamRecord, Report
 from hookcli.engine.stats import gradient_stats, iter_tensors
@@ -230,7 +231,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
-    from hookcli.engine.collectors import Collector, Merged, Observed, ParamStats
+    from hookcli.engine.collectors import Collector, FlopCount, Merged, Observed, ParamStats
     from hookcli.engine.run import RunPlan, global_rows, new_report, note_ranks, raise_failure, run_step, running
 
     opts = prep.options
@@ -244,7 +245,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
         raise UnsupportedError("--clip cannot go with parameters sharded over the ranks (FSDP2, tensor parallel)",
                                hint="leave --clip out under torchrun, or clip a plain or DDP model's gradients")
     report = new_report(prep, command)
-    hooks = HookOptions(stats=stats, input_grads=opts.input_grads, flops=opts.flops)
+    taps: list[Tap] = [*([Statistics()] if stats else []), *([InputGradients()] if opts.input_grads else [])]
 
     def loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
              ) -> tuple[torch.Tensor, tuple[LossChoice, list[tuple[str, Any]]]]:
@@ -259,10 +260,11 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     # parameters are read inside ``running``: moving the model may replace its parameter objects
     with running(prep) as (model, args, kwargs):
         scope = param_scope(prep.index, prep.selection, opts.params)
-        collect: list[Collector] = [ParamStats(scope, opts.clip)]  # (Observed after it: it marks unused ones)
+        collect: list[Collector] = [FlopCount()] if opts.flops else []
+        collect += [ParamStats(scope, opts.clip)]  # (Observed after it: it marks unused ones)
         collect += [Observed(observer)] if observer is not None else []
         collect += [Merged(scope)] if ranks else []
-        run = run_step(prep, model, args, kwargs, hooks, RunPlan(loss=loss, collectors=collect))
+        run = run_step(prep, model, args, kwargs, taps, RunPlan(loss=loss, collectors=collect))
         if ranks:
             _over_ranks(prep, run, scope, tp)
     if run.failure is None and not run.reached:  # e.g. quantized ops: backward reached nothing
@@ -397,7 +399,7 @@ def data_backward_report(prep: Any, command: str = "grads", *, stats: bool = Fal
         reported = param_scope(prep.index, prep.selection, opts.params)
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
             refuse_empty_slices(prep, command, batch, where=f"batch {index}: ")
-            run = run_step(prep, model, args, kwargs, HookOptions(stats=stats),
+            run = run_step(prep, model, args, kwargs, [Statistics()] if stats else [],
                            RunPlan(loss=loss, collectors=[ParamStats(reported), Merged(reported)], show_phase=False))
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             if not run.reached:

@@ -3,7 +3,8 @@
 ``engine.run.run_step`` runs the phases (forward, the loss, backward or optimiser steps) under the hook
 session's hooks; each ``Collector`` it is given sees them as events on one ``Step``:
 
-- ``options``: before the hooks attach, it may change what they compute (``HookOptions``);
+- ``input`` / ``output``: a collector is a tap (``engine.taps``): the session hands it each selected call's
+  input and output tensors, when it defines those events;
 - ``begin``: the step begins, the hooks attached (it may enter contexts that last the run);
 - ``forward`` / ``backward``: a context around each forward / ``torch.autograd.grad`` backward pass;
   ``forward_end`` gets the model's output, inside the forward context;
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +33,8 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.hooks import ParamReads, is_compiled
-from hookcli.engine.session import (
-    HookOptions, HookSession, RunObserver, clipped_gradients, param_record, reducible,
-)
+from hookcli.engine.session import HookSession, RunObserver, _Call, _Tensor, clipped_gradients, param_record
+from hookcli.engine.taps import Tap, reducible
 from hookcli.engine.stats import Vector, device_float
 from hookcli.records import FailureInfo, LayerRecord, ParamRecord
 
@@ -87,13 +87,9 @@ class Step:
     phase: str = "forward"
 
 
-class Collector:
+class Collector(Tap):
     """One thing a run records, called at the run's events (see the module's docstring); every event
     does nothing by default. A collector holds one run's state: make a new one for each run."""
-
-    def options(self, hooks: HookOptions) -> HookOptions:
-        """What the hooks compute, changed for this collector (before they attach)."""
-        return hooks
 
     def begin(self, step: Step, stack: ExitStack) -> None:
         """The step begins (hooks attached); contexts entered on ``stack`` last until its records are read."""
@@ -148,7 +144,7 @@ class LossValue(Collector):
 
 class FlopCount(Collector):
     """FLOPs per selected call (forward, and backward with a loss; ``torch.utils.flop_counter``'s
-    formulas) and the run's total (``RunResult.flops``)."""
+    formulas; each called layer's ``flops``) and the run's total (``RunResult.flops``)."""
 
     def __init__(self) -> None:
         self.forward_counter: Any = None
@@ -172,6 +168,10 @@ class FlopCount(Collector):
                 counter.raise_error()
 
     def records(self, step: Step, values: list[list[float]]) -> None:
+        per_call = {(call.name, call.call): call.flops for call in step.session.calls}
+        for layer in step.result.layers:
+            if layer.called:
+                layer.flops = per_call.get((layer.name, layer.call))
         forward, backward = self.forward_counter, self.backward_counter
         if backward is None:
             step.result.flops = forward.summary()
@@ -234,12 +234,13 @@ class Observed(Collector):
         self.observer = observer
         self.reads: ParamReads | None = None
 
-    def options(self, hooks: HookOptions) -> HookOptions:
+    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
         if self.observer.wants_tensors:
-            hooks = replace(hooks, observe=self.observer.tensor)
-        if self.observer.wants_inputs:
-            hooks = replace(hooks, observe_input=self.observer.input)
-        return hooks
+            self.observer.tensor(call.name, call.call, entry.path, tensor)
+
+    def input(self, session: HookSession, call: _Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.observer.wants_inputs and inputs:
+            self.observer.input(call.name, call.call, inputs[0][0], inputs[0][1])
 
     def begin(self, step: Step, stack: ExitStack) -> None:
         if step.training and self.observer.wants_param_reads and not is_compiled(step.model, step.selection):

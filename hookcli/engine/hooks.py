@@ -29,7 +29,8 @@ from hookcli.errors import UnsupportedError, UsageError
 from hookcli.records import LayerRecord, ParamRecord
 from hookcli.engine.stats import Vector
 from hookcli.engine import distributed, reduction
-from hookcli.engine.session import HookOptions, HookSession, _one_shot, gc_paused, param_record, reducible
+from hookcli.engine.session import HookSession, _one_shot, gc_paused, param_record
+from hookcli.engine.taps import Tap, reducible
 from hookcli.engine.state import run_lock
 
 
@@ -41,13 +42,13 @@ GLOBAL_MIN_MODULES = 32
 GLOBAL_MIN_SHARE = 0.75
 
 
-def hooked_globally(selected: int, model_modules: int | None, options: HookOptions) -> bool:
+def hooked_globally(selected: int, model_modules: int | None, taps: Sequence[Tap] = ()) -> bool:
     """Whether ``attach`` hooks ``selected`` modules of a model of ``model_modules`` process-wide.
 
-    Never for input gradients (their tensor hooks need the keyword inputs the process-wide
-    pre-hook does not get) nor when the caller did not say how many modules the model has.
+    Never for a tap that needs every input (input gradients: their tensor hooks need the keyword inputs
+    the process-wide pre-hook does not get) nor when the caller did not say how many modules the model has.
     """
-    return (model_modules is not None and not options.input_grads and selected >= GLOBAL_MIN_MODULES
+    return (model_modules is not None and not any(tap.all_inputs for tap in taps) and selected >= GLOBAL_MIN_MODULES
             and selected >= GLOBAL_MIN_SHARE * model_modules)
 
 
@@ -181,7 +182,7 @@ class StepRecords:
 class HookSet:
     """The engine's hooks on one model, installed once and kept over many steps (a training loop).
 
-    >>> with HookSet().install(model, select_modules(model), HookOptions(stats=True, grads=True),
+    >>> with HookSet().install(model, select_modules(model), [Statistics(), Gradients()],
     ...                        params=list(model.named_parameters())) as hooks:
     ...     for batch in data:
     ...         loss_fn(model(batch)).backward()      # any number of backward() per step
@@ -216,21 +217,22 @@ class HookSet:
         self,
         model: nn.Module,
         selection: Sequence[tuple[str, nn.Module]],
-        options: HookOptions | None = None,
+        taps: Sequence[Tap] = (),
         *,
         params: Sequence[tuple[str, nn.Parameter]] = (),
         model_modules: int | None = None,
         compiled: bool = False,
         training_root: nn.Module | None = None,
     ) -> HookSet:
-        """Hook the selected modules (and the ``params``' gradient accumulation) until ``remove``.
+        """Hook the selected modules (and the ``params``' gradient accumulation) until ``remove``; ``taps``:
+        what the hooks record of each call's tensors (``engine.taps``).
 
         ``model_modules`` and ``compiled`` as for ``attach``; ``training_root``: the module a watch names
         layers from, whose validation forwards are left out (``HookSession.training_root``). UsageError
         when installed already; what registration raises leaves nothing hooked."""
         if self.session is not None:
             raise UsageError("this hook set is installed already", hint="make a new HookSet for another model")
-        self.session = HookSession(selection, options or HookOptions(), training_root=training_root)
+        self.session = HookSession(selection, taps, training_root=training_root)
         try:
             self.compiled = compiled or is_compiled(model, selection)
             self._hook_modules(selection, model_modules, self.compiled)
@@ -255,7 +257,7 @@ class HookSet:
         for name, module in selection:
             names.setdefault(id(module), name)  # the same module object under two names: hooked once, as the first
         per_module = selection
-        if not compiled and hooked_globally(len(names), model_modules, session.options):
+        if not compiled and hooked_globally(len(names), model_modules, session.taps):
             # torch runs process-wide hooks before a module's own: a module with hooks of its own (the
             # user's, a library's) keeps per-module hooks, run after theirs, to see the inputs and
             # output its own hooks replaced (what the model goes on with), as with a small selection
@@ -307,10 +309,11 @@ class HookSet:
         mark = self._marks[name]
         return mark is None or mark[0]() is not p.grad or mark[1] != p.grad._version
 
-    def param_vectors(self) -> list[ParamVectors]:
+    def param_vectors(self, *, zeros: bool = False) -> list[ParamVectors]:
         """Each watched parameter's statistics vectors as they stand now, on its device (no transfer):
-        its ``.grad``'s when a backward of this step accumulated into it, and its norm. A watch takes
-        them at the optimizer's pre-step, before the update, and reads them when the step ends."""
+        its ``.grad``'s when a backward of this step accumulated into it (``zeros``: its zeros counted
+        too), and its norm. A watch takes them at the optimizer's pre-step, before the update, and reads
+        them when the step ends."""
         session = self.session
         if session is None:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
@@ -318,7 +321,7 @@ class HookSet:
                    for name, p in self._params]
         grads = iter(reduction.reduce_many(  # a DTensor's: its local shard's
             [reducible(distributed.local(p.grad)) for (_, p), r in zip(self._params, reached) if r],
-            zeros=session.options.grad_zeros, reducer=session.reducer))
+            zeros=zeros, reducer=session.reducer))
         norms = reduction.norms([reducible(distributed.local(p.detach())) for _, p in self._params])
         return [ParamVectors(name, p, next(grads) if r else None, norm)
                 for (name, p), r, norm in zip(self._params, reached, norms)]
@@ -415,14 +418,14 @@ class HookSet:
 def attach(
     model: nn.Module,
     selection: Sequence[tuple[str, nn.Module]],
-    options: HookOptions | None = None,
+    taps: Sequence[Tap] = (),
     *,
     model_modules: int | None = None,
     compiled: bool = False,
 ) -> Iterator[HookSession]:
     """Hook the selected modules for the duration of the ``with`` block; always remove the hooks.
 
-    >>> with attach(model, select_modules(model), HookOptions(stats=True)) as session:
+    >>> with attach(model, select_modules(model), [Statistics()]) as session:
     ...     model(x)
     >>> records, _ = session.records()
 
@@ -439,7 +442,7 @@ def attach(
     hooks = HookSet()
     _one_shot.runs = getattr(_one_shot, "runs", 0) + 1  # a watch around it leaves its calls out
     try:
-        with run_lock(), gc_paused(), hooks.install(model, selection, options, model_modules=model_modules,
+        with run_lock(), gc_paused(), hooks.install(model, selection, taps, model_modules=model_modules,
                                                     compiled=compiled):
             assert hooks.session is not None
             yield hooks.session

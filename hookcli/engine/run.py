@@ -31,9 +31,8 @@ from hookcli.errors import (
 from hookcli.engine import distributed, reduction, sharding, weight_guard
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.hooks import attach
-from hookcli.engine.session import (
-    HookOptions, HookSession, KeepFn,
-)
+from hookcli.engine.session import HookSession
+from hookcli.engine.taps import Gradients, InputGradients, Keep, KeepFn, Statistics, Tap
 from hookcli.engine.batches import DataBatches, MergedRows, batch_size_of, batches_text, open_data
 from hookcli.engine.build_inputs import DATA_SIGNATURE_HOW, ModelInputs, check_signature, make_inputs, with_note
 from hookcli.engine.input_hints import default_input_hint
@@ -554,8 +553,7 @@ def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], 
 class RunPlan:
     """How ``run_step`` runs, beyond the hooks: ``loss`` (differentiated once with ``torch.autograd.grad``,
     or with ``steps`` by optimiser steps), what it records beyond the hooked activations (``collectors``:
-    parameter statistics, the observer, merged vectors...; FLOPs come from ``HookOptions.flops`` and the
-    loss value from ``loss``), ``compiled``: run ``torch.compile(model)``, and ``show_phase``: the
+    parameter statistics, FLOPs, the observer, merged vectors...; the loss value comes from ``loss``), ``compiled``: run ``torch.compile(model)``, and ``show_phase``: the
     forward/backward spinners (off where a command shows its own progress)."""
 
     loss: LossFn | None = None
@@ -564,32 +562,33 @@ class RunPlan:
     compiled: bool = False
     show_phase: bool = True
 
-    def all_collectors(self, hooks: HookOptions) -> list[Collector]:
-        """The collectors of a run with ``hooks``: the optimiser steps, FLOPs (``hooks.flops``), the loss,
-        then the plan's own."""
-        return [*([self.steps] if self.steps is not None else []), *([FlopCount()] if hooks.flops else []),
+    def all_collectors(self) -> list[Collector]:
+        """The collectors of the run: the optimiser steps, the loss, then the plan's own."""
+        return [*([self.steps] if self.steps is not None else []),
                 *([LossValue()] if self.loss is not None else []), *self.collectors]
 
 
-def run_model(prep: Prepared, hooks: HookOptions, plan: RunPlan | None = None) -> RunResult:
+def run_model(prep: Prepared, taps: Sequence[Tap], plan: RunPlan | None = None) -> RunResult:
     """``run_step`` on ``prep``'s model and inputs, placed for the run (``running``) and restored after
     (the weights as the plan's optimiser ``steps`` leave them, when given: a copy's training is kept)."""
     with running(prep, keep_params=plan is None or plan.steps is None) as (model, args, kwargs):
-        return run_step(prep, model, args, kwargs, hooks, plan)
+        return run_step(prep, model, args, kwargs, taps, plan)
 
 
 def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             hooks: HookOptions | None, plan: RunPlan | None = None) -> RunResult:
+             taps: Sequence[Tap] | None, plan: RunPlan | None = None) -> RunResult:
     """THE run loop: one forward pass of an already placed model (``running``) with the session's
     hooks on ``prep.selection`` and, with the plan's ``loss``, the loss and one backward pass; failures
-    blamed. The plan's collectors (``engine.collectors``) see each phase and fill the result.
+    blamed. ``taps`` (``engine.taps``) record each selected call's tensors; the plan's collectors
+    (``engine.collectors``, taps too) see each phase and fill the result.
 
     Without a loss forward runs under ``torch.no_grad``. With it, gradients are enabled, floating
     inputs require grad where needed (``inputs_for_backward``), and ``torch.autograd.grad`` takes the
     gradients of every trainable parameter and input (the model's ``.grad`` is never written). With the
     plan's ``steps``: optimiser steps with ``loss.backward()`` instead (``OptimiserSteps``; the inputs as
-    they are, no gradients to collect). ``hooks`` None: the run attaches no hooks of its own (a loop a
-    watch's own hook set records, ``watch MODEL``: no one-shot run inside it).
+    they are, no gradients to collect): the output gradients' statistics are taken with a loss even when
+    ``taps`` has no ``Gradients``. ``taps`` None: the run attaches no hooks of its own (a loop a watch's
+    own hook set records, ``watch MODEL``: no one-shot run inside it).
 
     The model raising or exiting gives ``failure`` (``blame``; in backward, the module whose gradient
     arrived last) and the rows gathered up to it; hookcli's own failures (hooks, collectors) raise after
@@ -597,15 +596,14 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
     (it refuses ``autograd.grad``). One host transfer for every number.
     """
     plan = plan or RunPlan()
-    hooked, hooks = hooks is not None, hooks or HookOptions()
-    collectors = plan.all_collectors(hooks)
-    for collector in collectors:
-        hooks = collector.options(hooks)
+    hooked, collectors = taps is not None, plan.all_collectors()
+    taps = [*(taps or ()), *collectors]
     if plan.loss is not None and plan.steps is None:
-        hooks = dataclasses.replace(hooks, grads=True)
-        args, kwargs = inputs_for_backward(args, kwargs, model, hooks.input_grads)
-    with attach(model, prep.selection, hooks, model_modules=len(prep.index.named), compiled=plan.compiled) \
-            if hooked else nullcontext(HookSession(prep.selection, hooks)) as session, ExitStack() as stack:
+        if not any(isinstance(tap, Gradients) for tap in taps):
+            taps.insert(0, Gradients())
+        args, kwargs = inputs_for_backward(args, kwargs, model, any(isinstance(tap, InputGradients) for tap in taps))
+    with attach(model, prep.selection, taps, model_modules=len(prep.index.named), compiled=plan.compiled) \
+            if hooked else nullcontext(HookSession(prep.selection)) as session, ExitStack() as stack:
         step = Step(model, prep.selection, prep.index.named_parameters(), session, plan.loss is not None)
         for collector in collectors:
             collector.begin(step, stack)
@@ -713,8 +711,8 @@ def forward_report(prep: Prepared, command: str, *, stats: bool, flops: bool = F
     report = new_report(prep, command)
     ranks = stats and distributed.process_group() is not None  # under torchrun: over every rank's batch
     tp = distributed.supported_tp_groups(prep.loaded.model) if ranks else None
-    run = run_model(prep, HookOptions(stats=stats, flops=flops, keep=keep),
-                    RunPlan(collectors=[Merged()] if ranks else []))
+    run = run_model(prep, [*([Statistics()] if stats else []), *([Keep(keep)] if keep is not None else [])],
+                    RunPlan(collectors=[*([FlopCount()] if flops else []), *([Merged()] if ranks else [])]))
     report.layers = run.layers
     if ranks:
         rows = MergedRows()
@@ -827,7 +825,7 @@ def data_forward_report(prep: Prepared, command: str) -> Report:
     bar, advance = progress.bar(command, prep.data.total, "batches")
     with bar, running(prep) as (model, first_args, first_kwargs), keep_rows(prep, report, rows, ranks=ranks, tp=tp):
         for index, batch, args, kwargs in data_batches(prep, first_args, first_kwargs):
-            run = run_step(prep, model, args, kwargs, HookOptions(stats=True),
+            run = run_step(prep, model, args, kwargs, [Statistics()],
                            RunPlan(collectors=[Merged()], show_phase=False))
             add_batch(prep, report, rows, run, batch, index, ranks=ranks, tp=tp)
             advance(1)

@@ -22,58 +22,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookcli.errors import HookcliError, UnsupportedError, internal_error
+from hookcli.errors import HookcliError, internal_error
 from hookcli.records import LayerRecord, ParamRecord
 from hookcli.engine.stats import (
     activation_stats,
     dtype_name,
     gradient_stats,
-    is_float,
     iter_tensors,
     Reducer,
     Vector,
     shape_of,
     to_host,
 )
-from hookcli.engine import distributed, reduction
-from hookcli.engine.channels import ChannelDims, has_channels
+from hookcli.engine import distributed
 from hookcli.engine.selection import module_depth
+from hookcli.engine.taps import Tap, overrides
 
-#: Called with (record name, call index, output path, tensor) for every selected output tensor.
-TensorFn = Callable[[str, int, str, torch.Tensor], None]
-#: A ``TensorFn`` that keeps tensors (features, fmaps): it gets them densified, never nested.
-KeepFn = TensorFn
 #: (module name, call index) -> position of that call in the order in which calls *finished*.
 CompletionOrder = dict[tuple[str, int], int]
-
-
-@dataclass
-class HookOptions:
-    """What the hooks compute.
-
-    ``keep`` gets every selected output tensor to keep (a sparse one densified, a nested one
-    refused); ``observe`` gets every selected output tensor as the module returned it, to measure
-    it on the device (``check``'s dead channels). Both run inside the session's forward hook:
-    what they raise is stored and raised after the run (``raise_error``), never into the model.
-    """
-
-    stats: bool = False
-    grads: bool = False
-    input_grads: bool = False
-    keep: KeepFn | None = None
-    flops: bool = False
-    observe: TensorFn | None = None
-    #: With ``grads``: called with (record name, call index, output path, gradient) as each selected
-    #: output's gradient arrives in backward (``diff --grads`` compares them).
-    keep_grad: KeepFn | None = None
-    #: Count the zeros of gradients too (``hookcli.watch``; the commands' gradient tables show none).
-    grad_zeros: bool = False
-    #: Count each selected output's nonzero values per channel (``hookcli.watch``'s dead units; the
-    #: channel dimension as ``ChannelDims`` finds it), in the steps its ``begin_step`` counts them.
-    channel_zeros: bool = False
-    #: Called from the forward pre-hook with each selected call's first input tensor (name, call,
-    #: "[0]", tensor): what a parent's forward hands a module (a residual stream) is no module's output.
-    observe_input: TensorFn | None = None
 
 
 class RunObserver:
@@ -112,10 +78,12 @@ class _Tensor:
     path: str
     shape: list[int]
     dtype: str
+    #: a floating (or complex) tensor: one with statistics and gradients
+    floating: bool = False
     stats: Vector | None = None
     grad: Vector | None = None
     wants_grad: bool = False
-    #: With ``channel_zeros``: the nonzero values in each channel (``channel_nonzeros``), on the device
+    #: With ``ChannelCounts``: the nonzero values in each channel (``channel_nonzeros``), on the device
     nonzeros: torch.Tensor | None = None
 
 
@@ -149,10 +117,13 @@ _one_shot = threading.local()
 class HookSession:
     """Collects the calls of the selected modules during one run (one step of a ``HookSet``)."""
 
-    def __init__(self, selection: Sequence[tuple[str, nn.Module]], options: HookOptions, *,
+    def __init__(self, selection: Sequence[tuple[str, nn.Module]], taps: Sequence[Tap] = (), *,
                  training_root: nn.Module | None = None) -> None:
         self.selection = list(selection)
-        self.options = options
+        #: what the hooks record of each call's tensors (``engine.taps``), in order
+        self.taps = list(taps)
+        self._input_taps = [tap.input for tap in self.taps if overrides(tap, "input")]
+        self._output_taps = [tap.output for tap in self.taps if overrides(tap, "output")]
         self.calls: list[_Call] = []
         self._open: dict[str, list[_Call]] = {}
         self._counts: dict[str, int] = {}
@@ -173,10 +144,6 @@ class HookSession:
         #: While True every hook returns at once: no record, no statistics, no tensor hook, no host
         #: synchronisation (a watch's unlogged steps). Switched by ``begin_step`` and ``go_idle`` only.
         self._idle = False
-        #: With ``channel_zeros``: whether outputs are counted per channel now (a watch's logged steps
-        #: only; its flight recorder's unlogged steps are not). Switched by ``begin_step`` only.
-        self._count_channels = options.channel_zeros
-        self.channel_dims = ChannelDims(dict(self.selection)) if options.channel_zeros else None
         #: A watch's model (the module it names layers from). A call made while it is in eval mode
         #: (``training`` False) with autograd off (``torch.no_grad()``, ``torch.inference_mode()``) is a
         #: validation forward inside the training loop: every hook returns at once, as when idle. Either
@@ -190,12 +157,10 @@ class HookSession:
         """Whether every hook returns at once in the step in progress (``begin_step``, ``go_idle``)."""
         return self._idle
 
-    def begin_step(self, *, recording: bool = True, count_channels: bool = True) -> None:
+    def begin_step(self, *, recording: bool = True) -> None:
         """How the step that begins now is recorded (called between steps only): ``recording`` False makes
-        the session idle (a watch's unlogged step: every hook returns at once); ``count_channels``: each
-        output is counted per channel in it (with ``HookOptions.channel_zeros``: a watch's logged steps)."""
+        the session idle (a watch's unlogged step: every hook returns at once)."""
         self._idle = not recording
-        self._count_channels = count_channels and self.options.channel_zeros
 
     def go_idle(self) -> None:
         """Every hook returns at once from now on, in the step in progress too (a watch that stopped)."""
@@ -322,13 +287,8 @@ class HookSession:
             inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
             input_shapes = [shape_of(t) for _, t in inputs]
         call = _Call(name, index, type_name, input_shapes)
-        if self.options.observe_input is not None and inputs:
-            self.options.observe_input(name, index, inputs[0][0], inputs[0][1])
-        if self.options.input_grads:
-            call.input_grads = [None] * len(inputs)
-            for position, (_, tensor) in enumerate(inputs):
-                if tensor.requires_grad and is_float(tensor):
-                    self._hook_grad(tensor, self._input_grad_hook(call, position))
+        for tap in self._input_taps:
+            tap(self, call, inputs)
         self.calls.append(call)
         stack = self._open.get(name)
         if stack is None:
@@ -366,54 +326,21 @@ class HookSession:
         self._record_outputs(call, output)
 
     def _record_outputs(self, call: _Call, output: Any) -> None:
-        options = self.options
         tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
+        taps = self._output_taps
         for path, tensor in tensors:
-            entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype))
-            floating = tensor.is_floating_point() or tensor.is_complex()  # (inline: once per output tensor)
-            if options.stats and floating and not tensor.is_meta:
-                entry.stats = self.reducer.reduce(reducible(distributed.local(tensor)))  # a DTensor: this rank's part
-            if self._count_channels and self.channel_dims is not None and has_channels(tensor):
-                part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
-                entry.nonzeros = reduction.channel_counts([(part, self.channel_dims(call.name, part))])[0]
-            if options.grads and floating and tensor.requires_grad:
-                entry.wants_grad = True
-                self._hook_grad(tensor, self._output_grad_hook(call, entry))
-            if options.observe is not None:
-                options.observe(call.name, call.call, path, tensor)
-            if options.keep is not None:
-                options.keep(call.name, call.call, path, _keepable(call, path, tensor))
+            entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype),
+                            tensor.is_floating_point() or tensor.is_complex())  # (inline: once per output tensor)
+            for tap in taps:
+                tap(self, call, entry, tensor)
             call.outputs.append(entry)
 
-    def _hook_grad(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    def hook_grad(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        """Register a tap's gradient ``hook`` on ``tensor``; one on a leaf tensor (a parameter a module
+        returned or took as input) is removed at the step's end (``reset``), as it outlives the graph."""
         handle = tensor.register_hook(hook)
         if tensor.grad_fn is None:
             self.leaf_hooks.append(handle)
-
-    def _output_grad_hook(self, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor | None) -> None:
-            if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
-                return
-            try:
-                entry.grad = self.reducer.reduce(reducible(distributed.local(grad)), zeros=self.options.grad_zeros)
-                if self.options.keep_grad is not None:
-                    self.options.keep_grad(call.name, call.call, entry.path, grad)
-            except Exception as exc:
-                self.failed(exc, f"gradient hook on an output of {call.name or '(model)'}")
-            self.last_grad_call = call
-
-        return hook
-
-    def _input_grad_hook(self, call: _Call, position: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor | None) -> None:
-            if grad is None or call.input_grads is None:
-                return
-            try:
-                call.input_grads[position] = self.reducer.reduce(reducible(grad), zeros=False)
-            except Exception as exc:
-                self.failed(exc, f"gradient hook on an input of {call.name or '(model)'}")
-
-        return hook
 
     # -- results ---------------------------------------------------------------------------------
     def vectors(self) -> dict[tuple[str, int, str], tuple[Vector | None, Vector | None]]:
@@ -460,7 +387,6 @@ class HookSession:
         extra_values = values[: len(extra)]
 
         records: list[LayerRecord] = []
-        flops = self.options.flops
         depths: dict[str, int] = {}
         for call, outs, ins in layout:
             name = call.name
@@ -469,13 +395,12 @@ class HookSession:
                 depth = depths[name] = module_depth(name)
             calls = self._counts.get(name, 1)
             params = params_by_name.get(name, 0)
-            call_flops = call.flops if flops else None
             grad_input = None
             if call.input_grads is not None:
                 grad_input = [gradient_stats(values[i]) if i is not None else None for i in ins]
             if call.raised or not call.finished or not outs:
                 records.append(LayerRecord(name, call.call, call.type, depth=depth, calls=calls,
-                                           input_shapes=call.input_shapes, params=params, flops=call_flops,
+                                           input_shapes=call.input_shapes, params=params,
                                            raised=call.raised or not call.finished, grad_input=grad_input))
                 continue
             for entry, stats_i, grad_i in outs:
@@ -484,7 +409,7 @@ class HookSession:
                     input_shapes=call.input_shapes, shape=entry.shape, dtype=entry.dtype, params=params,
                     stats=activation_stats(values[stats_i]) if stats_i is not None else None,
                     grad=gradient_stats(values[grad_i]) if grad_i is not None else None,
-                    grad_input=grad_input, flops=call_flops,
+                    grad_input=grad_input,
                 ))
         called = set(self._counts)
         for name, module in self.selection:
@@ -506,14 +431,6 @@ def param_record(name: str, p: torch.Tensor, norm: float | None, grad: Sequence[
                        grad=gradient_stats(grad, abs_max=True) if grad is not None else None, **more)
 
 
-def reducible(t: torch.Tensor) -> torch.Tensor:
-    """The real tensor whose statistics stand for ``t``: a complex tensor's magnitude ``|z|`` (its mean,
-    spread and extremes of size; the L2 norm of ``|z|`` is that of ``z``), anything else as it is. The
-    one place a complex tensor (an FNO's spectrum, a complex parameter and its gradient) is turned into
-    something the reducers take; its record keeps its complex dtype, which marks the row."""
-    return t.abs() if t.is_complex() else t
-
-
 def widened(t: torch.Tensor) -> torch.Tensor:
     """``t`` to subtract from in float32 (a float16/bfloat16 change is not rounded away); a complex tensor
     as it is (``.float()`` would drop its imaginary part)."""
@@ -529,15 +446,6 @@ def is_container(module: nn.Module) -> bool:
     """A module without a forward of its own (ModuleList, ModuleDict, ParameterList, ...): it holds
     modules and is never called itself, so "not called" says nothing about it."""
     return getattr(type(module), "forward", None) is nn.Module.forward
-
-
-def _keepable(call: _Call, path: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a ``keep`` callback gets: a sparse one densified; a nested (ragged) one refused."""
-    if tensor.is_nested:
-        raise UnsupportedError(
-            f"{call.name or '(model)'}{path} returned a nested (ragged) tensor, which cannot be kept as one array",
-            hint="select other modules with --layers (hookcli stats shows which return nested tensors)")
-    return tensor if tensor.layout == torch.strided else tensor.to_dense()
 
 
 @contextmanager

@@ -25,7 +25,8 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.hooks import HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.session import HookOptions, reducible
+from hookcli.engine.session import HookSession, _Call, _Tensor
+from hookcli.engine.taps import ChannelCounts, Gradients, Statistics, Tap, reducible
 from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
 from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
@@ -136,7 +137,7 @@ class StepWatcher:
         self.user_steps: bool | None = True if optimizer is None else None
         #: each logged step's per-channel zero counts (the dead_units rule's; under torchrun summed over
         #: the ranks in the step's first SUM)
-        self.channels = channels
+        self.channel_counts = ChannelCounts(self.selection) if channels else None
         #: each logged step's per-channel largest magnitudes (the massive_activation rule's; not under torchrun)
         self.peaks = ChannelPeaks(self.selection) if "peaks" in gather and self.reduction is None else None
         #: a logged step's cosines between update and gradient, and Adam's normalised-gradient RMS (not
@@ -194,10 +195,10 @@ class StepWatcher:
     def start(self) -> None:
         """Install the hooks (and the optimizer's step hooks): the loop's first step begins."""
         # (training_root: the model's .eval() with no_grad is a validation forward, left out)
-        self.hooks.install(self.model, self.selection, HookOptions(stats=True, grads=True, grad_zeros=True,
-                                                              channel_zeros=self.channels,
-                                                              observe=self.peaks.observe if self.peaks else None),
-                           params=self.params, training_root=compiled_inner(self.model))
+        taps: list[Tap] = [Statistics(), *([self.channel_counts] if self.channel_counts else []), Gradients(zeros=True),
+                           *([self.peaks] if self.peaks else [])]
+        self.hooks.install(self.model, self.selection, taps, params=self.params,
+                           training_root=compiled_inner(self.model))
         assert self.hooks.session is not None
         if not self.hooks.compiled:  # (compiled: no hooks beyond the selected modules', see docs/watch.md)
             self.cause = CauseTracer(compiled_inner(self.model), self.hooks.session.validating)
@@ -225,8 +226,9 @@ class StepWatcher:
         assert self.hooks.session is not None
         halted = self.error is not None or self.stopped is not None
         self.logged = not halted and self.step % self.every == 0
-        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None),
-                                      count_channels=self.logged)
+        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None))
+        if self.channel_counts is not None:  # (not at the flight recorder's unlogged steps)
+            self.channel_counts.counting = self.logged
         if self.cause is not None:
             self.cause.arm(not self.hooks.session.idle)
         if self.attention is not None:
@@ -278,7 +280,7 @@ class StepWatcher:
             self._hand_on()
         if self.logged:
             self._lr_scales = lr_scales(self.optimizer, self.params)
-            self._param_vectors = self.hooks.param_vectors()
+            self._param_vectors = self.hooks.param_vectors(zeros=True)
             self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
             self._histograms = self._param_histograms()
             self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
@@ -315,7 +317,7 @@ class StepWatcher:
         the pre-step reads them; a later call (LBFGS) reads them again."""
         if self._param_vectors is None:
             return
-        self._closure_grads = [entry.grad for entry in self.hooks.param_vectors()]
+        self._closure_grads = [entry.grad for entry in self.hooks.param_vectors(zeros=True)]
         if self.reduction is not None:
             self._partial = distributed.partial_grads(self.params)
         self._histograms = self._param_histograms()
@@ -471,7 +473,7 @@ class StepWatcher:
                 self.flight.read()  # a logged step transfers anyway
                 self._flight_found(before=step)
                 self.flight.written = step
-            params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors()
+            params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors(zeros=True)
             if self.reduction is not None and self._param_vectors is None:
                 self._partial = distributed.partial_grads(self.params)
             histograms = self._histograms if self._param_vectors is not None else self._param_histograms()
@@ -610,7 +612,7 @@ class StepWatcher:
                                           _loss_vector(loss) if loss is not None else None,
                                           failed=self.hooks.session.error is not None, owned=self.owned,
                                           flag=flagged,
-                                          channels=merged_channels(self.hooks.session.calls) if self.channels else None,
+                                          channels=merged_channels(self.hooks.session.calls) if self.channel_counts is not None else None,
                                           histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
         transfer = Transfer()
         slot = transfer.slot
@@ -667,20 +669,20 @@ def lr_scales(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[st
     return [scale_of.get(id(p)) for _, p in params]
 
 
-class ChannelPeaks:
+class ChannelPeaks(Tap):
     """Each selected output's largest magnitude per channel on a logged step (the massive_activation
-    rule's), on the device, the largest over the step's calls: a ``HookOptions.observe`` callback,
-    measuring only while ``active``. ``take()`` hands the step's peaks on by (module, output path)."""
+    rule's), on the device, the largest over the step's calls: a tap (``engine.taps``), measuring only
+    while ``active``. ``take()`` hands the step's peaks on by (module, output path)."""
 
     def __init__(self, selection: Sequence[tuple[str, nn.Module]]) -> None:
         self.dims = ChannelDims(dict(selection))
         self.active = False
         self.peaks: dict[tuple[str, str], torch.Tensor | None] = {}
 
-    def observe(self, name: str, _call: int, path: str, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
         if not self.active or not has_channels(tensor):
             return
-        key, peak = (name, path), channel_abs_max(tensor, self.dims(name, tensor))
+        key, peak = (call.name, entry.path), channel_abs_max(tensor, self.dims(call.name, tensor))
         if key not in self.peaks:
             self.peaks[key] = peak
         elif (had := self.peaks[key]) is not None:  # an output whose channel count differs between calls: left out

@@ -27,7 +27,7 @@ from torch import nn
 
 from hookcli.engine import run as engine
 from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver
+from hookcli.engine.session import CompletionOrder, RunObserver
 from hookcli.engine.stats import to_host
 from hookcli.errors import describe_exception
 from hookcli.options import Loss
@@ -213,7 +213,7 @@ def fresh_losses(prep: engine.Prepared, model: nn.Module, batches: int) -> dict[
             return {"skip": "the inputs were not generated from a seed (files, --data, tensors given, the model's example "
                             "inputs): no fresh batch to make"}
         run = engine.run_model(replace(prep, loaded=replace(prep.loaded, model=model), inputs=fresh, selection=[]),
-                               HookOptions(), engine.RunPlan(loss=loss, show_phase=False))
+                               [], engine.RunPlan(loss=loss, show_phase=False))
         if run.cause is not None:
             return {"skip": f"the model raised on a fresh batch: {describe_exception(run.cause)}"}
         chance, task = seen[0][1]

@@ -21,7 +21,8 @@ from hookcli.commands.check.schema import CheckRules
 from hookcli.engine import run as engine
 from hookcli.engine.losses import build_loss
 from hookcli.engine.collectors import Merged, Observed, ParamStats
-from hookcli.engine.session import HookOptions, RunObserver, exact
+from hookcli.engine.session import RunObserver, exact
+from hookcli.engine.taps import InputGradients
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import iter_tensors, map_tensors
 from hookcli.errors import describe_exception
@@ -99,7 +100,7 @@ def _losses(prep: engine.Prepared, first: torch.Tensor) -> dict[str, Any]:
     zeroed = map_tensors(lambda t: torch.zeros_like(t) if t is first else t, (args, kwargs))
     losses = []
     for what, (a, k) in (("its input", (args, kwargs)), ("the zeroed input", zeroed)):
-        run = engine.run_model(_with_inputs(prep, a, k), HookOptions(),
+        run = engine.run_model(_with_inputs(prep, a, k), [],
                                engine.RunPlan(loss=_loss_fn(prep), show_phase=False))
         problem = _failed(run, what)
         if problem is not None:
@@ -188,7 +189,7 @@ def grad_accumulation(prep: engine.Prepared) -> dict[str, Any]:
                      replace(prep, options=replace(prep.options, seed=prep.options.seed + 1))))
     for what, part, where in runs:
         a, k = map_tensors(lambda t, part=part: t[part] if t.dim() and t.shape[0] == batch else t, (args, kwargs))
-        run = engine.run_model(_with_inputs(where, a, k), HookOptions(), engine.RunPlan(
+        run = engine.run_model(_with_inputs(where, a, k), [], engine.RunPlan(
             loss=_loss_fn(where), collectors=[ParamStats(params), Merged(params)], show_phase=False))
         problem = _failed(run, what)
         if problem is not None:
@@ -321,7 +322,7 @@ def batch_independence(prep: engine.Prepared) -> dict[str, Any]:
         found["ratio"] = worst
         return _scalar(output), None
 
-    run = engine.run_model(_with_inputs(prep, args, kwargs, train=False), HookOptions(input_grads=True),
+    run = engine.run_model(_with_inputs(prep, args, kwargs, train=False), [InputGradients()],
                            engine.RunPlan(loss=loss, collectors=[Observed(observer)], show_phase=False))
     observer.seen = []
     problem = _failed(run, "its input in eval mode")

@@ -32,7 +32,7 @@ from hookcli.errors import (
 from hookcli.commands.grads import backward_report, data_backward_report
 from hookcli.engine.channels import ChannelDims
 from hookcli.engine.losses import build_loss
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
+from hookcli.engine.session import CompletionOrder, RunObserver, widened
 from hookcli.options import RunOptions, check_option_names, check_path_text
 from hookcli.engine.stats import dtype_name, iter_tensors, nested_values, shape_of, to_host
 from hookcli.records import CheckResult, Report, RuleResult
@@ -201,7 +201,7 @@ class SteppedCopy:
         plan = engine.OptimiserSteps(lambda: torch.optim.SGD([p for _, p in self.tracked], lr=self.lr), steps,
                                      after_backward, finished)
         try:
-            run = engine.run_model(replace(self.prepared(), selection=[]), HookOptions(),
+            run = engine.run_model(replace(self.prepared(), selection=[]), [],
                                    engine.RunPlan(loss=loss, steps=plan, show_phase=False))
         except HookcliError as exc:  # building the loss failed, or hookcli's own code raised on the copy
             cause = exc.__cause__ if isinstance(exc, InternalError) and isinstance(exc.__cause__, Exception) else exc

@@ -34,7 +34,7 @@ from hookcli.commands.check.schema import MAX_STEPS, SPEC, CheckRules
 from hookcli.engine import run as engine
 from hookcli.engine.losses import LOSS_NAMES, build_loss, pick_output
 from hookcli.engine.collectors import Observed
-from hookcli.engine.session import CompletionOrder, HookOptions, RunObserver, widened
+from hookcli.engine.session import CompletionOrder, RunObserver, widened
 from hookcli.engine.state import copy_model
 from hookcli.engine.stats import to_host
 from hookcli.errors import HookcliError, InternalError, UnsupportedError, UsageError, describe_exception, exit_status
@@ -282,7 +282,7 @@ class _Trainer:
             prepared = self.prepared(clone)
             if watcher is not None:
                 prepared = replace(prepared, selection=watcher.selection)
-            result = engine.run_model(prepared, HookOptions(), engine.RunPlan(
+            result = engine.run_model(prepared, [], engine.RunPlan(
                 loss=loss, steps=plan, collectors=[Observed(watcher)] if watcher is not None else [], show_phase=False))
         except UsageError:
             raise
@@ -304,7 +304,7 @@ class _Trainer:
         sums = []
         for _ in range(2):
             watch = _Checksums()
-            engine.run_model(self.prepared(_copy(self.prep.loaded.model), hooked=True), HookOptions(),
+            engine.run_model(self.prepared(_copy(self.prep.loaded.model), hooked=True), [],
                              engine.RunPlan(collectors=[Observed(watch)], show_phase=False))
             sums.append(watch.host())
         a, b = sums
