@@ -273,11 +273,11 @@ def test_a_failure_reading_a_closures_gradients_stops_the_watch_not_the_loop(
     reads = {"n": 0}
     original = HookSet.param_vectors
 
-    def failing(self: HookSet) -> Any:
+    def failing(self: HookSet, **kwargs: Any) -> Any:
         reads["n"] += 1
         if reads["n"] == 4:  # step 0: the pre-step's, the closure's; step 1: the pre-step's, then this
             raise RuntimeError("the gradients cannot be read")
-        return original(self)
+        return original(self, **kwargs)
 
     monkeypatch.setattr(HookSet, "param_vectors", failing)
     got, model, said, log = run(True)

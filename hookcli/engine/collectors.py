@@ -33,7 +33,7 @@ from torch import nn
 
 from hookcli.engine import distributed
 from hookcli.engine.hooks import ParamReads, is_compiled
-from hookcli.engine.session import HookSession, RunObserver, _Call, _Tensor, clipped_gradients, param_record
+from hookcli.engine.session import HookSession, RunObserver, Call, OutputEntry, clipped_gradients, param_record
 from hookcli.engine.taps import Tap, reducible
 from hookcli.engine.stats import Vector, device_float
 from hookcli.records import FailureInfo, LayerRecord, ParamRecord
@@ -234,11 +234,11 @@ class Observed(Collector):
         self.observer = observer
         self.reads: ParamReads | None = None
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if self.observer.wants_tensors:
             self.observer.tensor(call.name, call.call, entry.path, tensor)
 
-    def input(self, session: HookSession, call: _Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def input(self, session: HookSession, call: Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.observer.wants_inputs and inputs:
             self.observer.input(call.name, call.call, inputs[0][0], inputs[0][1])
 

@@ -74,7 +74,10 @@ class RunObserver:
 
 
 @dataclass(slots=True)
-class _Tensor:
+class OutputEntry:
+    """One output tensor of a call as the session keeps it: where it is in the output, its shape and dtype,
+    and what the taps measured of it (on the device)."""
+
     path: str
     shape: list[int]
     dtype: str
@@ -88,12 +91,15 @@ class _Tensor:
 
 
 @dataclass(slots=True)
-class _Call:
+class Call:
+    """One call of a selected module in the step: its inputs' shapes, its outputs (``OutputEntry``), and
+    how it ended. The taps get it with each event (``engine.taps``)."""
+
     name: str
     call: int
     type: str
     input_shapes: list[list[int] | None]
-    outputs: list[_Tensor] = field(default_factory=list)
+    outputs: list[OutputEntry] = field(default_factory=list)
     input_grads: list[Vector | None] | None = None
     raised: bool = False
     finished: bool = False
@@ -124,13 +130,13 @@ class HookSession:
         self.taps = list(taps)
         self._input_taps = [tap.input for tap in self.taps if overrides(tap, "input")]
         self._output_taps = [tap.output for tap in self.taps if overrides(tap, "output")]
-        self.calls: list[_Call] = []
-        self._open: dict[str, list[_Call]] = {}
+        self.calls: list[Call] = []
+        self._open: dict[str, list[Call]] = {}
         self._counts: dict[str, int] = {}
         #: The call whose output gradient arrived last: when backward raises, it ran that call's backward.
-        self.last_grad_call: _Call | None = None
+        self.last_grad_call: Call | None = None
         #: Calls whose forward is running now, outermost first (for FLOP attribution).
-        self.active: list[_Call] = []
+        self.active: list[Call] = []
         self.reducer = Reducer()
         #: The first exception hookcli's own hook code raised (the hooks catch their own exceptions, so
         #: the model's run is never aborted or blamed for them); ``raise_error`` raises it after the run.
@@ -286,7 +292,7 @@ class HookSession:
         else:
             inputs = list(iter_tensors(args)) + list(iter_tensors(kwargs))
             input_shapes = [shape_of(t) for _, t in inputs]
-        call = _Call(name, index, type_name, input_shapes)
+        call = Call(name, index, type_name, input_shapes)
         for tap in self._input_taps:
             tap(self, call, inputs)
         self.calls.append(call)
@@ -325,11 +331,11 @@ class HookSession:
         self._done += 1
         self._record_outputs(call, output)
 
-    def _record_outputs(self, call: _Call, output: Any) -> None:
+    def _record_outputs(self, call: Call, output: Any) -> None:
         tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
         taps = self._output_taps
         for path, tensor in tensors:
-            entry = _Tensor(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype),
+            entry = OutputEntry(path, shape_of(tensor) if tensor.is_nested else list(tensor.shape), dtype_name(tensor.dtype),
                             tensor.is_floating_point() or tensor.is_complex())  # (inline: once per output tensor)
             for tap in taps:
                 tap(self, call, entry, tensor)
@@ -378,7 +384,7 @@ class HookSession:
             pending.append(vec)
             return len(pending) - 1
 
-        layout: list[tuple[_Call, list[tuple[_Tensor, int | None, int | None]], list[int | None]]] = []
+        layout: list[tuple[Call, list[tuple[OutputEntry, int | None, int | None]], list[int | None]]] = []
         for call in self.calls:
             outs = [(t, slot(t.stats), slot(t.grad)) for t in call.outputs]
             ins = [slot(g) for g in (call.input_grads or [])]

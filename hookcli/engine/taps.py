@@ -6,7 +6,7 @@ into one call record and hands the call's tensors to the taps it was given, in t
 - ``input``: the call's input tensors (positional, then keyword), in the forward pre-hook, before an
   in-place module changes them (a tap with ``all_inputs`` needs the keyword ones too: its modules are
   hooked one by one, never process-wide);
-- ``output``: each output tensor of the call (any structure), with its entry (``_Tensor``: path, shape,
+- ``output``: each output tensor of the call (any structure), with its entry (``OutputEntry``: path, shape,
   dtype, whether it is floating) where the tap writes what it measured, in the forward hook.
 
 What a run records per tensor is one tap each: ``Statistics`` (the activation statistics), ``Gradients``
@@ -35,7 +35,7 @@ from hookcli.engine.stats import is_float
 from hookcli.errors import UnsupportedError
 
 if TYPE_CHECKING:
-    from hookcli.engine.session import HookSession, _Call, _Tensor
+    from hookcli.engine.session import HookSession, Call, OutputEntry
 
 #: Called with (record name, call index, output path, tensor) for every selected output tensor.
 TensorFn = Callable[[str, int, str, torch.Tensor], None]
@@ -50,10 +50,10 @@ class Tap:
     #: ``input`` needs every input of a call, its keyword ones too (per-module hooks, never process-wide)
     all_inputs: bool = False
 
-    def input(self, session: HookSession, call: _Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def input(self, session: HookSession, call: Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
         """The call's input tensors as (path, tensor), before its forward runs."""
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         """One output tensor of the call as the module returned it, and its entry in the call's record."""
 
 
@@ -65,7 +65,7 @@ def overrides(tap: Tap, event: str) -> bool:
 class Statistics(Tap):
     """Each floating output's activation statistics (``Reducer.reduce``; a DTensor: this rank's part)."""
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if entry.floating and not tensor.is_meta:
             entry.stats = session.reducer.reduce(reducible(distributed.local(tensor)))
 
@@ -78,12 +78,12 @@ class Gradients(Tap):
     def __init__(self, *, zeros: bool = False, keep: KeepFn | None = None) -> None:
         self.zeros, self.keep = zeros, keep
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if entry.floating and tensor.requires_grad:
             entry.wants_grad = True
             session.hook_grad(tensor, self._hook(session, call, entry))
 
-    def _hook(self, session: HookSession, call: _Call, entry: _Tensor) -> Callable[[torch.Tensor | None], None]:
+    def _hook(self, session: HookSession, call: Call, entry: OutputEntry) -> Callable[[torch.Tensor | None], None]:
         def hook(grad: torch.Tensor | None) -> None:
             if grad is None:  # no gradient reached it (an op without a backward, e.g. a quantized one)
                 return
@@ -104,14 +104,14 @@ class InputGradients(Tap):
 
     all_inputs = True
 
-    def input(self, session: HookSession, call: _Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def input(self, session: HookSession, call: Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
         call.input_grads = [None] * len(inputs)
         for position, (_, tensor) in enumerate(inputs):
             if tensor.requires_grad and is_float(tensor):
                 session.hook_grad(tensor, self._hook(session, call, position))
 
     @staticmethod
-    def _hook(session: HookSession, call: _Call, position: int) -> Callable[[torch.Tensor | None], None]:
+    def _hook(session: HookSession, call: Call, position: int) -> Callable[[torch.Tensor | None], None]:
         def hook(grad: torch.Tensor | None) -> None:
             if grad is None or call.input_grads is None:
                 return
@@ -131,7 +131,7 @@ class ChannelCounts(Tap):
         self.dims = ChannelDims(dict(selection))
         self.counting = True
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if self.counting and has_channels(tensor):
             part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
             entry.nonzeros = reduction.channel_counts([(part, self.dims(call.name, part))])[0]
@@ -144,7 +144,7 @@ class Observe(Tap):
     def __init__(self, fn: TensorFn) -> None:
         self.fn = fn
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         self.fn(call.name, call.call, entry.path, tensor)
 
 
@@ -155,7 +155,7 @@ class ObserveInputs(Tap):
     def __init__(self, fn: TensorFn) -> None:
         self.fn = fn
 
-    def input(self, session: HookSession, call: _Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def input(self, session: HookSession, call: Call, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
         if inputs:
             self.fn(call.name, call.call, inputs[0][0], inputs[0][1])
 
@@ -167,7 +167,7 @@ class Keep(Tap):
     def __init__(self, fn: KeepFn) -> None:
         self.fn = fn
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if tensor.is_nested:
             raise UnsupportedError(
                 f"{call.name or '(model)'}{entry.path} returned a nested (ragged) tensor, which cannot be kept as one "

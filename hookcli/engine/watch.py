@@ -25,7 +25,7 @@ from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
 from hookcli.engine.hooks import HookSet, ParamVectors, stale_graph_error
-from hookcli.engine.session import HookSession, _Call, _Tensor
+from hookcli.engine.session import HookSession, Call, OutputEntry
 from hookcli.engine.taps import ChannelCounts, Gradients, Statistics, Tap, reducible
 from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
 from hookcli.engine.stats import Transfer, Vector, to_host
@@ -679,7 +679,7 @@ class ChannelPeaks(Tap):
         self.active = False
         self.peaks: dict[tuple[str, str], torch.Tensor | None] = {}
 
-    def output(self, session: HookSession, call: _Call, entry: _Tensor, tensor: torch.Tensor) -> None:
+    def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if not self.active or not has_channels(tensor):
             return
         key, peak = (call.name, entry.path), channel_abs_max(tensor, self.dims(call.name, tensor))
