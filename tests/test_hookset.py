@@ -251,8 +251,8 @@ def test_a_hook_set_is_installed_once_and_records_only_once_installed() -> None:
 
 def test_begin_step_switches_recording_and_channel_counts_and_the_training_root_leaves_validation_out() -> None:
     """The session's step switches are its own (``begin_step``, ``go_idle``; ``idle`` is read-only): an idle
-    step records nothing, a recording step counts each output's nonzeros per channel only while its
-    ``ChannelCounts`` tap is counting (equal to plain torch's count), and with a ``training_root`` a forward of that model in eval mode under
+    step records nothing, a recording step counts each output's nonzeros per channel only when it is
+    measured in full (its ``ChannelCounts`` tap hears it begin; equal to plain torch's count), and with a ``training_root`` a forward of that model in eval mode under
     ``no_grad`` (validation) is left out."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU())
@@ -267,13 +267,11 @@ def test_begin_step_switches_recording_and_channel_counts_and_the_training_root_
         session.begin_step(recording=False)
         model(x)
         assert session.idle and session.calls == []
-        session.begin_step(recording=True)
-        counts.counting = False
+        session.begin_step(recording=True, full=False)
         model(x)
         assert [c.outputs[0].nonzeros for c in session.calls] == [None]
         hooks.end_step()
-        session.begin_step(recording=True)
-        counts.counting = True
+        session.begin_step(recording=True, full=True)
         out = model(x)
         expected = (out.detach() != 0).sum(dim=(0, 2, 3))
         assert session.calls[0].outputs[0].nonzeros.tolist() == expected.tolist()

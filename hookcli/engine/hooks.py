@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookcli.errors import UnsupportedError, UsageError
 from hookcli.records import LayerRecord, ParamRecord
-from hookcli.engine.stats import Vector
+from hookcli.engine.stats import Transfer, Vector
 from hookcli.engine import distributed, reduction
 from hookcli.engine.session import HookSession, _one_shot, gc_paused, param_record
 from hookcli.engine.taps import Tap, reducible
@@ -336,19 +336,14 @@ class HookSet:
             raise UsageError("this hook set is not installed", hint="call install(model, selection) first")
         try:
             session.raise_error()
-            plan: list[tuple[ParamVectors, int | None, int]] = []
-            vectors: list[Vector] = list(extra)
-            for entry in self.param_vectors():
-                g_slot = None
-                if entry.grad is not None:
-                    vectors.append(entry.grad)
-                    g_slot = len(vectors) - 1
-                vectors.append(entry.norm)
-                plan.append((entry, g_slot, len(vectors) - 1))
-            layers, values = session.records(params_by_name, vectors)
-            records = [param_record(e.name, e.param, values[n_slot][0], values[g_slot] if g_slot is not None else None)
-                       for e, g_slot, n_slot in plan]
-            return StepRecords(self.step, layers, records, dict(self._accumulated), values[: len(extra)])
+            transfer = Transfer()
+            row = transfer.row
+            extra_slots = [transfer.slot(v) for v in extra]
+            plan = [(e, transfer.slot(e.grad), transfer.slot(e.norm)) for e in self.param_vectors()]
+            rows = session.rows(transfer, params_by_name)
+            transfer.run()
+            records = [param_record(e.name, e.param, row(n)[0], row(g)) for e, g, n in plan]  # type: ignore[index]
+            return StepRecords(self.step, rows(), records, dict(self._accumulated), [row(i) for i in extra_slots])  # type: ignore[misc]
         finally:
             self.end_step()
 

@@ -40,7 +40,7 @@ from hookcli.engine.loading import LoadedModel, from_instance, load_model, refus
 from hookcli.engine.quiet import quiet
 from hookcli.engine.meta_values import meta_values
 from hookcli.options import RunOptions, Shard, model_is_instance
-from hookcli.engine.stats import iter_tensors, map_tensors, shape_of
+from hookcli.engine.stats import Transfer, iter_tensors, map_tensors, shape_of
 from hookcli.records import (
     LayerRecord,
     FailureInfo,
@@ -610,11 +610,13 @@ def run_step(prep: Prepared, model: nn.Module, args: tuple[Any, ...], kwargs: di
         _phases(plan, step, collectors, args, kwargs)
         for collector in collectors:
             collector.end(step)
-        parts = [collector.vectors(step) for collector in collectors]
-        step.result.layers, values = session.records(params_by_module(prep), [v for part in parts for v in part])
-        for collector, part in zip(collectors, parts):
-            collector.records(step, values[:len(part)])
-            values = values[len(part):]
+        transfer = Transfer()  # the run's one host transfer: the rows' vectors and the collectors'
+        slots = [[transfer.slot(v) for v in collector.vectors(step)] for collector in collectors]
+        rows = session.rows(transfer, params_by_module(prep))
+        transfer.run()
+        step.result.layers = rows()
+        for collector, taken in zip(collectors, slots):
+            collector.records(step, [transfer.values[i] for i in taken if i is not None])
     return step.result
 
 

@@ -30,9 +30,9 @@ from hookcli.engine.stats import (
     gradient_stats,
     iter_tensors,
     Reducer,
+    Transfer,
     Vector,
     shape_of,
-    to_host,
 )
 from hookcli.engine import distributed
 from hookcli.engine.selection import module_depth
@@ -130,6 +130,7 @@ class HookSession:
         self.taps = list(taps)
         self._input_taps = [tap.input for tap in self.taps if overrides(tap, "input")]
         self._output_taps = [tap.output for tap in self.taps if overrides(tap, "output")]
+        self._step_taps = [tap.step_begins for tap in self.taps if overrides(tap, "step_begins")]
         self.calls: list[Call] = []
         self._open: dict[str, list[Call]] = {}
         self._counts: dict[str, int] = {}
@@ -163,10 +164,13 @@ class HookSession:
         """Whether every hook returns at once in the step in progress (``begin_step``, ``go_idle``)."""
         return self._idle
 
-    def begin_step(self, *, recording: bool = True) -> None:
+    def begin_step(self, *, recording: bool = True, full: bool = True) -> None:
         """How the step that begins now is recorded (called between steps only): ``recording`` False makes
-        the session idle (a watch's unlogged step: every hook returns at once)."""
+        the session idle (a watch's unlogged step: every hook returns at once); ``full``: the taps measure
+        everything in it (a watch's logged step; ``Tap.step_begins``), else statistics only."""
         self._idle = not recording
+        for begins in self._step_taps:
+            begins(recording and full)
 
     def go_idle(self) -> None:
         """Every hook returns at once from now on, in the step in progress too (a watch that stopped)."""
@@ -360,38 +364,35 @@ class HookSession:
         their parents): the finite rule names the first layer that made a NaN by it."""
         return {(call.name, call.call): call.done for call in self.calls if call.done >= 0}
 
-    def records(
-        self,
-        params_by_name: dict[str, int] | None = None,
-        extra: Sequence[Vector] = (),
-    ) -> tuple[list[LayerRecord], list[list[float]]]:
-        """Turn the recorded calls into plain records, with one host transfer for all statistics.
+    def records(self, params_by_name: dict[str, int] | None = None,
+                extra: Sequence[Vector] = ()) -> tuple[list[LayerRecord], list[list[float]]]:
+        """The recorded calls as plain records, with one host transfer for all statistics; ``extra``
+        vectors travel in the same transfer, their host values come back as the second item (``rows``
+        with a ``Transfer`` of one's own)."""
+        transfer = Transfer()
+        extra_slots = [transfer.slot(v) for v in extra]
+        rows = self.rows(transfer, params_by_name)
+        transfer.run()
+        return rows(), [transfer.values[i] for i in extra_slots if i is not None]
 
-        ``extra`` vectors (parameter gradients, the loss, ...) travel in the same transfer; their host
-        values come back as the second item.
-        """
-        with gc_paused():
-            return self._records(params_by_name or {}, extra)
+    def rows(self, transfer: Transfer, params_by_name: dict[str, int] | None = None) -> Callable[[], list[LayerRecord]]:
+        """The recorded calls' statistics vectors, put into the caller's ``transfer`` (with whatever else
+        the run brings to the host: the one transfer of a run); once it has run, the returned function
+        makes one plain record per call and output (calls that raised and selected modules never called
+        included), in the order the calls began. ``params_by_name``: each module's parameter count."""
+        slot, by_name = transfer.slot, params_by_name or {}
+        layout = [(call, [(t, slot(t.stats), slot(t.grad)) for t in call.outputs],
+                   [slot(g) for g in call.input_grads] if call.input_grads is not None else None)
+                  for call in self.calls]
 
-    def _records(
-        self, params_by_name: dict[str, int], extra: Sequence[Vector],
-    ) -> tuple[list[LayerRecord], list[list[float]]]:
-        pending: list[Vector] = list(extra)
+        def made() -> list[LayerRecord]:
+            with gc_paused():
+                return self._records(layout, transfer.row, by_name)
 
-        def slot(vec: Vector | None) -> int | None:
-            if vec is None:
-                return None
-            pending.append(vec)
-            return len(pending) - 1
+        return made
 
-        layout: list[tuple[Call, list[tuple[OutputEntry, int | None, int | None]], list[int | None]]] = []
-        for call in self.calls:
-            outs = [(t, slot(t.stats), slot(t.grad)) for t in call.outputs]
-            ins = [slot(g) for g in (call.input_grads or [])]
-            layout.append((call, outs, ins))
-        values = to_host(pending)
-        extra_values = values[: len(extra)]
-
+    def _records(self, layout: Sequence[tuple[Call, list[tuple[OutputEntry, int | None, int | None]], list[int | None] | None]],
+                 row: Callable[[int | None], list[float] | None], params_by_name: dict[str, int]) -> list[LayerRecord]:
         records: list[LayerRecord] = []
         depths: dict[str, int] = {}
         for call, outs, ins in layout:
@@ -402,19 +403,20 @@ class HookSession:
             calls = self._counts.get(name, 1)
             params = params_by_name.get(name, 0)
             grad_input = None
-            if call.input_grads is not None:
-                grad_input = [gradient_stats(values[i]) if i is not None else None for i in ins]
+            if ins is not None:
+                grad_input = [gradient_stats(values) if (values := row(i)) is not None else None for i in ins]
             if call.raised or not call.finished or not outs:
                 records.append(LayerRecord(name, call.call, call.type, depth=depth, calls=calls,
                                            input_shapes=call.input_shapes, params=params,
                                            raised=call.raised or not call.finished, grad_input=grad_input))
                 continue
             for entry, stats_i, grad_i in outs:
+                stats, grad = row(stats_i), row(grad_i)
                 records.append(LayerRecord(
                     name, call.call, call.type, output=entry.path, depth=depth, calls=calls,
                     input_shapes=call.input_shapes, shape=entry.shape, dtype=entry.dtype, params=params,
-                    stats=activation_stats(values[stats_i]) if stats_i is not None else None,
-                    grad=gradient_stats(values[grad_i]) if grad_i is not None else None,
+                    stats=activation_stats(stats) if stats is not None else None,
+                    grad=gradient_stats(grad) if grad is not None else None,
                     grad_input=grad_input,
                 ))
         called = set(self._counts)
@@ -425,7 +427,7 @@ class HookSession:
                     depth=module_depth(name), calls=0, params=params_by_name.get(name, 0),
                     container=is_container(module),
                 ))
-        return records, extra_values
+        return records
 
 
 def param_record(name: str, p: torch.Tensor, norm: float | None, grad: Sequence[float] | None,

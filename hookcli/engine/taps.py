@@ -7,7 +7,9 @@ into one call record and hands the call's tensors to the taps it was given, in t
   in-place module changes them (a tap with ``all_inputs`` needs the keyword ones too: its modules are
   hooked one by one, never process-wide);
 - ``output``: each output tensor of the call (any structure), with its entry (``OutputEntry``: path, shape,
-  dtype, whether it is floating) where the tap writes what it measured, in the forward hook.
+  dtype, whether it is floating) where the tap writes what it measured, in the forward hook;
+- ``step_begins``: a step of a hook set kept over a loop begins (``HookSet.begin_step``), and whether it
+  is measured in ``full`` (a watch's logged step) or only statistics are (its flight recorder's others).
 
 What a run records per tensor is one tap each: ``Statistics`` (the activation statistics), ``Gradients``
 (the output gradients' statistics, through tensor hooks), ``InputGradients``, ``ChannelCounts``
@@ -55,6 +57,9 @@ class Tap:
 
     def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         """One output tensor of the call as the module returned it, and its entry in the call's record."""
+
+    def step_begins(self, full: bool) -> None:
+        """A step begins (between steps only); ``full``: everything is measured in it."""
 
 
 def overrides(tap: Tap, event: str) -> bool:
@@ -125,11 +130,14 @@ class InputGradients(Tap):
 
 class ChannelCounts(Tap):
     """Each output's nonzero values per channel (the channel dimension as ``ChannelDims`` finds it), on
-    the device, while ``counting`` (a watch counts at its logged steps only, not its flight recorder's)."""
+    the device, in every step measured in full (a watch's logged steps, not its flight recorder's others)."""
 
     def __init__(self, selection: Sequence[tuple[str, nn.Module]]) -> None:
         self.dims = ChannelDims(dict(selection))
         self.counting = True
+
+    def step_begins(self, full: bool) -> None:
+        self.counting = full
 
     def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if self.counting and has_channels(tensor):

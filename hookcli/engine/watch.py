@@ -226,9 +226,9 @@ class StepWatcher:
         assert self.hooks.session is not None
         halted = self.error is not None or self.stopped is not None
         self.logged = not halted and self.step % self.every == 0
-        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None))
-        if self.channel_counts is not None:  # (not at the flight recorder's unlogged steps)
-            self.channel_counts.counting = self.logged
+        # (channel counts and peaks at the logged steps only, not at the flight recorder's others)
+        self.hooks.session.begin_step(recording=self.logged or (not halted and self.flight is not None),
+                                      full=self.logged)
         if self.cause is not None:
             self.cause.arm(not self.hooks.session.idle)
         if self.attention is not None:
@@ -238,8 +238,6 @@ class StepWatcher:
         self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
         self._closure_grads = None
         self._signals = None
-        if self.peaks is not None:
-            self.peaks.begin(self.logged)
         self._stepped = self._early_step = False
         self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
 
@@ -688,9 +686,9 @@ class ChannelPeaks(Tap):
         elif (had := self.peaks[key]) is not None:  # an output whose channel count differs between calls: left out
             self.peaks[key] = torch.maximum(had, peak) if had.shape == peak.shape else None
 
-    def begin(self, logged: bool) -> None:
-        """A step begins: measured when it is ``logged``."""
-        self.active, self.peaks = logged, {}
+    def step_begins(self, full: bool) -> None:
+        """A step begins: measured when it is logged (in ``full``)."""
+        self.active, self.peaks = full, {}
 
     def take(self) -> dict[tuple[str, str], torch.Tensor]:
         peaks, self.peaks = self.peaks, {}
