@@ -320,6 +320,19 @@ def test_the_run_loop_takes_a_plan_not_per_feature_flags() -> None:
     assert run_step.end_lineno - run_step.lineno + 1 < 60
 
 
+def test_the_hook_session_knows_no_particular_tap() -> None:
+    """What the hooks record of each call's tensors is a tap (``engine.taps``), handed to the session: the
+    session imports no particular tap and has no per-feature switch, so a new measurement is a new tap,
+    not an edit of the session's hot path."""
+    tree = ast.parse((PACKAGE / "engine" / "session.py").read_text())
+    from_taps = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module == "hookcli.engine.taps" for alias in node.names}
+    assert from_taps == {"Tap", "overrides"}
+    switches = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute) and node.value.attr == "options"}
+    assert not switches, f"the session reads per-feature options: {sorted(switches)}"
+
+
 #: Private attributes of other objects hookcli must write, each with its reason: (module, object
 #: expression, attribute) -> why. Everything else writes only its own (``self._x``, ``cls._x``).
 FOREIGN_PRIVATE_WRITES: dict[tuple[str, str, str], str] = {
