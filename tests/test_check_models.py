@@ -290,6 +290,22 @@ def test_lm_logits_get_next_token_cross_entropy() -> None:
     _assert_grads_match(report, _param_grads(model, loss))
 
 
+def test_a_target_the_loss_does_not_use_is_said_not_dropped_silently() -> None:
+    """``--target`` picks the class of a (batch, classes) cross-entropy; a per-token next-token loss (or a
+    mean of squares) has no use for it, and the report says so instead of ignoring it."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids = _save(torch.randint(0, 50, (2, 12)), "ids")
+    said = hookcli.grads(model, inputs=[ids], target=7)
+    assert said.loss["target"] is None
+    assert any(n.startswith("--target 7 is not used: the loss is cross_entropy") and "next token" in n
+               for n in said.notes), said.notes
+    assert not any("--target" in n for n in hookcli.grads(model, inputs=[ids]).notes)  # the default: nothing said
+    classifier = nn.Sequential(nn.Flatten(), nn.Linear(12, 10))
+    used = hookcli.grads(classifier, input_shapes=["2x12"], target=7)
+    assert used.loss["target"] == 7 and not any("--target" in n for n in used.notes)
+
+
 def _save(t: torch.Tensor, name: str) -> str:
     import tempfile
 

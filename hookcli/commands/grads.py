@@ -281,6 +281,8 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     if run.loss is not None:
         report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
+        if (unused := run.loss[0].unused_target(opts.target)) is not None:
+            report.notes.append(unused)
     if ranks:
         note_ranks(report, tp)
     if run.flops is not None:
@@ -430,6 +432,8 @@ def _finish_data_report(prep: Any, report: Report, rows: Any, choice: LossChoice
     data_source(prep, report, rows, done=True)
     if choice is not None:
         report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
+        if (unused := choice.unused_target(prep.options.target)) is not None:
+            report.notes.append(unused)
     if ranks:
         note_ranks(report, tp)
     where = f"{count} batches" + (f" of {distributed.batch_owners(tp)}" if ranks else "")

@@ -38,6 +38,15 @@ class LossChoice:
         return {"kind": self.kind, "output": self.output, "target": self.target, "targets": self.targets,
                 "value": value}
 
+    def unused_target(self, target: int) -> str | None:
+        """A report note when the user gave ``--target`` (a class other than the default 0) and this loss
+        does not use it (a per-token next-token loss, the model's own loss, a mean of squares...)."""
+        if not target or self.target is not None:
+            return None
+        against = f" against the {self.targets}" if self.targets else ""
+        return (f"--target {target} is not used: the loss is {self.kind} of {self.output or 'the output'}{against} "
+                "(--target picks the class of a cross-entropy over (batch, classes) output)")
+
 
 def _is_model_loss(path: str, tensor: torch.Tensor) -> bool:
     """A scalar float entry named ``loss`` at the top of the output (``ModelOutput.loss``, ``{'loss': ...}``)."""
