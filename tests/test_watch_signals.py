@@ -136,9 +136,9 @@ def test_adam_rms_is_the_same_however_the_parameters_are_cut_into_pieces(monkeyp
     a piece split into slices, small ones packed together): cut into 7 (every parameter split, slices of
     one parameter in two pieces), 64 or 2^19 elements (all in one piece), its values equal the float64
     recomputation, without eps too, with an embedding whose unseen rows keep v = 0 (0 there, not NaN)."""
-    from hookcli.engine import watch as engine_watch
+    from hookcli.engine import watch_params
 
-    monkeypatch.setattr(engine_watch, "ADAM_RMS_PIECE", piece)
+    monkeypatch.setattr(watch_params, "ADAM_RMS_PIECE", piece)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(40, 12), nn.Flatten(), nn.Linear(36, 5), nn.Tanh(), nn.Linear(5, 3))
     ids = torch.randint(0, 10, (64, 3))  # rows 10.. of the embedding never get a gradient

@@ -24,9 +24,10 @@ from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
 from hookcli.engine.flight import Entry, FlightRecorder, flight_records
 from hookcli.engine.roots import BackwardRoots
+from hookcli.engine.watch_params import ParamWatch
 from hookcli.engine.hooks import HookSet, ParamVectors, stale_graph_error
 from hookcli.engine.session import HookSession, Call, OutputEntry
-from hookcli.engine.taps import ChannelCounts, Gradients, Statistics, Tap, reducible
+from hookcli.engine.taps import ChannelCounts, Gradients, Statistics, Tap
 from hookcli.engine.step_rows import Groups, merged_channels, merged_outputs, watch_layers, watch_param
 from hookcli.engine.stats import Transfer, Vector, to_host
 from hookcli.errors import (CheckFailedError, HookcliError, InternalError, RanksFailed, UnsupportedError, UsageError,
@@ -140,24 +141,15 @@ class StepWatcher:
         self.channel_counts = ChannelCounts(self.selection) if channels else None
         #: each logged step's per-channel largest magnitudes (the massive_activation rule's; not under torchrun)
         self.peaks = ChannelPeaks(self.selection) if "peaks" in gather and self.reduction is None else None
-        #: a logged step's cosines between update and gradient, and Adam's normalised-gradient RMS (not
-        #: under torchrun), measured in the optimizer's post-step hook (``gather``: which of them)
-        self.gather = frozenset(gather) if self.reduction is None else frozenset()
-        self._signals: tuple[list[Vector] | None, list[Vector] | None] | None = None
-        #: each logged step's histograms of the weights and their gradients (tensorboard_dir=; under
-        #: torchrun over every rank's part, with one more collective: ``distributed.global_histograms``)
-        self.histograms = histograms if self.reduction is None else self.reduction.any_rank(histograms)
-        self._histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
-        self._before: list[torch.Tensor] | None = None  # the weights at a logged step's pre-step
-        self._param_vectors: list[ParamVectors] | None = None
-        #: under torchrun: the Partial gradients' values at the pre-step (``distributed.partial_grads``)
-        self._partial: list[distributed.PartialGrad] | None = None
-        self._updates: list[Vector] | None = None
+        #: what a logged step reads of the watched parameters at the optimizer's step events (engine.watch_params):
+        #: the cosines between update and gradient and Adam's normalised-gradient RMS not under torchrun
+        #: (``gather``: which of them); the histograms of the weights and their gradients with
+        #: tensorboard_dir= (under torchrun over every rank's part: ``distributed.global_histograms``)
+        self.param_watch = ParamWatch(self.hooks, optimizer, self.params, reduction=self.reduction,
+                                      sharded=self.sharded, owned=self.owned,
+                                      histograms=histograms if self.reduction is None else self.reduction.any_rank(histograms),
+                                      gather=gather if self.reduction is None else ())
         self._pending: WatchStep | None = None
-        self._lr_scales: list[float | None] | None = None
-        #: a logged step's gradients as the closure handed to its optimizer.step() left them
-        #: (``HookSet.observe_closures``)
-        self._closure_grads: list[Vector | None] | None = None
         self._stepped = False  # the optimizer stepped in the step in progress
         #: the optimizer stepped before any selected module ran or any backward reached a parameter in
         #: the (recorded) step in progress: w.step() before optimizer.step() once modules run after it
@@ -208,8 +200,8 @@ class StepWatcher:
             if self.optimizer is not None:
                 self.hooks.hook_optimizer(self.optimizer, self._guarded(self._pre_step),
                                           self._guarded(self._post_step))
-                returned = self._guarded(self._closure_returned)
-                self.hooks.observe_closures(self.optimizer, lambda: self._param_vectors is not None,
+                returned = self._guarded(self.param_watch.closure_returned)
+                self.hooks.observe_closures(self.optimizer, lambda: self.param_watch.taken,
                                             lambda: returned(self.optimizer, (), {}))
             self._begin()
             self.roots.install()
@@ -235,11 +227,8 @@ class StepWatcher:
             self.attention.arm(self.logged)
         if self.logged:
             self.hooks.mark_grads()  # under a process group: a .grad DDP writes without this rank's backward
-        self._before = self._param_vectors = self._updates = self._histograms = self._partial = None
-        self._closure_grads = None
-        self._signals = None
+        self.param_watch.begin()
         self._stepped = self._early_step = False
-        self._lr_scales = None  # at a logged step's pre-step (``lr_scales``)
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
         def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -277,25 +266,11 @@ class StepWatcher:
             self.user_steps = False
             self._hand_on()
         if self.logged:
-            self._lr_scales = lr_scales(self.optimizer, self.params)
-            self._param_vectors = self.hooks.param_vectors(zeros=True)
-            self._partial = distributed.partial_grads(self.params) if self.reduction is not None else None
-            self._histograms = self._param_histograms()
-            self._before = [distributed.local(p.detach()).clone() for _, p in self.params]
+            self.param_watch.pre_step()
 
     def _post_step(self) -> None:
         self._stepped = True
-        if self._before is not None:
-            diffs = [before.sub_(distributed.local(p.detach())) for before, (_, p) in zip(self._before, self.params)]
-            self._updates = reduction.norms([reducible(diff) for diff in diffs])
-            if self.gather:
-                self._signals = self._update_signals(diffs)
-            self._before = None
-        if self._param_vectors is not None and self._closure_grads is not None:
-            # the step's closure ran (a backward) inside optimizer.step(): the gradients it applied are
-            # those its last call left; the norms stay the pre-step's
-            for entry, grad in zip(self._param_vectors, self._closure_grads):
-                entry.grad = grad
+        self.param_watch.post_step()
         if self.user_steps:
             session = self.hooks.session
             # nothing of the step ran before the optimizer's step (an LBFGS closure runs inside it)
@@ -307,24 +282,6 @@ class StepWatcher:
             self._pending = record or WatchStep(-1)  # step -1: an unlogged step, nothing to hand on
         elif record is not None:
             self.on_step(record)
-
-    def _closure_returned(self) -> None:
-        """The closure handed to a logged step's ``optimizer.step()`` returned (``HookSet.observe_closures``):
-        it may have run a backward (LBFGS, Lightning's automatic optimisation: the step's only backward,
-        or gradient accumulation's last micro-batch), so the gradients the step applies are read now, as
-        the pre-step reads them; a later call (LBFGS) reads them again."""
-        if self._param_vectors is None:
-            return
-        self._closure_grads = [entry.grad for entry in self.hooks.param_vectors(zeros=True)]
-        if self.reduction is not None:
-            self._partial = distributed.partial_grads(self.params)
-        self._histograms = self._param_histograms()
-
-    def _update_signals(self, diffs: list[torch.Tensor]) -> tuple[list[Vector] | None, list[Vector] | None]:
-        """At a logged step's post-step, on the device: each parameter's cosine between update and gradient,
-        and Adam's normalised-gradient RMS (None: not gathered, or not an Adam/AdamW optimizer)."""
-        return (update_grad_dots(diffs, self.params) if "cosines" in self.gather else None,
-                adam_rms(self.optimizer, self.params, diffs) if "adam" in self.gather else None)
 
     def user_step(self, loss: Any = None) -> None:
         """``Watch.step()``: end the step in progress (or add ``loss`` to the first step, which the
@@ -435,7 +392,7 @@ class StepWatcher:
                 self.cause.remove()
             if self.attention is not None:
                 self.attention.remove()
-            self._before = self._param_vectors = self._updates = None
+            self.param_watch.begin()  # (the pre-step's copies go)
 
     def raise_error(self) -> None:
         """Raise the finding raised inside the optimizer's hooks (``on_finding="raise"``), once."""
@@ -471,21 +428,18 @@ class StepWatcher:
                 self.flight.read()  # a logged step transfers anyway
                 self._flight_found(before=step)
                 self.flight.written = step
-            params = self._param_vectors if self._param_vectors is not None else self.hooks.param_vectors(zeros=True)
-            if self.reduction is not None and self._param_vectors is None:
-                self._partial = distributed.partial_grads(self.params)
-            histograms = self._histograms if self._param_vectors is not None else self._param_histograms()
+            params, histograms = self.param_watch.at_close()
             # a backward reached the model, yet none of its hooks fired (under torchrun: not checked, a
             # rank that raised here alone would leave the others waiting in the step's collectives)
             if (self.reduction is None and self.hooks.compiled and not session.calls
                     and any(p.grad is not None for p in params)):
                 raise stale_graph_error()
-            record = self._collect(step, groups, params, self._updates, loss, histograms, trace)
+            record = self._collect(step, groups, params, self.param_watch.updates, loss, histograms, trace)
             if self.reduction is not None and self.flight is not None and self.reduction.flagged:
                 self._agree_flight(record)  # a rank's flight recorder found a NaN/Inf (every rank knows it)
             if self.reduction is not None and self.cause is not None and _nonfinite(record):
                 record.cause = self._ranks_cause(trace)  # (every rank gets here: the record is every rank's)
-            for entry, scale in zip(record.params, self._lr_scales or ()):
+            for entry, scale in zip(record.params, self.param_watch.lr_scales or ()):
                 entry.lr_scale = scale
             for entry, (_, p) in zip(record.params, self.params):
                 entry.requires_grad = p.requires_grad
@@ -586,20 +540,6 @@ class StepWatcher:
         if record is not None and step < record.step:
             record.findings = [f for f in record.findings if f.rule != "nonfinite_rank"]
 
-    def _param_histograms(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
-        """Each watched parameter's histogram and its gradient's, on the device (``histograms`` only)."""
-        if not self.histograms:
-            return None
-        if self.reduction is not None:  # over every rank's part: a shard it owns, or rank 0's copy
-            adds = [owned if sharded else self.reduction.rank == 0 for owned, sharded in zip(self.owned, self.sharded)]
-            partial = self._partial if self._partial is not None else distributed.partial_grads(self.params)
-            return distributed.global_histograms(self.reduction, [  # type: ignore[return-value]
-                (distributed.local(p.detach()), distributed.local(p.grad) if p.grad is not None and found is None
-                 else None) for (_, p), found in zip(self.params, partial)], adds)
-        values = reduction.histograms([p.detach() for _, p in self.params])
-        grads = reduction.histograms([p.grad for _, p in self.params])
-        return list(zip(values, grads))
-
     def _collect(self, step: int, groups: Groups, params: list[ParamVectors], updates: list[Vector] | None,
                  loss: Any, histograms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
                  trace: CauseTrace | None = None) -> WatchStep:
@@ -611,7 +551,7 @@ class StepWatcher:
                                           failed=self.hooks.session.error is not None, owned=self.owned,
                                           flag=flagged,
                                           channels=merged_channels(self.hooks.session.calls) if self.channel_counts is not None else None,
-                                          histograms=histograms, partial=self._partial)  # type: ignore[arg-type]
+                                          histograms=histograms, partial=self.param_watch.partial)  # type: ignore[arg-type]
         transfer = Transfer()
         slot = transfer.slot
         layer_slots = [(key, group, slot(group[4]), slot(group[5])) for key, group in groups.items()]
@@ -625,7 +565,8 @@ class StepWatcher:
         loss_first_slot = slot(self._loss_first.reshape(1)) if self._loss_first is not None else None
         attention = self.attention.slots(slot) if self.attention is not None else None
         dot_slots, adam_slots = ([[slot(v) for v in vectors] if vectors is not None else None
-                                  for vectors in self._signals] if self._signals is not None else (None, None))
+                                  for vectors in self.param_watch.signals] if self.param_watch.signals is not None
+                                 else (None, None))
         peak_slots = {key: slot(peak) for key, peak in self.peaks.take().items()} if self.peaks is not None else {}
         values = transfer.run()  # the step's one transfer
         host = transfer.row
@@ -646,25 +587,6 @@ class StepWatcher:
             entry.grad_histogram = Histogram.from_values(values[g]) if g is not None else None
         _attach_signals(out, values, dot_slots, adam_slots, peak_slots)
         return out
-
-
-def lr_scales(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]]
-              ) -> list[float | None] | None:
-    """Each watched parameter's group's learning rate over its ``initial_lr`` (set by every torch LR
-    scheduler: the rate it was configured with), None where it has none: the update_ratio rule judges
-    "too low" at the configured rate, not at a warmup's start or an annealed tail."""
-    if optimizer is None:
-        return None
-    scale_of: dict[int, float | None] = {}
-    for group in optimizer.param_groups:
-        lr, initial = group.get("lr"), group.get("initial_lr")
-        try:
-            scale = float(lr) / float(initial) if initial is not None and float(initial) > 0 else None
-        except (TypeError, ValueError, RuntimeError):  # a learning rate that is no number: not judged by it
-            scale = None
-        for p in group["params"]:
-            scale_of[id(p)] = scale
-    return [scale_of.get(id(p)) for _, p in params]
 
 
 class ChannelPeaks(Tap):
@@ -720,125 +642,6 @@ def _grad_norm(grad: dict[str, Any] | None) -> float:
         return 0.0
     norm = grad["rms"] * math.sqrt(grad["count"])
     return norm if math.isfinite(norm) else 0.0
-
-
-def update_grad_dots(diffs: Sequence[torch.Tensor], params: Sequence[tuple[str, nn.Parameter]]) -> list[Vector]:
-    """Each parameter's dot product of its update (w_after - w_before; ``diffs`` hold w_before - w_after)
-    with its gradient as the step left it, as a one-element float32 vector on the device (one pass; NaN
-    without a gradient): over the update's and the gradient's norms, which the step transfers anyway,
-    it is their cosine (``_attach_signals``)."""
-    out: list[Vector] = []
-    for diff, (_, p) in zip(diffs, params):
-        grad = p.grad
-        if grad is None or grad.layout != torch.strided or grad.shape != diff.shape or diff.is_complex() \
-                or grad.is_complex():
-            out.append(torch.full((1,), math.nan, device=diff.device))
-            continue
-        d, g = diff.detach().reshape(-1), grad.detach().reshape(-1)
-        if d.dtype != torch.float32 or g.dtype != torch.float32:
-            d, g = d.float(), g.float()
-        out.append(torch.dot(d, g).neg().reshape(1))
-    return out
-
-
-#: ``adam_rms`` works through the parameters in pieces of at most this many elements (a parameter larger
-#: than it split into flat slices, smaller ones packed together), each piece's few passes one
-#: ``torch._foreach_*`` call each: its temporaries (2 MiB apiece in float32) stay in the cache, so the
-#: gradient and the second moment are read from memory once.
-ADAM_RMS_PIECE = 1 << 19
-
-
-def adam_rms(optimizer: torch.optim.Optimizer | None, params: Sequence[tuple[str, nn.Parameter]],
-             diffs: Sequence[torch.Tensor]) -> list[Vector] | None:
-    """Right after an Adam/AdamW step: each parameter's RMS of the normalised gradient
-    g / (sqrt(v_hat) + eps), with v_hat = exp_avg_sq / (1 - beta2^step) as the step used it (the
-    amsgrad maximum with ``amsgrad``; g with the coupled weight decay Adam adds, from w_before = w +
-    ``diffs``), and the same without eps (0 where v_hat is 0), as two-element vectors on the device
-    (NaN for a parameter it did not update), in float32 (``_adam_sums``: all parameters at once, no
-    float64 copy, no host synchronisation). None for another optimizer. Reads the optimizer's state,
-    never writes it."""
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = getattr(optimizer, "optimizer", None)  # a wrapper (Accelerate's, Lightning's)
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return None
-    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    out: list[Vector] = [torch.full((2,), math.nan, device=diff.device) for diff in diffs]
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor, float, Any]]] = {}
-    for i, (diff, (_, p)) in enumerate(zip(diffs, params)):
-        state, group, grad = optimizer.state.get(p), groups.get(id(p)), p.grad
-        v = state.get("max_exp_avg_sq" if group and group.get("amsgrad") else "exp_avg_sq") if state else None
-        if group is None or v is None or "step" not in state or grad is None or grad.layout != torch.strided \
-                or grad.is_complex() or grad.shape != v.shape or v.device != grad.device:
-            continue
-        g = grad.detach()
-        decoupled = group.get("decoupled_weight_decay", False) or isinstance(optimizer, torch.optim.AdamW)
-        if group.get("weight_decay") and not decoupled:  # (its sign under ``maximize`` matters here only)
-            g = (g.float().neg() if group.get("maximize") else g.float()) + \
-                group["weight_decay"] * (p.detach().float() + diff.float())
-        by_device.setdefault(g.device, []).append((i, g, v.detach(), group["eps"],
-                                                   _root_c(group["betas"][1], state["step"])))
-    for device, entries in by_device.items():
-        for (i, *_), row in zip(entries, _adam_sums(device, entries).unbind()):
-            out[i] = row
-    return out
-
-
-def _root_c(beta2: float, step: Any) -> Any:
-    """sqrt(1 - beta2^step), Adam's square-rooted bias correction: a float, or a 0-dim float32 tensor on
-    the device where the step count lives there (``capturable``, ``fused``: read without a host sync)."""
-    if torch.is_tensor(step) and step.device.type != "cpu":
-        return (1 - beta2 ** step.to(dtype=torch.float32)).sqrt()
-    return math.sqrt(1 - beta2 ** float(step))
-
-
-def _adam_sums(device: torch.device, entries: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, Any]]
-               ) -> torch.Tensor:
-    """``adam_rms``'s (with eps, without eps) for each entry (index, g, v, eps, sqrt(c)), a (n, 2) float32
-    tensor on ``device``: with c = 1 - beta2^step, g / (sqrt(v / c) + eps) is sqrt(c) g / (sqrt(v) + eps
-    sqrt(c)), so the RMS is sqrt(c) ||g / (sqrt(v) + eps sqrt(c))|| / sqrt(n). By pieces of at most
-    ``ADAM_RMS_PIECE`` elements, each a handful of ``torch._foreach_*`` passes; the slices' squared
-    norms summed back by parameter."""
-    slices: list[tuple[torch.Tensor, torch.Tensor, Any, int]] = []
-    for owner, (_, g, v, eps, root_c) in enumerate(entries):
-        if g.numel() > ADAM_RMS_PIECE and g.is_contiguous() and v.is_contiguous():
-            slices += [(gs, vs, eps * root_c, owner)
-                       for gs, vs in zip(g.view(-1).split(ADAM_RMS_PIECE), v.view(-1).split(ADAM_RMS_PIECE))]
-        else:
-            slices.append((g, v, eps * root_c, owner))
-    norms: list[torch.Tensor] = []
-    start = 0
-    while start < len(slices):
-        end, size = start + 1, slices[start][0].numel()
-        while end < len(slices) and size + slices[end][0].numel() <= ADAM_RMS_PIECE:
-            size, end = size + slices[end][0].numel(), end + 1
-        norms += _adam_piece(slices[start:end])
-        start = end
-    owners = torch.tensor([owner for *_, owner in slices], device=device)
-    squares = torch.stack(norms).square_().view(-1, 2)
-    sums = torch.zeros(len(entries), 2, device=device).index_add_(0, owners, squares)
-    root_c = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for *_, c in entries]) \
-        if any(torch.is_tensor(c) for *_, c in entries) else torch.tensor([c for *_, c in entries], device=device)
-    counts = torch.tensor([max(g.numel(), 1) for _, g, *_ in entries], dtype=torch.float32, device=device)
-    return sums.sqrt_().mul_((root_c / counts.sqrt()).unsqueeze(1))
-
-
-def _adam_piece(piece: Sequence[tuple[torch.Tensor, torch.Tensor, Any, int]]) -> list[torch.Tensor]:
-    """One piece's norms of g / (sqrt(v) + shift) and of g / sqrt(v) (0 where that is not finite: v = 0)
-    per slice, interleaved (with, without, with, ...)."""
-    grads = [g if g.dtype == torch.float32 else g.float() for g, *_ in piece]
-    roots = torch._foreach_sqrt([v if v.dtype == torch.float32 else v.float() for _, v, *_ in piece])
-    ratios = torch._foreach_div(grads, roots)
-    for ratio in ratios:
-        ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    without = torch._foreach_norm(ratios)
-    del ratios
-    shifts = [shift for _, _, shift, _ in piece]
-    if any(torch.is_tensor(s) for s in shifts):
-        torch._foreach_add_(roots, [torch.as_tensor(s, dtype=torch.float32, device=roots[0].device) for s in shifts])
-    else:
-        torch._foreach_add_(roots, shifts)
-    with_eps = torch._foreach_norm(torch._foreach_div(grads, roots))
-    return [norm for pair in zip(with_eps, without) for norm in pair]
 
 
 def _nonfinite(record: WatchStep) -> bool:
