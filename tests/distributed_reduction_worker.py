@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from distributed_api_worker import batch, model
 from hookcli.engine import distributed
+from hookcli.engine import rank_stats
 from hookcli.engine import reduction as engine_reduction
 from hookcli.engine.stats import gradient_stats
 
@@ -62,7 +63,7 @@ def main(out: Path) -> None:
     grads = dict(zip((n for n, _ in params), torch.autograd.grad(net(x).mean(), [p for _, p in params])))
     result: dict[str, Any] = {"calls": {}}
 
-    rows = distributed.param_rows(params, grads)
+    rows = rank_stats.param_rows(params, grads)
     result["calls"]["param_rows"] = dict(calls)
     result["param_rows"] = {name: [gradient_stats(row) if row is not None else None, norm]
                             for name, (row, norm) in rows.items()}
@@ -75,14 +76,14 @@ def main(out: Path) -> None:
             p.grad = mean / world
         if rank == 1:
             net[2].bias.add_(SHIFT)
-    compared, desyncs = distributed.replica_desync(params)
+    compared, desyncs = rank_stats.replica_desync(params)
     result["calls"]["replica_desync"] = dict(calls)
     result["replica_desync"] = [compared, desyncs]
 
     calls.clear()
-    step = distributed.StepReduction(distributed.process_group())
+    step = rank_stats.StepReduction(distributed.process_group())
     pairs = [(p.detach(), p.grad) for _, p in params]
-    parts = distributed.global_histograms(step, pairs, [True] * len(pairs))
+    parts = rank_stats.global_histograms(step, pairs, [True] * len(pairs))
     result["calls"]["global_histograms"] = dict(calls)
     result["global_histograms"] = [[None if part is None else
                                     [part[0], part[1], None if part[2] is None else part[2].tolist()]

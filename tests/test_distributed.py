@@ -22,6 +22,7 @@ from torch import nn
 
 import hookcli
 from hookcli.engine import distributed, stats
+from hookcli.engine import rank_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker as worker  # noqa: E402
@@ -554,7 +555,7 @@ def test_the_two_sums_give_the_moments_of_all_ranks_values(parts: list[int], off
     moments = [distributed.as_moments(stats.reduce_tensor(v)) if v.numel() else stats.EMPTY for v in values]
     count = sum(m.count for m in moments)
     mean = sum(m.count * m.mean for m in moments if m.count) / count
-    m2, m3, m4 = (sum(column) for column in zip(*(distributed.centred_about(m, mean) for m in moments)))
+    m2, m3, m4 = (sum(column) for column in zip(*(rank_stats.centred_about(m, mean) for m in moments)))
     everything = torch.cat(values)
     centred = everything - everything.mean()
     assert count == everything.numel()
@@ -647,8 +648,8 @@ def test_the_flight_recorders_agreement_costs_collectives_only_where_the_ranks_m
 
 def test_replicas_are_compared_by_value() -> None:
     """``_same`` compares copies by value, NaN equal to NaN, at ``DESYNC_RTOL``."""
-    assert distributed._same([1.0, math.nan], [1.0, math.nan])
-    assert not distributed._same([1.0], [1.0 + 1e-6])
+    assert rank_stats._same([1.0, math.nan], [1.0, math.nan])
+    assert not rank_stats._same([1.0], [1.0 + 1e-6])
 
 
 def test_the_maker_of_a_nan_is_named_under_torchrun(launched: Any) -> None:

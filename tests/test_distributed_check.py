@@ -17,6 +17,7 @@ import torch
 import hookcli
 from hookcli.commands.check.schema import DEFAULTS, parse_checks
 from hookcli.engine import distributed
+from hookcli.engine import rank_stats
 from hookcli.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -179,7 +180,7 @@ def test_check_steps_is_refused_under_torchrun(ranks: list[dict[str, Any]]) -> N
 
 def test_replica_desync_is_off_without_torchrun_and_skips_when_enabled() -> None:
     """Without a process group the rule is not among the results; enabled, it is SKIP saying it needs
-    torchrun; its tolerance defaults to the watch's (``distributed.DESYNC_RTOL``)."""
+    torchrun; its tolerance defaults to the watch's (``rank_stats.DESYNC_RTOL``)."""
     assert distributed.process_group() is None
     net = worker.model()
     result = hookcli.check(net, inputs=worker.batch()[:4], loss="mean")
@@ -187,7 +188,7 @@ def test_replica_desync_is_off_without_torchrun_and_skips_when_enabled() -> None
     result = hookcli.check(net, inputs=worker.batch()[:4], loss="mean", checks={"replica_desync": True})
     skipped = result.rule("replica_desync")
     assert skipped.status == "SKIP" and "torchrun" in skipped.message and result.ok
-    assert DEFAULTS["replica_desync"]["rtol"] == distributed.DESYNC_RTOL
+    assert DEFAULTS["replica_desync"]["rtol"] == rank_stats.DESYNC_RTOL
 
 
 @pytest.mark.parametrize(("table", "named"), [({"rtol": 0}, "'rtol'"), ({"rtol": "tight"}, "'rtol'"),
@@ -202,8 +203,8 @@ def test_replica_desync_settings_are_validated(table: dict[str, Any], named: str
 
 def test_replicas_compare_at_the_given_tolerance() -> None:
     """``_same`` at a tolerance: a copy 1e-6 off is a desync at the default, not at 1e-5."""
-    assert not distributed._same([1.0], [1.0 + 1e-6])
-    assert distributed._same([1.0], [1.0 + 1e-6], 1e-5)
+    assert not rank_stats._same([1.0], [1.0 + 1e-6])
+    assert rank_stats._same([1.0], [1.0 + 1e-6], 1e-5)
 
 
 def test_output_shape_under_shard_ddp_is_the_whole_batchs(ranks: list[dict[str, Any]]) -> None:

@@ -1,4 +1,4 @@
-"""The ranks' parameter rows, replica comparison and histograms (engine.distributed's ``param_rows``,
+"""The ranks' parameter rows, replica comparison and histograms (engine.rank_stats' ``param_rows``,
 ``replica_desync``, ``global_histograms``) go through the reduction backend's many-tensor face: one
 call of each function a step, whatever the number of parameters, with the numbers of plain float64
 torch over the global batch. One 2-rank torchrun (tests/distributed_reduction_worker.py)."""

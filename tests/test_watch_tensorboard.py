@@ -206,7 +206,7 @@ def test_a_constant_parameters_histogram_is_torch_histcs_and_shows_as_add_histog
 @pytest.mark.parametrize("value", [1.0, 0.0, -2.5])
 def test_a_constant_histogram_over_ranks_bounds_is_torch_histcs(value: float) -> None:
     """Under torchrun the buckets are counted with the global min and max as ``bounds``
-    (``distributed.global_histograms``) and the record made from them (``_add_histograms``): a tensor
+    (``rank_stats.global_histograms``) and the record made from them (``_add_histograms``): a tensor
     constant over every rank gets ``torch.histc``'s widened buckets there too."""
     from hookcli.engine.stats import histogram
     from hookcli.records import Histogram

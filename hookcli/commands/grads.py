@@ -231,6 +231,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
     from hookcli.engine import distributed
+    from hookcli.engine import rank_stats
     from hookcli.engine.collectors import Collector, FlopCount, Merged, Observed, ParamStats
     from hookcli.engine.run import RunPlan, global_rows, new_report, note_ranks, raise_failure, run_step, running
 
@@ -279,7 +280,7 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
     if opts.params == "selected" and not run.params:
         report.notes.append("the selected modules have no parameters (--params all lists every parameter)")
     if run.loss is not None:
-        report.loss = run.loss[0].info(distributed.rank_mean(run.loss_value) if ranks and run.failure is None
+        report.loss = run.loss[0].info(rank_stats.rank_mean(run.loss_value) if ranks and run.failure is None
                                        else run.loss_value)
         if (unused := run.loss[0].unused_target(opts.target)) is not None:
             report.notes.append(unused)
@@ -301,9 +302,9 @@ def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObser
 def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: list[list[int]] | None) -> None:
     """``run``'s layer rows and parameter gradients merged over the ranks (under ``torchrun``; ``tp``:
     ``distributed.supported_tp_groups``): the layers' statistics over every rank's batch, each
-    parameter's gradient and norm over the ranks (``distributed.param_rows``: a copy's gradient the
+    parameter's gradient and norm over the ranks (``rank_stats.param_rows``: a copy's gradient the
     ranks' mean, DDP's; a shard's merged with the others)."""
-    from hookcli.engine import distributed
+    from hookcli.engine import rank_stats
     from hookcli.engine.batches import MergedRows, batch_size_of
     from hookcli.engine.run import ranked_records
 
@@ -312,7 +313,7 @@ def _over_ranks(prep: Any, run: Any, scope: list[tuple[str, nn.Parameter]], tp: 
     run.layers = ranked_records(rows, failed=run.failure is not None, tp=tp, model=prep.loaded.model)
     if run.failure is not None:
         return
-    over = distributed.param_rows(scope, run.gradients or {}, tp)
+    over = rank_stats.param_rows(scope, run.gradients or {}, tp)
     for record in run.params:
         if record.name in over:
             grad, record.norm = over[record.name]
@@ -351,9 +352,9 @@ def _mean_gradient_records(prep: Any, reported: list[tuple[str, nn.Parameter]], 
                            count: int, tp: list[list[int]] | None) -> list[ParamRecord] | None:
     """Each reported parameter's row of the mean gradient over the ``count`` batches (``sums`` divided
     in place), over the ranks under ``torchrun`` (every rank takes part, also with ``--params none``)."""
-    from hookcli.engine import distributed
+    from hookcli.engine import rank_stats
 
-    over = distributed.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
+    over = rank_stats.param_rows(reported, {name: sums[name].div_(count) for name in sums}, tp)
     if prep.options.params == "none":
         return None
     return [param_record(name, p, over[name][1], over[name][0]) for name, p in reported]
@@ -425,13 +426,14 @@ def _finish_data_report(prep: Any, report: Report, rows: Any, choice: LossChoice
     """What ``data_backward_report`` adds after its batches: the global layer rows, the data source, the
     mean loss over the batches (and the ranks) and the notes that say what the rows are of."""
     from hookcli.engine import distributed
+    from hookcli.engine import rank_stats
     from hookcli.engine.run import data_source, global_rows, note_ranks
 
     count = len(losses)
     report.layers = global_rows(prep, report.layers)
     data_source(prep, report, rows, done=True)
     if choice is not None:
-        report.loss = choice.info(distributed.rank_mean(math.fsum(losses) / count))
+        report.loss = choice.info(rank_stats.rank_mean(math.fsum(losses) / count))
         if (unused := choice.unused_target(prep.options.target)) is not None:
             report.notes.append(unused)
     if ranks:

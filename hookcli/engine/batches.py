@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from hookcli.engine import distributed
+
+from hookcli.engine import rank_stats
 from hookcli.engine.loading import DATA_HINT, LoadedModel, check_own_code, import_attr
 from hookcli.engine.input_types import (
     IMAGE_SUFFIXES,
@@ -336,7 +337,7 @@ class MergedRows:
     def records(self, *, ranks: bool = False, failed: bool = False, tp: list[list[int]] | None = None
                 ) -> list[LayerRecord]:
         """The merged rows (statistics of all their batches), in the order they were first seen.
-        ``ranks``: under ``torchrun``, merged over every rank's batches too (``distributed.global_rows``;
+        ``ranks``: under ``torchrun``, merged over every rank's batches too (``rank_stats.global_rows``;
         ``failed``: this rank's run failed, every rank raises ``RanksFailed``; ``tp``: the model's
         tensor-parallel groups, ``distributed.supported_tp_groups``)."""
         stats, grads = list(self._stats), list(self._grads)
@@ -344,7 +345,7 @@ class MergedRows:
         merged_stats, merged_grads = dict(zip(stats, host)), dict(zip(grads, host[len(stats):]))
         placement: dict[Any, str] = {}
         if ranks:  # under torchrun: over every rank's batches (docs/distributed.md); as they are without one
-            merged_stats, merged_grads, placement = distributed.global_rows(merged_stats, merged_grads,
+            merged_stats, merged_grads, placement = rank_stats.global_rows(merged_stats, merged_grads,
                                                                             failed=failed, tp=tp)
         out = []
         for key, rec in self._rows.items():

@@ -90,7 +90,7 @@ def histograms(tensors: Sequence[torch.Tensor | None], bins: int = stats.HISTOGR
                bounds: Sequence[tuple[float, float]] | None = None) -> list[torch.Tensor | None]:
     """Each tensor's ``engine.stats.histogram`` vector on its device (None for None, an empty or a
     non-float tensor). ``bounds``: each tensor's buckets' ``(min, max)`` instead of its own (parts whose
-    counts add up: ``engine.distributed.global_histograms``). Without ``bounds``, where the ``triton``
+    counts add up: ``engine.rank_stats.global_histograms``). Without ``bounds``, where the ``triton``
     backend reduces their device, the float16/bfloat16/float32 tensors of one device take a fixed number
     of launches together (``reduce_triton.histograms``: one counting launch per dtype, whatever their
     number; its sum and sum of squares are float32's); the others one ``stats.histogram`` each."""
@@ -123,7 +123,7 @@ def _batched_histogram(t: torch.Tensor) -> bool:
 
 def extremes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each non-empty tensor's ``[max, -min]`` on its device, no transfer (MIN as MAX of ``-x``: exact, so
-    one MAX merges them over ranks: ``engine.distributed.global_histograms``)."""
+    one MAX merges them over ranks: ``engine.rank_stats.global_histograms``)."""
     out = []
     for t in tensors:
         lo, hi = torch.aminmax(t.detach().reshape(-1))

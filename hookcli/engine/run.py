@@ -29,6 +29,7 @@ from hookcli.errors import (
     internal_error, safe_str,
 )
 from hookcli.engine import distributed, reduction, sharding, weight_guard
+from hookcli.engine import rank_stats
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.hooks import attach
 from hookcli.engine.session import HookSession
@@ -806,7 +807,7 @@ def data_source(prep: Prepared, report: Report, rows: MergedRows, *, done: bool 
     assert prep.data is not None
     samples = rows.samples
     if done and prep.options.shard in (Shard.ddp, Shard.fsdp2):
-        samples = round(distributed.rank_mean(float(samples)) * distributed.world_size())
+        samples = round(rank_stats.rank_mean(float(samples)) * distributed.world_size())
     seen = f"{prep.data.label}, {batches_text(rows.batches)}, {samples} samples"
     report.inputs = [dataclasses.replace(info, source=seen) for info in report.inputs]
     report.notes += rows.notes

@@ -90,6 +90,7 @@ def agree(code: int, own: bool, failure: BaseException | None = None) -> tuple[i
     ``failure``: this rank's, when it failed before its run agreed to start: its vote is cast first
     (``owe_vote``), where the other ranks wait for it."""
     from hookcli.engine import distributed
+    from hookcli.engine import rank_stats
 
     if failure is not None:
         owe_vote(failure)
@@ -97,7 +98,7 @@ def agree(code: int, own: bool, failure: BaseException | None = None) -> tuple[i
     if group is None:  # a rank that deserted the group knows nothing of the others: it says its own error
         return code, own and not distributed.deserted()
     rank = torch.distributed.get_rank(group)
-    device = distributed.StepReduction(group).device
+    device = rank_stats.StepReduction(group).device
     codes = torch.tensor([code if own else 0, code, code if own and rank == 0 else 0], dtype=torch.int64,
                          device=device)
     torch.distributed.all_reduce(codes, op=torch.distributed.ReduceOp.MAX, group=group)

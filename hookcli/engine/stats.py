@@ -602,7 +602,7 @@ def histogram(t: torch.Tensor, bins: int = HISTOGRAM_BINS, bounds: tuple[float, 
     ``torch.histc`` widens them, the values in the middle bucket (``records.Histogram`` has the edges). Its
     min or max is not finite when a value is not (the buckets are then meaningless). ``bounds``: the
     buckets' ``(min, max)`` instead of ``t``'s own (a histogram over several ranks' parts, whose
-    counts add up: ``engine.distributed.global_histograms``; ``t``'s values lie within them). None for
+    counts add up: ``engine.rank_stats.global_histograms``; ``t``'s values lie within them). None for
     an empty or non-strided tensor."""
     if t.numel() == 0 or t.layout != torch.strided or t.is_nested or not t.is_floating_point():
         return None

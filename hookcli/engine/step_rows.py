@@ -4,7 +4,7 @@
 output path) on the device (``stats.merged``, as a run's batches are merged). From the
 host values of what they give, ``watch_layers`` and ``watch_param`` are the one builder of
 ``WatchLayer`` and ``WatchParam``: a logged step (``engine.watch``), a flight recorder's steps
-(``engine.flight``) and a step merged over the ranks under torchrun (``engine.distributed``) each bring
+(``engine.flight``) and a step merged over the ranks under torchrun (``engine.rank_stats``) each bring
 their host rows here. The statistics dicts are ``watch_stats``' (the ``WATCH`` table), as one-shot rows
 are ``activation_stats``' and ``gradient_stats``' (engine.session).
 """

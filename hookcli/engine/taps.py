@@ -141,7 +141,7 @@ class ChannelCounts(Tap):
 
     def output(self, session: HookSession, call: Call, entry: OutputEntry, tensor: torch.Tensor) -> None:
         if self.counting and has_channels(tensor):
-            part = distributed.local(tensor)  # a DTensor: this rank's part (engine.distributed sums the parts)
+            part = distributed.local(tensor)  # a DTensor: this rank's part (engine.rank_stats sums the parts)
             entry.nonzeros = reduction.channel_counts([(part, self.dims(call.name, part))])[0]
 
 

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
+
+from hookcli.engine import rank_stats
 from hookcli.engine.attention import AttentionProbe
 from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels
@@ -144,7 +146,7 @@ class StepWatcher:
         #: what a logged step reads of the watched parameters at the optimizer's step events (engine.watch_params):
         #: the cosines between update and gradient and Adam's normalised-gradient RMS not under torchrun
         #: (``gather``: which of them); the histograms of the weights and their gradients with
-        #: tensorboard_dir= (under torchrun over every rank's part: ``distributed.global_histograms``)
+        #: tensorboard_dir= (under torchrun over every rank's part: ``rank_stats.global_histograms``)
         self.param_watch = ParamWatch(self.hooks, optimizer, self.params, reduction=self.reduction,
                                       sharded=self.sharded, owned=self.owned,
                                       histograms=histograms if self.reduction is None else self.reduction.any_rank(histograms),
@@ -174,7 +176,7 @@ class StepWatcher:
         if group is not None:
             distributed.check_supported(model)
         self.sharded = [distributed.is_sharded(name, p) for name, p in self.params] if group is not None else []
-        self.reduction = distributed.StepReduction(group, distributed.tp_groups(model, self.params)) \
+        self.reduction = rank_stats.StepReduction(group, distributed.tp_groups(model, self.params)) \
             if group is not None else None
         self.owned = [distributed.owns(p, self.reduction.tp_first) for _, p in self.params] \
             if self.reduction is not None else []
@@ -546,7 +548,7 @@ class StepWatcher:
         if self.reduction is not None:  # under torchrun: over every rank
             # this rank's flight recorder found a NaN/Inf not yet agreed on: the first SUM tells every rank
             flagged = self.flight is not None and self.flight.first_bad is not None and not self.flight.dumped
-            return distributed.watch_step(self.reduction, step, groups, params, self.sharded, updates,
+            return rank_stats.watch_step(self.reduction, step, groups, params, self.sharded, updates,
                                           _loss_vector(loss) if loss is not None else None,
                                           failed=self.hooks.session.error is not None, owned=self.owned,
                                           flag=flagged,

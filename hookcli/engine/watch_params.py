@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from hookcli.engine import distributed, reduction
+
+from hookcli.engine import rank_stats
 from hookcli.engine.hooks import HookSet, ParamVectors
 from hookcli.engine.stats import Vector
 from hookcli.engine.taps import reducible
@@ -31,12 +33,12 @@ Histograms = list[tuple[Any, Any]]
 class ParamWatch:
     """The watched ``params`` at a logged step (see the module's docstring), for ``StepWatcher``, which
     calls ``begin`` as each step begins and the step events of the steps it logs. ``reduction``: under
-    torchrun (``distributed.StepReduction``), with which parameters are ``sharded`` and which this rank
+    torchrun (``rank_stats.StepReduction``), with which parameters are ``sharded`` and which this rank
     ``owned``; ``histograms``: take the parameters' and gradients' histograms; ``gather``: the signals
     (``"adam"``, ``"cosines"``) measured at the post-step."""
 
     def __init__(self, hooks: HookSet, optimizer: torch.optim.Optimizer | None,
-                 params: Sequence[tuple[str, nn.Parameter]], *, reduction: distributed.StepReduction | None,
+                 params: Sequence[tuple[str, nn.Parameter]], *, reduction: rank_stats.StepReduction | None,
                  sharded: Sequence[bool], owned: Sequence[bool], histograms: bool, gather: Collection[str]) -> None:
         self.hooks, self.optimizer, self.params = hooks, optimizer, list(params)
         self.reduction, self.sharded, self.owned = reduction, list(sharded), list(owned)
@@ -115,7 +117,7 @@ class ParamWatch:
         if self.reduction is not None:  # over every rank's part: a shard it owns, or rank 0's copy
             adds = [owned if sharded else self.reduction.rank == 0 for owned, sharded in zip(self.owned, self.sharded)]
             partial = self.partial if self.partial is not None else distributed.partial_grads(self.params)
-            return distributed.global_histograms(self.reduction, [
+            return rank_stats.global_histograms(self.reduction, [
                 (distributed.local(p.detach()), distributed.local(p.grad) if p.grad is not None and found is None
                  else None) for (_, p), found in zip(self.params, partial)], adds)
         values = reduction.histograms([p.detach() for _, p in self.params])

@@ -2,12 +2,12 @@
 own, merged so that every rank evaluates the rules on the same data and returns the same report.
 
 The checked run's layer rows, parameter gradients and loss are merged by the engine
-(``grads.backward_report``: ``distributed.global_rows``, ``mean_over_ranks``). What the check measures
+(``grads.backward_report``: ``rank_stats.global_rows``, ``mean_over_ranks``). What the check measures
 beyond them is plain data, merged here with one ``all_gather_object`` each (``distributed.gathered``)
 at points every rank reaches (each rank's extra runs and copies make no collective of their own, so a
 model raising there on one rank leaves none waiting): dead channels over every rank's batch, the
 output's NaN/Inf count summed, the parameter norms, ``params_change`` over the ranks' copies, the probe
-rules' worst rank, and the ``replica_desync`` comparison (``distributed.replica_desync``).
+rules' worst rank, and the ``replica_desync`` comparison (``rank_stats.replica_desync``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from hookcli.commands.check.rules import Observations
 from hookcli.commands.check.schema import CheckRules
 from hookcli.engine import distributed
+from hookcli.engine import rank_stats
 from hookcli.records import Report
 
 
@@ -133,9 +134,9 @@ def merge_probes(rules: CheckRules, obs: Observations) -> None:
 
 def replicas(params: list[tuple[str, torch.Tensor]], rules: CheckRules) -> dict[str, Any] | None:
     """What ``replica_desync`` judges: every parameter's copies compared across the ranks
-    (``distributed.replica_desync`` at the rule's ``rtol``), or None when the rule is off."""
+    (``rank_stats.replica_desync`` at the rule's ``rtol``), or None when the rule is off."""
     rule = rules.get("replica_desync")
     if rule is None:
         return None
-    compared, desync = distributed.replica_desync(params, rule["rtol"])
+    compared, desync = rank_stats.replica_desync(params, rule["rtol"])
     return {"world": distributed.world_size(), "compared": compared, "desync": desync}

@@ -263,7 +263,7 @@ PROBE_SPECS: tuple[RuleSpec, ...] = (
 #: unless the table sets ``enabled`` (``CheckRules.for_ranks``); when enabled without one, SKIP.
 RANK_SPECS: tuple[RuleSpec, ...] = (
     RuleSpec(
-        "replica_desync", {"enabled": False, "severity": "error", "rtol": 1e-9},  # rtol: distributed.DESYNC_RTOL
+        "replica_desync", {"enabled": False, "severity": "error", "rtol": 1e-9},  # rtol: rank_stats.DESYNC_RTOL
         {"rtol": _positive, **_IGNORE}, kind="param", evaluator="replica_desync",
         default_doc="under torchrun, error, `rtol = 1e-9`",
         doc="a parameter's values, or the `.grad` it holds, differ between the data-parallel replicas (ranks) by more "
