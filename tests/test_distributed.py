@@ -552,7 +552,7 @@ def test_the_two_sums_give_the_moments_of_all_ranks_values(parts: list[int], off
     g = torch.Generator().manual_seed(seed)
     values = [offset + torch.randn(n, generator=g, dtype=torch.float64) for n in parts]
     assume(sum(parts) > 1)
-    moments = [distributed.as_moments(stats.reduce_tensor(v)) if v.numel() else stats.EMPTY for v in values]
+    moments = [stats.as_moments(stats.reduce_tensor(v)) if v.numel() else stats.EMPTY for v in values]
     count = sum(m.count for m in moments)
     mean = sum(m.count * m.mean for m in moments if m.count) / count
     m2, m3, m4 = (sum(column) for column in zip(*(rank_stats.centred_about(m, mean) for m in moments)))
