@@ -1,4 +1,4 @@
-"""The engine session's extension points (issue 12: only the engine's hook modules register hooks).
+"""The engine session's extension points (only the engine's hook modules register hooks).
 
 ``check`` measures through a ``RunObserver`` (completion order, selected output tensors, the model's
 output) and ``grads --clip`` through ``clipped_gradients``; neither registers hooks of its own. Each
