@@ -230,8 +230,7 @@ def backward_report(prep: Any, command: str = "grads", *, stats: bool = False,
 
 
 def _backward_report(prep: Any, command: str, *, stats: bool, observer: RunObserver | None) -> Report:
-    from hookcli.engine import distributed
-    from hookcli.engine import rank_stats
+    from hookcli.engine import distributed, rank_stats
     from hookcli.engine.collectors import Collector, FlopCount, Merged, Observed, ParamStats
     from hookcli.engine.run import RunPlan, global_rows, new_report, note_ranks, raise_failure, run_step, running
 
@@ -425,8 +424,7 @@ def _finish_data_report(prep: Any, report: Report, rows: Any, choice: LossChoice
                         ranks: bool, tp: list[list[int]] | None) -> None:
     """What ``data_backward_report`` adds after its batches: the global layer rows, the data source, the
     mean loss over the batches (and the ranks) and the notes that say what the rows are of."""
-    from hookcli.engine import distributed
-    from hookcli.engine import rank_stats
+    from hookcli.engine import distributed, rank_stats
     from hookcli.engine.run import data_source, global_rows, note_ranks
 
     count = len(losses)

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-
 from hookcli.engine import rank_stats
 from hookcli.engine.loading import DATA_HINT, LoadedModel, check_own_code, import_attr
 from hookcli.engine.input_types import (

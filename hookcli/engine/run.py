@@ -28,8 +28,7 @@ from hookcli.errors import (
     INTERRUPTS, DataError, HookcliError, ModelRaisedError, RanksFailed, UnsupportedError, UsageError, exit_status,
     internal_error, safe_str,
 )
-from hookcli.engine import distributed, reduction, sharding, weight_guard
-from hookcli.engine import rank_stats
+from hookcli.engine import distributed, rank_stats, reduction, sharding, weight_guard
 from hookcli.engine.collectors import Collector, FlopCount, LossValue, Merged, RunResult, Step, entered
 from hookcli.engine.hooks import attach
 from hookcli.engine.session import HookSession
@@ -554,8 +553,9 @@ def _gradients(value: torch.Tensor, params: Sequence[tuple[str, nn.Parameter]], 
 class RunPlan:
     """How ``run_step`` runs, beyond the hooks: ``loss`` (differentiated once with ``torch.autograd.grad``,
     or with ``steps`` by optimiser steps), what it records beyond the hooked activations (``collectors``:
-    parameter statistics, FLOPs, the observer, merged vectors...; the loss value comes from ``loss``), ``compiled``: run ``torch.compile(model)``, and ``show_phase``: the
-    forward/backward spinners (off where a command shows its own progress)."""
+    parameter statistics, FLOPs, the observer, merged vectors...; the loss value comes from ``loss``),
+    ``compiled``: run ``torch.compile(model)``, and ``show_phase``: the forward/backward spinners (off where
+    a command shows its own progress)."""
 
     loss: LossFn | None = None
     steps: OptimiserSteps | None = None

@@ -89,8 +89,7 @@ def agree(code: int, own: bool, failure: BaseException | None = None) -> tuple[i
     the highest code (one ``all_reduce`` MAX of three numbers). Without a process group, as given.
     ``failure``: this rank's, when it failed before its run agreed to start: its vote is cast first
     (``owe_vote``), where the other ranks wait for it."""
-    from hookcli.engine import distributed
-    from hookcli.engine import rank_stats
+    from hookcli.engine import distributed, rank_stats
 
     if failure is not None:
         owe_vote(failure)

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine import distributed, reduction
-
-from hookcli.engine import rank_stats
+from hookcli.engine import distributed, rank_stats, reduction
 from hookcli.engine.attention import AttentionProbe
 from hookcli.engine.cause import CauseTrace, CauseTracer, compiled_cause
 from hookcli.engine.channels import ChannelDims, channel_abs_max, has_channels

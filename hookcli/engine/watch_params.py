@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookcli.engine import distributed, reduction
+from hookcli.engine import distributed, rank_stats, reduction
 
-from hookcli.engine import rank_stats
 from hookcli.engine.hooks import HookSet, ParamVectors
 from hookcli.engine.stats import Vector
 from hookcli.engine.taps import reducible

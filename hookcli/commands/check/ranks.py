@@ -19,8 +19,7 @@ import torch
 
 from hookcli.commands.check.rules import Observations
 from hookcli.commands.check.schema import CheckRules
-from hookcli.engine import distributed
-from hookcli.engine import rank_stats
+from hookcli.engine import distributed, rank_stats
 from hookcli.records import Report
 
 
